@@ -1,0 +1,1 @@
+"""The ``gdskit`` command line: a thin layer that renders what the library returns."""

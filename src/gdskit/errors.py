@@ -1,0 +1,121 @@
+"""The gdskit exception hierarchy.
+
+Every error gdskit raises on purpose is a :class:`GdskitError`. Each concrete
+class also subclasses the built-in exception a Python programmer would expect
+(``FileNotFoundError``, ``ValueError``, ...), so ``except ValueError`` keeps
+working. Callers branch on the class or on attributes, never on message text.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+from gdskit.vocabulary import Reason
+
+
+class GdskitError(Exception):
+    """Base class of every error gdskit raises on purpose."""
+
+
+class InvalidArgumentError(GdskitError, ValueError):
+    """An argument is out of range or of the wrong shape (negative offset, bad mode...)."""
+
+
+class AlignmentError(InvalidArgumentError):
+    """A request must be aligned (to 4 KiB by default) and is not."""
+
+
+class BufferTooSmallError(InvalidArgumentError):
+    """The buffer cannot hold the requested number of bytes."""
+
+
+class UnsupportedBufferError(GdskitError, TypeError):
+    """The object passed as a buffer exposes no usable memory (or not the kind asked for)."""
+
+
+class ReadOnlyBufferError(GdskitError, TypeError):
+    """A read was asked to land in a read-only buffer."""
+
+
+class ClosedFileError(GdskitError, ValueError):
+    """The :class:`gdskit.File` has been closed (``ValueError`` as for closed Python files)."""
+
+
+class UnsupportedOperationError(GdskitError, OSError):
+    """Reading a file opened for writing only, or writing one opened read-only.
+
+    Also an ``io.UnsupportedOperation`` look-alike: it subclasses ``OSError``.
+    """
+
+
+class GdskitIOError(GdskitError, OSError):
+    """An operating-system I/O error; ``errno`` and ``filename`` are kept."""
+
+
+class GdskitFileNotFoundError(GdskitIOError, FileNotFoundError):
+    """The file (or its directory) does not exist."""
+
+
+class GdskitIsADirectoryError(GdskitIOError, IsADirectoryError):
+    """A directory was given where a regular file is needed."""
+
+
+class GdskitPermissionError(GdskitIOError, PermissionError):
+    """The file cannot be opened with the requested access."""
+
+
+class NoSpaceError(GdskitIOError):
+    """The filesystem is full (ENOSPC) or the quota is exceeded (EDQUOT)."""
+
+
+class DirectPathUnavailable(GdskitError, RuntimeError):
+    """The cuFile path was required (``mode="cufile"``) and cannot be used.
+
+    ``reason`` is a :class:`gdskit.Reason` naming why.
+    """
+
+    def __init__(self, message: str, reason: Reason) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class CudaError(GdskitError, RuntimeError):
+    """A CUDA runtime call failed; ``code`` is the CUDA error name."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ConfigError(InvalidArgumentError):
+    """A setting or ``GDSKIT_*`` environment variable holds an invalid value."""
+
+
+class FormatError(GdskitError, ValueError):
+    """A file does not follow the format it claims (safetensors, torch checkpoint...)."""
+
+
+class MissingDependencyError(GdskitError, ImportError):
+    """An optional dependency is not installed; the message says what to install."""
+
+
+_OS_ERROR_CLASSES: dict[int, type[GdskitIOError]] = {
+    _errno.ENOENT: GdskitFileNotFoundError,
+    _errno.EISDIR: GdskitIsADirectoryError,
+    _errno.EACCES: GdskitPermissionError,
+    _errno.EPERM: GdskitPermissionError,
+    _errno.EROFS: GdskitPermissionError,
+    _errno.ENOSPC: NoSpaceError,
+    _errno.EDQUOT: NoSpaceError,
+}
+
+
+def from_os_error(exc: OSError, filename: str | None = None) -> GdskitIOError:
+    """Wrap an ``OSError`` in the matching :class:`GdskitIOError` subclass."""
+    if isinstance(exc, GdskitIOError):
+        return exc
+    cls = _OS_ERROR_CLASSES.get(exc.errno or 0, GdskitIOError)
+    name = filename if filename is not None else exc.filename
+    err = cls(exc.errno or _errno.EIO, exc.strerror or str(exc), name)
+    err.__cause__ = exc
+    return err

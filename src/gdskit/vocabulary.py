@@ -1,0 +1,74 @@
+"""The words gdskit uses in code, output and docs for paths and reasons.
+
+A *path* is how bytes actually moved. A *reason* says why a request did not
+take the direct path (or why it took the one it did). Both are ``str`` enums so
+they print, compare and serialise as their plain names.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Path(str, enum.Enum):
+    """How bytes moved between a file and memory."""
+
+    CUFILE_NVFS = "cufile-nvfs"        # GDS through nvidia-fs: storage DMA straight into GPU memory
+    CUFILE_P2PDMA = "cufile-p2pdma"    # GDS through upstream PCI P2PDMA
+    CUFILE_COMPAT = "cufile-compat"    # cuFile ran, but through its own POSIX fallback
+    BOUNCE_CACHED = "bounce-cached"    # through the page cache (a read hit, a buffered write) and the pinned ring
+    BOUNCE_DIRECT = "bounce-direct"    # O_DIRECT read/write through gdskit's pinned ring
+    HOST = "host"                      # the memory was host memory: no GPU involved
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_direct(self) -> bool:
+        return self in (Path.CUFILE_NVFS, Path.CUFILE_P2PDMA)
+
+
+class Reason(str, enum.Enum):
+    """Why a request took the path it took (for non-direct paths: why not direct)."""
+
+    DIRECT = "direct"                          # it did take the direct path
+    NO_GPU = "no_gpu"
+    CUFILE_MISSING = "cufile_missing"
+    NVIDIA_FS_MISSING = "nvidia_fs_missing"
+    P2PDMA_UNAVAILABLE = "p2pdma_unavailable"
+    UDEV_MISSING = "udev_missing"
+    HANDLE_REGISTER_FAILED = "handle_register_failed"
+    FS_UNSUPPORTED = "fs_unsupported"
+    UNALIGNED = "unaligned"
+    BELOW_THRESHOLD = "below_threshold"
+    MANAGED_MEMORY = "managed_memory"
+    HOST_MEMORY = "host_memory"
+    FORCED_BY_SETTING = "forced_by_setting"
+    RAID_OR_MULTIPATH = "raid_or_multipath"
+    CUFILE_COMPAT_OBSERVED = "cufile_compat_observed"  # cuFile's own counters showed POSIX I/O
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Mode(str, enum.Enum):
+    """Which backend the engine may use (``settings.mode``)."""
+
+    AUTO = "auto"      # decide per request; record the reason
+    CUFILE = "cufile"  # always cuFile for device memory; error if it cannot be used
+    BOUNCE = "bounce"  # always gdskit's pinned-bounce path for device memory
+    HOST = "host"      # host memory only; device buffers are refused
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ODirectPolicy(str, enum.Enum):
+    """When the CPU paths use O_DIRECT (``settings.odirect``)."""
+
+    AUTO = "auto"      # reads: page-cache hits buffered, misses O_DIRECT; writes buffered
+    ALWAYS = "always"  # aligned parts of reads and writes always O_DIRECT
+    NEVER = "never"    # always through the page cache
+
+    def __str__(self) -> str:
+        return self.value
