@@ -1,9 +1,189 @@
-"""`gdskit check` (not yet written)."""
+"""`gdskit check`: is the direct path active here, and if not, exactly why and how to fix it.
+
+The command only renders a :class:`gdskit.probe.CheckReport`: a grouped table for
+people, or the documented JSON (``--json``, docs/check.md) for fleet automation.
+"""
 
 from __future__ import annotations
 
+import enum
+import json
+import sys
+from typing import Any, Optional
+
 import typer
+
+SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
+VERDICT_STYLE = {"direct": "bold green", "compat": "yellow", "unsupported": "bold red"}
+
+
+class Requirement(str, enum.Enum):
+    direct = "direct"
+    compat = "compat"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.0f} {unit}"
+    return f"{n} B"
+
+
+def _yes(v: Any, yes: str = "yes", no: str = "no") -> str:
+    return "unknown" if v is None else yes if v else no
+
+
+def render(report: Any, console: Any) -> None:
+    """Print the report as grouped rich tables: platform, GPUs, topology, mounts, findings."""
+    from rich.table import Table
+    from rich.text import Text
+
+    d = report.to_dict()
+    p = d["platform"]
+
+    plat = Table(title="Platform", show_header=False, title_justify="left", expand=False)
+    plat.add_column("item", style="bold")
+    plat.add_column("value")
+    drv = p["driver"]
+    plat.add_row("kernel", f"{p['kernel_release'] or 'unknown'}"
+                 + (f" ({p['virtualization']} guest)" if p["virtualization"] else ""))
+    plat.add_row("NVIDIA driver", f"{drv['driver_version']} ({drv['kernel_module']} kernel module)"
+                 if drv["driver_version"] else f"not loaded ({drv['nvml_error'] or 'no NVML'})")
+    cu = p["cufile"]
+    plat.add_row("libcufile", f"{cu['version'] or 'version unknown'} ({cu['path'] or 'path unknown'})"
+                 if cu["found"] else "not found")
+    nv = p["nvidia_fs"]
+    plat.add_row("nvidia-fs", f"loaded {nv['version'] or ''}".strip() if nv["loaded"] else "not loaded")
+    pp = p["p2pdma"]
+    plat.add_row("PCI P2PDMA", "available and enabled" if pp["available"] else
+                 f"kernel symbol {_yes(pp['kernel_symbol'])}, kernel >= 6.2 {_yes(pp['kernel_version_ok'])}, "
+                 f"open driver >= 570 {_yes(pp['driver_ok'])}, use_pci_p2pdma {_yes(pp['enabled_in_config'])}")
+    plat.add_row("IOMMU", p["iommu"]["state"])
+    plat.add_row("udev database", "readable" if p["udev"]["database"] else "missing (/run/udev/data)")
+    cfg = p["cufile_config"]
+    if cfg["found"]:
+        bits = [f"allow_compat_mode={cfg['allow_compat_mode']}", f"force_compat_mode={cfg['force_compat_mode']}",
+                f"use_pci_p2pdma={cfg['use_pci_p2pdma']}"]
+        if cfg["max_direct_io_size_kb"] is not None:
+            bits.append(f"max_direct_io_size_kb={cfg['max_direct_io_size_kb']}")
+        if cfg["posix_gds_min_kb"]:
+            bits.append("posix_gds_min_kb: " + ", ".join(f"{k}={v}" for k, v in sorted(cfg["posix_gds_min_kb"].items())))
+        if cfg["logging_dir"]:
+            bits.append(f"logging dir={cfg['logging_dir']}")
+        plat.add_row("cufile.json", f"{cfg['path']}: " + ", ".join(bits) + (f" [{cfg['error']}]" if cfg["error"] else ""))
+    else:
+        plat.add_row("cufile.json", f"{cfg['path']} not found (cuFile defaults)")
+    console.print(plat)
+
+    if d["gpus"]:
+        gt = Table(title="GPUs", title_justify="left")
+        for col in ("#", "name", "PCI", "NUMA", "PCIe", "BAR1 total", "BAR1 used"):
+            gt.add_column(col)
+        for g in d["gpus"]:
+            pc = g["pcie"]
+            gt.add_row(str(g["index"]), g["name"], g["pci_bus_id"], str(g["numa_node"] if g["numa_node"] is not None else "-"),
+                       f"Gen{pc['gen']} x{pc['width']} (max Gen{pc['max_gen']} x{pc['max_width']})",
+                       Text(_size(g["bar1_total_bytes"]), style="yellow" if g["bar1_small"] else ""),
+                       _size(g["bar1_used_bytes"]))
+        console.print(gt)
+    else:
+        console.print(Text("GPUs: none found", style="bold red"))
+
+    if d["topology"]["links"]:
+        tt = Table(title="Topology", title_justify="left")
+        for col in ("GPU", "peer", "relation", "bridges in between", "ACS blocking"):
+            tt.add_column(col)
+        for link in d["topology"]["links"]:
+            tt.add_row(str(link["gpu"]), f"{link['peer']} ({link['peer_kind']})", link["relation"],
+                       ", ".join(b["bdf"] for b in link["bridges"]) or "-",
+                       Text(", ".join(link["acs_blocking"]) or ("unknown" if link["acs_unknown"] else "none"),
+                            style="red" if link["acs_blocking"] else ""))
+        console.print(tt)
+
+    mt = Table(title="Mounts", title_justify="left")
+    for col in ("mount", "fs", "device", "O_DIRECT", "verdict", "path", "reasons"):
+        mt.add_column(col)
+    if report.probed:
+        mt.add_column("probe")
+    for m in d["mounts"]:
+        dev = m["device_chain"] or m["source"]
+        if m["network"]:
+            dev += f" (RDMA: {_yes(m['rdma'])})"
+        row = [m["mountpoint"], m["fstype"], dev, m["odirect"]["status"],
+               Text(m["verdict"], style=VERDICT_STYLE[m["verdict"]]),
+               m["route"] or f"{m['fallback']} (gdskit)", ", ".join(m["reasons"])]
+        if report.probed:
+            pr = m["probe"] or {}
+            row.append(pr.get("summary", "-"))
+        mt.add_row(*row)
+    console.print(mt)
+
+    problems = [f for f in d["findings"] if f["severity"] != "ok"]
+    order = {"error": 0, "warning": 1, "info": 2}
+    if problems:
+        ft = Table(title="Findings", title_justify="left", show_lines=True)
+        for col in ("severity", "subject", "finding", "consequence", "fix"):
+            ft.add_column(col)
+        for f in sorted(problems, key=lambda f: order[f["severity"]]):
+            title = f["title"] + (f" [{f['reason']}]" if f["reason"] else "")
+            ft.add_row(Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]), f["subject"], title,
+                       f["consequence"], f["fix"])
+        console.print(ft)
+
+    s = d["summary"]
+    v = s["verdicts"]
+    line = f"direct: {v['direct']}, compat: {v['compat']}, unsupported: {v['unsupported']}"
+    if s["direct_possible_anywhere"]:
+        console.print(Text(f"Direct path available ({line}).", style="green"))
+    else:
+        console.print(Text(f"Direct path unavailable on every checked mount ({line}).", style="bold red"))
+    if s["require"]:
+        if s["require_met"]:
+            console.print(Text(f"Requirement '{s['require']}' met.", style="green"))
+        else:
+            console.print(Text(f"Requirement '{s['require']}' NOT met on: {', '.join(s['failing_mounts'])}",
+                               style="bold red"))
+
+
+def check(
+    paths: Optional[list[str]] = typer.Argument(  # noqa: UP007 (typer needs Optional on 3.10)
+        None, help="Files or directories whose mounts to check (default: every local and network filesystem)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (schema in docs/check.md)."),
+    require: Optional[Requirement] = typer.Option(  # noqa: UP007
+        None, "--require", help="Exit 1 unless every checked mount is 'direct' (or at least 'compat')."),
+    probe: bool = typer.Option(False, "--probe",
+                               help="Also read and write one small aligned block through gdskit on each path."),
+    no_odirect: bool = typer.Option(False, "--no-odirect-probe",
+                                    help="Do not create the temporary file that tests O_DIRECT."),
+    root: Optional[str] = typer.Option(  # noqa: UP007
+        None, "--root", metavar="PREFIX",
+        help="Inspect a captured tree standing for / (offline analysis, tests) instead of this machine."),
+) -> None:
+    """Is the direct storage-to-GPU path active here? If not: why, what it costs, and how to fix it.
+
+    Exit status: 0 the check ran (and --require is met); 1 --require is not met;
+    2 bad arguments.
+    """
+    from gdskit.errors import GdskitError
+    from gdskit.probe import run_check
+
+    try:
+        report = run_check(paths or None, root=root, require=require.value if require else None,
+                           probe=probe, odirect=not no_odirect)
+    except GdskitError as exc:
+        typer.echo(f"gdskit check: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
+    else:
+        from rich.console import Console
+
+        render(report, Console())
+    raise typer.Exit(report.exit_code)
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    """Add ``check`` to the ``gdskit`` command."""
+    app.command(name="check")(check)

@@ -1,0 +1,167 @@
+"""One reader for every file gdskit inspects under /proc, /sys, /etc and /run.
+
+All probes go through :class:`SystemRoot`, so a test (or an operator analysing a
+tree captured on another machine) points the whole inspection at a directory
+that mimics the real one. Facts that do not live in files (NVML, the cuFile
+library) come from injectable sources: on the real root they are queried live,
+under a fixture root they are read from ``<root>/.gdskit-fixture/*.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+FIXTURE_DIR = ".gdskit-fixture"
+
+FactSource = Callable[[], "dict[str, Any] | None"]
+
+
+class SystemRoot:
+    """Read-only view of a machine's /proc, /sys, /etc and /run under ``prefix``.
+
+    Parameters
+    ----------
+    prefix:
+        Directory that stands for ``/``. ``"/"`` inspects the running machine.
+    env:
+        Environment variables the inspection honours (``CUFILE_ENV_PATH_JSON``...).
+        Defaults to ``os.environ`` on the real root and to the fixture's
+        ``env.json`` (or nothing) elsewhere.
+    nvml, cufile:
+        Callables returning GPU facts / cuFile library facts as plain dicts
+        (``None`` when the source is absent). Defaults: live queries on the real
+        root, ``nvml.json`` / ``cufile.json`` from the fixture directory otherwise.
+    """
+
+    def __init__(
+        self,
+        prefix: str = "/",
+        *,
+        env: Mapping[str, str] | None = None,
+        nvml: FactSource | None = None,
+        cufile: FactSource | None = None,
+    ) -> None:
+        self.prefix = os.path.abspath(prefix)
+        self.is_live = self.prefix == "/"
+        if env is None:
+            env = dict(os.environ) if self.is_live else (self._fixture_json("env.json") or {})
+        self.env: dict[str, str] = {str(k): str(v) for k, v in env.items()}
+        self._nvml = nvml
+        self._cufile = cufile
+
+    # -- paths -------------------------------------------------------------
+    def host_path(self, path: str) -> str:
+        """Where the machine path ``path`` (absolute) lives on this host."""
+        if not path.startswith("/"):
+            raise ValueError(f"machine paths are absolute: {path!r}")
+        if self.is_live:
+            return path
+        return os.path.join(self.prefix, path.lstrip("/"))
+
+    def machine_path(self, host_path: str) -> str:
+        """Inverse of :meth:`host_path` (for resolved symlinks)."""
+        if self.is_live:
+            return host_path
+        rel = os.path.relpath(host_path, self.prefix)
+        if rel == ".":
+            return "/"
+        if rel.startswith(".."):
+            # A symlink escaped the tree; keep it visible rather than guessing.
+            return host_path
+        return "/" + rel
+
+    # -- reads (never raise for missing files: inspection reports absence) --
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(self.host_path(path))
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(self.host_path(path))
+
+    def read_text(self, path: str, default: str | None = None) -> str | None:
+        try:
+            with open(self.host_path(path), encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except OSError:
+            return default
+
+    def read_value(self, path: str) -> str | None:
+        """First line of a one-value sysfs/procfs file, stripped."""
+        text = self.read_text(path)
+        if text is None:
+            return None
+        return text.strip()
+
+    def read_bytes(self, path: str, limit: int = 4096) -> bytes | None:
+        try:
+            with open(self.host_path(path), "rb") as fh:
+                return fh.read(limit)
+        except OSError:
+            return None
+
+    def iter_lines(self, path: str) -> Iterator[str]:
+        """Lines of a (possibly huge, like /proc/kallsyms) file, streamed."""
+        try:
+            with open(self.host_path(path), encoding="utf-8", errors="replace") as fh:
+                yield from fh
+        except OSError:
+            return
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.host_path(path)))
+        except OSError:
+            return []
+
+    def realpath(self, path: str) -> str:
+        """Resolve symlinks (sysfs links are relative, so this stays in the tree)."""
+        return self.machine_path(os.path.realpath(self.host_path(path)))
+
+    def readlink(self, path: str) -> str | None:
+        try:
+            return os.readlink(self.host_path(path))
+        except OSError:
+            return None
+
+    def readable(self, path: str) -> bool:
+        return os.access(self.host_path(path), os.R_OK)
+
+    # -- non-file facts ----------------------------------------------------
+    def _fixture_json(self, name: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(self.prefix, FIXTURE_DIR, name), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def nvml_facts(self) -> dict[str, Any] | None:
+        """GPU facts (see :mod:`gdskit.probe.gpus` for the shape)."""
+        if self._nvml is not None:
+            return self._nvml()
+        if self.is_live:
+            from gdskit.probe.gpus import query_nvml
+
+            return query_nvml()
+        return self._fixture_json("nvml.json")
+
+    def cufile_facts(self) -> dict[str, Any] | None:
+        """cuFile library facts (see :mod:`gdskit.probe.gds` for the shape)."""
+        if self._cufile is not None:
+            return self._cufile()
+        if self.is_live:
+            from gdskit.probe.gds import query_cufile_library
+
+            return query_cufile_library()
+        return self._fixture_json("cufile.json")
+
+    def odirect_results(self) -> dict[str, Any] | None:
+        """Injected O_DIRECT probe results for a fixture (mountpoint -> bool)."""
+        if self.is_live:
+            return None
+        return self._fixture_json("odirect.json")
+
+    def __repr__(self) -> str:
+        return f"SystemRoot({self.prefix!r})"
