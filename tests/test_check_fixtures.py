@@ -281,3 +281,9 @@ def test_every_report_is_json_and_uses_the_vocabulary(name):
         assert f["reason"] is None or f["reason"] in words
         if f["severity"] in ("warning", "error"):
             assert f["consequence"] and f["fix"]
+
+
+def test_probe_is_skipped_on_captured_trees():
+    r = check("vm-firecracker", probe=True)
+    assert r.probed and r.notes
+    assert all(m.probe["status"] == "skipped" for m in r.mounts)

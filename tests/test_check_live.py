@@ -41,3 +41,27 @@ def test_check_sees_the_gpus_cuda_sees():
     assert len(r.gpu.gpus) == cuda.device_count()
     for g in r.gpu.gpus:
         assert g.bar1_total and g.pci_bus_id.count(":") == 2
+
+
+def test_probe_moves_a_block_through_gdskit_and_reports_the_ledger(tmp_path):
+    r = run_check([str(tmp_path)], probe=True)
+    (m,) = r.mounts
+    p = m.probe
+    assert p["status"] == "ok" and p["data_verified"] is True
+    assert p["bytes_written"] == p["bytes_read"] == p["bytes"] > 0
+    for side in ("write", "read"):
+        assert sum(p[side]["paths"].values()) == p["bytes"]
+        assert set(p[side]["reasons"]) <= {x.value for x in Reason}
+    if not r.gpu.gpus:
+        assert set(p["write"]["paths"]) == {Path.HOST.value}
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_probe_on_the_gpu_machine_uses_device_memory(tmp_path):
+    r = run_check([str(tmp_path)], probe=True)
+    (m,) = r.mounts
+    assert m.probe["status"] == "ok" and m.probe["memory"] == "device" and m.probe["data_verified"]
+    assert Path.HOST.value not in m.probe["read"]["paths"]
+    if m.verdict != "direct":
+        assert not set(m.probe["read"]["paths"]) & {Path.CUFILE_NVFS.value, Path.CUFILE_P2PDMA.value}

@@ -1,0 +1,202 @@
+"""Live proof (``gdskit check --probe``): move one small aligned block through gdskit
+on each checked mount and report the path the ledger recorded.
+
+The verdict of a mount is a prediction from platform facts; the ledger (filled
+from cuFile's own counters where cuFile ran) is evidence. When they disagree the
+probe adds a finding. A temporary file is written and removed; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from gdskit.probe.mounts import odirect_dir_for, read_mounts
+from gdskit.probe.root import SystemRoot
+from gdskit.probe.verdict import Finding, MountCheck
+
+
+class _DeviceBlock:
+    """``nbytes`` of cudaMalloc memory exposed through ``__cuda_array_interface__``."""
+
+    def __init__(self, nbytes: int) -> None:
+        from gdskit import cuda
+
+        self.nbytes = nbytes
+        self.ptr = int(cuda.check(cuda._runtime().cudaMalloc(nbytes), "cudaMalloc"))
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None, "stream": None}
+
+    def free(self) -> None:
+        from gdskit import cuda
+
+        if self.ptr:
+            cuda._runtime().cudaFree(self.ptr)
+            self.ptr = 0
+
+
+def _ledger_view(delta: Any) -> dict[str, Any]:
+    paths: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for e in delta.entries:
+        if e.bytes <= 0:
+            continue
+        paths[e.path] = paths.get(e.path, 0) + e.bytes
+        reasons[e.reason] = reasons.get(e.reason, 0) + e.bytes
+    return {"paths": paths, "reasons": reasons}
+
+
+def _cufile_counters() -> dict[str, int] | None:
+    """cuFile's own operation counters for GPU 0, where the engine has them switched on."""
+    try:
+        from gdskit.backends.cufile import library
+
+        lib = library()
+        return lib.counters(0) if lib.stats_enabled else None
+    except Exception:
+        return None
+
+
+def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]:
+    """Write then read ``nbytes`` through ``gdskit.open`` in a temp file in ``directory``."""
+    import numpy as np
+
+    import gdskit
+
+    pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+    fd, tmp = tempfile.mkstemp(prefix=".gdskit-probe-", dir=directory)
+    os.close(fd)
+    blocks: list[_DeviceBlock] = []
+    result: dict[str, Any] = {"status": "failed", "directory": directory, "bytes": nbytes,
+                              "memory": "device" if on_gpu else "host"}
+    try:
+        if on_gpu:
+            from gdskit import cuda
+
+            src, dst = _DeviceBlock(nbytes), _DeviceBlock(nbytes)
+            blocks += [src, dst]
+            cuda.memcpy(src.ptr, pattern.ctypes.data, nbytes)
+        else:
+            src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
+        counters0 = _cufile_counters()
+        s0 = gdskit.stats()
+        with gdskit.open(tmp, "w") as f:
+            written = f.write(src)
+            f.fsync()
+        s1 = gdskit.stats()
+        with gdskit.open(tmp, "r") as f:
+            read = f.read(dst)
+        s2 = gdskit.stats()
+        counters1 = _cufile_counters()
+        if on_gpu:
+            back = np.empty(nbytes, dtype=np.uint8)
+            cuda.memcpy(back.ctypes.data, dst.ptr, nbytes)
+        else:
+            back = dst
+        with open(tmp, "rb") as fh:
+            on_disk = fh.read()
+        result.update({
+            "status": "ok",
+            "bytes_written": written, "bytes_read": read,
+            "data_verified": bool(on_disk == pattern.tobytes() and np.array_equal(back, pattern)),
+            "write": _ledger_view(s1 - s0),
+            "read": _ledger_view(s2 - s1),
+        })
+        if counters0 is not None and counters1 is not None:
+            result["cufile_counters"] = {k: counters1[k] - counters0.get(k, 0) for k in counters1}
+    except Exception as exc:  # report, never crash the check
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        reason = getattr(exc, "reason", None)
+        if reason is not None:
+            result["reason"] = str(reason)
+    finally:
+        for b in blocks:
+            b.free()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return result
+
+
+def _summary(res: dict[str, Any]) -> str:
+    if res.get("status") != "ok":
+        return f"failed: {res.get('error', res.get('detail', 'unknown'))}"
+
+    def side(view: dict[str, Any]) -> str:
+        paths = ", ".join(sorted(view["paths"])) or "none"
+        reasons = ", ".join(sorted(r for r in view["reasons"] if r != "direct"))
+        return paths + (f" ({reasons})" if reasons else "")
+
+    ok = "" if res.get("data_verified") else "; DATA MISMATCH"
+    return f"write: {side(res['write'])}; read: {side(res['read'])}{ok}"
+
+
+def live_probe(report: Any, root: SystemRoot) -> None:
+    """Fill ``probe`` of every mount in ``report`` and add findings where evidence contradicts the verdict."""
+    report.probed = True
+    if not root.is_live:
+        report.notes.append("--probe needs the live machine; not run on a captured tree")
+        for mc in report.mounts:
+            mc.probe = {"status": "skipped", "detail": "captured tree", "summary": "skipped"}
+        return
+    try:
+        import gdskit
+
+        gdskit.open  # noqa: B018 - the engine must be present
+    except (ImportError, AttributeError) as exc:
+        report.notes.append(f"--probe needs the gdskit engine: {exc}")
+        return
+    from gdskit import cuda
+    from gdskit.settings import settings
+
+    on_gpu = cuda.device_count() > 0
+    align = settings.alignment
+    nbytes = max(settings.direct_threshold, 1 << 20)
+    nbytes = (nbytes + align - 1) // align * align
+    mounts = {m.mountpoint: m for m in read_mounts(root)}
+    for mc in report.mounts:
+        entry = mounts.get(mc.mountpoint)
+        directory = odirect_dir_for(entry, mc.requested) if entry is not None and not entry.read_only else None
+        if directory is None:
+            mc.probe = {"status": "skipped", "detail": "no writable directory on this mount", "summary": "skipped"}
+            continue
+        res = probe_directory(directory, nbytes, on_gpu)
+        res["summary"] = _summary(res)
+        mc.probe = res
+        report.findings.extend(_probe_findings(mc, res))
+
+
+def _probe_findings(mc: MountCheck, res: dict[str, Any]) -> list[Finding]:
+    subj = f"mount {mc.mountpoint}"
+    if res.get("status") != "ok":
+        return [Finding("probe.failed", "error", subj, f"gdskit could not read and write here: {res.get('error')}",
+                        "Workloads on this mount will fail the same way.",
+                        "Check permissions and free space; run again with GDSKIT_MODE=bounce to isolate cuFile.",
+                        res.get("reason"))]
+    out = []
+    if not res.get("data_verified"):
+        out.append(Finding("probe.data_mismatch", "error", subj, "bytes read back differ from bytes written",
+                           "Data corruption on this path.", "Report this with the probe output."))
+    seen = set(res["write"]["paths"]) | set(res["read"]["paths"])
+    direct_seen = seen & {"cufile-nvfs", "cufile-p2pdma"}
+    if mc.verdict == "direct" and not direct_seen:
+        reasons = sorted(set(res["write"]["reasons"]) | set(res["read"]["reasons"]))
+        out.append(Finding("probe.not_direct", "error", subj,
+                           f"predicted direct, but the ledger recorded {', '.join(sorted(seen))}",
+                           "The direct path is not active despite the platform facts.",
+                           "See the recorded reasons (" + ", ".join(reasons) + ") and cuFile's log.",
+                           reasons[0] if reasons and reasons[0] != "direct" else None))
+    elif mc.verdict != "direct" and direct_seen:
+        out.append(Finding("probe.direct_despite_verdict", "info", subj,
+                           f"the ledger recorded {', '.join(sorted(direct_seen))} although the check predicted "
+                           f"{mc.verdict}", "The direct path works here; the prediction was too cautious.",
+                           "Report the check output so the prediction can be corrected."))
+    return out
+
+
+__all__ = ["live_probe", "probe_directory"]
