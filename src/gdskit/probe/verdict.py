@@ -159,7 +159,7 @@ def platform_findings(gpu: GpuFacts, gds: GdsStack, topo: Topology) -> list[Find
         missing.append(f"kernel {gds.kernel_release or 'unknown'} is older than 6.2")
     if not p2p.driver_ok:
         missing.append("the NVIDIA driver is not the open kernel module 570 or newer"
-                       + (f" (found {gpu.kernel_module} {gpu.driver_version})" if gpu.driver_version else
+                       + (f" (found {gpu.kernel_module or 'a kernel module of unknown kind'}, {gpu.driver_version})" if gpu.driver_version else
                           " (no driver loaded)"))
     if p2p.available:
         add(Finding("gds.p2pdma", "ok", "platform", "PCI P2PDMA available and enabled in cufile.json"))
