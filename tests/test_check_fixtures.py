@@ -287,3 +287,46 @@ def test_probe_is_skipped_on_captured_trees():
     r = check("vm-firecracker", probe=True)
     assert r.probed and r.notes
     assert all(m.probe["status"] == "skipped" for m in r.mounts)
+
+
+def _builder():
+    spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(FIXTURES, "make_fixtures.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_mapper_loop_and_multipath_layers_are_resolved(tmp_path):
+    mf = _builder()
+    t = mf.Tree("layers", str(tmp_path))
+    mf.bare_metal_base(t, nvfs=True, p2pdma=False)
+    t.cufile_json({"allow_compat_mode": True})
+    nv0, nv1 = mf._switch_box(t, n_nvme=2)
+    t.nvme("nvme0", nv0, {"nvme0n1": ("259:0", {"nvme0n1p1": "259:1", "nvme0n1p2": "259:3"})})
+    t.nvme("nvme1", nv1, {"nvme1n1": ("259:2", {})})
+    part = f"{nv0}/nvme/nvme0/nvme0n1/nvme0n1p1"
+    t.block("/sys/devices/virtual/block/dm-0", "253:0", slaves=[part])
+    t.file("/sys/devices/virtual/block/dm-0/dm/uuid", "CRYPT-LUKS2-abc-luks\n")
+    t.file("/sys/devices/virtual/block/dm-0/dm/name", "luks\n")
+    t.block("/sys/devices/virtual/block/dm-1", "253:1", slaves=[f"{nv1}/nvme/nvme1/nvme1n1"])
+    t.file("/sys/devices/virtual/block/dm-1/dm/uuid", "mpath-3600a0b80\n")
+    t.block("/sys/devices/virtual/block/loop0", "7:0")
+    t.file("/sys/devices/virtual/block/loop0/loop/backing_file", "/data/images/disk.img\n")
+    t.mount("259:3", "/data", "xfs", "/dev/nvme0n1p2")
+    t.mount("253:0", "/secure", "ext4", "/dev/mapper/luks")
+    t.mount("253:1", "/mp", "xfs", "/dev/mapper/mpatha")
+    t.mount("7:0", "/img", "ext4", "/dev/loop0")
+    t.udev({"259:3": "xfs", "253:0": "ext4", "253:1": "xfs", "7:0": "ext4"})
+    t.finish()
+    r = run_check(root=t.root)
+    assert mount(r, "/data").verdict == "direct"
+    secure = mount(r, "/secure")
+    assert secure.device.kind == "dm" and secure.device.detail == "crypt"
+    assert [n.name for n in secure.device.leaves()] == ["nvme0n1"]
+    assert secure.verdict == "compat" and Reason.FS_UNSUPPORTED.value in secure.reasons
+    mp = mount(r, "/mp")
+    assert mp.raid_or_multipath and mp.device.detail == "multipath"
+    img = mount(r, "/img")
+    assert img.device.kind == "loop" and img.device.detail == "/data/images/disk.img"
+    assert [n.name for n in img.device.leaves()] == ["nvme0n1"]        # the backing file lives on /data
+    assert img.verdict == "compat" and "mount.loop" in finding_ids(r)

@@ -101,7 +101,7 @@ def read_mounts(root: SystemRoot) -> list[MountEntry]:
 
 def is_listed_by_default(m: MountEntry) -> bool:
     """Local and network filesystems a workload could read; not kernel plumbing."""
-    if m.fstype in PSEUDO_FS or m.fstype.startswith("fuse.") and m.fstype not in NETWORK_FS:
+    if m.fstype in PSEUDO_FS or (m.fstype.startswith("fuse.") and m.fstype not in NETWORK_FS):
         return False
     mp = m.mountpoint
     if any(mp == p or mp.startswith(p + "/") for p in ("/proc", "/sys", "/dev")):
