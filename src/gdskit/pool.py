@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from gdskit import cuda
 from gdskit.plan import Chunk, align_down
 
 T = TypeVar("T")
+
+# Seconds each lane took to set up (pinned allocation dominates); for benchmarks and diagnostics.
+setup_seconds: list[float] = []
 
 
 class _HostStage:
@@ -48,7 +52,10 @@ class _HostStage:
 class Lane:
     """Two staging buffers (double buffering), and for device lanes a stream and two events."""
 
+    stages_per_device_lane = 2
+
     def __init__(self, device: int | None, stage_bytes: int) -> None:
+        t0 = time.perf_counter()
         self.device = device
         self.stage_bytes = stage_bytes
         self.stages: list[Any] = []
@@ -61,12 +68,13 @@ class Lane:
             else:
                 cuda.set_device(device)
                 self.stream = cuda.Stream(device)
-                for _ in range(2):
+                for _ in range(self.stages_per_device_lane):
                     self.stages.append(cuda.PinnedBuffer(stage_bytes))
                     self.events.append(cuda.Event())
         except BaseException:
             self.free()
             raise
+        setup_seconds.append(time.perf_counter() - t0)
 
     @property
     def pinned_bytes(self) -> int:
@@ -122,10 +130,11 @@ class LanePool:
         if device is None:
             return threads, chunk_size
         lanes = threads
-        per_stage = budget // (lanes * 2)
+        k = Lane.stages_per_device_lane
+        per_stage = budget // (lanes * k)
         while lanes > 1 and per_stage - 2 * alignment < 64 * 1024:
             lanes -= 1
-            per_stage = budget // (lanes * 2)
+            per_stage = budget // (lanes * k)
         chunk = min(chunk_size, align_down(per_stage - 2 * alignment, alignment))
         return lanes, max(alignment, chunk)
 
@@ -138,7 +147,7 @@ class LanePool:
                         self._busy += 1
                         return idle.pop(i)
                 mine = [ln for ln in self._all if ln.device == device and ln.stage_bytes == stage_bytes]
-                pinned_needed = 2 * stage_bytes if device is not None else 0
+                pinned_needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
                 if len(mine) < max_lanes:
                     # Free idle lanes of other shapes until the new one fits the budget.
                     while self._pinned() + pinned_needed > budget and self._drop_one_idle(exclude=stage_bytes):

@@ -180,9 +180,10 @@ class FileRegistration:
 
 def register(f: OpenFile) -> FileRegistration:
     """Register ``f`` with cuFile once; remember a failure so it is not retried."""
-    reg = f.extras.get("cufile")
-    if reg is not None:
-        return reg
+    return f.state("cufile", _register)
+
+
+def _register(f: OpenFile) -> FileRegistration:
     lib = library()
     if not lib.available():
         reg = FileRegistration(None, Reason.CUFILE_MISSING, lib.error or "")
@@ -201,7 +202,6 @@ def register(f: OpenFile) -> FileRegistration:
         except Exception as exc:
             reason = Reason.UDEV_MISSING if not udev_database_present() else Reason.HANDLE_REGISTER_FAILED
             reg = FileRegistration(None, reason, f"{type(exc).__name__}: {exc}")
-    f.extras["cufile"] = reg
     return reg
 
 

@@ -13,7 +13,8 @@ import errno
 import time
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
-from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
+from gdskit.backends.staged import ChunkResult, file_residency, read_to_stage, write_from_stage
+from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks
@@ -51,15 +52,20 @@ class HostBackend(Backend):
             if cfg.odirect is ODirectPolicy.NEVER or (cfg.odirect is ODirectPolicy.AUTO and f.direct_fd() is None):
                 got = pread_full(f.fd, dst, ch.file_offset, f.path)
                 return ChunkResult(got, got)
-            if cfg.odirect is ODirectPolicy.AUTO and f.nowait_supported:
-                try:
-                    cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    f.nowait_supported = False
-                if cached == ch.size:
-                    return ChunkResult(cached, cached)
+            if cfg.odirect is ODirectPolicy.AUTO:
+                where = file_residency(f, ch.file_offset, ch.size)
+                if where is None and f.nowait_supported:
+                    try:
+                        cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        f.nowait_supported = False
+                    if cached == ch.size:
+                        return ChunkResult(cached, cached)
+                elif where is not Residency.NONE:
+                    got = pread_full(f.fd, dst, ch.file_offset, f.path)
+                    return ChunkResult(got, got)
             rest = ch.size - cached
             stage = lane.stages[0]
             res = read_to_stage(f, stage.view, ch.file_offset + cached, rest, ODirectPolicy.ALWAYS, align)
@@ -85,13 +91,14 @@ class HostBackend(Backend):
 
         def work(lane: Lane, ch: Chunk) -> ChunkResult:
             src = view[ch.buf_offset:ch.buf_offset + ch.size]
-            if cfg.odirect is not ODirectPolicy.ALWAYS:
+            if cfg.odirect is ODirectPolicy.NEVER or ch.size < align or f.direct_fd() is None:
                 pwrite_all(f.fd, src, ch.file_offset, f.path)
                 return ChunkResult(ch.size, ch.size)
+            # O_DIRECT needs aligned memory: stage the chunk (a memcpy is far cheaper than the disk).
             stage = lane.stages[0]
             head = ch.file_offset % align
             ctypes.memmove(stage.ptr + head, req.buf.ptr + ch.buf_offset, ch.size)
-            return write_from_stage(f, stage.view, ch.file_offset, ch.size, ODirectPolicy.ALWAYS, align)
+            return write_from_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
 
         run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * align,
                    threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
