@@ -170,9 +170,15 @@ def _fsync_dir(directory: str) -> None:
 
 # -- load -----------------------------------------------------------------------
 
-def _is_zip(path: str) -> bool:
+def _file_kind(path: str) -> str:
+    """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``."""
     with open(path, "rb") as fh:
-        return fh.read(4) == b"PK\x03\x04"
+        head = fh.read(4)
+    if head == b"PK\x03\x04":
+        return "zip"
+    if head[:2] == b"\x80\x02":
+        return "legacy"
+    return "other"
 
 
 class _Target:
@@ -230,11 +236,13 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
     torch = _torch()
     path = os.fspath(path)
     try:
-        zipped = _is_zip(path)
+        kind = _file_kind(path)
     except OSError as exc:
         from gdskit.errors import from_os_error
         raise from_os_error(exc, path) from None
-    if not zipped:
+    if kind == "other":
+        raise FormatError(f"{path}: not a torch.save file (neither a zip archive nor a pickle stream)")
+    if kind == "legacy":
         return _fallback(torch, path, map_location, weights_only, return_stats)
     try:
         reader = torch._C.PyTorchFileReader(path)
