@@ -39,15 +39,17 @@ def _wait_all(futures: list[concurrent.futures.Future[Any]]) -> None:
 
 
 def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # On the GPU one batched call saves a launch per tensor; on the CPU a plain
+    # loop is as fast and avoids the batched op's slow CPU fallback.
     fn = getattr(torch, "_foreach_clone", None)
-    if fn is not None:
+    if fn is not None and srcs and srcs[0].device.type == "cuda":
         return list(fn(srcs))
     return [s.clone() for s in srcs]
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     fn = getattr(torch, "_foreach_copy_", None)
-    if fn is not None:
+    if fn is not None and srcs and srcs[0].device.type == "cuda":
         fn(dsts, srcs)
         return
     for d, s in zip(dsts, srcs):
