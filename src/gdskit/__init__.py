@@ -1,6 +1,39 @@
-"""gdskit: files to GPU (or host) memory by the fastest path, with a ledger of the path every byte took."""
-from gdskit.settings import settings
+"""gdskit: files to GPU (or host) memory by the fastest path, with a ledger of the path every byte took.
+
+>>> import gdskit, numpy as np
+>>> buf = np.empty(1 << 20, dtype=np.uint8)
+>>> with gdskit.open("data.bin") as f:          # doctest: +SKIP
+...     n = f.read(buf)
+>>> gdskit.stats().paths                        # doctest: +SKIP
+"""
+
+from gdskit import cuda, errors
+from gdskit.errors import GdskitError
+from gdskit.file import File, open
+from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
+from gdskit.pool import ResourceUsage
+from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Mode, ODirectPolicy, Path, Reason
 
 __version__ = "0.1.0"
-__all__ = ["settings", "Mode", "ODirectPolicy", "Path", "Reason", "__version__"]
+
+
+def resources() -> ResourceUsage:
+    """What gdskit holds right now: lanes (staging areas), pinned bytes, worker threads."""
+    from gdskit import pool  # noqa: PLC0415
+
+    return pool.lanes.usage(settings.threads)
+
+
+def release_resources() -> None:
+    """Free idle pinned buffers, streams and worker threads (they come back on the next request)."""
+    from gdskit import pool  # noqa: PLC0415
+
+    pool.shutdown()
+
+
+__all__ = [
+    "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "Reason",
+    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "release_resources",
+    "resources", "settings", "stats", "stats_delta", "stats_reset",
+]

@@ -1,0 +1,147 @@
+"""What every backend shares: the open-file state and the small backend interface."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from gdskit.buffers import BufferView
+from gdskit.errors import from_os_error
+from gdskit.vocabulary import Reason
+
+# Linux: O_DIRECT is 0o40000 on x86 and most others; os exposes it where it exists.
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+class OpenFile:
+    """The file descriptors (and backend state) behind one :class:`gdskit.File`.
+
+    ``fd`` is an ordinary buffered descriptor. ``direct_fd()`` opens a second,
+    O_DIRECT descriptor on first use (``None`` where the filesystem refuses
+    O_DIRECT, e.g. tmpfs). Backends hang their own per-file state in ``extras``.
+    """
+
+    def __init__(self, path: str, fd: int, flags: int) -> None:
+        self.path = path
+        self.fd = fd
+        self._flags = flags
+        self._direct_fd: int | None = None
+        self._direct_tried = False
+        self._lock = threading.Lock()
+        self.nowait_supported = bool(RWF_NOWAIT)
+        self.extras: dict[str, Any] = {}
+
+    def direct_fd(self) -> int | None:
+        if not O_DIRECT:
+            return None
+        with self._lock:
+            if not self._direct_tried:
+                self._direct_tried = True
+                flags = (self._flags & (os.O_RDONLY | os.O_WRONLY | os.O_RDWR)) | O_DIRECT
+                try:
+                    self._direct_fd = os.open(f"/proc/self/fd/{self.fd}", flags)
+                except OSError:
+                    try:
+                        self._direct_fd = os.open(self.path, flags)
+                    except OSError:
+                        self._direct_fd = None
+            return self._direct_fd
+
+    def close(self) -> None:
+        closers = self.extras.pop("closers", [])
+        errors: list[BaseException] = []
+        for close in closers:
+            try:
+                close()
+            except BaseException as exc:  # keep closing the rest
+                errors.append(exc)
+        with self._lock:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+                self._direct_fd = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if errors:
+            raise errors[0]
+
+    def on_close(self, fn: Any) -> None:
+        self.extras.setdefault("closers", []).append(fn)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request handed to a backend."""
+
+    op: str            # "read" or "write"
+    buf: BufferView
+    size: int
+    file_offset: int
+    buf_offset: int
+    reason: Reason
+
+
+class Backend(ABC):
+    """Moves bytes for one request. Implementations record what they did in the ledger.
+
+    Capability flags say what memory a backend can serve.
+    """
+
+    name: str = "backend"
+    serves_host_memory: bool = False
+    serves_device_memory: bool = False
+
+    @abstractmethod
+    def read(self, f: OpenFile, req: Request) -> int:
+        """Read up to ``req.size`` bytes; return how many (short only at end of file)."""
+
+    @abstractmethod
+    def write(self, f: OpenFile, req: Request) -> int:
+        """Write exactly ``req.size`` bytes or raise."""
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int, path: str | None = None) -> int:
+    """``os.pwrite`` until everything is written; OS errors become gdskit errors."""
+    done = 0
+    total = len(view)
+    while done < total:
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise from_os_error(exc, path) from exc
+        if n == 0:
+            raise from_os_error(OSError(errno.EIO, "write returned 0 bytes"), path)
+        done += n
+    return done
+
+
+def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, flags: int = 0) -> int:
+    """Read into ``view`` until it is full or end of file; return the count.
+
+    With ``flags=RWF_NOWAIT`` stop early (without error) at the first byte
+    that is not in the page cache.
+    """
+    done = 0
+    total = len(view)
+    while done < total:
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done, flags) if flags else os.preadv(fd, [view[done:]], offset + done)
+        except InterruptedError:
+            continue
+        except BlockingIOError:
+            break
+        except OSError as exc:
+            if flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            raise from_os_error(exc, path) from exc
+        if n == 0:
+            break
+        done += n
+    return done

@@ -1,0 +1,89 @@
+"""The bounce path: gdskit's own CPU path for device memory.
+
+Workers read chunks into a bounded ring of pinned host buffers (two per
+worker) and copy them to the GPU with asynchronous copies on one stream per
+worker, so a worker reads chunk *i+1* while chunk *i* is still being copied.
+Writes run the same ring backwards. The ring is reused across calls: pinned
+memory is slow to allocate.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gdskit import cuda
+from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.backends.host import contiguous_prefix
+from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
+from gdskit.ledger import ledger
+from gdskit.plan import Chunk, chunks
+from gdskit.pool import Lane, lanes, run_chunks
+from gdskit.settings import settings
+from gdskit.vocabulary import Path
+
+
+def _record(req: Request, op: str, results: list[ChunkResult], total: int, elapsed: float) -> None:
+    cached = sum(r.cached for r in results if r is not None)
+    moved = sum(r.nbytes for r in results if r is not None)
+    cached = min(cached, total)
+    direct = max(0, total - cached)
+    n_cached = sum(1 for r in results if r is not None and r.cached)
+    n_direct = sum(1 for r in results if r is not None and r.nbytes > r.cached)
+    share = (lambda b: elapsed * b / moved) if moved else (lambda b: 0.0)
+    if cached or not direct:
+        ledger.record(Path.BOUNCE_CACHED, req.reason, op, cached, max(n_cached, 1 if not direct else 0), share(cached))
+    if direct:
+        ledger.record(Path.BOUNCE_DIRECT, req.reason, op, direct, n_direct, share(direct))
+
+
+class BounceBackend(Backend):
+    name = "bounce"
+    serves_device_memory = True
+
+    def _layout(self, device: int) -> tuple[int, int, int]:
+        cfg = settings.snapshot()
+        n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
+        return n_lanes, chunk, chunk + 2 * cfg.alignment
+
+    def read(self, f: OpenFile, req: Request) -> int:
+        cfg = settings.snapshot()
+        device = req.buf.device if req.buf.device is not None else cuda.current_device()
+        n_lanes, chunk, stage_bytes = self._layout(device)
+        align = cfg.alignment
+        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
+        t0 = time.perf_counter()
+
+        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+            stage, event = lane.next_stage()
+            res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
+            if res.nbytes:
+                assert lane.stream is not None and event is not None
+                lane.stream.copy_h2d(req.buf.ptr + ch.buf_offset, stage.ptr + ch.file_offset % align, res.nbytes)
+                event.record(lane.stream)
+            return res
+
+        results = run_chunks(plan, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,
+                             max_lanes=n_lanes, budget=cfg.pinned_budget)
+        total = contiguous_prefix(results, plan)
+        _record(req, "read", results, total, time.perf_counter() - t0)
+        return total
+
+    def write(self, f: OpenFile, req: Request) -> int:
+        cfg = settings.snapshot()
+        device = req.buf.device if req.buf.device is not None else cuda.current_device()
+        n_lanes, chunk, stage_bytes = self._layout(device)
+        align = cfg.alignment
+        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
+        t0 = time.perf_counter()
+
+        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+            stage, _event = lane.next_stage()
+            assert lane.stream is not None
+            lane.stream.copy_d2h(stage.ptr + ch.file_offset % align, req.buf.ptr + ch.buf_offset, ch.size)
+            lane.stream.synchronize()
+            return write_from_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
+
+        results = run_chunks(plan, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,
+                             max_lanes=n_lanes, budget=cfg.pinned_budget)
+        _record(req, "write", results, req.size, time.perf_counter() - t0)
+        return req.size

@@ -1,0 +1,287 @@
+"""The cuFile path: ``cuFileRead``/``cuFileWrite`` through ``cuda.bindings.cufile``.
+
+cuFile silently runs its own POSIX compat mode when the direct route is
+missing, so the path of every request is taken from cuFile's own evidence:
+its per-GPU level-3 counters (nvfs / p2p / posix operations), read before and
+after the request, and, where counters are off, the driver properties.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.direct_route import direct_route, udev_database_present
+from gdskit.errors import DirectPathUnavailable, GdskitIOError
+from gdskit.ledger import ledger
+from gdskit.plan import Chunk, chunks
+from gdskit.pool import run_chunks
+from gdskit.settings import settings
+from gdskit.vocabulary import Path, Reason
+
+
+class _NvfsProps(ctypes.Structure):
+    _fields_ = [("major_version", ctypes.c_uint), ("minor_version", ctypes.c_uint),
+                ("poll_thresh_size", ctypes.c_size_t), ("max_direct_io_size", ctypes.c_size_t),
+                ("dstatusflags", ctypes.c_uint), ("dcontrolflags", ctypes.c_uint)]
+
+
+class _DriverProps(ctypes.Structure):
+    """``CUfileDrvProps_t`` (cufile.h): the bindings expose only a pointer-taking getter."""
+
+    _fields_ = [("nvfs", _NvfsProps), ("fflags", ctypes.c_uint), ("max_device_cache_size", ctypes.c_uint),
+                ("per_buffer_cache_size", ctypes.c_uint), ("max_device_pinned_mem_size", ctypes.c_uint),
+                ("max_batch_io_size", ctypes.c_uint), ("max_batch_io_timeout_msecs", ctypes.c_uint)]
+
+
+@dataclass(frozen=True)
+class DriverProperties:
+    nvfs_version: tuple[int, int]
+    max_direct_io_size: int
+    status_flags: int
+    control_flags: int
+    feature_flags: int
+    max_device_cache_size_kb: int
+    max_device_pinned_mem_size_kb: int
+
+    @property
+    def nvidia_fs_loaded(self) -> bool:
+        return self.nvfs_version != (0, 0)
+
+
+_COUNTER_FIELDS = ("n_nvfs_reads", "n_p2p_reads", "n_posix_reads", "n_nvfs_writes", "n_p2p_writes", "n_posix_writes")
+
+
+class CufileLibrary:
+    """libcufile for this process: opened once, stats switched on, closed at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mod: Any = None
+        self._error: str | None = None
+        self._opened = False
+        self.stats_enabled = False
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._mod is None and self._error is None:
+                try:
+                    from cuda.bindings import cufile  # noqa: PLC0415 - lazy on purpose
+
+                    cufile.driver_open()
+                    self._opened = True
+                    self._mod = cufile
+                    if settings.cufile_stats:
+                        try:
+                            cufile.set_stats_level(3)
+                            cufile.stats_start()
+                            self.stats_enabled = True
+                        except Exception:  # older libcufile: fall back to driver properties
+                            self.stats_enabled = False
+                except Exception as exc:  # no bindings, no libcufile, no driver
+                    self._error = f"{type(exc).__name__}: {exc}"
+            return self._mod
+
+    def available(self) -> bool:
+        return self._load() is not None
+
+    @property
+    def error(self) -> str | None:
+        self._load()
+        return self._error
+
+    @property
+    def module(self) -> Any:
+        mod = self._load()
+        if mod is None:
+            raise DirectPathUnavailable(f"libcufile is not usable: {self._error}", Reason.CUFILE_MISSING)
+        return mod
+
+    def version(self) -> int | None:
+        mod = self._load()
+        try:
+            return int(mod.get_version()) if mod is not None else None
+        except Exception:
+            return None
+
+    def properties(self) -> DriverProperties | None:
+        mod = self._load()
+        if mod is None:
+            return None
+        props = _DriverProps()
+        try:
+            mod.driver_get_properties(ctypes.addressof(props))
+        except Exception:
+            return None
+        n = props.nvfs
+        return DriverProperties((n.major_version, n.minor_version), n.max_direct_io_size, n.dstatusflags,
+                                n.dcontrolflags, props.fflags, props.max_device_cache_size,
+                                props.max_device_pinned_mem_size)
+
+    def counters(self, gpu: int) -> dict[str, int] | None:
+        """cuFile's level-3 per-GPU operation counters, or ``None`` when stats are off."""
+        if not self.stats_enabled:
+            return None
+        import numpy as np  # noqa: PLC0415
+
+        mod = self.module
+        try:
+            s = mod.StatsLevel3()
+            mod.get_stats_l3(s.ptr)
+            per_gpu = s.per_gpu_stats
+            out = {}
+            for name in _COUNTER_FIELDS:
+                values = np.asarray(getattr(per_gpu, name)).reshape(-1)
+                out[name] = int(values[gpu]) if gpu < values.size else 0
+            return out
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._opened and self._mod is not None:
+                try:
+                    self._mod.driver_close()
+                except Exception:
+                    pass
+                self._opened = False
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> CufileLibrary:
+    return CufileLibrary()
+
+
+def _classify(op: str, before: dict[str, int] | None, after: dict[str, int] | None) -> dict[Path, int] | None:
+    """Operation counts per path from two counter snapshots (``None``: no evidence)."""
+    if before is None or after is None:
+        return None
+    suffix = "reads" if op == "read" else "writes"
+    delta = {p: after[f"n_{k}_{suffix}"] - before[f"n_{k}_{suffix}"]
+             for p, k in ((Path.CUFILE_NVFS, "nvfs"), (Path.CUFILE_P2PDMA, "p2p"), (Path.CUFILE_COMPAT, "posix"))}
+    delta = {p: n for p, n in delta.items() if n > 0}
+    return delta or None
+
+
+class FileRegistration:
+    """A cuFile handle for one open file, or why there is none."""
+
+    def __init__(self, handle: int | None, reason: Reason | None, detail: str = "") -> None:
+        self.handle = handle
+        self.reason = reason
+        self.detail = detail
+
+
+def register(f: OpenFile) -> FileRegistration:
+    """Register ``f`` with cuFile once; remember a failure so it is not retried."""
+    reg = f.extras.get("cufile")
+    if reg is not None:
+        return reg
+    lib = library()
+    if not lib.available():
+        reg = FileRegistration(None, Reason.CUFILE_MISSING, lib.error or "")
+    else:
+        mod = lib.module
+        fd = f.direct_fd()
+        fd = fd if fd is not None else f.fd
+        try:
+            descr = mod.Descr()
+            descr.type = mod.FileHandleType.OPAQUE_FD
+            descr.handle.fd = fd
+            descr.fs_ops = 0
+            handle = int(mod.handle_register(descr.ptr))
+            reg = FileRegistration(handle, None)
+            f.on_close(lambda: mod.handle_deregister(handle))
+        except Exception as exc:
+            reason = Reason.UDEV_MISSING if not udev_database_present() else Reason.HANDLE_REGISTER_FAILED
+            reg = FileRegistration(None, reason, f"{type(exc).__name__}: {exc}")
+    f.extras["cufile"] = reg
+    return reg
+
+
+class CufileBackend(Backend):
+    name = "cufile"
+    serves_device_memory = True
+
+    def _handle(self, f: OpenFile) -> int:
+        reg = register(f)
+        if reg.handle is None:
+            assert reg.reason is not None
+            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+        return reg.handle
+
+    def _run(self, f: OpenFile, req: Request) -> int:
+        cfg = settings.snapshot()
+        lib = library()
+        mod = lib.module
+        handle = self._handle(f)
+        gpu = req.buf.device or 0
+        plan = chunks(req.file_offset, req.buf_offset, req.size, max(cfg.chunk_size, 16 * 2**20), cfg.alignment)
+        call = mod.read if req.op == "read" else mod.write
+
+        def work(_lane: Any, ch: Chunk) -> int:
+            done = 0
+            while done < ch.size:
+                n = call(handle, req.buf.ptr, ch.size - done, ch.file_offset + done, ch.buf_offset + done)
+                if n < 0:
+                    raise GdskitIOError(-int(n), os.strerror(-int(n)), f.path)
+                if n == 0:
+                    if req.op == "write":
+                        raise GdskitIOError(5, "cuFileWrite wrote 0 bytes", f.path)
+                    break
+                done += int(n)
+            return done
+
+        before = lib.counters(gpu)
+        t0 = time.perf_counter()
+        try:
+            sizes = run_chunks(plan, work, device=None, stage_bytes=0, threads=cfg.threads,
+                               max_lanes=cfg.threads, budget=cfg.pinned_budget, use_lanes=False)
+        except Exception as exc:
+            if isinstance(exc, GdskitIOError):
+                raise
+            if exc.__class__.__name__ == "cuFileError":
+                raise GdskitIOError(5, f"cuFile {req.op} failed: {exc}", f.path) from exc
+            raise
+        elapsed = time.perf_counter() - t0
+        total = 0
+        for got, ch in zip(sizes, plan):
+            total += got
+            if got < ch.size:
+                break
+        evidence = _classify(req.op, before, lib.counters(gpu))
+        if evidence is not None and Path.CUFILE_COMPAT in evidence and req.reason is Reason.DIRECT:
+            f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
+        self._record(req, total, len(plan), elapsed, evidence)
+        return total
+
+    @staticmethod
+    def _record(req: Request, total: int, ops: int, elapsed: float, evidence: dict[Path, int] | None) -> None:
+        if evidence is None:
+            # No counters: cuFile's driver properties say whether a direct route exists at all.
+            props = library().properties()
+            route = direct_route().route
+            path = route if (route is not None and props is not None and props.nvidia_fs_loaded) else Path.CUFILE_COMPAT
+            evidence = {path: ops}
+        n_ops = sum(evidence.values())
+        remaining = total
+        items = sorted(evidence.items(), key=lambda kv: kv[0].value)
+        for i, (path, count) in enumerate(items):
+            nbytes = remaining if i == len(items) - 1 else total * count // n_ops
+            remaining -= nbytes
+            reason = req.reason
+            if path is Path.CUFILE_COMPAT and reason is Reason.DIRECT:
+                reason = direct_route().reason or Reason.CUFILE_COMPAT_OBSERVED
+            ledger.record(path, reason, req.op, nbytes, count, elapsed * count / n_ops)
+
+    def read(self, f: OpenFile, req: Request) -> int:
+        return self._run(f, req)
+
+    def write(self, f: OpenFile, req: Request) -> int:
+        return self._run(f, req)

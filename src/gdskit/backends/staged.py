@@ -1,0 +1,126 @@
+"""Moving one chunk between a file and an aligned staging buffer.
+
+Layout rule: file byte ``pos`` sits at stage offset ``pos % alignment``. Then any
+aligned file range maps to an aligned stage range, so the same buffer serves
+page-cache reads, O_DIRECT reads and O_DIRECT writes without extra copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from gdskit.backends.base import RWF_NOWAIT, OpenFile, pread_full, pwrite_all
+from gdskit.errors import from_os_error
+from gdskit.plan import align_down, align_up
+from gdskit.vocabulary import ODirectPolicy
+
+
+@dataclass
+class ChunkResult:
+    """What happened to one chunk: bytes moved, and how many went through the page cache."""
+
+    nbytes: int
+    cached: int  # through the page cache (the rest: O_DIRECT)
+
+
+def _pread_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
+    """O_DIRECT read of an aligned range; a short, unaligned count means end of file."""
+    done = 0
+    total = len(view)
+    while done < total:
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise from_os_error(exc, path) from exc
+        done += n
+        if n == 0 or n % alignment:
+            break
+    return done
+
+
+def _direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
+    if policy is ODirectPolicy.NEVER or f.extras.get("direct_broken"):
+        return None
+    return f.direct_fd()
+
+
+def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
+                  alignment: int) -> ChunkResult:
+    """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)``.
+
+    ``auto``: whatever the page cache holds is read buffered (``RWF_NOWAIT``
+    fails fast on a miss), the rest with O_DIRECT. ``always``: all O_DIRECT.
+    ``never``, or no O_DIRECT on this filesystem: all buffered.
+    """
+    head = pos % alignment
+    cached = 0
+    dfd = _direct_usable(f, policy)
+    if policy is ODirectPolicy.AUTO and dfd is not None:
+        if f.nowait_supported:
+            try:
+                cached = pread_full(f.fd, stage[head:head + n], pos, f.path, flags=RWF_NOWAIT)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                # RWF_NOWAIT is not supported here: hits and misses cannot be told apart.
+                f.nowait_supported = False
+                dfd = None
+        else:
+            dfd = None
+        if cached == n:
+            return ChunkResult(n, n)
+    if dfd is None:
+        got = cached + pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
+        return ChunkResult(got, got)
+    rest = pos + cached
+    span_start = align_down(rest, alignment)
+    span_end = align_up(pos + n, alignment)
+    s0 = align_down(head + cached, alignment)
+    try:
+        got = _pread_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        # This filesystem or device wants other O_DIRECT alignment: go buffered for this file.
+        f.extras["direct_broken"] = True
+        got2 = pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
+        return ChunkResult(cached + got2, cached + got2)
+    valid_end = min(pos + n, span_start + got)
+    total = max(cached, valid_end - pos)
+    return ChunkResult(total, cached)
+
+
+def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
+                     alignment: int) -> ChunkResult:
+    """Write file bytes ``[pos, pos + n)`` from ``stage[pos % alignment:][:n]``.
+
+    ``always``: the aligned body with O_DIRECT, unaligned head and tail buffered.
+    Otherwise everything buffered (the page cache absorbs writes; fsync makes them durable).
+    """
+    head = pos % alignment
+    dfd = _direct_usable(f, policy) if policy is ODirectPolicy.ALWAYS else None
+    body_start = align_up(pos, alignment)
+    body_end = align_down(pos + n, alignment)
+    if dfd is None or body_end <= body_start:
+        pwrite_all(f.fd, stage[head:head + n], pos, f.path)
+        return ChunkResult(n, n)
+    buffered = 0
+    if body_start > pos:
+        buffered += pwrite_all(f.fd, stage[head:head + (body_start - pos)], pos, f.path)
+    s0 = head + (body_start - pos)
+    try:
+        pwrite_all(dfd, stage[s0:s0 + (body_end - body_start)], body_start, f.path)
+    except OSError as exc:
+        if getattr(exc, "errno", None) != errno.EINVAL:
+            raise
+        f.extras["direct_broken"] = True
+        pwrite_all(f.fd, stage[s0:s0 + (body_end - body_start)], body_start, f.path)
+        buffered += body_end - body_start
+    if pos + n > body_end:
+        s1 = head + (body_end - pos)
+        buffered += pwrite_all(f.fd, stage[s1:s1 + (pos + n - body_end)], body_end, f.path)
+    return ChunkResult(n, buffered)

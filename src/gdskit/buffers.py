@@ -1,0 +1,169 @@
+"""Adapt the objects users pass as buffers to one plain description of memory.
+
+Accepted: anything with ``__cuda_array_interface__`` (CuPy, Numba, torch CUDA
+tensors), the buffer protocol (numpy, bytearray, memoryview, mmap), or DLPack
+(torch tensors on any device, JAX, ...). The object must be C-contiguous. numpy
+and CuPy users never need torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gdskit import cuda
+from gdskit.cuda import MemoryKind
+from gdskit.errors import UnsupportedBufferError
+
+
+@dataclass
+class BufferView:
+    """Raw facts about a buffer: where it lives and how big it is.
+
+    ``host_view`` is a byte memoryview for host memory (``None`` for device memory).
+    ``owner`` keeps the exporting object (and any DLPack capsule) alive.
+    """
+
+    ptr: int
+    nbytes: int
+    kind: MemoryKind
+    device: int | None
+    readonly: bool
+    host_view: memoryview | None = None
+    owner: Any = field(default=None, repr=False)
+    producer_stream: int | None = None  # CUDA stream the producer may still be writing on
+
+    @property
+    def on_device(self) -> bool:
+        return self.kind in (MemoryKind.DEVICE, MemoryKind.MANAGED)
+
+
+# -- __cuda_array_interface__ ------------------------------------------------
+
+def _itemsize(typestr: str) -> int:
+    try:
+        return int(typestr[2:])
+    except ValueError as exc:
+        raise UnsupportedBufferError(f"unknown typestr {typestr!r} in __cuda_array_interface__") from exc
+
+
+def _check_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> None:
+    if strides is None or math.prod(shape) == 0:
+        return
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            raise UnsupportedBufferError("buffer is not C-contiguous; pass a contiguous copy")
+        expected *= dim
+
+
+def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> BufferView:
+    shape = tuple(int(d) for d in cai["shape"])
+    itemsize = _itemsize(cai["typestr"])
+    strides = cai.get("strides")
+    _check_c_contiguous(shape, tuple(strides) if strides else None, itemsize)
+    ptr, readonly = cai["data"]
+    nbytes = math.prod(shape) * itemsize
+    info = cuda.pointer_info(int(ptr)) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, None)
+    stream = cai.get("stream")
+    return BufferView(int(ptr or 0), nbytes, info.kind, info.device, bool(readonly), None, obj,
+                      int(stream) if stream else None)
+
+
+# -- buffer protocol ---------------------------------------------------------
+
+def _from_buffer_protocol(obj: Any) -> BufferView:
+    import numpy as np  # noqa: PLC0415
+
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        raise UnsupportedBufferError("buffer is not C-contiguous; pass a contiguous copy")
+    byte_view = mv.cast("B") if mv.nbytes else memoryview(b"")
+    ptr = int(np.frombuffer(byte_view, dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+    return BufferView(ptr, mv.nbytes, MemoryKind.HOST, None, mv.readonly, byte_view, obj)
+
+
+# -- DLPack ------------------------------------------------------------------
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_dlpack(obj: Any) -> BufferView:
+    dev_type, _dev_id = obj.__dlpack_device__()
+    try:
+        capsule = obj.__dlpack__(stream=-1) if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED) else obj.__dlpack__()
+    except TypeError:
+        capsule = obj.__dlpack__()
+    addr = _get_pointer(capsule, b"dltensor")
+    t = _DLManagedTensor.from_address(addr).dl_tensor
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    strides = tuple(t.strides[i] * itemsize for i in range(t.ndim)) if t.strides else None
+    _check_c_contiguous(shape, strides, itemsize)
+    ptr = int(t.data or 0) + int(t.byte_offset)
+    nbytes = math.prod(shape) * itemsize
+    owner = (obj, capsule)  # the capsule's destructor releases the export when we drop it
+    if int(t.device.device_type) in (_DL_CPU, _DL_CUDA_HOST):
+        view = memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B") if nbytes else memoryview(b"")
+        kind = MemoryKind.PINNED if int(t.device.device_type) == _DL_CUDA_HOST else MemoryKind.HOST
+        return BufferView(ptr, nbytes, kind, None, False, view, owner)
+    if int(t.device.device_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
+        info = cuda.pointer_info(ptr) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, int(t.device.device_id))
+        return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner)
+    raise UnsupportedBufferError(f"DLPack device type {int(t.device.device_type)} is not supported "
+                                 "(only CPU, CUDA, CUDA host and CUDA managed memory)")
+
+
+def adapt(obj: Any) -> BufferView:
+    """Describe ``obj``'s memory, or raise :class:`UnsupportedBufferError`."""
+    if isinstance(obj, BufferView):
+        return obj
+    errors: list[str] = []
+    cai = None
+    try:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+    except Exception as exc:  # torch raises for dtypes CAI cannot describe (bfloat16): try DLPack
+        errors.append(f"__cuda_array_interface__: {exc}")
+    if cai is not None:
+        return _from_cuda_array_interface(obj, cai)
+    try:
+        return _from_buffer_protocol(obj)
+    except UnsupportedBufferError:
+        raise
+    except TypeError as exc:
+        errors.append(f"buffer protocol: {exc}")
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return _from_dlpack(obj)
+        except UnsupportedBufferError:
+            raise
+        except Exception as exc:
+            errors.append(f"DLPack: {exc}")
+    detail = "; ".join(errors) if errors else "no buffer interface"
+    raise UnsupportedBufferError(
+        f"cannot use an object of type {type(obj).__name__} as a buffer ({detail}); pass a numpy or CuPy array, "
+        "a torch tensor, a bytearray/memoryview, or anything exposing DLPack or __cuda_array_interface__")

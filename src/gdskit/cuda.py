@@ -1,0 +1,224 @@
+"""A thin, lazy layer over ``cuda.bindings.runtime``.
+
+Nothing here imports CUDA at module import time: ``import gdskit`` must work on a
+machine with no GPU, no driver and no bindings. Every call checks the CUDA error
+code and raises :class:`gdskit.errors.CudaError` on failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from gdskit.errors import CudaError
+
+
+class MemoryKind(str, enum.Enum):
+    """Where a pointer's memory lives, as CUDA sees it."""
+
+    HOST = "host"          # ordinary pageable host memory
+    PINNED = "pinned"      # page-locked host memory known to CUDA
+    DEVICE = "device"      # cudaMalloc / cuMemAlloc / cuMemCreate memory
+    MANAGED = "managed"    # unified (managed) memory
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime() -> Any:
+    from cuda.bindings import runtime  # noqa: PLC0415 - lazy on purpose
+
+    return runtime
+
+
+def runtime_or_none() -> Any | None:
+    """The bindings' runtime module, or ``None`` when it cannot be imported."""
+    try:
+        return _runtime()
+    except Exception:
+        return None
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda.bindings ``(err, *values)`` tuple, raising on error."""
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if int(err) != 0:
+        name = getattr(err, "name", str(err))
+        raise CudaError(f"{what} failed: {name}", code=name)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+_count_lock = threading.Lock()
+_device_count: int | None = None
+
+
+def device_count() -> int:
+    """Number of CUDA devices; 0 when there is no GPU, driver or bindings. Never raises."""
+    global _device_count
+    with _count_lock:
+        if _device_count is None:
+            rt = runtime_or_none()
+            if rt is None:
+                _device_count = 0
+            else:
+                try:
+                    err, n = rt.cudaGetDeviceCount()
+                    _device_count = int(n) if int(err) == 0 else 0
+                except Exception:
+                    _device_count = 0
+        return _device_count
+
+
+def available() -> bool:
+    return device_count() > 0
+
+
+@dataclass(frozen=True)
+class PointerInfo:
+    kind: MemoryKind
+    device: int | None  # CUDA device ordinal for device/managed memory
+
+
+def pointer_info(ptr: int) -> PointerInfo:
+    """Ask CUDA what kind of memory ``ptr`` points into (host if CUDA does not know it)."""
+    if not available():
+        return PointerInfo(MemoryKind.HOST, None)
+    rt = _runtime()
+    err, attrs = rt.cudaPointerGetAttributes(ptr)
+    if int(err) != 0:
+        # An unknown host pointer is reported as an error by some drivers: it is pageable memory.
+        rt.cudaGetLastError()
+        return PointerInfo(MemoryKind.HOST, None)
+    t = int(attrs.type)
+    if t == int(rt.cudaMemoryType.cudaMemoryTypeDevice):
+        return PointerInfo(MemoryKind.DEVICE, int(attrs.device))
+    if t == int(rt.cudaMemoryType.cudaMemoryTypeManaged):
+        return PointerInfo(MemoryKind.MANAGED, int(attrs.device))
+    if t == int(rt.cudaMemoryType.cudaMemoryTypeHost):
+        return PointerInfo(MemoryKind.PINNED, None)
+    return PointerInfo(MemoryKind.HOST, None)
+
+
+def set_device(device: int) -> None:
+    check(_runtime().cudaSetDevice(device), "cudaSetDevice")
+
+
+def current_device() -> int:
+    return int(check(_runtime().cudaGetDevice(), "cudaGetDevice"))
+
+
+class PinnedBuffer:
+    """Page-locked host memory from ``cudaHostAlloc``, freed exactly once."""
+
+    def __init__(self, nbytes: int) -> None:
+        rt = _runtime()
+        self.nbytes = nbytes
+        self.ptr = int(check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc"))
+        # A writable view over the whole buffer, for os.preadv / os.pwrite.
+        self.view = memoryview((ctypes.c_char * nbytes).from_address(self.ptr)).cast("B")
+
+    def free(self) -> None:
+        if self.ptr:
+            self.view.release()
+            check(_runtime().cudaFreeHost(self.ptr), "cudaFreeHost")
+            self.ptr = 0
+
+    def __del__(self) -> None:  # last resort; pools free explicitly
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class Stream:
+    """A non-blocking CUDA stream on one device, with one event for cheap waits."""
+
+    def __init__(self, device: int) -> None:
+        rt = _runtime()
+        set_device(device)
+        self.device = device
+        self.handle = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+
+    def copy_h2d(self, dst: int, src: int, nbytes: int) -> None:
+        rt = _runtime()
+        check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.handle),
+              "cudaMemcpyAsync(H2D)")
+
+    def copy_d2h(self, dst: int, src: int, nbytes: int) -> None:
+        rt = _runtime()
+        check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.handle),
+              "cudaMemcpyAsync(D2H)")
+
+    def synchronize(self) -> None:
+        check(_runtime().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            try:
+                _runtime().cudaStreamDestroy(self.handle)
+            finally:
+                self.handle = None
+
+
+def memcpy(dst: int, src: int, nbytes: int) -> None:
+    """A blocking copy in any direction (unified addressing)."""
+    rt = _runtime()
+    check(rt.cudaMemcpy(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault), "cudaMemcpy")
+
+
+def device_pci_bus_id(device: int) -> str:
+    rt = _runtime()
+    raw = check(rt.cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+    if isinstance(raw, (bytes, bytearray)):
+        raw = raw.split(b"\0", 1)[0].decode()
+    return str(raw).lower()
+
+
+class Event:
+    """A timing-free CUDA event used to know when an async copy has finished."""
+
+    def __init__(self) -> None:
+        rt = _runtime()
+        self.handle = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreate")
+        self.pending = False
+
+    def record(self, stream: Stream) -> None:
+        check(_runtime().cudaEventRecord(self.handle, stream.handle), "cudaEventRecord")
+        self.pending = True
+
+    def wait(self) -> None:
+        if self.pending:
+            check(_runtime().cudaEventSynchronize(self.handle), "cudaEventSynchronize")
+            self.pending = False
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            try:
+                _runtime().cudaEventDestroy(self.handle)
+            finally:
+                self.handle = None
+
+
+def synchronize_producer(stream: int | None) -> None:
+    """Wait for work the buffer's producer may still have queued.
+
+    ``stream`` is the ``__cuda_array_interface__`` stream (1 = legacy default,
+    2 = per-thread default, otherwise a handle); ``None`` means unknown, and
+    then the whole device is synchronised.
+    """
+    rt = _runtime()
+    if stream is None:
+        check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    elif stream == 1:
+        check(rt.cudaStreamSynchronize(0), "cudaStreamSynchronize")
+    elif stream == 2:
+        check(rt.cudaStreamSynchronize(rt.cudaStreamPerThread), "cudaStreamSynchronize")
+    else:
+        check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")

@@ -1,0 +1,326 @@
+"""``gdskit.open`` and :class:`File`: the public face of the engine."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from gdskit import cuda
+from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.buffers import BufferView, adapt
+from gdskit.errors import (
+    BufferTooSmallError,
+    ClosedFileError,
+    GdskitIsADirectoryError,
+    InvalidArgumentError,
+    ReadOnlyBufferError,
+    UnsupportedOperationError,
+    from_os_error,
+)
+from gdskit.pool import request_executor
+from gdskit.router import plan_routes
+from gdskit.settings import settings
+
+_MODES = {
+    "r": os.O_RDONLY,
+    "w": os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+    "r+": os.O_RDWR,
+    "a": os.O_RDWR | os.O_CREAT,
+}
+
+_backends: dict[str, Backend] = {}
+_backends_lock = threading.Lock()
+
+
+def backend(name: str) -> Backend:
+    """The process-wide instance of a backend ("host", "bounce" or "cufile")."""
+    with _backends_lock:
+        if name not in _backends:
+            if name == "host":
+                from gdskit.backends.host import HostBackend as cls  # noqa: PLC0415
+            elif name == "bounce":
+                from gdskit.backends.bounce import BounceBackend as cls  # type: ignore[assignment]  # noqa: PLC0415
+            elif name == "cufile":
+                from gdskit.backends.cufile import CufileBackend as cls  # type: ignore[assignment]  # noqa: PLC0415
+            else:
+                raise InvalidArgumentError(f"unknown backend {name!r}")
+            _backends[name] = cls()
+        return _backends[name]
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value.__index__())
+        except Exception:
+            raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+class File:
+    """A file opened for reads and writes to and from GPU or host memory.
+
+    Use :func:`gdskit.open` to make one. All methods are thread-safe; many
+    threads may read and write one ``File`` at once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> None:
+        if mode not in _MODES:
+            raise InvalidArgumentError(f"mode must be one of {', '.join(_MODES)}; got {mode!r}")
+        if atomic and mode != "w":
+            raise InvalidArgumentError("atomic=True needs mode 'w' (a whole new file)")
+        self.path = os.fspath(path)
+        self.mode = mode
+        self.atomic = atomic
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pending: set[Future[int]] = set()
+        self._target = self.path
+        open_path = self.path
+        if atomic:
+            d, name = os.path.split(os.path.abspath(self.path))
+            if os.path.isdir(self.path):
+                raise GdskitIsADirectoryError(21, "Is a directory", self.path)
+            open_path = os.path.join(d, f".{name}.gdskit-{uuid.uuid4().hex[:12]}.tmp")
+        self._open_path = open_path
+        flags = _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(open_path, flags | (os.O_EXCL if atomic else 0), 0o666)
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise GdskitIsADirectoryError(21, "Is a directory", self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._of = OpenFile(open_path, fd, flags)
+        self._append_pos = st.st_size if mode == "a" else 0
+
+    # -- context manager --------------------------------------------------
+    def __enter__(self) -> File:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self.atomic:
+            self.abort()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<gdskit.File {self.path!r} mode={self.mode!r} {state}>"
+
+    # -- properties -------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def size(self) -> int:
+        """The file's current size in bytes."""
+        self._check_open()
+        return os.fstat(self._of.fd).st_size
+
+    def fileno(self) -> int:
+        self._check_open()
+        return self._of.fd
+
+    # -- I/O --------------------------------------------------------------
+    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """Read ``size`` bytes at ``file_offset`` into ``buf`` at ``buf_offset``; blocking.
+
+        Returns the number of bytes read, which is short only at end of file.
+        ``size=None`` fills the buffer from ``buf_offset`` to its end.
+        """
+        return self._do("read", buf, size, file_offset, buf_offset)
+
+    def write(self, buf: Any, size: int | None = None, file_offset: int | None = None, buf_offset: int = 0) -> int:
+        """Write ``size`` bytes from ``buf`` at ``buf_offset`` to the file at ``file_offset``; blocking.
+
+        ``file_offset=None`` means 0, or the end of the file in mode ``"a"``.
+        Returns ``size``: a write either completes or raises.
+        """
+        return self._do("write", buf, size, file_offset, buf_offset)
+
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> Future[int]:
+        """Like :meth:`read`, in the background: returns a ``Future`` of the byte count."""
+        return self._submit("read", buf, size, file_offset, buf_offset)
+
+    def pwrite(self, buf: Any, size: int | None = None, file_offset: int | None = None,
+               buf_offset: int = 0) -> Future[int]:
+        """Like :meth:`write`, in the background: returns a ``Future`` of the byte count."""
+        return self._submit("write", buf, size, file_offset, buf_offset)
+
+    def fsync(self) -> None:
+        """Make written data durable."""
+        self._check_open()
+        try:
+            os.fsync(self._of.fd)
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
+
+    # -- lifecycle --------------------------------------------------------
+    def close(self) -> None:
+        """Wait for background requests, release everything; for ``atomic`` files publish the data."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        errors: list[BaseException] = []
+        for fut in pending:
+            try:
+                fut.result()
+            except BaseException as exc:
+                errors.append(exc)
+        if self.atomic and errors:
+            self._discard()
+            raise errors[0]
+        try:
+            if self.atomic:
+                self._publish()
+            else:
+                self._of.close()
+        except BaseException:
+            if self.atomic:
+                self._discard()
+            raise
+        if errors:
+            raise errors[0]
+
+    def abort(self) -> None:
+        """Close without publishing: for ``atomic`` files the temporary file is removed, the target untouched."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        for fut in pending:
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        self._discard() if self.atomic else self._of.close()
+
+    def _publish(self) -> None:
+        try:
+            os.fsync(self._of.fd)
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
+        self._of.close()
+        try:
+            os.replace(self._open_path, self._target)
+            dfd = os.open(os.path.dirname(os.path.abspath(self._target)), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
+
+    def _discard(self) -> None:
+        try:
+            if self._of.fd >= 0:
+                self._of.close()
+        finally:
+            try:
+                os.unlink(self._open_path)
+            except FileNotFoundError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.abort() if self.atomic else self.close()
+        except Exception:
+            pass
+
+    # -- internals --------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedFileError(f"I/O on closed file {self.path!r}")
+
+    def _validate(self, op: str, buf: Any, size: int | None, file_offset: int | None,
+                  buf_offset: int) -> tuple[BufferView, int, int, int]:
+        self._check_open()
+        if op == "read" and self.mode in ("w", "a"):
+            raise UnsupportedOperationError(9, f"file opened with mode {self.mode!r} is not readable", self.path)
+        if op == "write" and self.mode == "r":
+            raise UnsupportedOperationError(9, "file opened with mode 'r' is not writable", self.path)
+        view = adapt(buf)
+        if op == "read" and view.readonly:
+            raise ReadOnlyBufferError("cannot read into a read-only buffer")
+        buf_offset = _check_int("buf_offset", buf_offset)
+        if buf_offset > view.nbytes:
+            raise BufferTooSmallError(f"buf_offset {buf_offset} is past the end of the {view.nbytes}-byte buffer")
+        size = view.nbytes - buf_offset if size is None else _check_int("size", size)
+        if buf_offset + size > view.nbytes:
+            raise BufferTooSmallError(f"buffer of {view.nbytes} bytes cannot hold {size} bytes at offset {buf_offset}")
+        if file_offset is None:
+            if op == "write" and self.mode == "a":
+                with self._lock:
+                    file_offset = self._append_pos
+                    self._append_pos += size
+            else:
+                file_offset = 0
+        else:
+            file_offset = _check_int("file_offset", file_offset)
+            if op == "write" and self.mode == "a":
+                raise InvalidArgumentError("in mode 'a' writes go to the end of the file; leave file_offset unset")
+        return view, size, file_offset, buf_offset
+
+    def _do(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int) -> int:
+        view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
+        return self._execute(op, view, size, file_offset, buf_offset)
+
+    def _execute(self, op: str, view: BufferView, size: int, file_offset: int, buf_offset: int) -> int:
+        if size == 0:
+            return 0
+        cfg = settings.snapshot()
+        if op == "write" and view.on_device:
+            cuda.synchronize_producer(view.producer_stream)
+        total = 0
+        for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
+            req = Request(op, view, route.size, route.file_offset, route.buf_offset, route.reason)
+            n = backend(route.backend).read(self._of, req) if op == "read" else backend(route.backend).write(self._of, req)
+            total += n
+            if n < route.size:  # end of file: later pieces would leave a gap
+                break
+        return total
+
+    def _submit(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int) -> Future[int]:
+        view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
+        fut = request_executor(settings.threads).submit(self._execute, op, view, size, file_offset, buf_offset)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: Future[int]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+
+def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> File:  # noqa: A001
+    """Open ``path`` for reads and writes to and from GPU or host memory.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    mode : {"r", "w", "r+", "a"}
+        As for Python's ``open``, but always binary and always positional:
+        ``"w"`` truncates, ``"a"`` appends when ``file_offset`` is left unset.
+    atomic : bool
+        Only with ``"w"``: write to a temporary file beside ``path`` and, on
+        :meth:`File.close`, fsync it, rename it over ``path`` and fsync the
+        directory. On error (or :meth:`File.abort`) ``path`` is left untouched.
+    """
+    return File(path, mode, atomic=atomic)

@@ -1,0 +1,100 @@
+"""Offset and size arithmetic: aligned spans and chunking. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+def align_down(value: int, alignment: int) -> int:
+    return value - (value % alignment)
+
+
+def align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def is_aligned(value: int, alignment: int) -> bool:
+    return value % alignment == 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a request: ``size`` bytes at ``file_offset`` <-> ``buf_offset``."""
+
+    file_offset: int
+    buf_offset: int
+    size: int
+
+
+def chunks(file_offset: int, buf_offset: int, size: int, chunk_size: int, alignment: int = 1) -> list[Chunk]:
+    """Split a request into chunks of at most ``chunk_size`` bytes.
+
+    Chunk boundaries after the first fall on multiples of ``alignment`` in the
+    *file*, so that every chunk but the first starts aligned and O_DIRECT can
+    read it without an extra head block.
+    """
+    if size <= 0:
+        return []
+    out: list[Chunk] = []
+    pos = file_offset
+    end = file_offset + size
+    first_end = min(end, align_down(file_offset, alignment) + chunk_size) if alignment > 1 else min(end, pos + chunk_size)
+    if first_end <= pos:
+        first_end = min(end, pos + chunk_size)
+    cut = first_end
+    while pos < end:
+        n = cut - pos
+        out.append(Chunk(pos, buf_offset + (pos - file_offset), n))
+        pos = cut
+        cut = min(end, pos + chunk_size)
+    return out
+
+
+@dataclass(frozen=True)
+class AlignedSpan:
+    """The aligned file range that covers ``[offset, offset + size)``.
+
+    ``head`` is how far the wanted bytes start into the span.
+    """
+
+    start: int
+    length: int
+    head: int
+
+
+def aligned_span(offset: int, size: int, alignment: int) -> AlignedSpan:
+    start = align_down(offset, alignment)
+    end = align_up(offset + size, alignment)
+    return AlignedSpan(start, end - start, offset - start)
+
+
+@dataclass(frozen=True)
+class SplitRange:
+    """A request split into an unaligned head, an aligned body and an unaligned tail (file offsets)."""
+
+    head: Chunk | None
+    body: Chunk | None
+    tail: Chunk | None
+
+
+def split_aligned(file_offset: int, buf_offset: int, size: int, alignment: int) -> SplitRange:
+    """Split so that ``body`` has aligned file offset and size (and the same buffer shift)."""
+    end = file_offset + size
+    body_start = align_up(file_offset, alignment)
+    body_end = align_down(end, alignment)
+    if body_end <= body_start:
+        return SplitRange(Chunk(file_offset, buf_offset, size) if size else None, None, None)
+    head = Chunk(file_offset, buf_offset, body_start - file_offset) if body_start > file_offset else None
+    body = Chunk(body_start, buf_offset + body_start - file_offset, body_end - body_start)
+    tail = Chunk(body_end, buf_offset + body_end - file_offset, end - body_end) if end > body_end else None
+    return SplitRange(head, body, tail)
+
+
+def iter_sizes(total: int, step: int) -> Iterator[tuple[int, int]]:
+    """``(offset, size)`` pairs covering ``total`` bytes in ``step``-byte pieces."""
+    off = 0
+    while off < total:
+        n = min(step, total - off)
+        yield off, n
+        off += n

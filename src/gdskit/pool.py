@@ -1,0 +1,301 @@
+"""Shared machinery: the I/O worker threads and the *lanes* they work in.
+
+A lane is what one worker needs to move a chunk: a staging area (pinned host
+memory and a CUDA stream for device requests; page-aligned scratch memory for
+host requests). Lanes are created on first use, reused across calls (pinned
+memory is slow to allocate), and their total pinned memory never exceeds
+``settings.pinned_budget``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gdskit import cuda
+from gdskit.plan import Chunk, align_down
+
+T = TypeVar("T")
+
+
+class _HostStage:
+    """Page-aligned anonymous memory (O_DIRECT needs aligned buffers)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import ctypes  # noqa: PLC0415
+
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._map)
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
+    def free(self) -> None:
+        if self._map is not None:
+            self.view.release()
+            self.ptr = 0
+            try:
+                self._map.close()
+            except BufferError:  # a ctypes export is still alive; the GC frees it
+                pass
+            self._map = None  # type: ignore[assignment]
+
+
+class Lane:
+    """Two staging buffers (double buffering), and for device lanes a stream and two events."""
+
+    def __init__(self, device: int | None, stage_bytes: int) -> None:
+        self.device = device
+        self.stage_bytes = stage_bytes
+        self.stages: list[Any] = []
+        self.events: list[cuda.Event] = []
+        self.stream: cuda.Stream | None = None
+        self.turn = 0
+        try:
+            if device is None:
+                self.stages = [_HostStage(stage_bytes)]
+            else:
+                cuda.set_device(device)
+                self.stream = cuda.Stream(device)
+                for _ in range(2):
+                    self.stages.append(cuda.PinnedBuffer(stage_bytes))
+                    self.events.append(cuda.Event())
+        except BaseException:
+            self.free()
+            raise
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.stage_bytes * len(self.stages) if self.device is not None else 0
+
+    def next_stage(self) -> tuple[Any, cuda.Event | None]:
+        """The next staging buffer, once the copy that last used it has finished."""
+        i = self.turn
+        self.turn = (self.turn + 1) % len(self.stages)
+        ev = self.events[i] if self.events else None
+        if ev is not None:
+            ev.wait()
+        return self.stages[i], ev
+
+    def drain(self) -> None:
+        for ev in self.events:
+            ev.wait()
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def free(self) -> None:
+        for ev in self.events:
+            ev.destroy()
+        for st in self.stages:
+            st.free()
+        if self.stream is not None:
+            self.stream.destroy()
+        self.events, self.stages, self.stream = [], [], None
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """What the pool holds right now (for tests and ``gdskit.resources()``)."""
+
+    lanes: int
+    lanes_busy: int
+    pinned_bytes: int
+    threads: int
+
+
+class LanePool:
+    """Lanes per device (``None`` = host), bounded by count and pinned budget."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._idle: dict[Any, list[Lane]] = {}
+        self._all: list[Lane] = []
+        self._busy = 0
+
+    def stage_layout(self, device: int | None, threads: int, chunk_size: int, budget: int,
+                     alignment: int) -> tuple[int, int]:
+        """(lanes, chunk bytes) that fit the pinned budget; each stage holds a chunk plus alignment slack."""
+        if device is None:
+            return threads, chunk_size
+        lanes = threads
+        per_stage = budget // (lanes * 2)
+        while lanes > 1 and per_stage - 2 * alignment < 64 * 1024:
+            lanes -= 1
+            per_stage = budget // (lanes * 2)
+        chunk = min(chunk_size, align_down(per_stage - 2 * alignment, alignment))
+        return lanes, max(alignment, chunk)
+
+    def acquire(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> Lane:
+        with self._cond:
+            while True:
+                idle = self._idle.get(device, [])
+                for i, lane in enumerate(idle):
+                    if lane.stage_bytes == stage_bytes:
+                        self._busy += 1
+                        return idle.pop(i)
+                mine = [ln for ln in self._all if ln.device == device and ln.stage_bytes == stage_bytes]
+                pinned_needed = 2 * stage_bytes if device is not None else 0
+                if len(mine) < max_lanes:
+                    # Free idle lanes of other shapes until the new one fits the budget.
+                    while self._pinned() + pinned_needed > budget and self._drop_one_idle(exclude=stage_bytes):
+                        pass
+                    if self._pinned() + pinned_needed <= budget:
+                        break
+                self._cond.wait()
+            self._busy += 1
+        try:
+            lane = Lane(device, stage_bytes)
+        except BaseException:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._all.append(lane)
+        return lane
+
+    def release(self, lane: Lane) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._idle.setdefault(lane.device, []).append(lane)
+            self._cond.notify_all()
+
+    def discard(self, lane: Lane) -> None:
+        """Drop a lane whose state is unknown after an error."""
+        try:
+            lane.free()
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if lane in self._all:
+                    self._all.remove(lane)
+                self._cond.notify_all()
+
+    def _pinned(self) -> int:
+        return sum(ln.pinned_bytes for ln in self._all)
+
+    def _drop_one_idle(self, exclude: int) -> bool:
+        for lanes in self._idle.values():
+            for i, lane in enumerate(lanes):
+                if lane.stage_bytes != exclude and lane.device is not None:
+                    lanes.pop(i)
+                    self._all.remove(lane)
+                    lane.free()
+                    return True
+        return False
+
+    def usage(self, threads: int) -> ResourceUsage:
+        with self._cond:
+            return ResourceUsage(len(self._all), self._busy, self._pinned(), threads)
+
+    def release_idle(self) -> None:
+        """Free every idle lane (pinned memory, streams). Busy lanes are left alone."""
+        with self._cond:
+            for lanes in self._idle.values():
+                for lane in lanes:
+                    if lane in self._all:
+                        self._all.remove(lane)
+                    lane.free()
+            self._idle.clear()
+
+
+lanes = LanePool()
+
+_exec_lock = threading.Lock()
+_io_executor: ThreadPoolExecutor | None = None
+_io_threads = 0
+_request_executor: ThreadPoolExecutor | None = None
+_request_threads = 0
+
+
+def io_executor(threads: int) -> ThreadPoolExecutor:
+    """Worker threads that move chunks. Tasks here never wait on other tasks here."""
+    global _io_executor, _io_threads
+    with _exec_lock:
+        if _io_executor is None or _io_threads != threads:
+            if _io_executor is not None:
+                _io_executor.shutdown(wait=False)
+            _io_executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskit-io")
+            _io_threads = threads
+        return _io_executor
+
+
+def request_executor(threads: int) -> ThreadPoolExecutor:
+    """Threads that run whole requests for ``pread``/``pwrite`` futures."""
+    global _request_executor, _request_threads
+    with _exec_lock:
+        if _request_executor is None or _request_threads != threads:
+            if _request_executor is not None:
+                _request_executor.shutdown(wait=False)
+            _request_executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskit-req")
+            _request_threads = threads
+        return _request_executor
+
+
+def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk], T], *, device: int | None,
+               stage_bytes: int, threads: int, max_lanes: int, budget: int, use_lanes: bool = True) -> list[T]:
+    """Run ``work(lane, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
+
+    Each worker holds one lane for its whole share and drains it (waits for its
+    copies) before giving it back. The first error stops the others from taking
+    new chunks and is raised once everything has stopped.
+    """
+    n = len(chunk_list)
+    results: list[Any] = [None] * n
+    if n == 0:
+        return results
+    next_index = iter(range(n))
+    claim_lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def worker() -> None:
+        lane = lanes.acquire(device, stage_bytes, max_lanes, budget) if use_lanes else None
+        ok = False
+        try:
+            while not failed:
+                with claim_lock:
+                    i = next(next_index, None)
+                if i is None:
+                    break
+                results[i] = work(lane, chunk_list[i])
+            if lane is not None:
+                lane.drain()
+            ok = True
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            if lane is not None:
+                if ok:
+                    lanes.release(lane)
+                else:
+                    lanes.discard(lane)
+
+    workers = min(threads, max_lanes, n)
+    if workers == 1:
+        worker()
+    else:
+        ex = io_executor(threads)
+        futures: list[Future[None]] = [ex.submit(worker) for _ in range(workers)]
+        for fut in futures:
+            fut.result()
+    if failed:
+        raise failed[0]
+    return results
+
+
+def shutdown() -> None:
+    """Stop worker threads and free all lanes (called at exit)."""
+    global _io_executor, _request_executor
+    with _exec_lock:
+        for ex in (_request_executor, _io_executor):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        _io_executor = _request_executor = None
+    lanes.release_idle()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,87 @@
+"""``auto`` mode: choose a backend for each request and say why.
+
+The decision is recorded in the ledger as the request's reason, in the words
+of :class:`gdskit.Reason`. Only device memory (cudaMalloc-style) is ever sent
+to cuFile; managed and host memory never are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gdskit import cuda
+from gdskit.backends.base import OpenFile
+from gdskit.buffers import BufferView
+from gdskit.cuda import MemoryKind
+from gdskit.direct_route import direct_route
+from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
+from gdskit.plan import split_aligned
+from gdskit.settings import Settings
+from gdskit.vocabulary import Mode, Reason
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one piece of a request goes: backend name ("cufile", "bounce", "host") and why."""
+
+    backend: str
+    reason: Reason
+    file_offset: int
+    buf_offset: int
+    size: int
+
+
+def _host_reason() -> Reason:
+    return Reason.NO_GPU if cuda.device_count() == 0 else Reason.HOST_MEMORY
+
+
+def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,
+                cfg: Settings) -> list[Route]:
+    """Split and route one request. Raises when a forced mode cannot serve it."""
+    whole = (file_offset, buf_offset, size)
+    if not buf.on_device:
+        return [Route("host", _host_reason(), *whole)]
+    if cfg.mode is Mode.HOST:
+        raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
+                                   "(use mode='auto' or 'bounce')")
+    if buf.kind is MemoryKind.MANAGED:
+        if cfg.mode is Mode.CUFILE:
+            raise DirectPathUnavailable("managed memory cannot take the cuFile path", Reason.MANAGED_MEMORY)
+        return [Route("bounce", Reason.MANAGED_MEMORY, *whole)]
+    if cfg.mode is Mode.BOUNCE:
+        return [Route("bounce", Reason.FORCED_BY_SETTING, *whole)]
+    if cfg.mode is Mode.CUFILE:
+        from gdskit.backends.cufile import register  # noqa: PLC0415
+
+        reg = register(f)
+        if reg.handle is None:
+            assert reg.reason is not None
+            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+        return [Route("cufile", Reason.FORCED_BY_SETTING, *whole)]
+    # auto
+    if size < cfg.direct_threshold:
+        return [Route("bounce", Reason.BELOW_THRESHOLD, *whole)]
+    route = direct_route()
+    if route.route is None:
+        return [Route("bounce", route.reason or Reason.NVIDIA_FS_MISSING, *whole)]
+    from gdskit.backends.cufile import register  # noqa: PLC0415
+
+    reg = register(f)
+    if reg.handle is None:
+        return [Route("bounce", reg.reason or Reason.HANDLE_REGISTER_FAILED, *whole)]
+    if f.extras.get("cufile_compat_seen"):
+        return [Route("bounce", Reason.CUFILE_COMPAT_OBSERVED, *whole)]
+    # The direct path needs 4 KiB-aligned file offsets, sizes and memory: send the aligned body there
+    # and the ragged edges through the bounce ring.
+    align = cfg.alignment
+    if (buf.ptr + buf_offset - file_offset) % align:
+        return [Route("bounce", Reason.UNALIGNED, *whole)]
+    parts = split_aligned(file_offset, buf_offset, size, align)
+    out = []
+    if parts.head:
+        out.append(Route("bounce", Reason.UNALIGNED, parts.head.file_offset, parts.head.buf_offset, parts.head.size))
+    if parts.body:
+        out.append(Route("cufile", Reason.DIRECT, parts.body.file_offset, parts.body.buf_offset, parts.body.size))
+    if parts.tail:
+        out.append(Route("bounce", Reason.UNALIGNED, parts.tail.file_offset, parts.tail.buf_offset, parts.tail.size))
+    return out
