@@ -321,19 +321,19 @@ def render_table(report: BenchReport, console: Any = None) -> None:
                   f"cache {p.get('cache')}, {p.get('repeat')} repetitions, "
                   f"data set {size_text(int(p.get('size', 0)))} — {where}")
     t = Table(show_lines=False)
-    for col, just in (("path", "left"), ("I/O size", "right"), ("GiB/s median", "right"),
-                      ("min–max", "right"), ("lat avg µs", "right"), ("p50 µs", "right"),
-                      ("p99 µs", "right"), ("%usr", "right"), ("%sys", "right"),
-                      ("%iowait", "right"), ("CPU-s/GiB", "right"), ("path taken", "left")):
+    for col, just in (("path", "left"), ("I/O", "right"), ("GiB/s median [min–max]", "right"),
+                      ("latency µs avg/p50/p99", "right"), ("%usr/%sys/%iowait", "right"),
+                      ("CPU-s/GiB", "right"), ("path taken (ledger)", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for s in report.summaries:
         taken = ", ".join(s.paths_taken) or "-"
         if s.fell_back:
             taken = f"[bold red]{taken} FELL BACK ({s.fallback_reason or 'unknown'})[/bold red]"
-        t.add_row(s.path, size_text(s.io_size), f"{s.gib_per_s_median:.2f}",
-                  f"{s.gib_per_s_min:.2f}–{s.gib_per_s_max:.2f}", _fmt(s.latency_avg_us, ".0f"),
-                  _fmt(s.latency_p50_us, ".0f"), _fmt(s.latency_p99_us, ".0f"),
-                  f"{s.user_pct:.1f}", f"{s.system_pct:.1f}", f"{s.iowait_pct:.1f}",
+        t.add_row(s.path, size_text(s.io_size),
+                  f"{s.gib_per_s_median:.2f} [{s.gib_per_s_min:.2f}–{s.gib_per_s_max:.2f}]",
+                  f"{_fmt(s.latency_avg_us, '.0f')}/{_fmt(s.latency_p50_us, '.0f')}/"
+                  f"{_fmt(s.latency_p99_us, '.0f')}",
+                  f"{s.user_pct:.0f}/{s.system_pct:.0f}/{s.iowait_pct:.0f}",
                   _fmt(s.cpu_s_per_gib, ".2f"), taken)
     console.print(t)
     for name, reason in report.unavailable.items():
