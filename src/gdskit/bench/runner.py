@@ -86,7 +86,7 @@ def choose_paths(params: BenchParams) -> tuple[list[str], dict[str, str]]:
         if reason is None:
             chosen.append(p)
         elif params.paths_explicit:
-            what = "a sweep on" if params.sweep else "the"
+            what = "a sweep on the" if params.sweep else "the"
             raise PathUnavailableError(f"{what} {p} path cannot run here: {reason}", p, reason)
         else:
             left_out[p] = reason
@@ -316,7 +316,8 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
     if deadline_s is None and params.total_bytes is None and params.sweep:
         deadline_s = SWEEP_RUN_SECONDS
     if params.total_bytes is not None:
-        budgets = [max(1, math.ceil(params.total_bytes / io / W))] * W
+        n_ops = math.ceil(params.total_bytes / io)
+        budgets = [n_ops // W + (1 if w < n_ops % W else 0) for w in range(W)]
     elif params.duration is not None:
         budgets = [None] * W  # type: ignore[list-item]
     else:
