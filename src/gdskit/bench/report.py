@@ -401,7 +401,11 @@ def plot(report: BenchReport, filename: str) -> None:
     ax1.set_title("Throughput")
     ax2.set_ylabel("benchmark process CPU-seconds per GiB moved")
     ax2.set_title("CPU cost (lower is better)")
-    ax2.set_ylim(bottom=0)
+    cpu_vals = [s.cpu_s_per_gib for s in sums if s.cpu_s_per_gib]
+    if cpu_vals and max(cpu_vals) > 20 * min(cpu_vals):
+        ax2.set_yscale("log")  # small I/O costs orders of magnitude more per GiB
+    else:
+        ax2.set_ylim(bottom=0)
     ax1.set_ylim(bottom=0)
     if report.knee is not None and report.knee.knee is not None:
         for ax in (ax1, ax2):
