@@ -197,3 +197,20 @@ def test_cli_default_run_is_quick_and_tidy(tmp_path, monkeypatch):
     assert d["params"]["cache"] == "hot" and d["params"]["repeat"] == 3
     assert "host" in d["paths"] and os.listdir(tmp_path) == []
     assert len(d["runs"]) == 3 * len(d["paths"])
+
+
+def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkeypatch):
+    from gdskit.bench import runner as r
+    monkeypatch.setattr(r, "allocate", lambda on_device, n, d: r.HostBuffer(n))
+
+    def boom(device):
+        raise gdskit.errors.CudaError("no device", code="cudaErrorNoDevice")
+
+    monkeypatch.setattr(r.cuda, "set_device", boom)
+    monkeypatch.setattr(r, "ENGINE_MODE", {**r.ENGINE_MODE, "bounce": "host"})
+    monkeypatch.setattr(r, "choose_paths", lambda params: (["bounce"], {}))
+    monkeypatch.setitem(r.EXPECTED_PATHS, "bounce", ("host",))
+    p = make_params(size="4M", io_size="1M", workers=2, repeat=1)
+    with pytest.raises(gdskit.errors.CudaError):
+        r.run_benchmark(p, workdir=str(tmp_path))
+    assert os.listdir(tmp_path) == []

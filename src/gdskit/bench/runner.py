@@ -338,12 +338,12 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
     with settings_cm, contextlib.ExitStack() as stack:
         try:
             for w in range(W):
-                f = gdskit.open(targets.slices[w][0], mode)
-                stack.callback(f.close)
-                files.append(f)
                 b = allocate(on_device, io, params.device)
                 stack.callback(b.free)
                 bufs.append(b)
+                f = gdskit.open(targets.slices[w][0], mode)
+                stack.callback(f.close)  # runs before the buffer is freed
+                files.append(f)
                 if not params.op.is_read:
                     b.load(pattern(targets.slices[w][1], io, params.seed))
             # Warm-up: one I/O per worker outside the window, so cuFile handle registration and the
@@ -366,6 +366,8 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
             budget = budgets[w]
             lat = out.latencies
             try:
+                if on_device:
+                    cuda.set_device(params.device)  # a new thread starts on device 0
                 barrier.wait()
                 end = deadline[0]
                 done = 0
@@ -391,6 +393,7 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 out.error = exc
                 stop.set()
+                barrier.abort()  # a worker failing before the start must not leave the others waiting
 
         threads = [threading.Thread(target=worker, args=(w,), name=f"gdskit-bench-{w}", daemon=True)
                    for w in range(W)]
@@ -402,7 +405,10 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
             cpu_before = cpu_mod.sample()
             deadline[0] = (time.perf_counter() + deadline_s) if deadline_s else 0.0
             t_start = time.perf_counter()
-            barrier.wait()
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                pass  # a worker failed before the start; its error is raised below
             for t in threads:
                 t.join()
             if not params.op.is_read and cold:
