@@ -16,16 +16,15 @@ from typing import Any, Optional
 
 import typer
 
-_HELP = """Compare the direct path (cuFile) with the CPU paths (bounce, host) under identical parameters.
-
-With no arguments: a temporary file in the current directory (1 GiB with a GPU,
-256 MiB without), every path available here, sequential reads, hot page cache,
-3 repetitions; prints the table and removes the file.
-
-Runs of different paths are interleaved (A B A B ...); each row is the median of
-the repetitions with min and max. Every run reports the path its bytes really took
-(from gdskit's ledger and cuFile's counters) and the CPU it cost.
-"""
+_HELP = (
+    "Compare the direct path (cuFile) with the CPU paths (bounce, host) under identical parameters.\n\n"
+    "With no arguments: a temporary file in the current directory (1 GiB with a GPU, 256 MiB without), "
+    "every path available here, sequential 1 MiB reads, hot page cache, 3 repetitions; prints the table "
+    "and removes the file.\n\n"
+    "Runs of different paths are interleaved (A B A B ...); each row is the median of the repetitions "
+    "with min and max. Every run reports the path its bytes really took (gdskit's ledger, cuFile's "
+    "counters) and the CPU it cost."
+)
 
 
 def register(app: typer.Typer) -> None:
