@@ -282,7 +282,7 @@ def child_tune(path: str, size: int) -> dict:
     return out
 
 
-def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages: int) -> dict:
+def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages: int, prepare: int = 0) -> dict:
     """First-call hot throughput in a fresh process for one ring shape, with lane set-up times."""
     import gdskit
     from gdskit import pool
@@ -290,6 +290,8 @@ def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages:
     pool.Lane.stages_per_device_lane = stages
     dev = _DeviceArray(size)
     with gdskit.settings.set(threads=threads, chunk_size=chunk_mib << 20), gdskit.open(path) as f:
+        if prepare:
+            gdskit.prepare()
         t0 = time.perf_counter()
         f.read(dev, size)
         first = time.perf_counter() - t0
@@ -374,8 +376,10 @@ def main() -> None:
         results["tune"] = run_child("tune", path, size)
     if "first" in cases:
         warm_cache(path)
-        for threads, chunk, stages in ((16, 8, 2), (8, 8, 2), (8, 8, 1), (16, 4, 1), (8, 4, 2), (12, 8, 1), (16, 8, 1)):
-            results[f"first_t{threads}_c{chunk}_s{stages}"] = run_child("first-call", path, size, threads, chunk, stages)
+        for threads, chunk, stages, prep in ((16, 8, 2, 0), (16, 8, 1, 0), (12, 8, 1, 0), (8, 8, 2, 0), (16, 8, 2, 1),
+                                             (16, 8, 1, 1), (16, 8, 2, 0), (16, 8, 1, 0)):
+            results[f"first_t{threads}_c{chunk}_s{stages}_p{prep}_{len(results)}"] = run_child(
+                "first-call", path, size, threads, chunk, stages, prep)
     if "hot" in cases:
         warm_cache(path)
         results["hot_gdskit"] = summarize(run_child("gdskit-read", path, size, a.repeats), size)

@@ -245,13 +245,28 @@ def request_executor(threads: int) -> ThreadPoolExecutor:
         return _request_executor
 
 
-def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk], T], *, device: int | None,
-               stage_bytes: int, threads: int, max_lanes: int, budget: int, use_lanes: bool = True) -> list[T]:
-    """Run ``work(lane, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
+class LaneRef:
+    """A worker's lane, acquired only when the work first needs one (page-cache hits into
+    host memory need none)."""
 
-    Each worker holds one lane for its whole share and drains it (waits for its
-    copies) before giving it back. The first error stops the others from taking
-    new chunks and is raised once everything has stopped.
+    def __init__(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> None:
+        self._args = (device, stage_bytes, max_lanes, budget)
+        self.lane: Lane | None = None
+
+    def get(self) -> Lane:
+        if self.lane is None:
+            self.lane = lanes.acquire(*self._args)
+        return self.lane
+
+
+def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[LaneRef, Chunk], T], *, device: int | None,
+               stage_bytes: int, threads: int, max_lanes: int, budget: int) -> list[T]:
+    """Run ``work(lane_ref, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
+
+    A single chunk runs in the calling thread. Each worker holds at most one
+    lane for its whole share and drains it (waits for its copies) before giving
+    it back. The first error stops the others from taking new chunks and is
+    raised once everything has stopped.
     """
     n = len(chunk_list)
     results: list[Any] = [None] * n
@@ -262,7 +277,7 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
     failed: list[BaseException] = []
 
     def worker() -> None:
-        lane = lanes.acquire(device, stage_bytes, max_lanes, budget) if use_lanes else None
+        ref = LaneRef(device, stage_bytes, max_lanes, budget)
         ok = False
         try:
             while not failed:
@@ -270,19 +285,24 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
                     i = next(next_index, None)
                 if i is None:
                     break
-                results[i] = work(lane, chunk_list[i])
-            if lane is not None:
-                lane.drain()
+                results[i] = work(ref, chunk_list[i])
+            if ref.lane is not None:
+                ref.lane.drain()
             ok = True
         except BaseException as exc:
             failed.append(exc)
         finally:
-            if lane is not None:
+            if ref.lane is not None:
                 if ok:
-                    lanes.release(lane)
+                    lanes.release(ref.lane)
                 else:
-                    lanes.discard(lane)
+                    lanes.discard(ref.lane)
 
+    if n == 1:
+        worker()
+        if failed:
+            raise failed[0]
+        return results
     workers = min(threads, max_lanes, n)
     if workers == 1:
         worker()
@@ -294,6 +314,39 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
     if failed:
         raise failed[0]
     return results
+
+
+def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int) -> None:
+    """Create every lane a large request on ``device`` will use, in parallel on the worker threads."""
+    n_lanes, chunk = lanes.stage_layout(device, threads, chunk_size, budget, alignment)
+    stage_bytes = chunk + 2 * alignment
+    ex = io_executor(threads)
+    barrier = threading.Barrier(n_lanes)
+
+    def make() -> Lane:
+        try:
+            lane = lanes.acquire(device, stage_bytes, n_lanes, budget)
+        except BaseException:
+            barrier.abort()
+            raise
+        try:
+            barrier.wait(timeout=60)  # hold it until all exist, so each worker makes its own
+        except threading.BrokenBarrierError:
+            pass
+        return lane
+
+    futures = [ex.submit(make) for _ in range(n_lanes)] if n_lanes <= threads else []
+    made = []
+    for fut in futures:
+        try:
+            made.append(fut.result())
+        except BaseException:
+            barrier.abort()
+            for lane in made:
+                lanes.release(lane)
+            raise
+    for lane in made:
+        lanes.release(lane)
 
 
 def shutdown() -> None:

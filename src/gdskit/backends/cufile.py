@@ -242,7 +242,7 @@ class CufileBackend(Backend):
         t0 = time.perf_counter()
         try:
             sizes = run_chunks(plan, work, device=None, stage_bytes=0, threads=cfg.threads,
-                               max_lanes=cfg.threads, budget=cfg.pinned_budget, use_lanes=False)
+                               max_lanes=cfg.threads, budget=cfg.pinned_budget)
         except Exception as exc:
             if isinstance(exc, GdskitIOError):
                 raise

@@ -26,7 +26,7 @@ class ChunkResult:
     cached: int  # through the page cache (the rest: O_DIRECT)
 
 
-def _pread_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
+def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
     """O_DIRECT read of an aligned range; a short, unaligned count means end of file."""
     done = 0
     total = len(view)
@@ -92,7 +92,7 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
     span_end = align_up(pos + n, alignment)
     s0 = align_down(head + cached, alignment)
     try:
-        got = _pread_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
+        got = read_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
