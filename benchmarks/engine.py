@@ -282,13 +282,21 @@ def child_tune(path: str, size: int) -> dict:
     return out
 
 
-def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages: int, prepare: int = 0) -> dict:
-    """First-call hot throughput in a fresh process for one ring shape, with lane set-up times."""
+def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages: int, prepare: int = 0,
+                     touch: int = 0) -> dict:
+    """First-call hot throughput in a fresh process for one ring shape, with lane set-up times.
+
+    ``prepare``: call gdskit.prepare() first; ``touch``: write the destination once first
+    (to tell gdskit's set-up cost from the first touch of fresh device memory).
+    """
     import gdskit
-    from gdskit import pool
+    from gdskit import cuda, pool
 
     pool.Lane.stages_per_device_lane = stages
     dev = _DeviceArray(size)
+    if touch:
+        cuda.check(cuda._runtime().cudaMemset(dev.ptr, 0, size), "cudaMemset")
+        cuda.check(cuda._runtime().cudaDeviceSynchronize(), "sync")
     with gdskit.settings.set(threads=threads, chunk_size=chunk_mib << 20), gdskit.open(path) as f:
         if prepare:
             gdskit.prepare()
@@ -303,7 +311,47 @@ def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages:
             "pinned_MiB": gdskit.resources().pinned_bytes >> 20}
 
 
+def child_timeline(path: str, size: int) -> dict:
+    """Where the first call's time goes: per-chunk timings of the first and second call."""
+    import gdskit
+    from gdskit import direct_route
+    from gdskit.backends import bounce
+
+    t0 = time.perf_counter()
+    direct_route.direct_route()
+    route_ms = (time.perf_counter() - t0) * 1e3
+    dev = _DeviceArray(size)
+    log: list = []
+    real = bounce.read_to_stage
+
+    def traced(*args, **kw):
+        a = time.perf_counter()
+        res = real(*args, **kw)
+        log.append((threading.get_ident(), a, time.perf_counter()))
+        return res
+
+    bounce.read_to_stage = traced
+    out = {"direct_route_ms": round(route_ms, 1)}
+    with gdskit.open(path) as f:
+        for label in ("first", "second"):
+            log.clear()
+            t0 = time.perf_counter()
+            f.read(dev, size)
+            t1 = time.perf_counter()
+            durs = sorted(e - s for _, s, e in log)
+            busy = sum(durs)
+            out[label] = {"total_ms": round((t1 - t0) * 1e3, 1),
+                          "first_chunk_start_ms": round((min(s for _, s, _ in log) - t0) * 1e3, 1),
+                          "last_chunk_end_ms": round((max(e for _, _, e in log) - t0) * 1e3, 1),
+                          "threads": len({t for t, _, _ in log}),
+                          "chunk_ms_p50": round(durs[len(durs) // 2] * 1e3, 2),
+                          "chunk_ms_p99": round(durs[int(len(durs) * 0.99)] * 1e3, 2),
+                          "read_busy_fraction": round(busy / ((t1 - t0) * len({t for t, _, _ in log})), 2)}
+    return out
+
+
 CHILDREN = {
+    "timeline": child_timeline,
     "first-call": child_first_call,
     "pinned-variants": child_pinned_variants,
     "tune": child_tune,
@@ -374,12 +422,15 @@ def main() -> None:
     if "tune" in cases:
         warm_cache(path)
         results["tune"] = run_child("tune", path, size)
+    if "timeline" in cases:
+        warm_cache(path)
+        results["timeline"] = run_child("timeline", path, size)
     if "first" in cases:
         warm_cache(path)
-        for threads, chunk, stages, prep in ((16, 8, 2, 0), (16, 8, 1, 0), (12, 8, 1, 0), (8, 8, 2, 0), (16, 8, 2, 1),
-                                             (16, 8, 1, 1), (16, 8, 2, 0), (16, 8, 1, 0)):
-            results[f"first_t{threads}_c{chunk}_s{stages}_p{prep}_{len(results)}"] = run_child(
-                "first-call", path, size, threads, chunk, stages, prep)
+        for threads, chunk, stages, prep, touch in ((16, 8, 1, 0, 0), (16, 8, 1, 1, 0), (16, 8, 1, 0, 1),
+                                                    (16, 8, 1, 1, 1), (12, 8, 1, 0, 0), (16, 8, 1, 0, 0)):
+            results[f"first_t{threads}_c{chunk}_s{stages}_p{prep}_t{touch}_{len(results)}"] = run_child(
+                "first-call", path, size, threads, chunk, stages, prep, touch)
     if "hot" in cases:
         warm_cache(path)
         results["hot_gdskit"] = summarize(run_child("gdskit-read", path, size, a.repeats), size)
@@ -407,7 +458,7 @@ def main() -> None:
             json.dump(results, fh, indent=2)
     print(f"\n{'case':22s} {'first GB/s':>10s} {'repeat GB/s':>11s} {'CPU-s/GB':>9s}")
     for k, v in results.items():
-        if not isinstance(v, dict) or k in ("pinned_alloc", "pinned_variants", "tune") or k.startswith("first_"):
+        if not isinstance(v, dict) or k in ("pinned_alloc", "pinned_variants", "tune", "timeline") or k.startswith("first_"):
             continue
         if "error" in v:
             print(f"{k:22s} error: {v['error']}")
@@ -416,7 +467,7 @@ def main() -> None:
         print(f"{k:22s} {v['first_GBps']:10.2f} {rep if rep is None else round(rep, 2)!s:>11s} "
               f"{v.get('repeat_cpu_s_per_GB', v['first_cpu_s_per_GB']):9.3f}")
     for k in results:
-        if k in ("pinned_alloc", "pinned_variants", "tune") or k.startswith("first_"):
+        if k in ("pinned_alloc", "pinned_variants", "tune", "timeline") or k.startswith("first_"):
             print(f"{k}:", json.dumps(results[k]))
 
 
