@@ -25,6 +25,23 @@ def resources() -> ResourceUsage:
     return pool.lanes.usage(settings.threads)
 
 
+def prepare(device: int | None = None) -> ResourceUsage:
+    """Set up the bounce ring for ``device`` now (pinned buffers, streams, worker threads).
+
+    The first large read otherwise pays for this set-up; call it early, e.g. while a
+    model is being built, so that loading its weights runs at full speed at once.
+    Returns what is held afterwards. Without a GPU it only starts the worker threads.
+    """
+    from gdskit import pool  # noqa: PLC0415
+
+    cfg = settings.snapshot()
+    dev = None
+    if cuda.available():
+        dev = cuda.current_device() if device is None else device
+    pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
+    return pool.lanes.usage(settings.threads)
+
+
 def release_resources() -> None:
     """Free idle pinned buffers, streams and worker threads (they come back on the next request)."""
     from gdskit import pool  # noqa: PLC0415
@@ -34,6 +51,6 @@ def release_resources() -> None:
 
 __all__ = [
     "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "Reason",
-    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "release_resources",
+    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "release_resources",
     "resources", "settings", "stats", "stats_delta", "stats_reset",
 ]

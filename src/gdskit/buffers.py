@@ -33,7 +33,10 @@ class BufferView:
     readonly: bool
     host_view: memoryview | None = None
     owner: Any = field(default=None, repr=False)
-    producer_stream: int | None = None  # CUDA stream the producer may still be writing on
+    # Work the producer may still have queued on the memory: sync this stream before
+    # reading device memory out (None with producer_sync: unknown stream, sync the device).
+    producer_stream: int | None = None
+    producer_sync: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -67,9 +70,11 @@ def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> BufferView:
     ptr, readonly = cai["data"]
     nbytes = math.prod(shape) * itemsize
     info = cuda.pointer_info(int(ptr)) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, None)
-    stream = cai.get("stream")
+    # CAI v3: "stream": None means nothing to wait for; a missing key (v2 producers) means unknown.
+    stream = cai.get("stream", -1)
+    sync = stream is not None
     return BufferView(int(ptr or 0), nbytes, info.kind, info.device, bool(readonly), None, obj,
-                      int(stream) if stream else None)
+                      int(stream) if stream not in (None, -1) else None, sync)
 
 
 # -- buffer protocol ---------------------------------------------------------
@@ -133,7 +138,8 @@ def _from_dlpack(obj: Any) -> BufferView:
         return BufferView(ptr, nbytes, kind, None, False, view, owner)
     if int(t.device.device_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
         info = cuda.pointer_info(ptr) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, int(t.device.device_id))
-        return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner)
+        # Exported with stream=-1 (no producer-side sync): wait for the device ourselves before reading it.
+        return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner, None, True)
     raise UnsupportedBufferError(f"DLPack device type {int(t.device.device_type)} is not supported "
                                  "(only CPU, CUDA, CUDA host and CUDA managed memory)")
 

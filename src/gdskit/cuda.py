@@ -186,7 +186,9 @@ class Event:
 
     def __init__(self) -> None:
         rt = _runtime()
-        self.handle = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreate")
+        # Blocking sync: a waiting worker sleeps instead of spinning a core the other workers need.
+        flags = rt.cudaEventDisableTiming | rt.cudaEventBlockingSync
+        self.handle = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreate")
         self.pending = False
 
     def record(self, stream: Stream) -> None:

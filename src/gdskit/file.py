@@ -285,7 +285,9 @@ class File:
         if size == 0:
             return 0
         cfg = settings.snapshot()
-        if op == "write" and view.on_device:
+        if view.on_device and view.producer_sync:
+            # Kernels still queued on the buffer (a fill before a read, a compute before a write) must
+            # finish first: gdskit's copies run on their own streams.
             cuda.synchronize_producer(view.producer_stream)
         total = 0
         for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):

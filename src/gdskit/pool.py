@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from gdskit import cuda
 from gdskit.plan import Chunk, align_down
 
 T = TypeVar("T")
+
+# Seconds each lane took to set up (pinned allocation dominates); for benchmarks and diagnostics.
+setup_seconds: list[float] = []
 
 
 class _HostStage:
@@ -48,7 +52,12 @@ class _HostStage:
 class Lane:
     """Two staging buffers (double buffering), and for device lanes a stream and two events."""
 
+    # One pinned stage per device lane: measured on the H200 machine, a second stage per lane
+    # bought no throughput (48 vs 42 GB/s hot, repeated calls) and doubled the set-up cost.
+    stages_per_device_lane = 1
+
     def __init__(self, device: int | None, stage_bytes: int) -> None:
+        t0 = time.perf_counter()
         self.device = device
         self.stage_bytes = stage_bytes
         self.stages: list[Any] = []
@@ -61,12 +70,13 @@ class Lane:
             else:
                 cuda.set_device(device)
                 self.stream = cuda.Stream(device)
-                for _ in range(2):
+                for _ in range(self.stages_per_device_lane):
                     self.stages.append(cuda.PinnedBuffer(stage_bytes))
                     self.events.append(cuda.Event())
         except BaseException:
             self.free()
             raise
+        setup_seconds.append(time.perf_counter() - t0)
 
     @property
     def pinned_bytes(self) -> int:
@@ -122,10 +132,11 @@ class LanePool:
         if device is None:
             return threads, chunk_size
         lanes = threads
-        per_stage = budget // (lanes * 2)
+        k = Lane.stages_per_device_lane
+        per_stage = budget // (lanes * k)
         while lanes > 1 and per_stage - 2 * alignment < 64 * 1024:
             lanes -= 1
-            per_stage = budget // (lanes * 2)
+            per_stage = budget // (lanes * k)
         chunk = min(chunk_size, align_down(per_stage - 2 * alignment, alignment))
         return lanes, max(alignment, chunk)
 
@@ -138,7 +149,7 @@ class LanePool:
                         self._busy += 1
                         return idle.pop(i)
                 mine = [ln for ln in self._all if ln.device == device and ln.stage_bytes == stage_bytes]
-                pinned_needed = 2 * stage_bytes if device is not None else 0
+                pinned_needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
                 if len(mine) < max_lanes:
                     # Free idle lanes of other shapes until the new one fits the budget.
                     while self._pinned() + pinned_needed > budget and self._drop_one_idle(exclude=stage_bytes):
@@ -236,13 +247,28 @@ def request_executor(threads: int) -> ThreadPoolExecutor:
         return _request_executor
 
 
-def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk], T], *, device: int | None,
-               stage_bytes: int, threads: int, max_lanes: int, budget: int, use_lanes: bool = True) -> list[T]:
-    """Run ``work(lane, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
+class LaneRef:
+    """A worker's lane, acquired only when the work first needs one (page-cache hits into
+    host memory need none)."""
 
-    Each worker holds one lane for its whole share and drains it (waits for its
-    copies) before giving it back. The first error stops the others from taking
-    new chunks and is raised once everything has stopped.
+    def __init__(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> None:
+        self._args = (device, stage_bytes, max_lanes, budget)
+        self.lane: Lane | None = None
+
+    def get(self) -> Lane:
+        if self.lane is None:
+            self.lane = lanes.acquire(*self._args)
+        return self.lane
+
+
+def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[LaneRef, Chunk], T], *, device: int | None,
+               stage_bytes: int, threads: int, max_lanes: int, budget: int) -> list[T]:
+    """Run ``work(lane_ref, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
+
+    A single chunk runs in the calling thread. Each worker holds at most one
+    lane for its whole share and drains it (waits for its copies) before giving
+    it back. The first error stops the others from taking new chunks and is
+    raised once everything has stopped.
     """
     n = len(chunk_list)
     results: list[Any] = [None] * n
@@ -253,7 +279,7 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
     failed: list[BaseException] = []
 
     def worker() -> None:
-        lane = lanes.acquire(device, stage_bytes, max_lanes, budget) if use_lanes else None
+        ref = LaneRef(device, stage_bytes, max_lanes, budget)
         ok = False
         try:
             while not failed:
@@ -261,19 +287,24 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
                     i = next(next_index, None)
                 if i is None:
                     break
-                results[i] = work(lane, chunk_list[i])
-            if lane is not None:
-                lane.drain()
+                results[i] = work(ref, chunk_list[i])
+            if ref.lane is not None:
+                ref.lane.drain()
             ok = True
         except BaseException as exc:
             failed.append(exc)
         finally:
-            if lane is not None:
+            if ref.lane is not None:
                 if ok:
-                    lanes.release(lane)
+                    lanes.release(ref.lane)
                 else:
-                    lanes.discard(lane)
+                    lanes.discard(ref.lane)
 
+    if n == 1:
+        worker()
+        if failed:
+            raise failed[0]
+        return results
     workers = min(threads, max_lanes, n)
     if workers == 1:
         worker()
@@ -285,6 +316,39 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[Lane | None, Chunk],
     if failed:
         raise failed[0]
     return results
+
+
+def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int) -> None:
+    """Create every lane a large request on ``device`` will use, in parallel on the worker threads."""
+    n_lanes, chunk = lanes.stage_layout(device, threads, chunk_size, budget, alignment)
+    stage_bytes = chunk + 2 * alignment
+    ex = io_executor(threads)
+    barrier = threading.Barrier(n_lanes)
+
+    def make() -> Lane:
+        try:
+            lane = lanes.acquire(device, stage_bytes, n_lanes, budget)
+        except BaseException:
+            barrier.abort()
+            raise
+        try:
+            barrier.wait(timeout=60)  # hold it until all exist, so each worker makes its own
+        except threading.BrokenBarrierError:
+            pass
+        return lane
+
+    futures = [ex.submit(make) for _ in range(n_lanes)] if n_lanes <= threads else []
+    made = []
+    for fut in futures:
+        try:
+            made.append(fut.result())
+        except BaseException:
+            barrier.abort()
+            for lane in made:
+                lanes.release(lane)
+            raise
+    for lane in made:
+        lanes.release(lane)
 
 
 def shutdown() -> None:

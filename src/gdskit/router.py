@@ -35,6 +35,18 @@ def _host_reason() -> Reason:
     return Reason.NO_GPU if cuda.device_count() == 0 else Reason.HOST_MEMORY
 
 
+def _direct_threshold(f: OpenFile, cfg: Settings) -> int:
+    """The measured cut-off for this file's mount (``gdskit bench --save-profile``), else the setting."""
+
+    def lookup(of: OpenFile) -> tuple[int | None]:
+        from gdskit.bench.profile import threshold_for  # noqa: PLC0415
+
+        return (threshold_for(of.path),)
+
+    (measured,) = f.state("direct_threshold_profile", lookup)
+    return cfg.direct_threshold if measured is None else measured
+
+
 def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,
                 cfg: Settings) -> list[Route]:
     """Split and route one request. Raises when a forced mode cannot serve it."""
@@ -59,11 +71,11 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
             raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
         return [Route("cufile", Reason.FORCED_BY_SETTING, *whole)]
     # auto
-    if size < cfg.direct_threshold:
-        return [Route("bounce", Reason.BELOW_THRESHOLD, *whole)]
     route = direct_route()
     if route.route is None:
         return [Route("bounce", route.reason or Reason.NVIDIA_FS_MISSING, *whole)]
+    if size < _direct_threshold(f, cfg):
+        return [Route("bounce", Reason.BELOW_THRESHOLD, *whole)]
     from gdskit.backends.cufile import register  # noqa: PLC0415
 
     reg = register(f)

@@ -84,6 +84,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
+        self._version = 0
+        self._snapshot: Settings | None = None
 
     # -- validation -------------------------------------------------------
     @staticmethod
@@ -135,6 +137,7 @@ class Settings:
             before = {k: getattr(self, k) for k in coerced}
             for k, v in coerced.items():
                 object.__setattr__(self, k, v)
+            self._version += 1
         return _Restorer(self, before)
 
     def as_dict(self) -> dict[str, Any]:
@@ -146,9 +149,18 @@ class Settings:
         return out
 
     def snapshot(self) -> Settings:
-        """A frozen-in-time copy for one request (later changes do not affect it)."""
+        """A copy for one request: later changes do not affect it. Do not modify it.
+
+        Requests call this on every I/O, so the copy is cached until the next change.
+        """
+        snap = self._snapshot
+        if snap is not None and snap._version == self._version:
+            return snap
         with self._lock:
-            return dataclasses.replace(self)
+            snap = dataclasses.replace(self)
+            snap._version = self._version
+            self._snapshot = snap
+            return snap
 
     def reset(self) -> None:
         """Back to the defaults, then the environment overrides."""
@@ -156,6 +168,7 @@ class Settings:
         with self._lock:
             for k in self._names():
                 object.__setattr__(self, k, getattr(fresh, k))
+            self._version += 1
             self._apply_env(os.environ)
 
     def _apply_env(self, environ: Any) -> None:
@@ -182,6 +195,7 @@ class _Restorer:
         with self._owner._lock:
             for k, v in self._before.items():
                 object.__setattr__(self._owner, k, v)
+            self._owner._version += 1
 
 
 ENV_VARS = {f"GDSKIT_{f.name.upper()}": f.name for f in dataclasses.fields(Settings)}

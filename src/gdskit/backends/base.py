@@ -33,6 +33,7 @@ class OpenFile:
         self._direct_fd: int | None = None
         self._direct_tried = False
         self._lock = threading.Lock()
+        self._state_lock = threading.RLock()
         self.nowait_supported = bool(RWF_NOWAIT)
         self.extras: dict[str, Any] = {}
 
@@ -72,6 +73,17 @@ class OpenFile:
 
     def on_close(self, fn: Any) -> None:
         self.extras.setdefault("closers", []).append(fn)
+
+    def state(self, key: str, factory: Any) -> Any:
+        """Per-file backend state, made once (under a lock) by ``factory(self)``."""
+        value = self.extras.get(key)
+        if value is None:
+            with self._state_lock:
+                value = self.extras.get(key)
+                if value is None:
+                    value = factory(self)
+                    self.extras[key] = value
+        return value
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from gdskit.backends.host import contiguous_prefix
 from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks
-from gdskit.pool import Lane, lanes, run_chunks
+from gdskit.pool import LaneRef, lanes, run_chunks
 from gdskit.settings import settings
 from gdskit.vocabulary import Path
 
@@ -53,7 +53,8 @@ class BounceBackend(Backend):
         plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
         t0 = time.perf_counter()
 
-        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
+            lane = ref.get()
             stage, event = lane.next_stage()
             res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
             if res.nbytes:
@@ -76,7 +77,8 @@ class BounceBackend(Backend):
         plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
         t0 = time.perf_counter()
 
-        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
+            lane = ref.get()
             stage, _event = lane.next_stage()
             assert lane.stream is not None
             lane.stream.copy_d2h(stage.ptr + ch.file_offset % align, req.buf.ptr + ch.buf_offset, ch.size)

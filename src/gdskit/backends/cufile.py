@@ -8,6 +8,7 @@ after the request, and, where counters are off, the driver properties.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import os
@@ -67,6 +68,7 @@ class CufileLibrary:
         self._error: str | None = None
         self._opened = False
         self.stats_enabled = False
+        self.handles: set[int] = set()  # registered and not yet deregistered
 
     def _load(self) -> Any:
         with self._lock:
@@ -77,6 +79,8 @@ class CufileLibrary:
                     cufile.driver_open()
                     self._opened = True
                     self._mod = cufile
+                    # Close in order at exit: libcufile crashes the interpreter's exit if left open.
+                    atexit.register(self.close)
                     if settings.cufile_stats:
                         try:
                             cufile.set_stats_level(3)
@@ -143,9 +147,28 @@ class CufileLibrary:
         except Exception:
             return None
 
+    def deregister(self, handle: int) -> None:
+        with self._lock:
+            if handle not in self.handles:
+                return
+            self.handles.discard(handle)
+        self._mod.handle_deregister(handle)
+
     def close(self) -> None:
+        """Deregister what is left, stop the counters, close the driver."""
+        for handle in list(self.handles):
+            try:
+                self.deregister(handle)
+            except Exception:
+                pass
         with self._lock:
             if self._opened and self._mod is not None:
+                if self.stats_enabled:
+                    try:
+                        self._mod.stats_stop()
+                    except Exception:
+                        pass
+                    self.stats_enabled = False
                 try:
                     self._mod.driver_close()
                 except Exception:
@@ -180,9 +203,10 @@ class FileRegistration:
 
 def register(f: OpenFile) -> FileRegistration:
     """Register ``f`` with cuFile once; remember a failure so it is not retried."""
-    reg = f.extras.get("cufile")
-    if reg is not None:
-        return reg
+    return f.state("cufile", _register)
+
+
+def _register(f: OpenFile) -> FileRegistration:
     lib = library()
     if not lib.available():
         reg = FileRegistration(None, Reason.CUFILE_MISSING, lib.error or "")
@@ -197,11 +221,11 @@ def register(f: OpenFile) -> FileRegistration:
             descr.fs_ops = 0
             handle = int(mod.handle_register(descr.ptr))
             reg = FileRegistration(handle, None)
-            f.on_close(lambda: mod.handle_deregister(handle))
+            lib.handles.add(handle)
+            f.on_close(lambda: lib.deregister(handle))
         except Exception as exc:
             reason = Reason.UDEV_MISSING if not udev_database_present() else Reason.HANDLE_REGISTER_FAILED
             reg = FileRegistration(None, reason, f"{type(exc).__name__}: {exc}")
-    f.extras["cufile"] = reg
     return reg
 
 
@@ -242,7 +266,7 @@ class CufileBackend(Backend):
         t0 = time.perf_counter()
         try:
             sizes = run_chunks(plan, work, device=None, stage_bytes=0, threads=cfg.threads,
-                               max_lanes=cfg.threads, budget=cfg.pinned_budget, use_lanes=False)
+                               max_lanes=cfg.threads, budget=cfg.pinned_budget)
         except Exception as exc:
             if isinstance(exc, GdskitIOError):
                 raise

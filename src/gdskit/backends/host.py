@@ -13,11 +13,12 @@ import errno
 import time
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
-from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
+from gdskit.backends.staged import ChunkResult, file_residency, read_direct, read_to_stage, write_from_stage
+from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, chunks
-from gdskit.pool import Lane, run_chunks
+from gdskit.plan import Chunk, align_down, chunks
+from gdskit.pool import LaneRef, run_chunks
 from gdskit.settings import settings
 from gdskit.vocabulary import ODirectPolicy, Path
 
@@ -45,28 +46,56 @@ class HostBackend(Backend):
         plan = chunks(req.file_offset, req.buf_offset, req.size, cfg.chunk_size, align)
         t0 = time.perf_counter()
 
-        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
             dst = view[ch.buf_offset:ch.buf_offset + ch.size]
-            cached = 0
-            if cfg.odirect is ODirectPolicy.NEVER or (cfg.odirect is ODirectPolicy.AUTO and f.direct_fd() is None):
+            policy = cfg.odirect
+            dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.extras.get("direct_broken") else None
+            if dfd is None:
                 got = pread_full(f.fd, dst, ch.file_offset, f.path)
                 return ChunkResult(got, got)
-            if cfg.odirect is ODirectPolicy.AUTO and f.nowait_supported:
-                try:
-                    cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    f.nowait_supported = False
-                if cached == ch.size:
-                    return ChunkResult(cached, cached)
+            cached = 0
+            if policy is ODirectPolicy.AUTO:
+                where = file_residency(f, ch.file_offset, ch.size)
+                if where is None and f.nowait_supported:
+                    try:
+                        cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        f.nowait_supported = False
+                    if cached == ch.size:
+                        return ChunkResult(cached, cached)
+                elif where is not Residency.NONE or (where is None and not f.nowait_supported):
+                    got = pread_full(f.fd, dst, ch.file_offset, f.path)
+                    return ChunkResult(got, got)
+            pos = ch.file_offset + cached
             rest = ch.size - cached
-            stage = lane.stages[0]
-            res = read_to_stage(f, stage.view, ch.file_offset + cached, rest, ODirectPolicy.ALWAYS, align)
-            head = (ch.file_offset + cached) % align
+            addr = req.buf.ptr + ch.buf_offset + cached
+            direct = 0
+            if pos % align == 0 and addr % align == 0 and rest >= align:
+                # The caller's memory is aligned like the file: O_DIRECT straight into it.
+                body = align_down(rest, align)
+                try:
+                    direct = read_direct(dfd, dst[cached:cached + body], pos, align, f.path)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    f.extras["direct_broken"] = True
+                    direct = 0
+                if direct < body:
+                    if f.extras.get("direct_broken"):
+                        got = pread_full(f.fd, dst[cached:], pos, f.path)
+                        return ChunkResult(cached + got, cached + got)
+                    return ChunkResult(cached + direct, cached)
+                pos += direct
+                rest -= direct
+                if rest == 0:
+                    return ChunkResult(ch.size, cached)
+            stage = ref.get().stages[0]
+            res = read_to_stage(f, stage.view, pos, rest, ODirectPolicy.ALWAYS, align)
             if res.nbytes:
-                ctypes.memmove(req.buf.ptr + ch.buf_offset + cached, stage.ptr + head, res.nbytes)
-            return ChunkResult(cached + res.nbytes, cached + res.cached)
+                ctypes.memmove(addr + direct, stage.ptr + pos % align, res.nbytes)
+            return ChunkResult(cached + direct + res.nbytes, cached + res.cached)
 
         results = run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * align,
                              threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
@@ -83,15 +112,16 @@ class HostBackend(Backend):
         plan = chunks(req.file_offset, req.buf_offset, req.size, cfg.chunk_size, align)
         t0 = time.perf_counter()
 
-        def work(lane: Lane, ch: Chunk) -> ChunkResult:
+        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
             src = view[ch.buf_offset:ch.buf_offset + ch.size]
-            if cfg.odirect is not ODirectPolicy.ALWAYS:
+            if cfg.odirect is ODirectPolicy.NEVER or ch.size < align or f.direct_fd() is None:
                 pwrite_all(f.fd, src, ch.file_offset, f.path)
                 return ChunkResult(ch.size, ch.size)
-            stage = lane.stages[0]
+            # O_DIRECT needs aligned memory: stage the chunk (a memcpy is far cheaper than the disk).
+            stage = ref.get().stages[0]
             head = ch.file_offset % align
             ctypes.memmove(stage.ptr + head, req.buf.ptr + ch.buf_offset, ch.size)
-            return write_from_stage(f, stage.view, ch.file_offset, ch.size, ODirectPolicy.ALWAYS, align)
+            return write_from_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
 
         run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * align,
                    threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)

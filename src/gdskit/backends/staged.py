@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gdskit.backends.base import RWF_NOWAIT, OpenFile, pread_full, pwrite_all
 from gdskit.errors import from_os_error
+from gdskit.residency import Residency, new_mapping, residency
 from gdskit.plan import align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
@@ -25,7 +26,7 @@ class ChunkResult:
     cached: int  # through the page cache (the rest: O_DIRECT)
 
 
-def _pread_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
+def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
     """O_DIRECT read of an aligned range; a short, unaligned count means end of file."""
     done = 0
     total = len(view)
@@ -48,6 +49,15 @@ def _direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
     return f.direct_fd()
 
 
+def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
+    def make(of: OpenFile) -> object:
+        mapping = new_mapping()
+        of.on_close(mapping.close)
+        return mapping
+
+    return residency(f.fd, pos, n, f.state("residency_map", make))
+
+
 def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
                   alignment: int) -> ChunkResult:
     """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)``.
@@ -60,19 +70,20 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
     cached = 0
     dfd = _direct_usable(f, policy)
     if policy is ODirectPolicy.AUTO and dfd is not None:
-        if f.nowait_supported:
+        where = file_residency(f, pos, n)
+        if where is None and f.nowait_supported:
+            # Neither cachestat nor mincore: probe with RWF_NOWAIT (may start readahead, but is correct).
             try:
                 cached = pread_full(f.fd, stage[head:head + n], pos, f.path, flags=RWF_NOWAIT)
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                # RWF_NOWAIT is not supported here: hits and misses cannot be told apart.
                 f.nowait_supported = False
                 dfd = None
-        else:
-            dfd = None
-        if cached == n:
-            return ChunkResult(n, n)
+            if cached == n:
+                return ChunkResult(n, n)
+        elif where is not Residency.NONE:
+            dfd = None  # all (or partly) cached: the page cache serves it fastest
     if dfd is None:
         got = cached + pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
         return ChunkResult(got, got)
@@ -81,7 +92,7 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
     span_end = align_up(pos + n, alignment)
     s0 = align_down(head + cached, alignment)
     try:
-        got = _pread_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
+        got = read_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -98,11 +109,12 @@ def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: O
                      alignment: int) -> ChunkResult:
     """Write file bytes ``[pos, pos + n)`` from ``stage[pos % alignment:][:n]``.
 
-    ``always``: the aligned body with O_DIRECT, unaligned head and tail buffered.
-    Otherwise everything buffered (the page cache absorbs writes; fsync makes them durable).
+    ``auto`` and ``always``: the aligned body with O_DIRECT (a copy through the
+    page cache costs CPU and, before fsync, memory), unaligned head and tail
+    buffered. ``never``: everything buffered.
     """
     head = pos % alignment
-    dfd = _direct_usable(f, policy) if policy is ODirectPolicy.ALWAYS else None
+    dfd = _direct_usable(f, policy)
     body_start = align_up(pos, alignment)
     body_end = align_down(pos + n, alignment)
     if dfd is None or body_end <= body_start:

@@ -1,9 +1,150 @@
-"""`gdskit bench` (not yet written)."""
+"""``gdskit bench``: the direct path against the CPU paths, same parameters, CPU cost included.
+
+Options follow NVIDIA's gdsio where they can (``-f -D -d -s -i -w -x -I -T -V``);
+``-x`` takes gdskit's path names instead of numbers. Exit status: 0 done,
+1 verification failed, 2 bad arguments or an unusable target, 130 interrupted.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
 import typer
+
+_HELP = (
+    "Compare the direct path (cuFile) with the CPU paths (bounce, host) under identical parameters.\n\n"
+    "With no arguments: a temporary file in the current directory (1 GiB with a GPU, 256 MiB without), "
+    "every path available here, sequential 1 MiB reads, hot page cache, 3 repetitions; prints the table "
+    "and removes the file.\n\n"
+    "Runs of different paths are interleaved (A B A B ...); each row is the median of the repetitions "
+    "with min and max. Every run reports the path its bytes really took (gdskit's ledger, cuFile's "
+    "counters) and the CPU it cost."
+)
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("bench", help=_HELP, no_args_is_help=False)(bench)
+
+
+def bench(
+    file: Optional[str] = typer.Option(None, "-f", "--file", help="Target file, shared by all workers (each owns a slice)."),
+    directory: Optional[str] = typer.Option(None, "-D", "--dir", help="Directory with one file per worker."),
+    device: int = typer.Option(0, "-d", "--device", help="GPU index for device buffers."),
+    size: Optional[str] = typer.Option(None, "-s", "--size", help="Data set size (file size; each worker's file with -D). Default 1G; 1G/256M for the no-argument run."),
+    io_size: Optional[str] = typer.Option(None, "-i", "--io-size", help="I/O size (default 1M), or MIN:MAX to sweep powers of two."),
+    workers: int = typer.Option(4, "-w", "--workers", help="Worker threads issuing I/O."),
+    paths: Optional[str] = typer.Option(None, "-x", "--paths", help="Paths to compare, e.g. cufile,bounce,host (default: every path available here)."),
+    op: str = typer.Option("read", "-I", "--op", help="read, write, randread or randwrite (gdsio's 0-3 work too)."),
+    duration: Optional[float] = typer.Option(None, "-T", "--duration", help="Seconds per run (workers wrap around their slice)."),
+    total: Optional[str] = typer.Option(None, "--total", help="Bytes per run (default: one pass over the data set)."),
+    verify: bool = typer.Option(False, "-V", "--verify", help="Write a known pattern, read it back, check every byte."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="cold (evict the file, O_DIRECT; default), drop (also drop the page cache; root), hot (default of the no-argument run)."),
+    repeat: int = typer.Option(3, "--repeat", help="Repetitions per path (and per size in a sweep)."),
+    sweep: bool = typer.Option(False, "--sweep", help="Sweep I/O sizes 4K..16M (or -i MIN:MAX) and find the knee."),
+    save_profile: bool = typer.Option(False, "--save-profile", help="Store the sweep's cut-off as this mount's profile for auto mode."),
+    seed: int = typer.Option(0, "--seed", help="Seed of random offsets and of the verify pattern."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (stable schema)."),
+    csv_file: Optional[str] = typer.Option(None, "--csv", help="Write one CSV row per run to this file ('-' for stdout)."),
+    plot_file: Optional[str] = typer.Option(None, "--plot", help="Plot throughput and CPU cost against I/O size to this PNG (needs gdskit[plot])."),
+) -> None:
+    from gdskit.bench import runner
+    from gdskit.bench.params import make_params
+    from gdskit.bench.report import plot, render_table, write_csv
+    from gdskit.errors import GdskitError, MissingDependencyError
+
+    default_run = file is None and directory is None
+    try:
+        if plot_file is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise MissingDependencyError("--plot needs matplotlib: pip install 'gdskit[plot]'") from None
+        params = make_params(
+            file=file, directory=directory, device=device,
+            size=size if size is not None else (runner.default_size() if default_run else "1G"),
+            io_size=io_size, workers=workers, paths=paths, op=op, duration=duration, total=total,
+            verify=verify, cache=cache if cache is not None else ("hot" if default_run else "cold"),
+            repeat=repeat, sweep=sweep, seed=seed,
+        )
+        with _progress(enabled=not as_json and sys.stderr.isatty()) as progress, _sigterm_as_interrupt():
+            report = runner.run_benchmark(params, progress=progress, save_profile=save_profile)
+        if plot_file is not None:
+            plot(report, plot_file)
+        if csv_file is not None:
+            if csv_file == "-":
+                write_csv(report.runs, sys.stdout)
+            else:
+                with open(csv_file, "w", newline="", encoding="utf-8") as fh:
+                    write_csv(report.runs, fh)
+    except GdskitError as exc:
+        typer.echo(f"gdskit bench: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("gdskit bench: interrupted; temporary files removed", err=True)
+        raise typer.Exit(130) from None
+    except OSError as exc:  # e.g. the --csv file cannot be written
+        typer.echo(f"gdskit bench: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    elif csv_file != "-":
+        from rich.console import Console
+        render_table(report, Console(width=None if sys.stdout.isatty() else 160))
+        if plot_file is not None:
+            typer.echo(f"plot written to {plot_file}")
+    if report.verify_ok is False:
+        raise typer.Exit(1)
+
+
+class _progress:
+    """A rich progress bar on a terminal, shown once the benchmark has run for 2 seconds."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: Any = None
+        self._task: Any = None
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> Any:
+        return self if self.enabled else None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self._bar is None:
+            if time.monotonic() - self._t0 < 2.0:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self._bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.description}"), TimeRemainingColumn(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(label, total=total)
+        self._bar.update(self._task, completed=done, total=total, description=label)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+class _sigterm_as_interrupt:
+    """Turn SIGTERM into KeyboardInterrupt while the benchmark runs, so its files get removed."""
+
+    def __enter__(self) -> None:
+        self._old = None
+        if _main_thread():
+            def handler(signum: int, frame: Any) -> None:
+                raise KeyboardInterrupt
+            self._old = signal.signal(signal.SIGTERM, handler)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread() and os.name == "posix"

@@ -16,6 +16,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+@app.callback()
+def _root() -> None:
+    """Files to GPU memory by the fastest path, with proof of the path every byte took."""
+
+
 # Sub-command modules, in the order `gdskit --help` lists them.
 _COMMAND_MODULES = ("demo", "check", "bench")
 

@@ -1,0 +1,189 @@
+"""Check ``gdskit bench``'s host path against fio on the same work.
+
+Two cases, each with matching parameters on one file:
+
+* sequential read, 1 MiB I/Os, W workers, each reading its own slice once, O_DIRECT;
+* random read, 4 KiB I/Os, W workers, each at random 4 KiB-aligned offsets in its
+  own slice, for a fixed time, O_DIRECT.
+
+fio runs with ``ioengine=psync`` (one blocking I/O at a time per job, as each
+gdskit worker does), ``numjobs=W``, ``size`` = slice and ``offset_increment`` =
+slice, so job ``i`` covers exactly worker ``i``'s slice. A third column runs the
+same work from Python threads calling ``os.preadv`` on an O_DIRECT descriptor
+with no gdskit engine in between: it separates the cost of the engine from the
+cost of driving I/O from Python at all.
+
+Repetitions alternate fio, gdskit, plain Python so drift hits all three alike;
+medians are reported. After a gdskit sequential run, ``fincore`` (util-linux)
+shows how much of the file sits in the page cache: near zero proves the reads
+were O_DIRECT.
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from gdskit.bench import runner
+from gdskit.bench.params import make_params, parse_bytes
+
+
+def fio_cmd(path: str, rw: str, bs: str, workers: int, slice_bytes: int, runtime: float | None) -> list[str]:
+    cmd = ["fio", "--name=gdskit-compare", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
+           "--ioengine=psync", f"--numjobs={workers}", f"--size={slice_bytes}",
+           f"--offset_increment={slice_bytes}", "--group_reporting", "--output-format=json",
+           "--invalidate=1"]
+    if runtime:
+        cmd += [f"--runtime={runtime}", "--time_based"]
+    return cmd
+
+
+def run_fio(cmd: list[str]) -> float:
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    data = json.loads(out[out.index("{"):])
+    return data["jobs"][0]["read"]["bw_bytes"] / 2**30
+
+
+def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None) -> float:
+    p = make_params(file=path, size=size, io_size=io, workers=workers, paths="host", op=op,
+                    duration=runtime, cache="cold", repeat=1)
+    (r,) = runner.run_benchmark(p).runs
+    assert r.taken == {"host": r.bytes}, r.taken
+    return r.gib_per_s
+
+
+def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime: float | None) -> float:
+    """The same work from Python threads with os.preadv on O_DIRECT, no engine."""
+    slice_bytes = size // workers
+    slots = slice_bytes // io
+    runner.make_cold([path], False)
+    counts = [0] * workers
+    barrier = threading.Barrier(workers + 1)
+    end = [0.0]
+
+    def work(w: int) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, io)
+        rng = np.random.default_rng(w)
+        base = w * slice_bytes
+        try:
+            barrier.wait()
+            i = 0
+            while True:
+                if runtime is None and i >= slots:
+                    break
+                if runtime is not None and time.perf_counter() >= end[0]:
+                    break
+                if random:
+                    off = base + int(rng.integers(0, slots)) * io
+                else:
+                    off = base + i * io
+                os.preadv(fd, [buf], off)
+                counts[w] += 1
+                i += 1
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    end[0] = t0 + (runtime or 0)
+    barrier.wait()
+    for t in threads:
+        t.join()
+    return sum(counts) * io / (time.perf_counter() - t0) / 2**30
+
+
+def fincore_pages(path: str) -> str | None:
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", path],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--file", default="gdskit-fio-test.bin")
+    ap.add_argument("--size", default="4G")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--runtime", type=float, default=5.0, help="seconds per random-read run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the test file")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if shutil.which("fio") is None:
+        print("fio is not installed (Debian: apt-get install fio)", file=sys.stderr)
+        return 2
+    size = parse_bytes(args.size, "--size")
+    W = args.workers
+    slice_bytes = size // W
+    made = not os.path.exists(args.file) or os.path.getsize(args.file) < size
+    if made:
+        runner.fill_file(args.file, size, 0)
+    cases = {
+        "sequential read 1 MiB": dict(rw="read", bs="1M", io="1M", op="read", runtime=None, random=False,
+                                      io_bytes=2**20),
+        "random read 4 KiB": dict(rw="randread", bs="4k", io="4K", op="randread", runtime=args.runtime,
+                                  random=True, io_bytes=4096),
+    }
+    results: dict[str, dict[str, list[float]]] = {c: {"fio": [], "gdskit": [], "plain": []} for c in cases}
+    commands = {}
+    resident = None
+    try:
+        for rep in range(args.reps):
+            for name, c in cases.items():
+                cmd = fio_cmd(args.file, c["rw"], c["bs"], W, slice_bytes, c["runtime"])
+                commands[name] = " ".join(cmd)
+                results[name]["fio"].append(run_fio(cmd))
+                results[name]["gdskit"].append(run_gdskit(args.file, size, c["io"], W, c["op"], c["runtime"]))
+                if c["op"] == "read" and resident is None:
+                    resident = fincore_pages(args.file)
+                results[name]["plain"].append(run_plain(args.file, size, c["io_bytes"], W, c["random"],
+                                                        c["runtime"]))
+                print(f"rep {rep + 1}: {name}: fio {results[name]['fio'][-1]:.3f}, gdskit "
+                      f"{results[name]['gdskit'][-1]:.3f}, plain Python {results[name]['plain'][-1]:.3f} GiB/s",
+                      file=sys.stderr)
+    finally:
+        if made and not args.keep:
+            os.unlink(args.file)
+
+    summary = {}
+    for name, r in results.items():
+        med = {k: statistics.median(v) for k, v in r.items()}
+        summary[name] = {"median_gib_per_s": med, "all": r, "gdskit_vs_fio": med["gdskit"] / med["fio"],
+                         "plain_vs_fio": med["plain"] / med["fio"], "fio_command": commands[name]}
+    if args.json:
+        print(json.dumps({"workers": W, "size": size, "page_cache_after_gdskit_seq_read": resident,
+                          "cases": summary}, indent=2))
+        return 0
+    print(f"| case ({W} workers, O_DIRECT) | fio GiB/s | gdskit bench GiB/s | gdskit / fio | "
+          f"plain Python os.preadv GiB/s | plain / fio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, s in summary.items():
+        m = s["median_gib_per_s"]
+        print(f"| {name} | {m['fio']:.3f} | {m['gdskit']:.3f} | {s['gdskit_vs_fio']:.2f} | {m['plain']:.3f} | "
+              f"{s['plain_vs_fio']:.2f} |")
+    print(f"\npage cache holding the file after a gdskit cold sequential read (fincore): {resident}")
+    for name, s in summary.items():
+        print(f"\nfio, {name}: `{s['fio_command']}`")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""Checkpoint loaders side by side: gdskit against every peer, hot and cold page cache.
+
+Creates two checkpoints (one large file of 32 MiB bf16 tensors, one of many small
+tensors; each as safetensors and as a torch.save file), then runs every loader in
+its own fresh process and times the call up to ``torch.cuda.synchronize()``.
+Reports GB/s (1 GB = 1e9 bytes), CPU-seconds per GB, peak GPU memory against the
+checkpoint size, and ratios against gdskit. Cold runs drop the page cache before
+each run (root: ``/proc/sys/vm/drop_caches``; otherwise ``posix_fadvise(DONTNEED)``
+on the files). A raw multi-threaded O_DIRECT read of the large file gives the
+disk's own rate for the cold target.
+
+    python benchmarks/loaders.py --dir /data/bench --size 8 --cold --json out.json
+    python benchmarks/loaders.py --save --dir /data/bench --size 8      # saving GB/s
+
+Peers whose package is missing are reported as "not installed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+GB = 1e9
+MiB = 1 << 20
+
+LOADERS = ["gdskit", "gdskit-torch", "safetensors", "fastsafetensors-nogds", "fastsafetensors-gds",
+           "runai", "kvikio", "torch-mmap", "odirect"]
+SAVERS = ["gdskit", "gdskit-torch", "safetensors", "torch"]
+PACKAGE = {"gdskit": "gdskit", "gdskit-torch": "gdskit", "safetensors": "safetensors",
+           "fastsafetensors-nogds": "fastsafetensors", "fastsafetensors-gds": "fastsafetensors",
+           "runai": "runai_model_streamer", "kvikio": "kvikio", "torch-mmap": "torch", "odirect": "os",
+           "torch": "torch"}
+TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
+
+
+# -- checkpoint creation ----------------------------------------------------------
+
+def _tensor_set(kind: str, size_gib: float, small_count: int, small_avg_kib: int):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    if kind == "large":
+        n = max(1, int(size_gib * 1024 * MiB) // (32 * MiB))
+        for i in range(n):
+            out[f"layers.{i}.weight"] = torch.empty(16 * MiB, dtype=torch.int16).random_(generator=g).view(torch.bfloat16)
+    else:
+        avg = small_avg_kib * 1024 // 2  # elements of 2 bytes
+        sizes = torch.randint(avg // 5, avg * 9 // 5, (small_count,), generator=g).tolist()
+        for i, n in enumerate(sizes):
+            out[f"blocks.{i}.param"] = torch.empty(n, dtype=torch.int16).random_(generator=g).view(torch.bfloat16)
+    return out
+
+
+def ensure_files(directory: str, size_gib: float, small_count: int, small_avg_kib: int) -> dict[str, dict[str, str]]:
+    """Create the checkpoints once; later runs reuse them."""
+    os.makedirs(directory, exist_ok=True)
+    files: dict[str, dict[str, str]] = {}
+    for kind in ("large", "small"):
+        st = os.path.join(directory, f"{kind}.safetensors")
+        pt = os.path.join(directory, f"{kind}.pt")
+        if not (os.path.exists(st) and os.path.exists(pt)):
+            import gdskit.safetensors
+            import gdskit.torch
+            print(f"creating {kind} checkpoint in {directory} ...", file=sys.stderr)
+            tensors = _tensor_set(kind, size_gib, small_count, small_avg_kib)
+            gdskit.safetensors.save_file(tensors, st)
+            gdskit.torch.save(tensors, pt)
+            del tensors
+        files[kind] = {"safetensors": st, "torch": pt}
+    return files
+
+
+# -- page cache control -----------------------------------------------------------
+
+def drop_caches(paths: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+
+def warm(path: str) -> None:
+    buf = bytearray(64 * MiB)
+    with open(path, "rb", buffering=0) as fh:
+        while fh.readinto(buf):
+            pass
+
+
+# -- the loaders (run inside the child process) -------------------------------------
+
+def _load(loader: str, path: str, device: str, threads: int):
+    import torch
+    if loader == "gdskit":
+        import gdskit.safetensors
+        return gdskit.safetensors.load_file(path, device=device, progress=False)
+    if loader == "gdskit-torch":
+        import gdskit.torch
+        return gdskit.torch.load(path, map_location=device, progress=False)
+    if loader == "safetensors":
+        from safetensors.torch import load_file
+        return load_file(path, device=device)
+    if loader.startswith("fastsafetensors"):
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+        kw = {"nogds": loader.endswith("nogds")}
+        try:
+            fl = SafeTensorsFileLoader(SingleGroup(), torch.device(device), max_threads=threads, **kw)
+        except TypeError:
+            fl = SafeTensorsFileLoader(SingleGroup(), torch.device(device), **kw)
+        fl.add_filenames({0: [path]})
+        fb = fl.copy_files_to_device()
+        out = {k: fb.get_tensor(k) for k in fl.get_keys()} if hasattr(fl, "get_keys") else {}
+        torch.cuda.synchronize()
+        return (out, fb, fl)  # kept alive until the clock stops
+    if loader == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+        out = {}
+        with SafetensorsStreamer() as s:
+            s.stream_file(path)
+            for name, t in s.get_tensors():
+                out[name] = t.to(device)
+        return out
+    if loader == "kvikio":
+        import kvikio
+        buf = torch.empty(os.path.getsize(path), dtype=torch.uint8, device=device)
+        with kvikio.CuFile(path, "r") as f:
+            f.read(buf)
+        return buf
+    if loader == "torch-mmap":
+        return torch.load(path, mmap=True, map_location=device, weights_only=True)
+    if loader == "odirect":
+        return odirect_read(path, threads)
+    raise SystemExit(f"unknown loader {loader}")
+
+
+def odirect_read(path: str, threads: int, block: int = 16 * MiB) -> int:
+    """Read the whole file with O_DIRECT, ``threads`` workers, into per-thread aligned buffers."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    local = threading.local()
+
+    def read_block(off: int) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+        return os.preadv(fd, [buf], off)
+
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            return sum(ex.map(read_block, range(0, size, block)))
+    finally:
+        os.close(fd)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One load (or save) in a fresh process; prints one JSON line."""
+    if args.loader == "kvikio":
+        os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
+    if args.loader == "runai":
+        os.environ.setdefault("RUNAI_STREAMER_CONCURRENCY", str(args.threads))
+    if args.loader.startswith("gdskit"):
+        os.environ.setdefault("GDSKIT_THREADS", str(args.threads))
+    import torch
+    use_cuda = args.device.startswith("cuda") and args.loader != "odirect"
+    if use_cuda:
+        torch.cuda.init()
+        torch.empty(1, device=args.device)  # CUDA context outside the clock, for every loader alike
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if use_cuda else 0
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if args.save:
+        nbytes = _save(args)
+    else:
+        result = _load(args.loader, args.path, args.device, args.threads)
+        if use_cuda:
+            torch.cuda.synchronize()
+        nbytes = os.path.getsize(args.path)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    peak = (torch.cuda.max_memory_allocated() - base) if use_cuda else 0
+    out = {"loader": args.loader, "wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "peak_gpu_bytes": peak}
+    if args.loader.startswith("gdskit"):
+        import gdskit
+        try:
+            out["pinned_bytes"] = gdskit.resources().pinned_bytes
+            out["pinned_budget"] = gdskit.settings.pinned_budget
+        except AttributeError:
+            pass
+    if not args.save:
+        del result
+    print("RESULT " + json.dumps(out))
+
+
+def _save(args: argparse.Namespace) -> int:
+    import torch
+    tensors = getattr(args, "_tensors")
+    target = args.path
+    if args.loader == "gdskit":
+        import gdskit.safetensors
+        gdskit.safetensors.save_file(tensors, target)
+    elif args.loader == "gdskit-torch":
+        import gdskit.torch
+        gdskit.torch.save(tensors, target)
+    elif args.loader == "safetensors":
+        from safetensors.torch import save_file
+        save_file(tensors, target)
+        _fsync(target)
+    elif args.loader == "torch":
+        torch.save(tensors, target)
+        _fsync(target)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_child(args: argparse.Namespace) -> None:
+    import torch
+    from safetensors.torch import load_file
+    tensors = load_file(args.source, device=args.device)  # the set, already on the GPU
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    args._tensors = tensors
+    child(args)
+
+
+# -- the parent -------------------------------------------------------------------
+
+def installed(loader: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(PACKAGE[loader]) is not None
+
+
+def run_child(argv: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+
+
+def summarize(r: dict) -> dict:
+    if "error" in r:
+        return r
+    r["gb_per_s"] = r["bytes"] / GB / r["wall_s"]
+    r["cpu_s_per_gb"] = r["cpu_s"] / (r["bytes"] / GB)
+    r["peak_gpu_ratio"] = r["peak_gpu_bytes"] / r["bytes"] if r["bytes"] else 0.0
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/gdskit-bench", help="where the checkpoints live (created once)")
+    ap.add_argument("--size", type=float, default=8.0, help="GiB of the large checkpoint")
+    ap.add_argument("--small-count", type=int, default=20000)
+    ap.add_argument("--small-avg-kib", type=int, default=100)
+    ap.add_argument("--loaders", default=",".join(LOADERS), help="comma list from: " + ", ".join(LOADERS))
+    ap.add_argument("--files", default="large,small")
+    ap.add_argument("--cold", action="store_true", help="also run with the page cache dropped before each run")
+    ap.add_argument("--no-hot", action="store_true", help="skip the hot runs")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per loader and mode (best is reported)")
+    ap.add_argument("--threads", type=int, default=16, help="I/O threads for loaders that take a count")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--save", action="store_true", help="benchmark saving the large set from GPU instead")
+    ap.add_argument("--json", dest="json_out", help="write all results here")
+    # child-process arguments
+    ap.add_argument("--child", dest="loader", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--source", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.loader:
+        (save_child if args.save else child)(args)
+        return
+
+    files = ensure_files(args.dir, args.size, args.small_count, args.small_avg_kib)
+    common = ["--device", args.device, "--threads", str(args.threads)]
+    results: list[dict] = []
+    if args.save:
+        for saver in args.loaders.split(",") if args.loaders != ",".join(LOADERS) else SAVERS:
+            if not installed(saver):
+                results.append({"loader": saver, "mode": "save", "error": "not installed"})
+                continue
+            ext = "pt" if saver in ("torch", "gdskit-torch") else "safetensors"
+            out = os.path.join(args.dir, f"saved-{saver}.{ext}")
+            best = None
+            for _ in range(args.repeats):
+                r = summarize(run_child(["--child", saver, "--save", "--path", out,
+                                         "--source", files["large"]["safetensors"], *common], args.timeout))
+                if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
+                    best = r
+                try:
+                    os.unlink(out)
+                except FileNotFoundError:
+                    pass
+            results.append({**best, "loader": saver, "mode": "save", "file": "large"})
+    else:
+        modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
+        all_paths = [p for f in files.values() for p in f.values()]
+        for kind in args.files.split(","):
+            for loader in args.loaders.split(","):
+                path = files[kind]["torch" if loader in TORCH_FORMAT else "safetensors"]
+                if loader == "odirect" and kind != "large":
+                    continue
+                for mode in modes:
+                    if not installed(loader):
+                        results.append({"loader": loader, "file": kind, "mode": mode, "error": "not installed"})
+                        continue
+                    best = None
+                    for _ in range(args.repeats):
+                        how = drop_caches(all_paths) if mode == "cold" else (warm(path) or "warmed")
+                        r = summarize(run_child(["--child", loader, "--path", path, *common], args.timeout))
+                        r["cache"] = how
+                        if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
+                            best = r
+                    results.append({**best, "loader": loader, "file": kind, "mode": mode})
+    report(results, args)
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    ref = {(r["file"], r["mode"]): r for r in results if r["loader"] == "gdskit" and "gb_per_s" in r}
+    lines = [f"{'loader':24} {'file':6} {'mode':5} {'GB/s':>7} {'vs gdskit':>9} {'CPU-s/GB':>9} "
+             f"{'peak GPU/size':>13}  note"]
+    for r in results:
+        if "gb_per_s" not in r:
+            lines.append(f"{r['loader']:24} {r.get('file', ''):6} {r['mode']:5} {'-':>7} {'-':>9} {'-':>9} "
+                         f"{'-':>13}  {r.get('error', '')}")
+            continue
+        g = ref.get((r["file"], r["mode"]))
+        ratio = f"{r['gb_per_s'] / g['gb_per_s']:.2f}x" if g else "-"
+        note = ""
+        if "pinned_bytes" in r:
+            note = f"pinned {r['pinned_bytes'] / MiB:.0f} MiB of {r['pinned_budget'] / MiB:.0f} MiB"
+        lines.append(f"{r['loader']:24} {r['file']:6} {r['mode']:5} {r['gb_per_s']:7.2f} {ratio:>9} "
+                     f"{r['cpu_s_per_gb']:9.3f} {r['peak_gpu_ratio']:13.3f}  {note}")
+    targets = evaluate(results)
+    print("\n".join(lines))
+    for k, v in targets.items():
+        print(f"target {k}: {v}")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                       "results": results, "targets": targets}, fh, indent=2)
+
+
+def evaluate(results: list[dict]) -> dict[str, str]:
+    """The issue's targets, checked against this run's numbers."""
+    def rate(loader: str, file: str, mode: str) -> float | None:
+        for r in results:
+            if r["loader"] == loader and r.get("file") == file and r["mode"] == mode and "gb_per_s" in r:
+                return r["gb_per_s"]
+        return None
+
+    out: dict[str, str] = {}
+    peers = [l for l in LOADERS if l not in ("gdskit", "gdskit-torch", "odirect", "kvikio")]
+    for mode in ("hot", "cold"):
+        g = rate("gdskit", "large", mode)
+        if g is None:
+            continue
+        best = max((x for p in peers if (x := rate(p, "large", mode)) is not None), default=None)
+        out[f"{mode} faster than every peer"] = (f"{'met' if best is None or g > best else 'NOT met'} "
+                                                 f"(gdskit {g:.2f}, best peer {best or 0:.2f} GB/s)")
+        if mode == "hot":
+            out["hot >= 45 GB/s"] = f"{'met' if g >= 45 else 'NOT met'} ({g:.2f} GB/s)"
+        raw = rate("odirect", "large", "cold")
+        if mode == "cold" and raw:
+            out["cold >= 0.97x raw O_DIRECT"] = f"{'met' if g >= 0.97 * raw else 'NOT met'} ({g / raw:.3f}x of {raw:.2f} GB/s)"
+        s = rate("gdskit", "small", mode)
+        if s is not None:
+            out[f"{mode} small >= 0.8x large"] = f"{'met' if s >= 0.8 * g else 'NOT met'} ({s / g:.2f}x)"
+    peaks = [r["peak_gpu_ratio"] for r in results if r["loader"].startswith("gdskit") and "peak_gpu_ratio" in r
+             and r["mode"] != "save"]
+    if peaks:
+        out["peak GPU <= 1.05x"] = f"{'met' if max(peaks) <= 1.05 else 'NOT met'} (worst {max(peaks):.3f}x)"
+    return out
+
+
+if __name__ == "__main__":
+    main()

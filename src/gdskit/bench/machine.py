@@ -1,0 +1,217 @@
+"""Facts about the machine a benchmark ran on, so results can be compared later.
+
+Everything here is optional and never raises: a fact that cannot be read is
+``None``. GPU facts come from NVML (``pynvml``), the libcufile version from
+``cuda.bindings.cufile``; both are imported lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MountInfo:
+    """The mount a path lives on (one line of ``/proc/self/mountinfo``)."""
+
+    mount_point: str
+    fstype: str
+    source: str        # e.g. /dev/nvme0n1p1, or the server:/export of NFS
+    dev: str           # "major:minor" of the filesystem
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit() and len(field[i + 1:i + 4]) == 3:
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def parse_mountinfo(text: str) -> list[MountInfo]:
+    """Parse the text of ``/proc/self/mountinfo`` (malformed lines are skipped)."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if sep < 6 or len(fields) < sep + 3:
+            continue
+        mounts.append(MountInfo(mount_point=_unescape(fields[4]), fstype=fields[sep + 1],
+                                source=_unescape(fields[sep + 2]), dev=fields[2]))
+    return mounts
+
+
+def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
+    """The mount holding ``path`` (the longest mount point that is a prefix; last one wins)."""
+    try:
+        if mountinfo_text is None:
+            with open("/proc/self/mountinfo") as fh:
+                mountinfo_text = fh.read()
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    best: MountInfo | None = None
+    for m in parse_mountinfo(mountinfo_text):
+        mp = m.mount_point.rstrip("/") or "/"
+        inside = real == mp or mp == "/" or real.startswith(mp + "/")
+        if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
+            best = m
+    return best
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def block_device_facts(dev: str, sys_root: str = "/sys") -> dict[str, Any]:
+    """Model and queue facts of the block device ``major:minor`` (partitions resolved to the disk)."""
+    facts: dict[str, Any] = {}
+    base = os.path.join(sys_root, "dev", "block", dev)
+    try:
+        real = os.path.realpath(base)
+    except OSError:
+        return facts
+    if not os.path.exists(real):
+        return facts
+    disk = real
+    if os.path.exists(os.path.join(real, "partition")):
+        disk = os.path.dirname(real)
+    facts["name"] = os.path.basename(disk)
+    facts["model"] = _read(os.path.join(disk, "device", "model"))
+    rot = _read(os.path.join(disk, "queue", "rotational"))
+    facts["rotational"] = None if rot is None else rot == "1"
+    facts["scheduler"] = _read(os.path.join(disk, "queue", "scheduler"))
+    slaves = os.path.join(disk, "slaves")
+    facts["raid_or_multipath"] = bool(os.path.isdir(slaves) and os.listdir(slaves))
+    return facts
+
+
+def gpu_facts(index: int) -> dict[str, Any]:
+    """Name, driver and PCIe facts of GPU ``index`` via NVML; empty without one."""
+    try:
+        import pynvml
+    except Exception:
+        return {}
+    facts: dict[str, Any] = {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        facts["count"] = pynvml.nvmlDeviceGetCount()
+        facts["driver"] = text(pynvml.nvmlSystemGetDriverVersion())
+        if index < facts["count"]:
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            facts["index"] = index
+            facts["name"] = text(pynvml.nvmlDeviceGetName(h))
+            for key, fn in (("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+                            ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth")):
+                try:
+                    facts[key] = int(getattr(pynvml, fn)(h))
+                except Exception:
+                    facts[key] = None
+            try:
+                facts["bar1_total_bytes"] = int(pynvml.nvmlDeviceGetBAR1MemoryInfo(h).bar1Total)
+            except Exception:
+                facts["bar1_total_bytes"] = None
+    except Exception:
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return facts
+
+
+def cufile_version() -> str | None:
+    """libcufile's version as ``major.minor.patch``, or None when it cannot be loaded."""
+    try:
+        from cuda.bindings import cufile
+        v = int(cufile.get_version())
+    except Exception:
+        return None
+    # cuFileGetVersion returns 1000 * major + 10 * minor (1.15 -> 1150)
+    text = f"{v // 1000}.{(v % 1000) // 10}"
+    return text + (f".{v % 10}" if v % 10 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineFacts:
+    """What a result depends on besides the parameters."""
+
+    hostname: str | None
+    kernel: str | None
+    cpu_model: str | None
+    cpu_count: int | None
+    memory_bytes: int | None
+    python: str
+    gdskit_version: str | None
+    gpu: dict[str, Any]
+    cufile_version: str | None
+    filesystem: str | None
+    mount_point: str | None
+    mount_source: str | None
+    block_device: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _cpu_model() -> str | None:
+    text = _read("/proc/cpuinfo") or ""
+    for line in text.splitlines():
+        if line.lower().startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def _memory() -> int | None:
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def collect(target: str | None, gpu_index: int | None = 0) -> MachineFacts:
+    """Gather the facts for a run on ``target`` (a file or directory) and GPU ``gpu_index``."""
+    try:
+        import gdskit
+        version = getattr(gdskit, "__version__", None)
+    except Exception:
+        version = None
+    mount = mount_for(target) if target else None
+    dev = mount.dev if mount else None
+    try:
+        uname = platform.uname()
+        host, kernel = uname.node, uname.release
+    except Exception:
+        host = kernel = None
+    return MachineFacts(
+        hostname=host, kernel=kernel, cpu_model=_cpu_model(), cpu_count=os.cpu_count(),
+        memory_bytes=_memory(), python=platform.python_version(), gdskit_version=version,
+        gpu=gpu_facts(gpu_index) if gpu_index is not None else {},
+        cufile_version=cufile_version() if gpu_index is not None else None,
+        filesystem=mount.fstype if mount else None,
+        mount_point=mount.mount_point if mount else None,
+        mount_source=mount.source if mount else None,
+        block_device=block_device_facts(dev) if dev else {},
+    )

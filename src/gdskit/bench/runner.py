@@ -1,0 +1,564 @@
+"""The A/B runner: the same work through each path, interleaved, repeated.
+
+For each I/O size, for each repetition, for each path in order, one *run*:
+``W`` worker threads, each with its own :class:`gdskit.File` and buffer, issue
+I/Os of one size over their own slice of the data (sequentially, or at random
+aligned offsets drawn from a seed shared by all paths) through the engine with
+the path forced by ``gdskit.settings.set(mode=...)``. Interleaving (A B A B ...)
+spreads drift (page-cache state, thermal, other load) over all paths evenly.
+
+Around each run the runner takes the ledger (``gdskit.stats()``), cuFile's own
+counters when cuFile runs, and the CPU counters, so a run reports the path its
+bytes really took and what it cost the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import gdskit
+from gdskit import cuda
+from gdskit.bench import cpu as cpu_mod
+from gdskit.bench import machine
+from gdskit.bench.knee import KneeResult, find_knee
+from gdskit.bench.memory import HostBuffer, allocate, pattern
+from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, Op, PathUnavailableError
+from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
+from gdskit.errors import DirectPathUnavailable, GdskitError, GdskitIOError, InvalidArgumentError, from_os_error
+from gdskit.vocabulary import Reason
+
+#: Engine mode that forces each bench path.
+ENGINE_MODE = {"cufile": "cufile", "bounce": "bounce", "host": "host"}
+
+#: Data set of the no-argument run: big enough to pass caches' edge effects, small enough to be quick.
+DEFAULT_SIZE_GPU = 1024 * MiB
+DEFAULT_SIZE_HOST = 256 * MiB
+
+#: A sweep run without -T or a byte count stops after this many seconds (or one pass, if sooner).
+SWEEP_RUN_SECONDS = 1.0
+
+_FILL_CHUNK = 8 * MiB
+_TEMP_PREFIX = ".gdskit-bench-"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def default_size() -> int:
+    """The no-argument run's data set size: 1 GiB with a GPU, 256 MiB without."""
+    return DEFAULT_SIZE_GPU if cuda.device_count() > 0 else DEFAULT_SIZE_HOST
+
+
+# -- which paths can run here ---------------------------------------------------
+def static_availability(device: int) -> dict[str, str | None]:
+    """``{path: None}`` when it may run, else the reason it cannot (before any file exists)."""
+    n = cuda.device_count()
+    out: dict[str, str | None] = {"cufile": None, "bounce": None, "host": None}
+    if n == 0:
+        out["cufile"] = out["bounce"] = Reason.NO_GPU.value
+        return out
+    if device >= n:
+        raise InvalidArgumentError(f"GPU index (-d) {device} does not exist; this machine has {n} GPU(s)")
+    try:
+        from gdskit.backends.cufile import library
+        if not library().available():
+            out["cufile"] = Reason.CUFILE_MISSING.value
+    except Exception:
+        out["cufile"] = Reason.CUFILE_MISSING.value
+    return out
+
+
+def choose_paths(params: BenchParams) -> tuple[list[str], dict[str, str]]:
+    """The paths to run and those left out with their reason; an asked-for path that cannot run raises."""
+    avail = static_availability(params.device)
+    wanted = list(params.paths) or list(PATH_NAMES)
+    chosen, left_out = [], {}
+    for p in wanted:
+        reason = avail[p]
+        if reason is None:
+            chosen.append(p)
+        elif params.paths_explicit:
+            what = "a sweep on the" if params.sweep else "the"
+            raise PathUnavailableError(f"{what} {p} path cannot run here: {reason}", p, reason)
+        else:
+            left_out[p] = reason
+    return chosen, left_out
+
+
+# -- the files ---------------------------------------------------------------------
+@dataclass
+class Targets:
+    """The files a benchmark uses, each worker's slice, and what to remove afterwards."""
+
+    files: list[str]
+    slices: list[tuple[str, int, int]]         # per worker: (file, start, length)
+    remove_always: list[str] = field(default_factory=list)      # temporary files
+    remove_on_failure: list[str] = field(default_factory=list)  # created here, kept on success
+
+    def cleanup(self, failed: bool) -> None:
+        for p in self.remove_always + (self.remove_on_failure if failed else []):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass
+
+
+def _slices(params: BenchParams, files: list[str], io_max: int) -> list[tuple[str, int, int]]:
+    if params.directory:
+        usable = params.size - params.size % io_max
+        return [(files[i], 0, usable) for i in range(params.workers)]
+    per = params.size // params.workers
+    per -= per % io_max
+    return [(files[0], i * per, per) for i in range(params.workers)]
+
+
+def fill_file(path: str, size: int, seed: int, stop: threading.Event | None = None) -> None:
+    """Write the ``-V`` pattern over ``size`` bytes of ``path`` (created if missing), then fsync."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    try:
+        off = 0
+        while off < size:
+            n = min(_FILL_CHUNK, size - off)
+            data = pattern(off, n - n % 8, seed)
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], off + done)
+            off += n
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+        os.fsync(fd)
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    finally:
+        os.close(fd)
+
+
+def prepare_targets(params: BenchParams, workdir: str | None = None) -> Targets:
+    """Create or check the files; fill them with the pattern where needed.
+
+    With no ``-f``/``-D`` a temporary file is made in ``workdir`` (default: the
+    current directory) and always removed. Files made for ``-f``/``-D`` are kept
+    for the next run unless the benchmark fails or is interrupted.
+    """
+    io_max = max(params.io_sizes)
+    t = Targets(files=[], slices=[])
+    try:
+        if params.file is None and params.directory is None:
+            where = workdir or os.getcwd()
+            try:
+                fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".tmp", dir=where)
+            except OSError as exc:
+                raise from_os_error(exc, where) from exc
+            os.close(fd)
+            t.remove_always.append(path)
+            t.files = [path]
+        elif params.file is not None:
+            t.files = [params.file]
+        else:
+            try:
+                os.makedirs(params.directory, exist_ok=True)  # type: ignore[arg-type]
+            except OSError as exc:
+                raise from_os_error(exc, params.directory) from exc
+            t.files = [os.path.join(params.directory, f"gdskit-bench.{i}")  # type: ignore[arg-type]
+                       for i in range(params.workers)]
+        for path in t.files:
+            existed = os.path.exists(path)
+            if not existed:
+                # fail early and clearly on an unwritable place (root squashes, read-only mounts)
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    os.close(fd)
+                except OSError as exc:
+                    raise from_os_error(exc, path) from exc
+                t.remove_on_failure.append(path)
+            elif not params.op.is_read or params.verify:
+                if not os.access(path, os.W_OK):
+                    raise from_os_error(OSError(13, "Permission denied"), path)
+            size = os.path.getsize(path)
+            # The pattern must be there when verifying; otherwise any content will do.
+            if params.verify or size < params.size or path in t.remove_always:
+                fill_file(path, params.size, params.seed)
+        t.slices = _slices(params, t.files, io_max)
+    except BaseException:
+        t.cleanup(failed=True)
+        raise
+    return t
+
+
+# -- cache policy -----------------------------------------------------------------------
+def make_cold(files: list[str], drop_all: bool) -> None:
+    """Evict the files' pages (and with ``drop_all`` the whole page cache) before a run."""
+    if drop_all:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as fh:
+                fh.write("1\n")
+        except OSError as exc:
+            raise from_os_error(exc, "/proc/sys/vm/drop_caches") from exc
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+# -- one run ----------------------------------------------------------------------------
+@dataclass
+class _WorkerOut:
+    nbytes: int = 0
+    ops: int = 0
+    latencies: list[int] = field(default_factory=list)
+    checked: int = 0
+    mismatched: int = 0
+    first_bad: int | None = None
+    first_bad_file: str | None = None
+    error: BaseException | None = None
+
+
+def _offsets(params: BenchParams, io: int, start: int, length: int, worker: int, rep: int) -> Iterator[int]:
+    slots = length // io
+    if not params.op.is_random:
+        i = 0
+        while True:
+            yield start + (i % slots) * io
+            i += 1
+    # The same seed for every path: A and B do the very same I/O.
+    rng = np.random.default_rng([params.seed, worker, io, rep])
+    while True:
+        for k in rng.integers(0, slots, size=4096):
+            yield start + int(k) * io
+
+
+def _check(buf: object, expected: np.ndarray, out: _WorkerOut, offset: int, path: str) -> None:
+    got = buf.to_host(expected.size)  # type: ignore[attr-defined]
+    bad = np.flatnonzero(got != expected)
+    out.checked += expected.size
+    if bad.size:
+        out.mismatched += int(bad.size)
+        if out.first_bad is None:
+            out.first_bad = offset + int(bad[0])
+            out.first_bad_file = path
+
+
+def _verify_file_slices(slices: list[tuple[str, int, int]], seed: int) -> VerifyResult:
+    """Read back every byte the workers may have written, with plain reads, and compare."""
+    checked = mismatched = 0
+    first_bad = first_file = None
+    for path, start, length in slices:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off = start
+            while off < start + length:
+                n = min(_FILL_CHUNK, start + length - off)
+                data = np.frombuffer(os.pread(fd, n, off), dtype=np.uint8)
+                exp = pattern(off, n, seed)
+                if data.size < n:
+                    data = np.concatenate([data, np.zeros(n - data.size, np.uint8)])
+                bad = np.flatnonzero(data != exp)
+                checked += n
+                if bad.size:
+                    mismatched += int(bad.size)
+                    if first_bad is None:
+                        first_bad, first_file = off + int(bad[0]), path
+                off += n
+        finally:
+            os.close(fd)
+    return VerifyResult(checked, mismatched, first_bad, first_file)
+
+
+def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tuple[bool, str | None]:
+    expected = EXPECTED_PATHS[name]
+    other = {p: n for p, n in taken.items() if p not in expected and n > 0}
+    if not other:
+        return False, None
+    if "cufile-compat" in other:
+        from gdskit.direct_route import direct_route
+        r = direct_route().reason
+        return True, (r.value if r is not None else Reason.CUFILE_COMPAT_OBSERVED.value)
+    told = sorted(((n, r) for r, n in reasons.items()
+                   if r not in (Reason.FORCED_BY_SETTING.value, Reason.DIRECT.value)), reverse=True)
+    return True, (told[0][1] if told else "unknown")
+
+
+def _cufile_counters(device: int) -> dict[str, int] | None:
+    try:
+        from gdskit.backends.cufile import library
+        return library().counters(device)
+    except Exception:
+        return None
+
+
+def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int) -> RunResult:
+    """One run of path ``name`` at I/O size ``io``; see the module docstring."""
+    W = params.workers
+    slot_counts = [length // io for _, _, length in targets.slices]
+    deadline_s = params.duration
+    if deadline_s is None and params.total_bytes is None and params.sweep:
+        deadline_s = SWEEP_RUN_SECONDS
+    if params.total_bytes is not None:
+        n_ops = math.ceil(params.total_bytes / io)
+        budgets = [n_ops // W + (1 if w < n_ops % W else 0) for w in range(W)]
+    elif params.duration is not None:
+        budgets = [None] * W  # type: ignore[list-item]
+    else:
+        budgets = list(slot_counts)  # one pass over each slice
+    on_device = name != "host"
+    cold = params.cache is not Cache.HOT
+    if cold:
+        make_cold(targets.files, params.cache is Cache.DROP)
+
+    mode = "r" if params.op.is_read else "r+"
+    files: list[gdskit.File] = []
+    bufs: list = []
+    outs = [_WorkerOut() for _ in range(W)]
+    stop = threading.Event()
+    barrier = threading.Barrier(W + 1)
+    deadline = [0.0]
+    settings_cm = gdskit.settings.set(mode=ENGINE_MODE[name], odirect="always" if cold else "auto")
+    with settings_cm, contextlib.ExitStack() as stack:
+        try:
+            for w in range(W):
+                b = allocate(on_device, io, params.device)
+                stack.callback(b.free)
+                bufs.append(b)
+                f = gdskit.open(targets.slices[w][0], mode)
+                stack.callback(f.close)  # runs before the buffer is freed
+                files.append(f)
+                if not params.op.is_read:
+                    b.load(pattern(targets.slices[w][1], io, params.seed))
+            # Warm-up: one I/O per worker outside the window, so cuFile handle registration and the
+            # engine's pinned ring are set up before the clock starts.
+            for w in range(W):
+                path_w, start_w, _ = targets.slices[w]
+                (files[w].read if params.op.is_read else files[w].write)(bufs[w].obj, io, start_w)
+            if cold:
+                make_cold(targets.files, False)
+        except DirectPathUnavailable as exc:
+            raise PathUnavailableError(f"the {name} path cannot run on {targets.files[0]}: {exc}",
+                                       name, exc.reason) from exc
+
+        def worker(w: int) -> None:
+            out = outs[w]
+            f, b = files[w], bufs[w]
+            path_w, start_w, length_w = targets.slices[w]
+            call = f.read if params.op.is_read else f.write
+            offsets = _offsets(params, io, start_w, length_w, w, rep)
+            budget = budgets[w]
+            lat = out.latencies
+            try:
+                if on_device:
+                    cuda.set_device(params.device)  # a new thread starts on device 0
+                barrier.wait()
+                end = deadline[0]
+                done = 0
+                while not stop.is_set() and (budget is None or done < budget):
+                    if end and time.perf_counter() >= end:
+                        break
+                    off = next(offsets)
+                    if params.verify and not params.op.is_read:
+                        b.load(pattern(off, io, params.seed))
+                    t0 = time.perf_counter_ns()
+                    n = call(b.obj, io, off)
+                    lat.append(time.perf_counter_ns() - t0)
+                    if n != io:
+                        raise GdskitIOError(5, f"short {params.op.value} of {n} of {io} bytes at {off}",
+                                            path_w)
+                    out.nbytes += n
+                    out.ops += 1
+                    done += 1
+                    if params.verify and params.op.is_read:
+                        _check(b, pattern(off, io, params.seed), out, off, path_w)
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                out.error = exc
+                stop.set()
+                barrier.abort()  # a worker failing before the start must not leave the others waiting
+
+        threads = [threading.Thread(target=worker, args=(w,), name=f"gdskit-bench-{w}", daemon=True)
+                   for w in range(W)]
+        for t in threads:
+            t.start()
+        counters_before = _cufile_counters(params.device) if name == "cufile" else None
+        ledger_before = gdskit.stats()
+        try:
+            cpu_before = cpu_mod.sample()
+            deadline[0] = (time.perf_counter() + deadline_s) if deadline_s else 0.0
+            t_start = time.perf_counter()
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                pass  # a worker failed before the start; its error is raised below
+            for t in threads:
+                t.join()
+            if not params.op.is_read and cold:
+                for f in files:
+                    f.fsync()  # cold writes count until the data is on the device
+            t_end = time.perf_counter()
+            cpu_after = cpu_mod.sample()
+        except BaseException:
+            stop.set()
+            barrier.abort()
+            for t in threads:
+                t.join()
+            raise
+        ledger_after = gdskit.stats()
+        counters_after = _cufile_counters(params.device) if name == "cufile" else None
+
+    for out in outs:
+        if out.error is not None:
+            raise out.error
+
+    delta = ledger_after - ledger_before
+    taken = {p: ps.bytes for p, ps in delta.paths.items() if ps.bytes}
+    reasons = {r: ps.bytes for r, ps in delta.reasons.items() if ps.bytes}
+    fell_back, why = _fallback(name, taken, reasons)
+    nbytes = sum(o.nbytes for o in outs)
+    wall = max(t_end - t_start, 1e-9)
+    lat = np.concatenate([np.asarray(o.latencies, dtype=np.int64) for o in outs]) if nbytes else None
+    verify = None
+    if params.verify:
+        if params.op.is_read:
+            bad = [o for o in outs if o.first_bad is not None]
+            verify = VerifyResult(sum(o.checked for o in outs), sum(o.mismatched for o in outs),
+                                  bad[0].first_bad if bad else None, bad[0].first_bad_file if bad else None)
+        else:
+            verify = _verify_file_slices(targets.slices, params.seed)
+    counters = None
+    if counters_before is not None and counters_after is not None:
+        counters = {k: counters_after[k] - counters_before.get(k, 0) for k in counters_after}
+    return RunResult(
+        path=name, io_size=io, repetition=rep, op=params.op.value, bytes=nbytes,
+        ops=sum(o.ops for o in outs), wall_s=wall, gib_per_s=nbytes / wall / 2**30,
+        latency_avg_us=float(lat.mean() / 1e3) if lat is not None and lat.size else None,
+        latency_p50_us=float(np.percentile(lat, 50) / 1e3) if lat is not None and lat.size else None,
+        latency_p99_us=float(np.percentile(lat, 99) / 1e3) if lat is not None and lat.size else None,
+        cpu=cpu_mod.cpu_cost(cpu_before, cpu_after), taken=taken, reasons=reasons,
+        path_taken=max(taken, key=taken.__getitem__) if taken else None,
+        fell_back=fell_back, fallback_reason=why, verify=verify, cufile_counters=counters,
+    )
+
+
+# -- the whole benchmark ----------------------------------------------------------------
+def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
+    out = []
+    by_path: dict[str, list[RunResult]] = {}
+    for r in runs:
+        by_path.setdefault(r.path, []).append(r)
+    for name, rs in by_path.items():
+        fb = [r for r in rs if r.fell_back]
+        if fb:
+            took = sorted({p for r in fb for p in r.taken if p not in EXPECTED_PATHS[name]})
+            out.append(f"{len(fb)} of {len(rs)} {name} runs asked for {'/'.join(EXPECTED_PATHS[name])} "
+                       f"but took {', '.join(took)} (reason: {fb[0].fallback_reason}); their figures "
+                       f"are for {', '.join(took)}, not for {name}")
+        if params.cache is not Cache.HOT and params.op.is_read:
+            cached = sum(r.taken.get("bounce-cached", 0) for r in rs)
+            if cached:
+                out.append(f"{name}: {cached} bytes came from the page cache although the cache policy is "
+                           f"{params.cache.value}")
+        bad = [r for r in rs if r.verify is not None and not r.verify.ok]
+        for r in bad:
+            v = r.verify
+            out.append(f"verify FAILED on {name} at {r.io_size} bytes, repetition {r.repetition}: "
+                       f"{v.mismatched_bytes} of {v.checked_bytes} bytes differ, first at offset "  # type: ignore[union-attr]
+                       f"{v.first_bad_offset} of {v.first_bad_file}")  # type: ignore[union-attr]
+    return out
+
+
+def knee_of(runs: list[RunResult], fstype: str | None) -> KneeResult | None:
+    """The knee of a sweep that ran both the cufile and the bounce path, else None."""
+    direct: dict[int, list[float]] = {}
+    cpu: dict[int, list[float]] = {}
+    for r in runs:
+        if r.path == "cufile":
+            direct.setdefault(r.io_size, []).append(r.gib_per_s)
+        elif r.path == "bounce":
+            cpu.setdefault(r.io_size, []).append(r.gib_per_s)
+    if not direct or not cpu:
+        return None
+    return find_knee(direct, cpu, direct_path="cufile", cpu_path="bounce", fstype=fstype)
+
+
+def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: ProgressFn | None = None,
+                  save_profile: bool = False) -> BenchReport:
+    """Run the whole comparison and return its report.
+
+    Raises
+    ------
+    PathUnavailableError
+        A path named in ``params.paths`` cannot run here.
+    InvalidArgumentError, GdskitIOError
+        Bad arguments, or an unusable target.
+    """
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if params.cache is Cache.DROP and os.geteuid() != 0:
+        raise InvalidArgumentError("--cache drop needs root (it writes /proc/sys/vm/drop_caches); use cold")
+    paths, left_out = choose_paths(params)
+    if not paths:
+        raise PathUnavailableError("no path can run here", "", Reason.NO_GPU)
+    if save_profile and not ("cufile" in paths and "bounce" in paths and params.sweep):
+        raise InvalidArgumentError("--save-profile needs a sweep (--sweep or -i MIN:MAX) of both the "
+                                   "cufile and the bounce path")
+    targets = prepare_targets(params, workdir)
+    failed = True
+    try:
+        facts = machine.collect(targets.files[0], params.device if cuda.device_count() else None)
+        runs: list[RunResult] = []
+        total = len(params.io_sizes) * params.repeat * len(paths)
+        done = 0
+        for io in params.io_sizes:
+            for rep in range(params.repeat):
+                for name in list(paths):
+                    try:
+                        runs.append(run_once(params, targets, name, io, rep))
+                    except PathUnavailableError as exc:
+                        if params.paths_explicit:
+                            raise
+                        left_out[name] = str(exc.reason)
+                        paths.remove(name)
+                        total -= len(params.io_sizes) * params.repeat
+                        continue
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, f"{name} {io} #{rep + 1}")
+        report = BenchReport(params={**params.as_dict(), "cache": params.cache.value}, machine=facts.as_dict(),
+                             paths=paths, unavailable=left_out, runs=runs, created=created)
+        report.warnings = _warnings(runs, params)
+        if params.sweep:
+            report.knee = knee_of(runs, facts.filesystem)
+            if report.knee is None:
+                report.warnings.append("no knee: a sweep needs both the cufile and the bounce path")
+            elif any(r.fell_back for r in runs if r.path == "cufile"):
+                report.warnings.append("the knee compares cuFile's compat mode (POSIX inside libcufile) with "
+                                       "the bounce path: there is no direct path on this machine")
+        if save_profile and report.knee is not None:
+            from gdskit.bench import profile
+            report.profile_saved = profile.save_profile(
+                targets.files[0], report.knee,
+                extra={"gpu": facts.gpu.get("name"), "cufile_version": facts.cufile_version,
+                       "op": params.op.value, "cache": params.cache.value, "workers": params.workers})
+        failed = False
+        return report
+    finally:
+        targets.cleanup(failed=failed)

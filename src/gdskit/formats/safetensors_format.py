@@ -1,0 +1,384 @@
+"""The safetensors file format in pure Python: parse, validate, lay out, plan reads.
+
+No torch here: this module turns header bytes into frozen dataclasses and back.
+The torch-facing loader (:mod:`gdskit.safetensors`) executes the plans.
+
+A safetensors file is ``u64 little-endian header length N``, ``N`` bytes of UTF-8
+JSON, then the data section. The JSON maps tensor names to ``{"dtype", "shape",
+"data_offsets": [begin, end]}`` (offsets relative to the data section) plus an
+optional ``"__metadata__"`` of string to string. The tensors must cover the data
+section exactly: no holes, no overlap, nothing after the last tensor. Readers
+(``safetensors.safe_open`` included) accept trailing spaces in the header, which
+is how :func:`layout` aligns the data section to 4 KiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from gdskit.errors import FormatError, GdskitError, from_os_error
+from gdskit.formats.read_plan import Extent
+
+#: Bits per element of every dtype the safetensors format defines.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8,
+    "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+#: The reference implementation refuses headers above 100 MB; so do we.
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
+DEFAULT_ALIGNMENT = 4096
+
+
+class HeaderError(FormatError):
+    """The header is not valid safetensors: bad length, not JSON, wrong structure, duplicate names."""
+
+
+class UnknownDtypeError(HeaderError):
+    """A tensor's dtype is not one the safetensors format defines."""
+
+
+class LayoutError(FormatError):
+    """Tensor offsets are out of range, overlap, leave holes, or disagree with shape and dtype."""
+
+
+class TruncatedFileError(FormatError):
+    """The file is shorter than its header says (truncated, or it shrank while being read)."""
+
+
+class MissingTensorError(GdskitError, KeyError):
+    """A tensor asked for by name is not in the checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file.
+
+    ``start`` and ``end`` are byte offsets relative to the data section, as in the header.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A parsed and validated safetensors header.
+
+    ``entries`` are in data order (ascending ``start``); ``data_start`` is the
+    file offset of the data section (``8 + header length``).
+    """
+
+    entries: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None
+    data_start: int
+
+    @property
+    def data_size(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + self.data_size
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def entry(self, name: str) -> TensorEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes a tensor of ``dtype`` and ``shape`` takes; :class:`LayoutError` if not whole bytes."""
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise LayoutError(f"{math.prod(shape)} elements of {dtype} are not a whole number of bytes")
+    return bits // 8
+
+
+# -- parsing --------------------------------------------------------------------
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise HeaderError(f"duplicate name {k!r} in safetensors header")
+        out[k] = v
+    return out
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def header_length(prefix: bytes, file_size: int) -> int:
+    """Validate the 8-byte length prefix against the file size; return the JSON length."""
+    if file_size < 8 or len(prefix) < 8:
+        raise TruncatedFileError(f"file of {file_size} bytes is too short to be safetensors (needs 8+)")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {n} is larger than the {MAX_HEADER_BYTES}-byte limit")
+    if n < 2:
+        raise HeaderError(f"header length {n} is too small to hold a JSON object")
+    if 8 + n > file_size:
+        raise TruncatedFileError(f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Header:
+    """Parse the JSON header bytes and validate every entry and the layout.
+
+    Parameters
+    ----------
+    raw : bytes
+        The ``N`` header bytes (after the 8-byte length).
+    data_start : int
+        ``8 + N``.
+    file_size : int or None
+        The file's size; when given, the data section must end exactly there.
+    """
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except HeaderError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise HeaderError(f"safetensors header is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise HeaderError("safetensors header is not a JSON object")
+
+    metadata = obj.pop(METADATA_KEY, None)
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise HeaderError("__metadata__ must map strings to strings")
+
+    entries = []
+    for name, info in obj.items():
+        if not isinstance(info, dict):
+            raise HeaderError(f"entry {name!r} is not a JSON object")
+        dtype = info.get("dtype")
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise HeaderError(f"entry {name!r} has no dtype string")
+        if dtype not in DTYPE_BITS:
+            raise UnknownDtypeError(f"entry {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise HeaderError(f"entry {name!r}: shape must be a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_int(o) and o >= 0 for o in offsets)):
+            raise HeaderError(f"entry {name!r}: data_offsets must be two non-negative integers")
+        start, end = offsets
+        if end < start:
+            raise LayoutError(f"entry {name!r}: data_offsets end {end} is before begin {start}")
+        if nbytes_of(dtype, shape) != end - start:
+            raise LayoutError(f"entry {name!r}: shape {shape} of {dtype} needs "
+                              f"{nbytes_of(dtype, shape)} bytes, offsets give {end - start}")
+        entries.append(TensorEntry(name, dtype, tuple(shape), start, end))
+
+    entries.sort(key=lambda e: (e.start, e.end))
+    expected = 0
+    for e in entries:
+        if e.start != expected:
+            what = "overlaps the previous tensor" if e.start < expected else "leaves a hole before it"
+            raise LayoutError(f"entry {e.name!r} starts at {e.start}: {what} (expected {expected})")
+        expected = e.end
+    if file_size is not None:
+        end_of_data = data_start + expected
+        if end_of_data > file_size:
+            raise TruncatedFileError(f"tensor data ends at byte {end_of_data}, "
+                                     f"but the file has {file_size} bytes")
+        if end_of_data < file_size:
+            raise LayoutError(f"{file_size - end_of_data} bytes after the last tensor "
+                              "are not covered by any tensor")
+    return Header(tuple(entries), metadata, data_start)
+
+
+def parse_header(read_at: Callable[[int, int], bytes], file_size: int) -> Header:
+    """Read and validate a header with ``read_at(offset, size) -> bytes``."""
+    prefix = read_at(0, 8)
+    n = header_length(prefix, file_size)
+    raw = read_at(8, n)
+    if len(raw) != n:
+        raise TruncatedFileError("file shrank while its header was read")
+    return parse_header_json(raw, 8 + n, file_size)
+
+
+def parse_bytes(data: bytes) -> Header:
+    """Parse the header of a whole safetensors file held in memory (tests, fuzzing)."""
+    return parse_header(lambda off, size: data[off:off + size], len(data))
+
+
+def read_header_file(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of the safetensors file at ``path`` (plain reads; headers are small)."""
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise from_os_error(exc, os.fspath(path)) from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+
+        def read_at(off: int, n: int) -> bytes:
+            return os.pread(fh.fileno(), n, off)
+
+        return parse_header(read_at, size)
+
+
+# -- writing --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What :func:`layout` needs to know about a tensor to be written."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A file to be written: the padded header bytes and where each tensor goes."""
+
+    header: bytes           # the 8-byte length and the padded JSON
+    entries: tuple[TensorEntry, ...]   # in data order
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + (self.entries[-1].end if self.entries else 0)
+
+    def file_offset(self, entry: TensorEntry) -> int:
+        return self.data_start + entry.start
+
+
+def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None,
+           alignment: int = DEFAULT_ALIGNMENT) -> Layout:
+    """Place tensors in a new file so that as many as possible start on ``alignment``.
+
+    The format allows no holes between tensors, so only the data section's start
+    can be aligned (by padding the header with spaces). Tensors whose byte size
+    is a multiple of ``alignment`` go first, in the given order: each of them
+    starts aligned. The rest follow in the given order.
+    """
+    specs = list(specs)
+    seen: set[str] = set()
+    for s in specs:
+        if not isinstance(s.name, str):
+            raise HeaderError(f"tensor names must be strings, got {type(s.name).__name__}")
+        if s.name == METADATA_KEY:
+            raise HeaderError(f"{METADATA_KEY!r} cannot be a tensor name")
+        if s.name in seen:
+            raise HeaderError(f"duplicate tensor name {s.name!r}")
+        if s.dtype not in DTYPE_BITS:
+            raise UnknownDtypeError(f"unknown safetensors dtype {s.dtype!r}")
+        seen.add(s.name)
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise HeaderError("metadata must map strings to strings")
+    sized = [(s, nbytes_of(s.dtype, s.shape)) for s in specs]
+    ordered = ([x for x in sized if x[1] % alignment == 0]
+               + [x for x in sized if x[1] % alignment != 0])
+    entries = []
+    pos = 0
+    for s, n in ordered:
+        entries.append(TensorEntry(s.name, s.dtype, tuple(s.shape), pos, pos + n))
+        pos += n
+    doc: dict[str, object] = {}
+    if metadata:
+        doc[METADATA_KEY] = dict(metadata)
+    for e in entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    pad = (-(8 + len(raw))) % alignment
+    raw += b" " * pad
+    return Layout(struct.pack("<Q", len(raw)) + raw, tuple(entries))
+
+
+# -- read planning --------------------------------------------------------------
+
+def extents(header: Header, entries: Iterable[TensorEntry]) -> list[Extent]:
+    """The file byte ranges of ``entries`` (keyed by tensor name), for :func:`gdskit.formats.read_plan.plan`."""
+    return [Extent(e.name, header.data_start + e.start, e.nbytes) for e in entries]
+
+
+# -- sharded checkpoints --------------------------------------------------------
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSet:
+    """The files of a checkpoint and, for an indexed one, which tensor lives in which file."""
+
+    files: tuple[str, ...]
+    weight_map: dict[str, str] | None
+
+
+def _read_index(index_path: str) -> ShardSet:
+    try:
+        with open(index_path, "rb") as fh:
+            doc = json.loads(fh.read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{index_path}: not a valid JSON index: {exc}") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+    base = os.path.dirname(os.path.abspath(index_path))
+    files: list[str] = []
+    resolved: dict[str, str] = {}
+    for name, fname in wm.items():
+        if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
+            raise FormatError(f"{index_path}: shard name {fname!r} leaves the checkpoint directory")
+        full = os.path.join(base, fname)
+        resolved[name] = full
+        if full not in files:
+            files.append(full)
+    return ShardSet(tuple(files), resolved)
+
+
+def resolve_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> ShardSet:
+    """Turn a file, a list of shards, a directory or an index file into a :class:`ShardSet`.
+
+    A directory with one ``*.safetensors.index.json`` is read through its index;
+    otherwise every ``*.safetensors`` file in it is a shard.
+    """
+    if isinstance(path_or_paths, (list, tuple)):
+        return ShardSet(tuple(os.fspath(p) for p in path_or_paths), None)
+    path = os.fspath(path_or_paths)  # type: ignore[arg-type]
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+        if len(indexes) == 1:
+            return _read_index(os.path.join(path, indexes[0]))
+        if len(indexes) > 1:
+            raise FormatError(f"{path}: several index files ({', '.join(indexes)}); pass one of them")
+        shards = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+        if not shards:
+            raise FormatError(f"{path}: no .safetensors files in this directory")
+        return ShardSet(tuple(shards), None)
+    if path.endswith(".json"):
+        return _read_index(path)
+    return ShardSet((path,), None)

@@ -1,0 +1,177 @@
+"""Run a :class:`~gdskit.formats.read_plan.ReadPlan` with torch tensors as destinations.
+
+Shared by :mod:`gdskit.safetensors` and :mod:`gdskit.torch`; imports torch, so
+only those modules import it.
+
+- Direct extents are read by the engine straight into their destination's own
+  memory, all submitted at once (the engine spreads each large read over its
+  worker pool).
+- Groups of small extents are read into a ring of ``depth`` staging buffers on the
+  destination device and split with one batched copy per group
+  (``torch._foreach_copy_`` / ``torch._foreach_clone``): a few launches per
+  group instead of an engine request per tensor. The ring bounds the extra device
+  memory to ``depth * plan.staging_bytes``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+from gdskit.formats.progress import Progress
+from gdskit.formats.read_plan import Extent, Group, ReadPlan
+from gdskit.formats.safetensors_format import TruncatedFileError
+
+
+def _check(n: int, want: int, what: str) -> None:
+    if n != want:
+        raise TruncatedFileError(f"short read of {what}: got {n} of {want} bytes "
+                                 "(the file is truncated or shrank while being read)")
+
+
+def _wait_all(futures: list[concurrent.futures.Future[Any]]) -> None:
+    """Let every submitted I/O finish before its memory can be freed, whatever failed."""
+    concurrent.futures.wait([f for f in futures if f is not None])
+
+
+def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # On the GPU one batched call saves a launch per tensor; on the CPU a plain
+    # loop is as fast and avoids the batched op's slow CPU fallback.
+    fn = getattr(torch, "_foreach_clone", None)
+    if fn is not None and srcs and srcs[0].device.type == "cuda":
+        return list(fn(srcs))
+    return [s.clone() for s in srcs]
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    fn = getattr(torch, "_foreach_copy_", None)
+    if fn is not None and srcs and srcs[0].device.type == "cuda":
+        fn(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
+
+
+class _Split:
+    """How one group's staging bytes split into member tensors (gaps are dropped)."""
+
+    def __init__(self, group: Group) -> None:
+        sizes: list[int] = []
+        keep: list[int] = []
+        pos = group.file_offset
+        for m in group.members:
+            if m.file_offset > pos:
+                sizes.append(m.file_offset - pos)
+            keep.append(len(sizes))
+            sizes.append(m.nbytes)
+            pos = m.end
+        self.sizes = sizes
+        self.keep = keep
+
+
+def execute(f: Any, plan: ReadPlan, device: torch.device, *,
+            dests: Mapping[Hashable, torch.Tensor] | None = None,
+            progress: Progress | None = None, depth: int = 4) -> dict[Hashable, torch.Tensor]:
+    """Read every extent of ``plan`` from the open engine file ``f``.
+
+    Parameters
+    ----------
+    dests : mapping, optional
+        Preallocated 1-D uint8 destinations by key (each exactly the extent's size).
+        Keys without one get a new tensor on ``device`` that owns its memory.
+
+    Returns
+    -------
+    dict
+        key -> 1-D uint8 tensor holding the extent's bytes.
+    """
+    dests = dests or {}
+    out: dict[Hashable, torch.Tensor] = {}
+    on_cuda = device.type == "cuda"
+
+    def dest_for(e: Extent) -> torch.Tensor:
+        t = dests.get(e.key)
+        if t is None:
+            t = torch.empty(e.nbytes, dtype=torch.uint8, device=device)
+        out[e.key] = t
+        return t
+
+    for e in plan.empty:
+        dest_for(e)
+    direct = [(e, dest_for(e)) for e in plan.direct]
+    ring: list[torch.Tensor] = []
+    if plan.groups:
+        nbuf = min(depth, len(plan.groups))
+        ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+    if on_cuda:
+        # Fresh blocks from torch's caching allocator may still be in use by work queued
+        # on the current stream; the engine writes from its own streams or threads.
+        torch.cuda.current_stream(device).synchronize()
+
+    futures: list[concurrent.futures.Future[int]] = []
+    try:
+        for e, t in direct:
+            fut = f.pread(t, size=e.nbytes, file_offset=e.file_offset)
+            if progress is not None:
+                fut.add_done_callback(lambda _f, n=e.nbytes: progress.advance(n))
+            futures.append(fut)
+        _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
+        for (e, _t), fut in zip(direct, futures[:len(direct)]):
+            _check(fut.result(), e.nbytes, repr(e.key))
+    except BaseException:
+        _wait_all(futures)
+        if on_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        raise
+    return out
+
+
+def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
+                out: dict[Hashable, torch.Tensor], dests: Mapping[Hashable, torch.Tensor],
+                device: torch.device, progress: Progress | None,
+                futures: list[concurrent.futures.Future[int]]) -> None:
+    on_cuda = device.type == "cuda"
+    free: deque[tuple[int, Any]] = deque((i, None) for i in range(len(ring)))
+    pending: deque[tuple[Group, int, concurrent.futures.Future[int]]] = deque()
+    it = iter(groups)
+    exhausted = False
+    while True:
+        while free and not exhausted:
+            g = next(it, None)
+            if g is None:
+                exhausted = True
+                break
+            slot, event = free.popleft()
+            if event is not None:
+                event.synchronize()  # the previous split out of this buffer has finished
+            fut = f.pread(ring[slot], size=g.nbytes, file_offset=g.file_offset)
+            futures.append(fut)
+            pending.append((g, slot, fut))
+        if not pending:
+            return
+        g, slot, fut = pending.popleft()
+        _check(fut.result(), g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
+        split = _Split(g)
+        parts = torch.split_with_sizes(ring[slot][:g.nbytes], split.sizes)
+        srcs = [parts[i] for i in split.keep]
+        fixed = [(m, s) for m, s in zip(g.members, srcs) if m.key in dests]
+        fresh = [(m, s) for m, s in zip(g.members, srcs) if m.key not in dests]
+        if fixed:
+            dst = [dests[m.key] for m, _ in fixed]
+            _copy_all(dst, [s for _, s in fixed])
+            for (m, _), d in zip(fixed, dst):
+                out[m.key] = d
+        if fresh:
+            for (m, _), t in zip(fresh, _clone_all([s for _, s in fresh])):
+                out[m.key] = t
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        free.append((slot, event))
+        if progress is not None:
+            progress.advance(sum(m.nbytes for m in g.members))

@@ -1,0 +1,132 @@
+"""How much of a file range sits in the page cache, without causing any I/O.
+
+The bounce and host paths read cached ranges through the page cache and the
+rest with O_DIRECT. Asking must not itself start readahead (a buffered
+``RWF_NOWAIT`` read does: it still triggers readahead, and then the O_DIRECT
+read races a second, buffered read of the same bytes). So: ``cachestat(2)``
+where the kernel has it (Linux 6.5+), else ``mincore(2)`` on a mapping of the
+file; ``None`` when neither works.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import mmap
+import os
+import platform
+import threading
+
+_SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
+_PAGE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64), ("nr_writeback", ctypes.c_uint64),
+                ("nr_evicted", ctypes.c_uint64), ("nr_recently_evicted", ctypes.c_uint64)]
+
+
+class Residency(enum.Enum):
+    ALL = "all"
+    NONE = "none"
+    SOME = "some"
+
+
+_cachestat_works: bool | None = None if _SYS_CACHESTAT else False
+
+
+def _cachestat(fd: int, offset: int, length: int) -> tuple[int, int] | None:
+    """(cached pages, pages) in the range, or None if the syscall is unavailable."""
+    global _cachestat_works
+    if _cachestat_works is False:
+        return None
+    rng = _Range(offset, length)
+    cs = _Cachestat()
+    rc = _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(cs), 0)
+    if rc != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+            _cachestat_works = False
+        return None
+    _cachestat_works = True
+    first = offset // _PAGE
+    last = (offset + length + _PAGE - 1) // _PAGE
+    return int(cs.nr_cache), last - first
+
+
+class _FileMapping:
+    """A read-only mapping of a file for mincore(2); remapped when the file grows."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.addr: int | None = None
+        self.length = 0
+
+    def ensure(self, fd: int, end: int) -> int | None:
+        with self._lock:
+            if self.addr is not None and end <= self.length:
+                return self.addr
+            self.close_locked()
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
+                return None
+            self.addr, self.length = addr, size
+            return addr
+
+    def close_locked(self) -> None:
+        if self.addr is not None:
+            _libc.munmap(self.addr, self.length)
+            self.addr, self.length = None, 0
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+
+def _mincore(mapping: _FileMapping, fd: int, offset: int, length: int) -> tuple[int, int] | None:
+    addr = mapping.ensure(fd, offset + length)
+    if addr is None:
+        return None
+    end = min(offset + length, mapping.length)
+    first = offset - offset % _PAGE
+    if end <= first:
+        return 0, 0
+    pages = (end - first + _PAGE - 1) // _PAGE
+    vec = ctypes.create_string_buffer(pages)
+    if _libc.mincore(addr + first, end - first, vec) != 0:
+        return None
+    return sum(b & 1 for b in vec.raw), pages
+
+
+def residency(fd: int, offset: int, length: int, mapping: _FileMapping | None = None) -> Residency | None:
+    """Whether ``[offset, offset + length)`` of the file is all, none or partly in the page cache."""
+    if length <= 0:
+        return Residency.ALL
+    counts = _cachestat(fd, offset, length)
+    if counts is None and mapping is not None:
+        counts = _mincore(mapping, fd, offset, length)
+    if counts is None:
+        return None
+    cached, pages = counts
+    if cached >= pages:
+        return Residency.ALL
+    return Residency.NONE if cached == 0 else Residency.SOME
+
+
+def new_mapping() -> _FileMapping:
+    return _FileMapping()

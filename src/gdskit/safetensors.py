@@ -1,0 +1,243 @@
+"""safetensors files straight to and from GPU (or host) memory through the gdskit engine.
+
+>>> import gdskit.safetensors
+>>> tensors = gdskit.safetensors.load_file("model.safetensors", device="cuda:0")
+>>> gdskit.safetensors.save_file(tensors, "copy.safetensors")
+
+Files written here are standard safetensors files (``safetensors.torch.load_file``
+reads them) whose data section starts on a 4 KiB boundary; see docs/checkpoints.md.
+Needs torch (``pip install 'gdskit[torch]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gdskit.errors import GdskitError, InvalidArgumentError, MissingDependencyError
+from gdskit.formats import read_plan, safetensors_format as fmt
+from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.formats.safetensors_format import (HeaderError, LayoutError, MissingTensorError,
+                                               TruncatedFileError, UnknownDtypeError)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutError",
+           "MissingTensorError", "TruncatedFileError", "UnknownDtypeError", "UnsupportedDtypeError",
+           "UnsupportedTensorError"]
+
+#: Tensors of at least this many bytes are read straight into their own memory;
+#: smaller file-adjacent tensors are read together through a staging buffer.
+SMALL_TENSOR_BYTES = 1 << 20
+#: Largest single coalesced read (and the size of one staging buffer).
+MAX_GROUP_BYTES = 16 << 20
+
+
+class UnsupportedDtypeError(fmt.FormatError):
+    """The file holds a dtype the installed torch has no type for (e.g. F6_E2M3)."""
+
+
+class UnsupportedTensorError(GdskitError, TypeError):
+    """A tensor cannot be stored in safetensors (sparse, quantized, meta, or not a tensor)."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("gdskit.safetensors needs torch: pip install 'gdskit[torch]'") from None
+    return torch
+
+
+def _dtype_table(torch: Any) -> dict[str, Any]:
+    names = {
+        "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+        "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+        "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F4": "float4_e2m1fn_x2",
+    }
+    return {st: getattr(torch, tn) for st, tn in names.items() if hasattr(torch, tn)}
+
+
+def _torch_type(torch: Any, entry: fmt.TensorEntry) -> tuple[Any, tuple[int, ...]]:
+    """The torch dtype and shape of a safetensors entry."""
+    dt = _dtype_table(torch).get(entry.dtype)
+    if dt is None:
+        raise UnsupportedDtypeError(f"tensor {entry.name!r}: this torch has no dtype for {entry.dtype}")
+    shape = entry.shape
+    if entry.dtype == "F4":
+        # safetensors counts 4-bit values; torch's float4_e2m1fn_x2 packs two per element.
+        if not shape or shape[-1] % 2:
+            raise UnsupportedDtypeError(f"tensor {entry.name!r}: F4 with shape {list(shape)} "
+                                        "cannot be packed in pairs")
+        shape = shape[:-1] + (shape[-1] // 2,)
+    return dt, shape
+
+
+def _st_type(torch: Any, name: str, t: Any) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype and shape of a torch tensor."""
+    rev = {v: k for k, v in _dtype_table(torch).items()}
+    st = rev.get(t.dtype)
+    if st is None:
+        raise UnsupportedTensorError(f"tensor {name!r}: dtype {t.dtype} has no safetensors type")
+    shape = tuple(t.shape)
+    if st == "F4":
+        if not shape:
+            raise UnsupportedTensorError(f"tensor {name!r}: a 0-d float4_e2m1fn_x2 has no safetensors shape")
+        shape = shape[:-1] + (shape[-1] * 2,)
+    return st, shape
+
+
+def _device(torch: Any, device: Any) -> Any:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The ``__metadata__`` strings of a safetensors file (None when it has none)."""
+    return fmt.read_header_file(path).metadata
+
+
+def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+              device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
+              progress: ProgressArg = None, return_stats: bool = False) -> Any:
+    """Load a safetensors checkpoint into memory on ``device``.
+
+    Parameters
+    ----------
+    path_or_paths : path, list of paths, directory or ``*.safetensors.index.json``
+        One file, shards, or a Hugging Face sharded checkpoint.
+    device : str, int or torch.device
+        Where the tensors go (``"cpu"`` works too, through the engine's host path).
+    keys : iterable of str, optional
+        Load only these tensors; only their bytes are read.
+    progress : bool, callable or None
+        See :class:`gdskit.formats.progress.Progress`.
+    return_stats : bool
+        Also return the ledger delta of this load (``(tensors, stats)``).
+
+    Returns
+    -------
+    dict[str, torch.Tensor]
+        Each tensor owns its own memory.
+
+    Raises
+    ------
+    gdskit.errors.FormatError
+        The file is not valid safetensors (a subclass says how).
+    MissingTensorError
+        A name in ``keys`` is not in the checkpoint.
+    """
+    torch = _torch()
+    dev = _device(torch, device)
+    shards = fmt.resolve_checkpoint(path_or_paths)
+    headers = [(p, fmt.read_header_file(p)) for p in shards.files]
+
+    where: dict[str, tuple[str, fmt.Header, fmt.TensorEntry]] = {}
+    for p, h in headers:
+        for e in h.entries:
+            if e.name in where:
+                raise HeaderError(f"tensor {e.name!r} is in both {where[e.name][0]} and {p}")
+            where[e.name] = (p, h, e)
+    if shards.weight_map is not None:
+        for name, p in shards.weight_map.items():
+            if name not in where or os.path.abspath(where[name][0]) != os.path.abspath(p):
+                raise fmt.FormatError(f"index says {name!r} is in {p}, but it is not there")
+
+    if keys is None:
+        names = list(where)
+    else:
+        names = list(dict.fromkeys(keys))
+        missing = [k for k in names if k not in where]
+        if missing:
+            raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
+                                     + (" ..." if len(missing) > 5 else ""))
+    for n in names:
+        _torch_type(torch, where[n][2])  # fail before reading anything
+
+    by_file: dict[str, list[fmt.TensorEntry]] = {}
+    for n in names:
+        by_file.setdefault(where[n][0], []).append(where[n][2])
+    total = sum(where[n][2].nbytes for n in names)
+
+    from gdskit.formats.torch_io import execute
+    before = stats() if return_stats else None
+    raw: dict[str, Any] = {}
+    with Progress(total, progress, "loading") as prog:
+        for p, h in headers:
+            entries = by_file.get(p)
+            if not entries:
+                continue
+            plan = read_plan.plan(fmt.extents(h, entries), small=SMALL_TENSOR_BYTES,
+                                  max_group=MAX_GROUP_BYTES, max_gap=0)
+            with open_file(p, "r") as f:
+                if f.size != h.file_size:
+                    raise TruncatedFileError(f"{p} changed size after its header was read "
+                                             f"({h.file_size} -> {f.size} bytes)")
+                raw.update(execute(f, plan, dev, progress=prog))
+    out = {}
+    for n in names:
+        dt, shape = _torch_type(torch, where[n][2])
+        out[n] = raw.pop(n).view(dt).reshape(shape)
+    if return_stats:
+        return out, stats_delta(before, stats())
+    return out
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
+              metadata: Mapping[str, str] | None = None, *, progress: ProgressArg = False) -> None:
+    """Write ``tensors`` to a standard safetensors file whose data section starts 4 KiB-aligned.
+
+    CPU and GPU tensors are accepted (non-contiguous ones too); GPU bytes go
+    through the engine without a stop in pageable host memory. The write is
+    atomic: a temporary file beside ``path`` is fsynced and renamed.
+    """
+    torch = _torch()
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgumentError("tensors must be a mapping of names to tensors")
+    specs = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise UnsupportedTensorError(f"tensor {name!r} ({t.layout}, {t.device}) has no plain bytes to store")
+        st, shape = _st_type(torch, name, t)
+        specs.append(fmt.TensorSpec(name, st, shape))
+    lay = fmt.layout(specs, metadata)
+
+    for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
+        torch.cuda.synchronize(d)  # the engine reads the bytes outside torch's streams
+    prog = Progress(lay.file_size - lay.data_start, progress, "saving")
+    futures: list[Any] = []
+    with open_file(os.fspath(path), "w", atomic=True) as f, prog:
+        try:
+            f.write(bytearray(lay.header), file_offset=0)
+            for e in lay.entries:
+                if e.nbytes == 0:
+                    continue
+                t = tensors[e.name].detach()
+                copied = not t.is_contiguous()
+                if copied:
+                    t = t.contiguous()
+                    if t.device.type == "cuda":
+                        torch.cuda.synchronize(t.device)
+                src = t.reshape(-1).view(torch.uint8)
+                fut = f.pwrite(src, size=e.nbytes, file_offset=lay.file_offset(e))
+                fut.add_done_callback(lambda _f, n=e.nbytes: prog.advance(n))
+                if copied:
+                    fut.result()  # bound the extra memory to one temporary copy
+                futures.append(fut)
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            import concurrent.futures
+            concurrent.futures.wait(futures)
+            raise

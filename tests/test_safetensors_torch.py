@@ -1,0 +1,329 @@
+"""gdskit.safetensors against the reference safetensors library (CPU tensors; GPU tests marked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+import gdskit  # noqa: E402
+import gdskit.safetensors as gs  # noqa: E402
+from gdskit.errors import FormatError, GdskitError, MissingDependencyError  # noqa: E402
+from gdskit.formats import read_plan  # noqa: E402
+from gdskit.formats import safetensors_format as fmt  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and raw_bytes(a.cpu()) == raw_bytes(b.cpu())
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dt in gs._dtype_table(torch).items():
+        if name == "F4":
+            out[name] = torch.randint(0, 256, (3, 4), dtype=torch.uint8, generator=g).view(dt)
+        elif dt == torch.bool:
+            out[name] = torch.randint(0, 2, (5, 3), generator=g).bool()
+        else:
+            # Random bytes reinterpreted: exercises every bit pattern, NaNs included.
+            nbytes = 7 * 3 * torch.tensor([], dtype=dt).element_size()
+            out[name] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dt).reshape(7, 3)
+    return out
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# -- round trips with the reference library -------------------------------------
+
+def test_gdskit_file_loads_identically_with_reference(tmp_path) -> None:
+    tensors = every_dtype()
+    tensors["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    tensors["empty"] = torch.empty(0, 7)
+    tensors["noncontig"] = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    tensors["big"] = torch.randn(300_000)
+    path = tmp_path / "g.safetensors"
+    gs.save_file(tensors, path, metadata={"format": "pt", "note": "ü"})
+    ref = st_torch.load_file(str(path))
+    assert set(ref) == set(tensors)
+    for k, v in tensors.items():
+        assert same(ref[k], v), k
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "ü"}
+        for k in tensors:
+            assert same(f.get_tensor(k), tensors[k]), k
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+    assert (8 + n) % 4096 == 0
+
+
+def test_reference_file_loads_identically_with_gdskit(tmp_path) -> None:
+    tensors = every_dtype()
+    tensors["scalar"] = torch.tensor(7, dtype=torch.int32)
+    tensors["empty"] = torch.empty(3, 0, dtype=torch.float16)
+    path = tmp_path / "ref.safetensors"
+    st_torch.save_file(tensors, str(path), metadata={"a": "b"})
+    out = gs.load_file(path, device="cpu")
+    assert set(out) == set(tensors)
+    for k, v in tensors.items():
+        assert same(out[k], v), k
+    assert gs.read_metadata(path) == {"a": "b"}
+
+
+def test_loaded_tensors_own_their_memory(tmp_path) -> None:
+    tensors = {f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(20)}
+    tensors["large"] = torch.ones(1 << 19)
+    path = tmp_path / "own.safetensors"
+    gs.save_file(tensors, path)
+    out = gs.load_file(path, device="cpu")
+    storages = {t.untyped_storage().data_ptr() for t in out.values()}
+    assert len(storages) == len(out)
+    for k, t in out.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), k
+        assert torch.equal(t, tensors[k])
+
+
+def test_many_small_tensors_go_through_coalesced_reads(tmp_path) -> None:
+    tensors = {f"layer.{i}.w": torch.randn(17 + i % 5, 3) for i in range(500)}
+    path = tmp_path / "small.safetensors"
+    gs.save_file(tensors, path)
+    h = fmt.read_header_file(path)
+    p = read_plan.plan(fmt.extents(h, h.entries), small=gs.SMALL_TENSOR_BYTES, max_group=gs.MAX_GROUP_BYTES)
+    assert len(p.groups) < len(tensors) // 10
+    out = gs.load_file(path, device="cpu")
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_keys_subset_reads_only_those_bytes(tmp_path) -> None:
+    tensors = {"a": torch.randn(1000), "b": torch.randn(5000), "c": torch.randn(300_000), "d": torch.randn(7)}
+    path = tmp_path / "sub.safetensors"
+    gs.save_file(tensors, path)
+    out, stats = gs.load_file(path, device="cpu", keys=["d", "c"], return_stats=True)
+    assert list(out) == ["d", "c"]
+    assert torch.equal(out["c"], tensors["c"]) and torch.equal(out["d"], tensors["d"])
+    assert sum(p.bytes_read for p in stats.paths.values()) == 4 * (300_000 + 7)
+
+
+def test_missing_key_is_a_key_error(tmp_path) -> None:
+    path = tmp_path / "k.safetensors"
+    gs.save_file({"a": torch.zeros(2)}, path)
+    with pytest.raises(gs.MissingTensorError) as info:
+        gs.load_file(path, device="cpu", keys=["a", "zz"])
+    assert isinstance(info.value, KeyError) and isinstance(info.value, GdskitError)
+
+
+def test_progress_callback_reaches_total(tmp_path) -> None:
+    tensors = {f"t{i}": torch.randn(1000 * (i + 1)) for i in range(10)}
+    tensors["big"] = torch.randn(1 << 19)
+    path = tmp_path / "p.safetensors"
+    gs.save_file(tensors, path)
+    calls: list[tuple[int, int]] = []
+    gs.load_file(path, device="cpu", progress=lambda done, total: calls.append((done, total)))
+    total = sum(t.numel() * 4 for t in tensors.values())
+    assert max(calls) == (total, total)
+    assert all(t == total for _d, t in calls)
+
+
+# -- sharded checkpoints --------------------------------------------------------
+
+def write_shards(tmp_path, index: bool = True) -> dict[str, torch.Tensor]:
+    tensors = {f"w{i}": torch.randn(10, i + 1) for i in range(6)}
+    shards = {"model-00001-of-00002.safetensors": ["w0", "w1", "w2"],
+              "model-00002-of-00002.safetensors": ["w3", "w4", "w5"]}
+    wm = {}
+    for fname, names in shards.items():
+        st_torch.save_file({n: tensors[n] for n in names}, str(tmp_path / fname))
+        wm.update({n: fname for n in names})
+    if index:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return tensors
+
+
+@pytest.mark.parametrize("how", ["dir", "index", "list"])
+def test_sharded_checkpoint(tmp_path, how: str) -> None:
+    tensors = write_shards(tmp_path)
+    arg = {"dir": tmp_path, "index": tmp_path / "model.safetensors.index.json",
+           "list": sorted(str(p) for p in tmp_path.glob("*.safetensors"))}[how]
+    out = gs.load_file(arg, device="cpu")
+    assert set(out) == set(tensors)
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v)
+
+
+def test_index_pointing_to_the_wrong_shard(tmp_path) -> None:
+    write_shards(tmp_path)
+    idx = tmp_path / "model.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    doc["weight_map"]["w0"] = "model-00002-of-00002.safetensors"
+    idx.write_text(json.dumps(doc))
+    with pytest.raises(FormatError):
+        gs.load_file(tmp_path, device="cpu")
+
+
+def test_duplicate_name_across_shards(tmp_path) -> None:
+    st_torch.save_file({"a": torch.zeros(1)}, str(tmp_path / "1.safetensors"))
+    st_torch.save_file({"a": torch.ones(1)}, str(tmp_path / "2.safetensors"))
+    with pytest.raises(FormatError):
+        gs.load_file(tmp_path, device="cpu")
+
+
+# -- bad files through the loader -----------------------------------------------
+
+def corrupt_variants(good: bytes) -> dict[str, tuple[bytes, type]]:
+    (n,) = struct.unpack("<Q", good[:8])
+    return {
+        "truncated data": (good[:-3], fmt.TruncatedFileError),
+        "truncated header": (good[:20], fmt.TruncatedFileError),
+        "huge length": (struct.pack("<Q", 1 << 60) + good[8:], fmt.HeaderError),
+        "garbage header": (good[:8] + b"x" * n + good[8 + n:], fmt.HeaderError),
+        "trailing": (good + b"\0" * 5, fmt.LayoutError),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated data", "truncated header", "huge length", "garbage header", "trailing"])
+def test_bad_files_raise_format_errors_and_leak_no_fd(tmp_path, case: str) -> None:
+    path = tmp_path / "good.safetensors"
+    st_torch.save_file({"a": torch.randn(100), "b": torch.randn(3)}, str(path))
+    data, cls = corrupt_variants(path.read_bytes())[case]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data)
+    before = fd_count()
+    with pytest.raises(cls):
+        gs.load_file(bad, device="cpu")
+    assert fd_count() == before
+
+
+def test_file_that_shrinks_after_its_header_is_read(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "shrink.safetensors"
+    gs.save_file({"a": torch.randn(1 << 18), "b": torch.randn(10)}, path)
+    real = fmt.read_header_file
+
+    def read_then_shrink(p):  # the file shrinks between the header parse and the data reads
+        h = real(p)
+        os.truncate(p, h.file_size - 100)
+        return h
+
+    monkeypatch.setattr(fmt, "read_header_file", read_then_shrink)
+    before = fd_count()
+    with pytest.raises(fmt.TruncatedFileError):
+        gs.load_file(path, device="cpu")
+    assert fd_count() == before
+
+
+def test_short_read_in_the_executor_is_detected(tmp_path) -> None:
+    from gdskit.formats.torch_io import execute
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(5000))
+    for extents in ([read_plan.Extent("x", 4000, 2000)], [read_plan.Extent("a", 10, 100), read_plan.Extent("b", 4990, 100)]):
+        p = read_plan.plan(extents, small=1024, max_group=1 << 20, max_gap=1 << 20)
+        with gdskit.open(path) as f, pytest.raises(fmt.TruncatedFileError):
+            execute(f, p, torch.device("cpu"))
+
+
+def test_unsupported_dtype_in_file(tmp_path) -> None:
+    body = json.dumps({"a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}).encode()
+    path = tmp_path / "f6.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + bytes(3))
+    with pytest.raises(gs.UnsupportedDtypeError) as info:
+        gs.load_file(path, device="cpu")
+    assert isinstance(info.value, FormatError)
+
+
+# -- saving ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    {"a": [1, 2]},
+    {"a": torch.zeros(2, device="meta")},
+    {"a": torch.zeros(3).to_sparse()},
+])
+def test_save_rejects_what_has_no_bytes(tmp_path, bad) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"old")
+    with pytest.raises(gs.UnsupportedTensorError) as info:
+        gs.save_file(bad, path)
+    assert isinstance(info.value, TypeError)
+    assert path.read_bytes() == b"old"
+
+
+def test_save_is_atomic_when_a_write_fails(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"old")
+    import gdskit.file
+
+    def failing_pwrite(self, *a, **kw):
+        raise gdskit.errors.GdskitIOError(5, "injected failure")
+
+    monkeypatch.setattr(gdskit.file.File, "pwrite", failing_pwrite)
+    with pytest.raises(gdskit.errors.GdskitIOError):
+        gs.save_file({"a": torch.randn(100)}, path)
+    assert path.read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["x.safetensors"]
+
+
+def test_save_then_aligned_big_tensors(tmp_path) -> None:
+    tensors = {"odd": torch.zeros(3, dtype=torch.uint8), "p1": torch.randn(4096), "p2": torch.randn(2048)}
+    path = tmp_path / "a.safetensors"
+    gs.save_file(tensors, path)
+    h = fmt.read_header_file(path)
+    for e in h.entries:
+        if e.nbytes % 4096 == 0:
+            assert (h.data_start + e.start) % 4096 == 0
+
+
+def test_missing_torch_gives_install_hint(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(MissingDependencyError) as info:
+        gs._torch()
+    assert isinstance(info.value, ImportError)
+
+
+# -- GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_round_trip_with_reference(tmp_path) -> None:
+    tensors = {k: v.cuda() for k, v in every_dtype().items()}
+    tensors["big"] = torch.randn(1 << 22, device="cuda")
+    tensors["nc"] = torch.randn(64, 32, device="cuda").t()
+    for i in range(300):
+        tensors[f"small{i}"] = torch.randn(100 + i, device="cuda")
+    path = tmp_path / "gpu.safetensors"
+    gs.save_file(tensors, path)
+    ref = st_torch.load_file(str(path))
+    for k, v in tensors.items():
+        assert same(ref[k], v), k
+    out = gs.load_file(path, device="cuda:0")
+    torch.cuda.synchronize()
+    for k, v in tensors.items():
+        assert out[k].device.type == "cuda" and same(out[k], v), k
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_close_to_checkpoint_size(tmp_path) -> None:
+    tensors = {f"t{i}": torch.randn(25_000) for i in range(400)}
+    tensors.update({f"big{i}": torch.randn(1 << 21) for i in range(4)})
+    path = tmp_path / "mem.safetensors"
+    gs.save_file(tensors, path)
+    size = sum(t.numel() * 4 for t in tensors.values())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = gs.load_file(path, device="cuda:0")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= size + 4 * gs.MAX_GROUP_BYTES + (1 << 20)
+    del out

@@ -1,0 +1,273 @@
+"""gdskit.torch.save / load against plain torch.save / torch.load (CPU tensors; GPU tests marked)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gdskit.torch as gt  # noqa: E402
+from gdskit.errors import FormatError, GdskitError  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def same(x, y) -> bool:
+    """Structure, types, dtypes, shapes, strides, storage offsets and bytes all equal."""
+    if isinstance(x, torch.Tensor):
+        if type(x) is not type(y) or x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.stride() != y.stride() or x.storage_offset() != y.storage_offset():
+            return False
+        if x.requires_grad != y.requires_grad:
+            return False
+        a, b = x.untyped_storage(), y.untyped_storage()
+        if a.nbytes() != b.nbytes():
+            return False
+        u8 = torch.uint8
+        return torch.equal(torch.empty(0, dtype=u8).set_(a.cpu()), torch.empty(0, dtype=u8).set_(b.cpu()))
+    if isinstance(x, dict):
+        return type(x) is type(y) and list(x) == list(y) and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
+    return x == y
+
+
+def checkpoint() -> collections.OrderedDict:
+    g = torch.Generator().manual_seed(1)
+    sd = collections.OrderedDict()
+    sd["w"] = torch.randn(64, 32, generator=g)
+    sd["w_t"] = sd["w"].t()                       # a view sharing w's storage
+    sd["w_rows"] = sd["w"][3:9]                   # a view with a storage offset
+    sd["b"] = torch.randn(32, generator=g).to(torch.bfloat16)
+    sd["scalar"] = torch.tensor(3.25, dtype=torch.float64)
+    sd["empty"] = torch.empty(0, 4)
+    sd["mask"] = torch.rand(10, generator=g) > 0.5
+    sd["i64"] = torch.arange(-5, 5, dtype=torch.int64)
+    sd["u16"] = torch.arange(7, dtype=torch.int32).to(torch.uint16)
+    sd["c64"] = torch.randn(6, dtype=torch.complex64, generator=g)
+    sd["f8"] = torch.randn(12, generator=g).to(torch.float8_e4m3fn)
+    sd["big"] = torch.randn(600_000, generator=g)
+    sd["param"] = torch.nn.Parameter(torch.randn(5, generator=g))
+    sd["nested"] = {"list": [torch.ones(3), (torch.zeros(2, dtype=torch.int8), 7)], "step": 10, "name": "adam"}
+    sd["small"] = [torch.full((200,), i, dtype=torch.int32) for i in range(50)]
+    return sd
+
+
+# -- files written by gdskit ----------------------------------------------------
+
+def test_gdskit_save_loads_with_plain_torch_load(tmp_path) -> None:
+    sd = checkpoint()
+    path = tmp_path / "g.pt"
+    gt.save(sd, path)
+    assert same(torch.load(path), sd)
+    assert same(torch.load(path, mmap=True), sd)
+    assert same(torch.load(path, weights_only=False), sd)
+
+
+def test_gdskit_save_aligns_storages_to_4k(tmp_path) -> None:
+    path = tmp_path / "g.pt"
+    gt.save(checkpoint(), path)
+    r = torch._C.PyTorchFileReader(str(path))
+    names = [n for n in r.get_all_records() if n.startswith("data/")]
+    assert names and all(r.get_record_offset(n) % gt.STORAGE_ALIGNMENT == 0 for n in names)
+
+
+def test_gdskit_save_restores_torch_setting(tmp_path) -> None:
+    from torch.utils.serialization import config
+    before = config.save.storage_alignment
+    gt.save({"a": torch.ones(2)}, tmp_path / "x.pt")
+    assert config.save.storage_alignment == before
+
+
+def test_gdskit_round_trip_keeps_shared_storages(tmp_path) -> None:
+    sd = checkpoint()
+    path = tmp_path / "g.pt"
+    gt.save(sd, path)
+    out = gt.load(path)
+    assert same(out, sd)
+    ptr = out["w"].untyped_storage().data_ptr()
+    assert out["w_t"].untyped_storage().data_ptr() == ptr
+    assert out["w_rows"].untyped_storage().data_ptr() == ptr
+    out["w"][0, 0] = 42.0  # one storage: the views see the write
+    assert out["w_t"][0, 0].item() == 42.0
+
+
+def test_save_is_atomic_when_a_write_fails(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "x.pt"
+    path.write_bytes(b"old")
+    import gdskit.file
+
+    def failing_pwrite(self, *a, **kw):
+        raise gdskit.errors.GdskitIOError(5, "injected failure")
+
+    monkeypatch.setattr(gdskit.file.File, "pwrite", failing_pwrite)
+    with pytest.raises(gdskit.errors.GdskitIOError):
+        gt.save({"a": torch.randn(100)}, path)
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["x.pt"]
+
+
+# -- files written by torch.save -------------------------------------------------
+
+def test_plain_torch_save_loads_with_gdskit(tmp_path) -> None:
+    sd = checkpoint()
+    path = tmp_path / "plain.pt"
+    torch.save(sd, path)
+    out = gt.load(path)
+    assert same(out, sd)
+    assert out["w_t"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+
+
+def test_legacy_format_is_read(tmp_path) -> None:
+    sd = {"a": torch.randn(5), "b": torch.arange(3)}
+    path = tmp_path / "legacy.pt"
+    torch.save(sd, path, _use_new_zipfile_serialization=False)
+    assert same(gt.load(path), sd)
+
+
+def test_untyped_storage_objects(tmp_path) -> None:
+    s = torch.arange(10, dtype=torch.uint8).untyped_storage()
+    path = tmp_path / "s.pt"
+    torch.save({"s": s}, path)
+    out = gt.load(path)
+    ref = torch.load(path)
+    assert type(out["s"]) is type(ref["s"]) and out["s"].tolist() == s.tolist()
+
+
+@pytest.mark.parametrize("map_location", [None, "cpu", torch.device("cpu"), {"cpu": "cpu"},
+                                          lambda storage, loc: storage, lambda storage, loc: None])
+def test_map_location_forms(tmp_path, map_location) -> None:
+    sd = checkpoint()
+    path = tmp_path / "m.pt"
+    gt.save(sd, path)
+    out = gt.load(path, map_location=map_location)
+    assert same(out, sd)
+
+
+def test_map_location_meta_reads_nothing(tmp_path) -> None:
+    path = tmp_path / "m.pt"
+    gt.save({"a": torch.randn(1000)}, path)
+    out, stats = gt.load(path, map_location="meta", return_stats=True)
+    assert out["a"].device.type == "meta" and out["a"].shape == (1000,)
+    assert sum(p.bytes_read for p in stats.paths.values()) == 0
+
+
+def test_return_stats_counts_every_storage_byte(tmp_path) -> None:
+    sd = {"a": torch.randn(1000), "b": torch.randn(300_000)}
+    path = tmp_path / "s.pt"
+    gt.save(sd, path)
+    out, stats = gt.load(path, return_stats=True)
+    assert same(out, sd)
+    assert sum(p.bytes_read for p in stats.paths.values()) >= 4 * 301_000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_location_without_cuda(tmp_path) -> None:
+    path = tmp_path / "c.pt"
+    gt.save({"a": torch.ones(2)}, path)
+    with pytest.raises(gt.DeviceUnavailableError) as info:
+        gt.load(path, map_location="cuda:0")
+    assert isinstance(info.value, RuntimeError)
+
+
+# -- safety -----------------------------------------------------------------------
+
+class Unsafe:
+    def __reduce__(self):
+        return (os.system, ("echo should-never-run",))
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.x = 1
+
+
+@pytest.mark.parametrize("obj", [Plain(), Unsafe()])
+def test_weights_only_by_default_refuses_arbitrary_objects(tmp_path, obj) -> None:
+    path = tmp_path / "u.pt"
+    torch.save({"obj": obj, "t": torch.ones(2)}, path)
+    with pytest.raises(gt.UnsafeCheckpointError) as info:
+        gt.load(path)
+    assert isinstance(info.value, pickle.UnpicklingError) and isinstance(info.value, GdskitError)
+
+
+def test_weights_only_false_loads_trusted_objects(tmp_path) -> None:
+    path = tmp_path / "p.pt"
+    torch.save({"obj": Plain(), "t": torch.ones(2)}, path)
+    out = gt.load(path, weights_only=False)
+    assert isinstance(out["obj"], Plain) and torch.equal(out["t"], torch.ones(2))
+
+
+def test_legacy_unsafe_file_refused(tmp_path) -> None:
+    path = tmp_path / "lu.pt"
+    torch.save({"obj": Plain()}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(gt.UnsafeCheckpointError):
+        gt.load(path)
+
+
+# -- bad files ------------------------------------------------------------------
+
+def bad_variants(good: bytes) -> dict[str, bytes]:
+    return {
+        "empty": b"",
+        "garbage": b"hello world, not a checkpoint",
+        "truncated zip": good[: len(good) // 2],
+        "zip header only": good[:100],
+        "not a torch zip": b"PK\x03\x04" + bytes(200),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty", "garbage", "truncated zip", "zip header only", "not a torch zip"])
+def test_bad_files_raise_format_error_and_leak_no_fd(tmp_path, case) -> None:
+    good = tmp_path / "good.pt"
+    gt.save(checkpoint(), good)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bad_variants(good.read_bytes())[case])
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FormatError):
+        gt.load(bad)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_missing_file_is_file_not_found(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        gt.load(tmp_path / "nope.pt")
+    assert isinstance(info.value, GdskitError)
+
+
+# -- GPU ------------------------------------------------------------------------
+
+def to_cuda(x):
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(x.detach().cuda(), requires_grad=x.requires_grad)
+    if isinstance(x, torch.Tensor):
+        return x.cuda()
+    if isinstance(x, dict):
+        return type(x)((k, to_cuda(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cuda(v) for v in x)
+    return x
+
+
+@pytest.mark.gpu
+def test_gpu_save_and_load_both_ways(tmp_path) -> None:
+    sd = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(100, device="cuda"),
+          "many": [torch.randn(1000 + i, device="cuda") for i in range(200)]}
+    sd["view"] = sd["w"][10:20]
+    path = tmp_path / "gpu.pt"
+    gt.save(sd, path)
+    assert same(torch.load(path), sd)
+    out = gt.load(path)
+    torch.cuda.synchronize()
+    assert out["w"].device.type == "cuda" and same(out, sd)
+    assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    plain = tmp_path / "plain.pt"
+    torch.save(sd, plain)
+    assert same(gt.load(plain, map_location="cuda:0"), sd)
+    cpu = gt.load(path, map_location="cpu")
+    assert cpu["w"].device.type == "cpu" and torch.equal(cpu["w"], sd["w"].cpu())
