@@ -120,7 +120,8 @@ _get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 def _from_dlpack(obj: Any) -> BufferView:
     dev_type, _dev_id = obj.__dlpack_device__()
     try:
-        capsule = obj.__dlpack__(stream=-1) if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED) else obj.__dlpack__()
+        # stream=1: the producer orders its work before the legacy default stream, which we then sync.
+        capsule = obj.__dlpack__(stream=1) if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED) else obj.__dlpack__()
     except TypeError:
         capsule = obj.__dlpack__()
     addr = _get_pointer(capsule, b"dltensor")
@@ -138,8 +139,7 @@ def _from_dlpack(obj: Any) -> BufferView:
         return BufferView(ptr, nbytes, kind, None, False, view, owner)
     if int(t.device.device_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
         info = cuda.pointer_info(ptr) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, int(t.device.device_id))
-        # Exported with stream=-1 (no producer-side sync): wait for the device ourselves before reading it.
-        return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner, None, True)
+        return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner, 1, True)
     raise UnsupportedBufferError(f"DLPack device type {int(t.device.device_type)} is not supported "
                                  "(only CPU, CUDA, CUDA host and CUDA managed memory)")
 

@@ -209,16 +209,16 @@ class Event:
 
 
 def synchronize_producer(stream: int | None) -> None:
-    """Wait for work the buffer's producer may still have queued.
+    """Wait for work the buffer's producer may still have queued on it.
 
     ``stream`` is the ``__cuda_array_interface__`` stream (1 = legacy default,
-    2 = per-thread default, otherwise a handle); ``None`` means unknown, and
-    then the whole device is synchronised.
+    2 = per-thread default, otherwise a handle). ``None`` (a producer that names
+    no stream, such as torch's version-2 interface) means the legacy default
+    stream, as for Numba and CuPy. Never the whole device: that would also wait
+    for gdskit's own copies of other requests in flight.
     """
     rt = _runtime()
-    if stream is None:
-        check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-    elif stream == 1:
+    if stream is None or stream == 1:
         check(rt.cudaStreamSynchronize(0), "cudaStreamSynchronize")
     elif stream == 2:
         check(rt.cudaStreamSynchronize(rt.cudaStreamPerThread), "cudaStreamSynchronize")

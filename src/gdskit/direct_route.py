@@ -1,15 +1,18 @@
-"""Is there a direct storage-to-GPU route on this machine at all? (cached, cheap after the first call)
+"""Is there a direct storage-to-GPU route on this machine at all? (asked once per process)
 
 The engine's ``auto`` mode asks this before it tries cuFile: without nvidia-fs
-and without upstream PCI P2PDMA, cuFile can only run its POSIX compat mode,
-which gdskit's own bounce path beats. ``gdskit check`` explains the same facts
-at length.
+and without upstream PCI P2PDMA that cuFile is configured to use, cuFile can
+only run its POSIX compat mode, which gdskit's own bounce path beats. The facts
+come from the same readers ``gdskit check`` uses (gdskit.probe.gds); the check
+explains them at length.
+
+Cheap facts first: /proc/kallsyms (tens of milliseconds to read) is only
+scanned when cufile.json turns P2PDMA on, so a first read does not pay for it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 from gdskit.vocabulary import Path, Reason
@@ -17,7 +20,7 @@ from gdskit.vocabulary import Path, Reason
 
 @dataclass(frozen=True)
 class DirectRoute:
-    """``route`` is the direct path available (``None``: none), ``reason`` why not."""
+    """``route`` is the direct path cuFile would take (``None``: none), ``reason`` why not."""
 
     route: Path | None
     reason: Reason | None
@@ -26,41 +29,29 @@ class DirectRoute:
     udev: bool
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return ""
+def udev_database_present() -> bool:
+    from gdskit.probe.gds import udev  # noqa: PLC0415
+    from gdskit.probe.root import SystemRoot  # noqa: PLC0415
 
-
-def nvidia_fs_loaded(root: str = "/") -> bool:
-    if os.path.exists(os.path.join(root, "proc/driver/nvidia-fs")):
-        return True
-    return any(line.split(" ", 1)[0] == "nvidia_fs" for line in _read(os.path.join(root, "proc/modules")).splitlines())
-
-
-def kernel_has_p2pdma(root: str = "/") -> bool:
-    """Upstream PCI P2PDMA for GPU memory: the kernel exports ``p2pdma_pgmap_ops``."""
-    path = os.path.join(root, "proc/kallsyms")
-    try:
-        with open(path, encoding="ascii", errors="replace") as fh:
-            return any(line.rstrip().endswith(" p2pdma_pgmap_ops") for line in fh)
-    except OSError:
-        return False
-
-
-def udev_database_present(root: str = "/") -> bool:
-    return os.path.isdir(os.path.join(root, "run/udev/data"))
+    return udev(SystemRoot("/")).database
 
 
 @functools.lru_cache(maxsize=1)
 def direct_route() -> DirectRoute:
-    nvfs = nvidia_fs_loaded()
-    p2p = kernel_has_p2pdma()
-    udev = udev_database_present()
+    from gdskit.probe import gds  # noqa: PLC0415
+    from gdskit.probe.root import SystemRoot  # noqa: PLC0415
+
+    root = SystemRoot("/")
+    nvfs = gds.nvidia_fs(root, gds.loaded_modules(root)).loaded
+    config = gds.cufile_config(root)
+    has_udev = gds.udev(root).database
+    p2p = False
+    if not nvfs and config.use_pci_p2pdma and not config.force_compat_mode:
+        p2p = bool(gds.kallsyms_has(root, "p2pdma_pgmap_ops"))
+    if config.force_compat_mode:
+        return DirectRoute(None, Reason.FORCED_BY_SETTING, nvfs, p2p, has_udev)
     if nvfs:
-        return DirectRoute(Path.CUFILE_NVFS, None if udev else Reason.UDEV_MISSING, nvfs, p2p, udev)
+        return DirectRoute(Path.CUFILE_NVFS, None if has_udev else Reason.UDEV_MISSING, nvfs, p2p, has_udev)
     if p2p:
-        return DirectRoute(Path.CUFILE_P2PDMA, None if udev else Reason.UDEV_MISSING, nvfs, p2p, udev)
-    return DirectRoute(None, Reason.NVIDIA_FS_MISSING, nvfs, p2p, udev)
+        return DirectRoute(Path.CUFILE_P2PDMA, None if has_udev else Reason.UDEV_MISSING, nvfs, p2p, has_udev)
+    return DirectRoute(None, Reason.NVIDIA_FS_MISSING, nvfs, p2p, has_udev)
