@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
 from gdskit.dcp import _archive
@@ -64,15 +65,15 @@ def _tensor_bytes(tensor: Any, item: WriteItem) -> torch.Tensor:
     want = item.tensor_data
     if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized:
         raise UnsupportedItemError(f"{item.index.fqn}: a {t.layout} tensor on {t.device} has no plain bytes to save")
-    if want is not None and (tuple(t.shape) != tuple(want.size) or t.dtype != want.properties.dtype):
+    if want is not None and (tuple(t.shape) != tuple(want.chunk.sizes) or t.dtype != want.properties.dtype):
         raise UnsupportedItemError(f"{item.index.fqn}: resolved {t.dtype}{tuple(t.shape)}, the plan says "
-                                   f"{want.properties.dtype}{tuple(want.size)}")
+                                   f"{want.properties.dtype}{tuple(want.chunk.sizes)}")
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
 
 
-class StorageWriter(dcp_storage.StorageWriter):
+class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     """Write a torch.distributed.checkpoint through the gdskit engine.
 
     >>> import torch.distributed.checkpoint as dcp, gdskit.dcp
@@ -94,10 +95,19 @@ class StorageWriter(dcp_storage.StorageWriter):
     overwrite : bool
         Allow saving into a directory that already holds a complete checkpoint
         (its ``.metadata`` is removed before any new data is written).
+    cache_staged_state_dict : bool
+        For ``dcp.async_save``: keep the host copy of the state dict between
+        saves (faster staging, more host memory), as the stock writer does.
+
+    ``dcp.async_save`` first copies the state dict to host memory with the
+    writer's own staging (the same as the stock ``FileSystemWriter``), then
+    writes it from there in the background.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, sync_files: bool = True, overwrite: bool = True) -> None:
-        super().__init__()
+    def __init__(self, path: str | os.PathLike[str], *, sync_files: bool = True, overwrite: bool = True,
+                 cache_staged_state_dict: bool = False) -> None:
+        dcp_storage.StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path)
         self.sync_files = sync_files
         self.overwrite = overwrite
@@ -215,7 +225,7 @@ class StorageWriter(dcp_storage.StorageWriter):
             td = item.tensor_data
             if td is None:
                 raise UnsupportedItemError(f"{item.index.fqn}: a tensor item without tensor data")
-            shape = tuple(int(s) for s in td.size)
+            shape = tuple(int(s) for s in td.chunk.sizes)  # this rank's chunk, not the global size
             nbytes = torch._utils._element_size(td.properties.dtype)
             for s in shape:
                 nbytes *= s
