@@ -214,6 +214,16 @@ class Rank:
         mid = gdskit.stats()
         self.check("gpu_load", lambda: self.load_and_compare(gdskit.dcp.StorageReader(self.path("gpu"))))
         after = gdskit.stats()
+        self.check("gpu_gdskit_to_stock", lambda: self.load_and_compare(FileSystemReader(self.path("gpu"))))
+        self.check("gpu_save_stock", lambda: self.save(self.stock_writer("gpu_stock")))
+        self.check("gpu_stock_to_gdskit", lambda: self.load_and_compare(
+            gdskit.dcp.StorageReader(self.path("gpu_stock"))))
+
+        def async_save() -> str:
+            fut = dcp.async_save(self.state_dict(), storage_writer=gdskit.dcp.StorageWriter(self.path("gpu_async")))
+            (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
+            return self.load_and_compare(gdskit.dcp.StorageReader(self.path("gpu_async")))
+        self.check("gpu_async_save", async_save)
         wrote = gdskit.stats_delta(before, mid)
         read = gdskit.stats_delta(mid, after)
         dev_written = sum(p.bytes_written for name, p in wrote.paths.items() if name != "host")
