@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
