@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""torch.distributed.checkpoint through gdskit against DCP's stock FileSystemWriter/Reader.
+
+One rank with a sharded state dict on the GPU (DTensors on a one-rank mesh, 32 MiB
+bf16 shards, ``--size`` in total). Every run is a fresh process timed from the
+``dcp.save``/``dcp.load`` call to ``torch.cuda.synchronize()``; CPU time is the
+process's user+system time over the same span. Saves fsync on both sides (the
+stock writer's ``sync_files=True``); the stock writer is run with each
+``--threads`` count and its best is the reference. Loads run hot (files read once
+before) and, with ``--cold``, after dropping the page cache (root:
+``/proc/sys/vm/drop_caches``, else ``posix_fadvise(DONTNEED)``). A raw
+multi-threaded O_DIRECT read of the gdskit checkpoint gives the disk's rate.
+
+    python benchmarks/dcp.py --dir /data/dcp-bench --size 8GiB --cold --json dcp.json
+
+Targets (the issue): load >= 5x stock hot, >= 0.95x the raw disk rate cold;
+save >= 2x the best stock save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+GB = 1e9
+MiB = 1 << 20
+SHARD_ELEMS = 4096 * 4096  # 32 MiB of bf16
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t) * (1 << 30))  # a bare number is GiB
+
+
+# -- inside the child ---------------------------------------------------------------
+
+def _init_dist(device: str):
+    import torch.distributed as dist
+    from torch.distributed.tensor import init_device_mesh
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = f"/tmp/gdskit-dcp-bench-store.{os.getpid()}"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return init_device_mesh(device.split(":")[0], (1,))
+
+
+def _state_dict(total: int, device: str, mesh, zeros: bool):
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    n = max(1, total // (SHARD_ELEMS * 2))
+    g = torch.Generator(device=device).manual_seed(0)
+    sd = {}
+    for i in range(n):
+        t = torch.empty(4096, 4096, dtype=torch.bfloat16, device=device)
+        if zeros:
+            t.zero_()
+        else:
+            t.view(torch.int16).random_(generator=g)
+        sd[f"layers.{i}.weight"] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+    sd["step"] = 1000
+    return sd, n * SHARD_ELEMS * 2
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.impl == "gdskit":
+        os.environ.setdefault("GDSKIT_THREADS", str(args.gdskit_threads))
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import gdskit
+    import gdskit.dcp
+    mesh = _init_dist(args.device)
+    sd, nbytes = _state_dict(parse_size(args.size), args.device, mesh, zeros=args.op == "load")
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
+    before = gdskit.stats()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if args.op == "save":
+        if args.impl == "gdskit":
+            writer = gdskit.dcp.StorageWriter(args.path)
+        else:
+            writer = dcp.FileSystemWriter(args.path, sync_files=True, thread_count=args.stock_threads)
+        dcp.save(sd, storage_writer=writer)
+    else:
+        reader = gdskit.dcp.StorageReader(args.path) if args.impl == "gdskit" else dcp.FileSystemReader(args.path)
+        dcp.load(sd, storage_reader=reader)
+    sync()
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    paths = {k: {"read": v["bytes_read"], "written": v["bytes_written"]}
+             for k, v in gdskit.stats_delta(before, gdskit.stats()).to_dict()["paths"].items()}
+    print("RESULT " + json.dumps({"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "paths": paths}))
+
+
+# -- the parent ---------------------------------------------------------------------
+
+def drop_caches(paths: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+
+def data_files(directory: str) -> list[str]:
+    return [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.endswith(".distcp")]
+
+
+def warm(paths: list[str]) -> None:
+    buf = bytearray(64 * MiB)
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def odirect_rate(paths: list[str], threads: int, block: int = 16 * MiB) -> float:
+    """GB/s of a raw O_DIRECT read of ``paths`` with ``threads`` workers (the disk's own rate)."""
+    local = threading.local()
+    jobs = []
+    fds = []
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        fds.append(fd)
+        jobs += [(fd, off) for off in range(0, os.path.getsize(p), block)]
+
+    def read_block(job: tuple[int, int]) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, block)
+        return os.preadv(job[0], [buf], job[1])
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            total = sum(ex.map(read_block, jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return total / GB / (time.perf_counter() - t0)
+
+
+def run_child(args: argparse.Namespace, op: str, impl: str, path: str, stock_threads: int = 1) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--op", op, "--impl", impl, "--path", path,
+           "--size", args.size, "--device", args.device, "--gdskit-threads", str(args.gdskit_threads),
+           "--stock-threads", str(stock_threads)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            r["gb_per_s"] = r["bytes"] / GB / r["wall_s"]
+            r["cpu_s_per_gb"] = r["cpu_s"] / (r["bytes"] / GB)
+            return r
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/gdskit-dcp-bench", help="where the checkpoints are written")
+    ap.add_argument("--size", default="8GiB", help="state dict size (e.g. 8GiB, 512MiB)")
+    ap.add_argument("--threads", default="1,4,8,16", help="thread_count values tried for the stock writer")
+    ap.add_argument("--gdskit-threads", type=int, default=16, help="GDSKIT_THREADS for the gdskit runs")
+    ap.add_argument("--cold", action="store_true", help="also load with the page cache dropped")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per case (best is reported)")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", dest="json_out", help="write all results here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--op", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--stock-threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    os.makedirs(args.dir, exist_ok=True)
+    results: list[dict] = []
+
+    def best(op: str, impl: str, path: str, label: str, stock_threads: int = 1, prepare=None) -> dict:
+        runs = []
+        for _ in range(max(1, args.repeats)):
+            how = prepare() if prepare else None
+            r = run_child(args, op, impl, path, stock_threads)
+            r.update({"op": op, "impl": label, "cache": how})
+            runs.append(r)
+        ok = [r for r in runs if "error" not in r]
+        pick = max(ok, key=lambda r: r["gb_per_s"]) if ok else runs[0]
+        results.append(pick)
+        print(f"  {op:5} {label:40} {pick.get('cache') or '':12} "
+              + (f"{pick['gb_per_s']:7.2f} GB/s  {pick['cpu_s_per_gb']:6.2f} CPU-s/GB" if "error" not in pick
+                 else pick["error"]), flush=True)
+        return pick
+
+    def fresh(path: str):
+        def prep() -> str:
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            return "new dir"
+        return prep
+
+    # saves (fsync on both), keeping the last of each kind for the loads
+    g_path = os.path.join(args.dir, "gdskit")
+    s_path = os.path.join(args.dir, "stock")
+    best("save", "gdskit", g_path, "gdskit StorageWriter", prepare=fresh(g_path))
+    for t in [int(x) for x in args.threads.split(",") if x]:
+        best("save", "stock", s_path, f"stock FileSystemWriter t={t}", stock_threads=t, prepare=fresh(s_path))
+
+    modes = ["hot"] + (["cold"] if args.cold else [])
+    for mode in modes:
+        for impl, path, label in (("gdskit", g_path, "gdskit StorageReader"),
+                                  ("stock", s_path, "stock FileSystemReader"),
+                                  ("gdskit", s_path, "gdskit reading stock files")):
+            files = data_files(path)
+
+            def prep(files=files, mode=mode) -> str:
+                if mode == "cold":
+                    return drop_caches(files)
+                warm(files)
+                return "warmed"
+            best("load", impl, path, label + f" ({mode})", prepare=prep)
+    raw = None
+    if args.cold:
+        drop_caches(data_files(g_path))
+        raw = odirect_rate(data_files(g_path), args.gdskit_threads)
+        results.append({"op": "raw", "impl": "O_DIRECT read", "gb_per_s": raw})
+        print(f"  raw   O_DIRECT read ({args.gdskit_threads} threads)    {raw:7.2f} GB/s")
+    verdict = evaluate(results, raw)
+    for k, v in verdict.items():
+        print(f"{k}: {v}")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                       "results": results, "targets": verdict}, fh, indent=2)
+
+
+def evaluate(results: list[dict], raw: float | None) -> dict[str, str]:
+    def rate(op: str, pred) -> float | None:
+        xs = [r["gb_per_s"] for r in results if r.get("op") == op and "gb_per_s" in r and pred(r["impl"])]
+        return max(xs) if xs else None
+
+    out: dict[str, str] = {}
+    g_save = rate("save", lambda i: i.startswith("gdskit"))
+    s_save = rate("save", lambda i: i.startswith("stock"))
+    if g_save and s_save:
+        out["save >= 2x best stock"] = f"{g_save / s_save:.2f}x ({'met' if g_save >= 2 * s_save else 'missed'})"
+    g_hot = rate("load", lambda i: i == "gdskit StorageReader (hot)")
+    s_hot = rate("load", lambda i: i == "stock FileSystemReader (hot)")
+    if g_hot and s_hot:
+        out["load hot >= 5x stock"] = f"{g_hot / s_hot:.2f}x ({'met' if g_hot >= 5 * s_hot else 'missed'})"
+    g_cold = rate("load", lambda i: i == "gdskit StorageReader (cold)")
+    if g_cold and raw:
+        out["load cold >= 0.95x raw disk"] = f"{g_cold / raw:.2f}x ({'met' if g_cold >= 0.95 * raw else 'missed'})"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""What the writer and the reader share: file names, errors, durable renames."""
+
+from __future__ import annotations
+
+import os
+
+from gdskit.errors import GdskitError
+
+#: The stock layout's names (torch.distributed.checkpoint.filesystem).
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+#: Files being written carry this ending until they are complete and fsynced.
+TEMP_SUFFIX = ".gdskit-tmp"
+
+
+class IncompleteCheckpointError(GdskitError, FileNotFoundError):
+    """The directory holds no complete checkpoint: its ``.metadata`` file is missing.
+
+    A save that failed or was interrupted leaves exactly this state; the
+    checkpoint cannot be loaded (nor by torch's own reader).
+    """
+
+
+class CheckpointExistsError(GdskitError, FileExistsError):
+    """A complete checkpoint is already in the directory and ``overwrite=False``."""
+
+
+class UnsupportedItemError(GdskitError, ValueError):
+    """An item of the checkpoint uses a feature this storage layer does not implement
+    (stream transforms such as compression, or a tensor that has no plain bytes)."""
+
+
+def temp_name(name: str, token: str) -> str:
+    """The hidden name ``name`` has while it is being written."""
+    return f".{name}.{token}{TEMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for a save without rank coordination."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"

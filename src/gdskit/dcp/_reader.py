@@ -1,0 +1,248 @@
+"""``StorageReader``: read a DCP checkpoint (ours or the stock writer's) straight into each rank's tensors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from gdskit.dcp import _archive
+from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, metadata_name
+from gdskit.errors import FormatError, from_os_error
+from gdskit.formats import read_plan
+from gdskit.formats._engine import open_file
+from gdskit.formats.safetensors_format import TruncatedFileError
+
+SMALL_READ_BYTES = 1 << 20
+MAX_GROUP_BYTES = 16 << 20
+#: Zip records between packed small items are read along with them rather than skipped.
+MAX_GAP_BYTES = 8192
+
+
+@dataclasses.dataclass
+class _Job:
+    """One tensor read: saved bytes -> destination tensor."""
+
+    req: ReadItem
+    dest: torch.Tensor
+    view: torch.Tensor          # the saved tensor narrowed to the request, on the meta device
+    extent: read_plan.Extent
+    direct: bool                # the extent's bytes are exactly the destination's memory
+
+
+def _narrow(t: torch.Tensor, offsets: Any, lengths: Any, where: str) -> torch.Tensor:
+    if len(offsets) != t.dim() or len(lengths) != t.dim():
+        raise FormatError(f"{where}: the request has {len(offsets)} dimensions, the saved tensor {t.dim()}")
+    for dim, (off, n) in enumerate(zip(offsets, lengths)):
+        if off < 0 or n < 0 or off + n > t.shape[dim]:
+            raise FormatError(f"{where}: request [{off}, {off + n}) is outside dimension {dim} of {tuple(t.shape)}")
+        if off != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, off, n)
+    return t
+
+
+def _span_elements(t: torch.Tensor) -> int:
+    """Elements of storage from ``t``'s first to its last element."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+def _engine_device(dev: torch.device) -> torch.device:
+    return dev if dev.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+class StorageReader(dcp_storage.StorageReader):
+    """Read a torch.distributed.checkpoint through the gdskit engine.
+
+    >>> dcp.load(state_dict, storage_reader=gdskit.dcp.StorageReader("ckpt/step_100"))
+
+    Reads checkpoints written by :class:`gdskit.dcp.StorageWriter` and by DCP's
+    stock ``FileSystemWriter``, with any world size at load (resharding is
+    DCP's planning; the reader moves whatever byte ranges the plan asks for).
+    Each tensor's bytes go straight from the file into the destination tensor's
+    memory when the saved and requested ranges are contiguous; otherwise the
+    covering range is read onto the destination's device and copied from there.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = str(uuid.uuid4())
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's ``.metadata`` (``__{rank}.metadata`` with ``rank=`` for saves without coordination).
+
+        Raises :class:`IncompleteCheckpointError` if it is missing: the save never
+        finished, or the directory holds no checkpoint.
+        """
+        rank = kwargs.get("rank")
+        path = os.path.join(self.path, metadata_name(rank))
+        try:
+            with open(path, "rb") as fh:
+                metadata = pickle.load(fh)
+        except FileNotFoundError:
+            what = "does not exist" if not os.path.isdir(self.path) else f"has no {metadata_name(rank)} file"
+            raise IncompleteCheckpointError(
+                2, f"no complete checkpoint: the directory {what} (a save that failed or is still "
+                   "running leaves this state)", self.path) from None
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+            raise FormatError(f"{path}: unreadable checkpoint metadata: {exc}") from None
+        if not isinstance(metadata, Metadata):
+            raise FormatError(f"{path}: holds {type(metadata).__name__}, not checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise FormatError(f"{self.path}: the metadata has no storage map")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        fut: Future[None] = Future()
+        try:
+            per_file: dict[str, list[ReadItem]] = {}
+            for req in plan.items:
+                per_file.setdefault(self._info(req).relative_path, []).append(req)
+            for rel, reqs in per_file.items():
+                self._read_file(rel, reqs, planner)
+            fut.set_result(None)
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+    # -- internals ------------------------------------------------------------
+    def _info(self, req: ReadItem) -> Any:
+        try:
+            info = self.storage_data[req.storage_index]
+        except KeyError:
+            raise FormatError(f"{self.path}: the metadata has no storage entry for {req.storage_index}") from None
+        if getattr(info, "transform_descriptors", None):
+            raise UnsupportedItemError(f"{req.storage_index.fqn} was written with stream transforms "
+                                       f"{list(info.transform_descriptors)}; read it with FileSystemReader")
+        return info
+
+    def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        path = os.path.join(self.path, rel)
+        with open_file(path, "r") as f:
+            size = f.size
+            for req in reqs:
+                info = self._info(req)
+                if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+                    raise TruncatedFileError(f"{path}: item {req.storage_index.fqn} at [{info.offset}, "
+                                             f"{info.offset + info.length}) is past the end ({size} bytes)")
+            self._read_bytes(f, [r for r in reqs if r.type == LoadItemType.BYTE_IO], planner)
+            tensors = [r for r in reqs if r.type != LoadItemType.BYTE_IO]
+            if tensors:
+                self._read_tensors(f, path, tensors, planner)
+
+    def _read_bytes(self, f: Any, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        bufs = [bytearray(self._info(r).length) for r in reqs]
+        futs = [f.pread(b, file_offset=self._info(r).offset) for r, b in zip(reqs, bufs)]
+        try:
+            for r, b, fut in zip(reqs, bufs, futs):
+                if fut.result() != len(b):
+                    raise TruncatedFileError(f"{f.path}: short read of {r.storage_index.fqn}")
+        finally:
+            concurrent.futures.wait(futs)
+        for r, b in zip(reqs, bufs):
+            planner.load_bytes(r, io.BytesIO(b))
+
+    def _parse_archives(self, f: Any, path: str, reqs: list[ReadItem]) -> dict[tuple[int, int], _archive.SavedTensor]:
+        """Parse each distinct item archive once, reading its two ends in parallel."""
+        spans = sorted({(self._info(r).offset, self._info(r).length) for r in reqs})
+        ends: list[tuple[tuple[int, int], bytearray, bytearray | None]] = []
+        futs = []
+        for off, n in spans:
+            if n <= _archive.HEAD_BYTES + _archive.TAIL_BYTES:
+                whole = bytearray(n)
+                futs.append(f.pread(whole, file_offset=off))
+                ends.append(((off, n), whole, None))
+            else:
+                head, tail = bytearray(_archive.HEAD_BYTES), bytearray(_archive.TAIL_BYTES)
+                futs.append(f.pread(head, file_offset=off))
+                futs.append(f.pread(tail, file_offset=off + n - len(tail)))
+                ends.append(((off, n), head, tail))
+        try:
+            for fut in futs:
+                fut.result()
+        finally:
+            concurrent.futures.wait(futs)
+        out = {}
+        for (off, n), head, tail in ends:
+            out[(off, n)] = _archive.parse(f.fileno(), off, n, bytes(head), bytes(tail if tail is not None else head),
+                                           f"{path}@{off}")
+        return out
+
+    def _read_tensors(self, f: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        saved = self._parse_archives(f, path, reqs)
+        jobs: list[_Job] = []
+        for i, req in enumerate(reqs):
+            info = self._info(req)
+            st = saved[(info.offset, info.length)]
+            where = f"{path}: {req.storage_index.fqn}"
+            view = _narrow(st.meta, req.storage_offsets, req.lengths, where)
+            dest = planner.resolve_tensor(req).detach()
+            if tuple(dest.shape) != tuple(view.shape):
+                raise FormatError(f"{where}: the request wants shape {tuple(dest.shape)}, "
+                                  f"the checkpoint holds {tuple(view.shape)}")
+            es = view.element_size()
+            direct = (view.is_contiguous() and dest.is_contiguous() and dest.dtype == view.dtype
+                      and dest.device.type in ("cpu", "cuda"))
+            nbytes = (view.numel() if direct else _span_elements(view)) * es
+            extent = read_plan.Extent(i, st.record_offset + view.storage_offset() * es, nbytes)
+            jobs.append(_Job(req, dest, view, extent, direct))
+        from gdskit.formats.torch_io import execute
+        by_device: dict[torch.device, list[_Job]] = {}
+        for j in jobs:
+            if j.dest.device.type != "meta":
+                by_device.setdefault(_engine_device(j.dest.device), []).append(j)
+        for dev, group in by_device.items():
+            dests = {j.extent.key: j.dest.reshape(-1).view(torch.uint8) for j in group if j.direct}
+            plan = read_plan.plan([j.extent for j in group], small=SMALL_READ_BYTES, max_group=MAX_GROUP_BYTES,
+                                  max_gap=MAX_GAP_BYTES)
+            out = execute(f, plan, dev, dests=dests)
+            for j in group:
+                if not j.direct:
+                    src = out[j.extent.key]
+                    if j.view.numel():
+                        src = src.view(j.view.dtype).as_strided(j.view.shape, j.view.stride(), 0)
+                        j.dest.copy_(src)
+        for j in jobs:
+            planner.commit_tensor(j.req, j.dest)

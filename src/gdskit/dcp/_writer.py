@@ -1,0 +1,341 @@
+"""``StorageWriter``: each rank writes its items into one file in the stock DCP layout, through the engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.futures import Future
+
+from gdskit.dcp import _archive
+from gdskit.dcp._common import (
+    DATA_SUFFIX,
+    CheckpointExistsError,
+    UnsupportedItemError,
+    fsync_dir,
+    is_temp_name,
+    metadata_name,
+    temp_name,
+)
+from gdskit.dcp._layout import ItemShape, Placement, place
+from gdskit.errors import GdskitError
+from gdskit.formats._engine import open_file
+
+#: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written
+#: straight from their own memory; smaller items are packed and written in batches.
+LARGE_ITEM_BYTES = 1 << 20
+#: Largest host batch of packed small items (also the most host memory they take at once).
+MAX_BATCH_BYTES = 16 << 20
+ALIGNMENT = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFiles:
+    """A rank's part of the global save plan: the prefix of its file names (``__{rank}_``)."""
+
+    prefix: str
+
+
+@dataclasses.dataclass
+class _Entry:
+    item: WriteItem
+    shape: ItemShape
+    template: _archive.Template | None = None
+    raw: bytes | None = None
+    where: Placement | None = None
+
+
+def _tensor_bytes(tensor: Any, item: WriteItem) -> torch.Tensor:
+    """The item's tensor as a flat uint8 tensor over contiguous memory (a copy only if it is not contiguous)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedItemError(f"{item.index.fqn}: the planner resolved {type(tensor).__name__}, not a tensor")
+    t = tensor.detach()
+    want = item.tensor_data
+    if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized:
+        raise UnsupportedItemError(f"{item.index.fqn}: a {t.layout} tensor on {t.device} has no plain bytes to save")
+    if want is not None and (tuple(t.shape) != tuple(want.chunk.sizes) or t.dtype != want.properties.dtype):
+        raise UnsupportedItemError(f"{item.index.fqn}: resolved {t.dtype}{tuple(t.shape)}, the plan says "
+                                   f"{want.properties.dtype}{tuple(want.chunk.sizes)}")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
+    """Write a torch.distributed.checkpoint through the gdskit engine.
+
+    >>> import torch.distributed.checkpoint as dcp, gdskit.dcp
+    >>> dcp.save(state_dict, storage_writer=gdskit.dcp.StorageWriter("ckpt/step_100"))
+
+    The directory gets the stock layout (``__{rank}_0.distcp`` per rank and a
+    ``.metadata`` file), so ``FileSystemReader`` loads it. Tensor payloads of at
+    least 1 MiB start 4 KiB-aligned in the file and go straight from each
+    rank's device memory to the file.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The checkpoint's directory (``checkpoint_id`` replaces it). Give every
+        checkpoint its own directory: a failed save then never harms an older one.
+    sync_files : bool
+        fsync every file and the directory before the checkpoint is declared
+        complete (default). False skips the fsyncs (faster, not crash-safe).
+    overwrite : bool
+        Allow saving into a directory that already holds a complete checkpoint
+        (its ``.metadata`` is removed before any new data is written).
+    cache_staged_state_dict : bool
+        For ``dcp.async_save``: keep the host copy of the state dict between
+        saves (faster staging, more host memory), as the stock writer does.
+
+    ``dcp.async_save`` first copies the state dict to host memory with the
+    writer's own staging (the same as the stock ``FileSystemWriter``), then
+    writes it from there in the background.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, sync_files: bool = True, overwrite: bool = True,
+                 cache_staged_state_dict: bool = False) -> None:
+        dcp_storage.StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.path = os.fspath(path)
+        self.sync_files = sync_files
+        self.overwrite = overwrite
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+
+    # -- set-up ---------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def _own_metadata_name(self) -> str:
+        return metadata_name(self.rank if not self.use_collectives and self.rank is not None else None)
+
+    # -- planning -------------------------------------------------------------
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, metadata_name(
+                None if self.use_collectives else 0))):
+            raise CheckpointExistsError(f"{self.path} already holds a complete checkpoint and overwrite=False")
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_RankFiles(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs once (on the coordinator) after every rank planned and before any
+        # writes: the directory stops looking complete before new data lands in it.
+        self._retire_previous()
+        return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_")) if p.storage_data is None else p
+                for i, p in enumerate(plans)]
+
+    def _retire_previous(self) -> None:
+        changed = False
+        meta = os.path.join(self.path, self._own_metadata_name())
+        if os.path.exists(meta):
+            os.unlink(meta)
+            changed = True
+        own = None if self.use_collectives else f".__{self.rank}_"
+        for name in os.listdir(self.path):
+            if is_temp_name(name) and (own is None or name.startswith(own)):
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                    changed = True
+                except FileNotFoundError:
+                    pass
+        if changed and self.sync_files:
+            fsync_dir(self.path)
+
+    # -- data -----------------------------------------------------------------
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[dcp_storage.WriteResult]]:
+        fut: Future[list[dcp_storage.WriteResult]] = Future()
+        try:
+            fut.set_result(self._write_rank_file(plan, planner))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[dcp_storage.WriteResult]:
+        prefix = getattr(plan.storage_data, "prefix", None)
+        if not isinstance(prefix, str):
+            raise GdskitError("the save plan carries no file prefix; was prepare_global_plan skipped?")
+        name = f"{prefix}0{DATA_SUFFIX}"
+        entries = self._layout(plan.items, planner)
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, temp_name(name, self.save_id[:8]))
+        f = open_file(tmp, "w")
+        try:
+            self._write_entries(f, entries, planner)
+            if self.sync_files:
+                f.fsync()
+            f.close()
+            os.replace(tmp, final)
+            if self.sync_files:
+                fsync_dir(self.path)
+        except BaseException:
+            f.abort()
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
+                                        storage_data=_StorageInfo(name, e.where.offset, e.where.length))
+                for e in entries if e.where is not None]
+
+    def _layout(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[_Entry]:
+        raw: list[_Entry] = []
+        small: list[_Entry] = []
+        large: list[_Entry] = []
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                b = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                raw.append(_Entry(item, ItemShape(0, len(b), 0), raw=b))
+                continue
+            td = item.tensor_data
+            if td is None:
+                raise UnsupportedItemError(f"{item.index.fqn}: a tensor item without tensor data")
+            shape = tuple(int(s) for s in td.chunk.sizes)  # this rank's chunk, not the global size
+            nbytes = torch._utils._element_size(td.properties.dtype)
+            for s in shape:
+                nbytes *= s
+            tpl = _archive.template(td.properties.dtype, shape)
+            e = _Entry(item, ItemShape(len(tpl.head), nbytes, len(tpl.tail)), template=tpl)
+            (large if nbytes >= LARGE_ITEM_BYTES else small).append(e)
+        entries = raw + small + large
+        placements, _size = place([e.shape for e in entries], alignment=ALIGNMENT, large=LARGE_ITEM_BYTES)
+        for e, p in zip(entries, placements):
+            e.where = p
+        return entries
+
+    def _write_entries(self, f: Any, entries: list[_Entry], planner: SavePlanner) -> None:
+        futures: list[tuple[concurrent.futures.Future[int], int]] = []
+        try:
+            packed = [e for e in entries if e.where is not None and not e.where.aligned]
+            for batch in _batches(packed):
+                futures.append(self._write_batch(f, batch, planner))
+            large = [e for e in entries if e.where is not None and e.where.aligned]
+            resolved = [(e, _tensor_bytes(planner.resolve_data(e.item), e.item)) for e in large]
+            for dev in {t.device for _e, t in resolved if t.device.type == "cuda"}:
+                torch.cuda.synchronize(dev)  # the engine reads device memory outside torch's streams
+            for e, t in resolved:
+                tpl, p = e.template, e.where
+                futures.append((f.pwrite(tpl.head, file_offset=p.offset), len(tpl.head)))
+                futures.append((f.pwrite(t, size=e.shape.payload, file_offset=p.payload_offset), e.shape.payload))
+                futures.append((f.pwrite(tpl.tail, file_offset=p.payload_offset + e.shape.payload), len(tpl.tail)))
+            for fut, n in futures:
+                got = fut.result()
+                if got != n:
+                    raise GdskitError(f"short write to {f.path}: {got} of {n} bytes")
+        finally:
+            concurrent.futures.wait([fut for fut, _n in futures])
+
+    def _write_batch(self, f: Any, batch: list[_Entry], planner: SavePlanner) -> tuple[concurrent.futures.Future[int], int]:
+        """Assemble a run of packed items in host memory and write it with one request."""
+        start = batch[0].where.offset
+        buf = bytearray(batch[-1].where.end - start)
+        tensors = {id(e): _tensor_bytes(planner.resolve_data(e.item), e.item) for e in batch if e.raw is None}
+        host = _to_host(list(tensors.values()))
+        host_of = dict(zip(tensors.keys(), host))
+        for e in batch:
+            p = e.where
+            pos = p.offset - start
+            if e.raw is not None:
+                buf[pos:pos + len(e.raw)] = e.raw
+                continue
+            head, tail = e.template.head, e.template.tail
+            buf[pos:pos + len(head)] = head
+            pos += len(head)
+            if e.shape.payload:
+                buf[pos:pos + e.shape.payload] = memoryview(host_of[id(e)].numpy())
+            pos += e.shape.payload
+            buf[pos:pos + len(tail)] = tail
+        return f.pwrite(buf, file_offset=start), len(buf)
+
+    # -- completion -----------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
+        """Write ``.metadata`` last: temporary name, fsync, rename, directory fsync."""
+        if "version" in {fl.name for fl in dataclasses.fields(metadata)}:
+            from torch.distributed.checkpoint import filesystem
+            version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+            if version is not None:
+                metadata.version = version
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        name = self._own_metadata_name()
+        tmp = os.path.join(self.path, temp_name(name, self.save_id[:8]))
+        try:
+            with open(tmp, "wb") as fh:
+                pickle.dump(metadata, fh)
+                fh.flush()
+                if self.sync_files:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, os.path.join(self.path, name))
+            if self.sync_files:
+                fsync_dir(self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+
+def _batches(entries: list[_Entry]) -> list[list[_Entry]]:
+    """Split a packed run into consecutive batches of at most MAX_BATCH_BYTES (one oversized item alone)."""
+    out: list[list[_Entry]] = []
+    cur: list[_Entry] = []
+    size = 0
+    for e in entries:
+        if cur and size + e.where.length > MAX_BATCH_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += e.where.length
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _to_host(flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of the flat uint8 tensors: one gather and one device-to-host copy per device."""
+    out: list[Any] = [t if t.device.type == "cpu" else None for t in flats]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(flats):
+        if t.device.type != "cpu":
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        joined = torch.cat([flats[i] for i in idx]).cpu()
+        for i, part in zip(idx, torch.split(joined, [flats[i].numel() for i in idx])):
+            out[i] = part
+    return out

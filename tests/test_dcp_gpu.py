@@ -1,0 +1,40 @@
+"""gdskit.dcp with tensors on the GPU: one process per GPU (one rank on a single-GPU machine).
+
+Runs unchanged on a multi-GPU host: every rank uses ``cuda:{rank % device_count}``
+with NCCL for CUDA tensors and gloo for CPU objects; a single rank uses gloo.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def gpu_world(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[int, Any]]:
+    from gdskit import cuda
+    from dcp_launch import run_world
+    world = max(1, cuda.device_count())
+    return world, run_world("gpu", world, tmp_path_factory.mktemp("dcp_gpu"), device="cuda")
+
+
+@pytest.mark.parametrize("check", ["gpu_save", "gpu_load", "gpu_gdskit_to_stock", "gpu_save_stock",
+                                   "gpu_stock_to_gdskit", "gpu_async_save", "gpu_ledger"])
+def test_gpu_ranks(gpu_world: tuple[int, dict[int, Any]], check: str) -> None:
+    world, report = gpu_world
+    assert sorted(report) == list(range(world))
+    for rank, checks in report.items():
+        assert checks[check]["ok"], f"rank {rank}, {check}: {checks[check]['detail']}"
+
+
+def test_gpu_ledger_names_device_paths(gpu_world: tuple[int, dict[int, Any]]) -> None:
+    """The payload left and reached GPU memory through a device path (cuFile or bounce), not the host path."""
+    _world, report = gpu_world
+    detail = json.loads(report[0]["gpu_ledger"]["detail"])
+    device_paths = {"cufile-nvfs", "cufile-p2pdma", "cufile-compat", "bounce-cached", "bounce-direct"}
+    assert device_paths & set(detail["save"]), detail
+    assert device_paths & set(detail["load"]), detail

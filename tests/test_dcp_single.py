@@ -1,0 +1,311 @@
+"""gdskit.dcp in one process (``no_dist=True``): formats, interop, durability, errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+import gdskit  # noqa: E402
+import gdskit.dcp  # noqa: E402
+from gdskit.dcp import _archive  # noqa: E402
+from gdskit.errors import FormatError, GdskitError  # noqa: E402
+from gdskit.formats.safetensors_format import TruncatedFileError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    sd: dict[str, Any] = {
+        "w": torch.randn(512, 1024, generator=g),                       # 2 MiB: aligned, written from its memory
+        "bf": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "half": torch.randn(7, generator=g).half(),
+        "i8": torch.randint(-100, 100, (9, 3), generator=g, dtype=torch.int8),
+        "flag": torch.tensor([True, False, True]),
+        "cplx": torch.randn(4, 2, generator=g, dtype=torch.complex64),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "transposed": torch.randn(6, 10, generator=g).t(),             # not contiguous
+        "window": torch.arange(5000, dtype=torch.int32)[1000:3000],    # view with a storage offset
+        "big_view": torch.randn(2, 400_000, generator=g)[1],           # large view with an offset
+        "opt": {"step": 12, "lr": 0.5, "name": "adamw", "betas": (0.9, 0.99)},
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        sd["fp8"] = torch.randn(16, 16, generator=g).to(torch.float8_e4m3fn)
+    return sd
+
+
+def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros(v.shape, dtype=v.dtype)
+        elif isinstance(v, dict):
+            out[k] = {kk: None for kk in v}
+        else:
+            out[k] = None
+    return out
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert set(got) == set(want)
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, torch.Tensor):
+            assert g.dtype == w.dtype and g.shape == w.shape, k
+            assert torch.equal(g.view(torch.uint8) if w.dtype.itemsize == 1 and w.is_floating_point() else g,
+                               w.view(torch.uint8) if w.dtype.itemsize == 1 and w.is_floating_point() else w), k
+        else:
+            assert g == w, k
+
+
+def _save(sd: dict[str, Any], writer: Any) -> None:
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+def _load(sd: dict[str, Any], reader: Any) -> dict[str, Any]:
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's CheckpointException."""
+    fails = getattr(exc, "failures", None) or getattr(exc, "_failures", None) or {}
+    return [e[0] if isinstance(e, tuple) else e for e in fails.values()]
+
+
+def test_roundtrip_through_gdskit(tmp_path: Path) -> None:
+    sd = _state()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp"]
+    _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c")), sd)
+
+
+def test_written_by_gdskit_loads_with_stock_reader(tmp_path: Path) -> None:
+    sd = _state()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    _assert_same(_load(_zeros_like(sd), dcp.FileSystemReader(tmp_path / "c")), sd)
+
+
+@pytest.mark.parametrize("single_file", [True, False])
+def test_written_by_stock_loads_with_gdskit(tmp_path: Path, single_file: bool) -> None:
+    sd = _state()
+    _save(sd, dcp.FileSystemWriter(tmp_path / "c", single_file_per_rank=single_file, thread_count=3))
+    _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c")), sd)
+
+
+def test_large_payloads_are_aligned(tmp_path: Path) -> None:
+    sd = {"a": torch.randn(300_000), "b": torch.randn(3), "c": torch.randn(262_144)}
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    md = gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    path = tmp_path / "c" / "__0_0.distcp"
+    with open(path, "rb") as fh:
+        for idx, info in md.storage_data.items():
+            fh.seek(info.offset)
+            blob = fh.read(info.length)
+            saved = _archive.parse(fh.fileno(), info.offset, info.length, blob[:4096], blob[-8192:], idx.fqn)
+            if idx.fqn in ("a", "c"):
+                assert saved.record_offset % 4096 == 0, idx.fqn
+            # every item is a complete torch.save archive on its own
+            assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), sd[idx.fqn])
+
+
+def test_load_converts_dtype_and_fills_non_contiguous_destinations(tmp_path: Path) -> None:
+    sd = {"a": torch.randn(300_000), "m": torch.randn(8, 12), "big": torch.randn(600, 600)}
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    out = {"a": torch.zeros(300_000, dtype=torch.float64), "m": torch.zeros(12, 8).t(),
+           "big": torch.zeros(600, 600).t()}
+    _load(out, gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert torch.equal(out["a"], sd["a"].double())
+    assert torch.equal(out["m"], sd["m"])
+    assert torch.equal(out["big"], sd["big"])
+
+
+def test_partial_load(tmp_path: Path) -> None:
+    sd = _state()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    out = _load({"w": torch.zeros(512, 1024), "window": torch.zeros(2000, dtype=torch.int32)},
+                gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["window"], sd["window"])
+
+
+def test_ledger_records_the_moves(tmp_path: Path) -> None:
+    sd = {"w": torch.randn(512, 1024)}
+    before = gdskit.stats()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    mid = gdskit.stats()
+    _load({"w": torch.zeros(512, 1024)}, gdskit.dcp.StorageReader(tmp_path / "c"))
+    after = gdskit.stats()
+    wrote, read = gdskit.stats_delta(before, mid), gdskit.stats_delta(mid, after)
+    assert wrote.paths["host"].bytes_written >= 512 * 1024 * 4
+    assert read.paths["host"].bytes_read >= 512 * 1024 * 4
+
+
+def test_unsynced_save_still_loads(tmp_path: Path) -> None:
+    sd = _state()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c", sync_files=False))
+    _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c")), sd)
+
+
+def test_missing_metadata_is_incomplete(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "__0_0.distcp").write_bytes(b"partial")
+    with pytest.raises(gdskit.dcp.IncompleteCheckpointError) as info:
+        gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, GdskitError)
+    with pytest.raises(gdskit.dcp.IncompleteCheckpointError):
+        gdskit.dcp.StorageReader(tmp_path / "nothing").read_metadata()
+    with pytest.raises(BaseException) as info2:
+        _load({"w": torch.zeros(3)}, gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert type(info2.value).__name__ == "CheckpointException"
+
+
+def test_overwrite_false_refuses_existing(tmp_path: Path) -> None:
+    _save({"a": torch.ones(3)}, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    w = gdskit.dcp.StorageWriter(tmp_path / "c", overwrite=False)
+    w.set_up_storage_writer(True, rank=0, use_collectives=True)
+    with pytest.raises(gdskit.dcp.CheckpointExistsError):
+        w.prepare_local_plan(dcp.planner.SavePlan([]))
+    with pytest.raises(BaseException) as info:
+        _save({"a": torch.zeros(3)}, gdskit.dcp.StorageWriter(tmp_path / "c", overwrite=False))
+    assert any(isinstance(e, gdskit.dcp.CheckpointExistsError) for e in _failures(info.value))
+    out = _load({"a": torch.zeros(3)}, gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert torch.equal(out["a"], torch.ones(3))
+
+
+def test_overwrite_replaces_and_cleans_temporaries(tmp_path: Path) -> None:
+    _save({"a": torch.ones(3)}, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    stale = tmp_path / "c" / ".__0_0.distcp.deadbeef.gdskit-tmp"
+    stale.write_bytes(b"x" * 100)
+    _save({"a": torch.full((3,), 2.0)}, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    assert not stale.exists()
+    out = _load({"a": torch.zeros(3)}, gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert torch.equal(out["a"], torch.full((3,), 2.0))
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _FailingPlanner(dcp.DefaultSavePlanner):
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.index.fqn == "w":
+            raise _Boom("failure while writing")
+        return super().resolve_data(write_item)
+
+
+def test_failed_save_leaves_nothing_and_spares_other_checkpoints(tmp_path: Path) -> None:
+    sd = _state()
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "step1"))
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=gdskit.dcp.StorageWriter(tmp_path / "step2"), planner=_FailingPlanner(),
+                 no_dist=True)
+    assert any(isinstance(e, _Boom) for e in _failures(info.value))
+    assert os.listdir(tmp_path / "step2") == []
+    _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "step1")), sd)
+
+
+def _corrupt(tmp_path: Path, fn: Any) -> BaseException:
+    sd = {"a": torch.randn(300_000), "b": torch.randn(5)}
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    fn(tmp_path / "c")
+    with pytest.raises(BaseException) as info:
+        _load({"a": torch.zeros(300_000), "b": torch.zeros(5)}, gdskit.dcp.StorageReader(tmp_path / "c"))
+    fails = _failures(info.value)
+    assert fails, info.value
+    return fails[0]
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    def cut(d: Path) -> None:
+        p = d / "__0_0.distcp"
+        os.truncate(p, p.stat().st_size // 2)
+    assert isinstance(_corrupt(tmp_path, cut), TruncatedFileError)
+
+
+def test_item_that_is_not_an_archive(tmp_path: Path) -> None:
+    def scribble(d: Path) -> None:
+        md = gdskit.dcp.StorageReader(d).read_metadata()
+        off = min(info.offset for info in md.storage_data.values())
+        with open(d / "__0_0.distcp", "r+b") as fh:
+            fh.seek(off)
+            fh.write(b"NOTAZIP!")
+    assert isinstance(_corrupt(tmp_path, scribble), FormatError)
+
+
+def test_stream_transforms_are_refused(tmp_path: Path) -> None:
+    def add_transform(d: Path) -> None:
+        with open(d / ".metadata", "rb") as fh:
+            md = pickle.load(fh)
+        for info in md.storage_data.values():
+            info.transform_descriptors = ["zstd"]
+        with open(d / ".metadata", "wb") as fh:
+            pickle.dump(md, fh)
+    assert isinstance(_corrupt(tmp_path, add_transform), gdskit.dcp.UnsupportedItemError)
+
+
+def test_metadata_that_is_not_metadata(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    with open(tmp_path / "c" / ".metadata", "wb") as fh:
+        pickle.dump({"not": "metadata"}, fh)
+    with pytest.raises(FormatError):
+        gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+
+
+def test_template_matches_torch_save_layout() -> None:
+    t = torch.randn(30, 7)
+    tpl = _archive.template(t.dtype, tuple(t.shape))
+    blob = tpl.head + t.numpy().tobytes() + tpl.tail
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)
+
+
+def test_parse_reads_views_from_stock_archives(tmp_path: Path) -> None:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    view = base[1:5, 2:].t()                      # strided, with a storage offset; torch.save keeps the view
+    buf = io.BytesIO()
+    torch.save(view, buf)
+    blob = buf.getvalue()
+    p = tmp_path / "x"
+    p.write_bytes(b"\0" * 100 + blob)
+    with open(p, "rb") as fh:
+        saved = _archive.parse(fh.fileno(), 100, len(blob), blob[:64], blob[-64:], "x")
+    assert saved.meta.shape == view.shape and saved.meta.stride() == view.stride()
+    assert saved.meta.storage_offset() == view.storage_offset()
+    raw = torch.frombuffer(bytearray(p.read_bytes()[saved.record_offset:saved.record_offset + saved.record_nbytes]),
+                           dtype=torch.float32)
+    assert torch.equal(raw.as_strided(view.shape, view.stride(), view.storage_offset()), view)
+
+
+def test_parse_refuses_other_objects(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save({"a": torch.ones(2), "b": torch.ones(3)}, buf)
+    blob = buf.getvalue()
+    p = tmp_path / "x"
+    p.write_bytes(blob)
+    with open(p, "rb") as fh, pytest.raises(FormatError):
+        _archive.parse(fh.fileno(), 0, len(blob), blob, blob, "x")
+
+
+def test_validate_checkpoint_id(tmp_path: Path) -> None:
+    assert gdskit.dcp.StorageWriter.validate_checkpoint_id(tmp_path / "new")
+    assert gdskit.dcp.StorageReader.validate_checkpoint_id(str(tmp_path / "new"))
+    assert not gdskit.dcp.StorageWriter.validate_checkpoint_id("s3://bucket/x")
+
+
+def test_checkpoint_id_and_storage_meta(tmp_path: Path) -> None:
+    w = gdskit.dcp.StorageWriter(tmp_path / "a")
+    w.reset(tmp_path / "b")
+    assert w.checkpoint_id == str(tmp_path / "b")
+    meta = w.storage_meta()
+    assert meta.checkpoint_id == str(tmp_path / "b") and meta.save_id
+    dcp.save({"x": torch.ones(2)}, checkpoint_id=tmp_path / "b", storage_writer=w, no_dist=True)
+    md = gdskit.dcp.StorageReader(tmp_path / "b").read_metadata()
+    assert md.storage_meta.save_id == w.save_id != meta.save_id   # every save gets a fresh id
