@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 run: venv
-	$(VENV)/bin/gdskit demo
+	$(VENV)/bin/gdskit bench
 
 test: venv
 	$(PY) -m pytest -q
