@@ -1,0 +1,118 @@
+"""Writes never leave a half-written destination; I/O errors surface as errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import gdskit
+from gdskit import errors
+from gdskit.backends import base
+
+
+def _leftovers(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if ".gdskit-" in n]
+
+
+def test_atomic_write_publishes_on_close(tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old contents")
+    data = os.urandom(3 * 2**20 + 17)
+    with gdskit.open(str(target), "w", atomic=True) as f:
+        f.write(data)
+        assert target.read_bytes() == b"old contents", "target must not change before close"
+    assert target.read_bytes() == data
+    assert _leftovers(tmp_path) == []
+
+
+def test_atomic_write_exception_leaves_target(tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old contents")
+    with pytest.raises(RuntimeError):
+        with gdskit.open(str(target), "w", atomic=True) as f:
+            f.write(os.urandom(100_000))
+            raise RuntimeError("interrupted")
+    assert target.read_bytes() == b"old contents"
+    assert _leftovers(tmp_path) == []
+
+
+def test_atomic_abort(tmp_path):
+    target = tmp_path / "new.bin"
+    f = gdskit.open(str(target), "w", atomic=True)
+    f.write(b"partial")
+    f.abort()
+    assert not target.exists()
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("code, cls", [(errno.ENOSPC, errors.NoSpaceError), (errno.EIO, errors.GdskitIOError)])
+def test_injected_write_fault_keeps_target(tmp_path, monkeypatch, code, cls):
+    target = tmp_path / "ckpt.bin"
+    target.write_bytes(b"previous checkpoint")
+    calls = {"n": 0}
+    real = os.pwrite
+
+    def failing(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(code, os.strerror(code))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(base.os, "pwrite", failing)
+    with gdskit.settings.set(chunk_size="64KiB", threads=2, odirect="never"):
+        with pytest.raises(cls) as ei:
+            with gdskit.open(str(target), "w", atomic=True) as f:
+                f.write(np.zeros(1 << 20, np.uint8))
+    assert ei.value.errno == code
+    assert target.read_bytes() == b"previous checkpoint"
+    assert _leftovers(tmp_path) == []
+
+
+def test_short_write_of_zero_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(base.os, "pwrite", lambda fd, data, off: 0)
+    with gdskit.settings.set(odirect="never"), gdskit.open(str(tmp_path / "z.bin"), "w") as f:
+        with pytest.raises(errors.GdskitIOError):
+            f.write(b"abc")
+
+
+def test_injected_read_fault(tmp_path, monkeypatch):
+    p = tmp_path / "r.bin"
+    p.write_bytes(os.urandom(1 << 20))
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(base.os, "preadv", failing)
+    with gdskit.settings.set(odirect="never"), gdskit.open(str(p)) as f:
+        with pytest.raises(errors.GdskitIOError) as ei:
+            f.read(bytearray(1 << 20))
+    assert ei.value.errno == errno.EIO
+    assert gdskit.resources().lanes_busy == 0
+
+
+def _small_tmpfs(path) -> bool:
+    if os.geteuid() != 0:
+        return False
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_real_enospc_on_a_full_filesystem(tmp_path):
+    mnt = tmp_path / "small"
+    if not _small_tmpfs(mnt):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    try:
+        target = mnt / "out.bin"
+        target.write_bytes(b"keep me")
+        with pytest.raises(errors.NoSpaceError):
+            with gdskit.open(str(target), "w", atomic=True) as f:
+                f.write(np.ones(4 << 20, np.uint8))
+        assert target.read_bytes() == b"keep me"
+        assert _leftovers(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -1,0 +1,89 @@
+"""Buffer adaptation: numpy, bytearray, memoryview, torch CPU tensors via DLPack, CAI objects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gdskit
+from gdskit.buffers import adapt
+from gdskit.cuda import MemoryKind
+from gdskit.errors import UnsupportedBufferError
+
+
+def test_numpy_and_bytearray_and_memoryview():
+    a = np.arange(100, dtype=np.float32)
+    v = adapt(a)
+    assert v.nbytes == 400 and v.kind is MemoryKind.HOST and v.ptr == a.ctypes.data and not v.readonly
+    assert adapt(bytearray(7)).nbytes == 7
+    assert adapt(memoryview(bytearray(8)).cast("B")[2:6]).nbytes == 4
+    assert adapt(b"abc").readonly
+    assert adapt(bytearray()).nbytes == 0
+
+
+def test_fortran_order_is_refused():
+    with pytest.raises(UnsupportedBufferError):
+        adapt(np.zeros((4, 5), order="F"))
+
+
+def test_cuda_array_interface_contiguity_checked_without_gpu():
+    class Fake:
+        __cuda_array_interface__ = {"shape": (4, 4), "typestr": "<f4", "data": (0, False), "version": 3,
+                                    "strides": (4, 16)}
+
+    with pytest.raises(UnsupportedBufferError):
+        adapt(Fake())
+
+
+@pytest.mark.torch
+def test_torch_cpu_tensor_round_trip(tmp_path):
+    import torch
+
+    t = torch.arange(1000, dtype=torch.int64)
+    p = tmp_path / "t.bin"
+    with gdskit.open(str(p), "w") as f:
+        assert f.write(t) == 8000
+    assert np.array_equal(np.fromfile(p, dtype=np.int64), np.arange(1000))
+    out = torch.empty(1000, dtype=torch.bfloat16)  # a dtype the CUDA array interface cannot describe
+    with gdskit.open(str(p)) as f:
+        assert f.read(out) == 2000
+    assert out.view(torch.int16).numpy().tobytes() == p.read_bytes()[:2000]
+
+
+@pytest.mark.torch
+def test_torch_non_contiguous_refused():
+    import torch
+
+    with pytest.raises(UnsupportedBufferError):
+        adapt(torch.zeros(10, 10).t())
+
+
+@pytest.mark.gpu
+def test_device_kinds():
+    from devbuf import DeviceBuffer
+
+    d = DeviceBuffer(4096)
+    m = DeviceBuffer(4096, managed=True)
+    assert adapt(d).kind is MemoryKind.DEVICE and adapt(d).device == 0
+    assert adapt(m).kind is MemoryKind.MANAGED
+
+
+@pytest.mark.gpu
+def test_managed_memory_never_goes_to_cufile(tmp_path):
+    from devbuf import DeviceBuffer
+
+    p = tmp_path / "m.bin"
+    data = np.random.default_rng(1).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes()
+    p.write_bytes(data)
+    m = DeviceBuffer(len(data), managed=True)
+    before = gdskit.stats()
+    with gdskit.open(str(p)) as f:
+        assert f.read(m) == len(data)
+    assert m.to_bytes() == data
+    delta = gdskit.stats() - before
+    assert set(delta.reasons) == {"managed_memory"}
+    assert not any(k.startswith("cufile") for k in delta.paths)
+    with gdskit.settings.set(mode="cufile"), gdskit.open(str(p)) as f:
+        with pytest.raises(gdskit.errors.DirectPathUnavailable) as ei:
+            f.read(m)
+    assert ei.value.reason is gdskit.Reason.MANAGED_MEMORY
