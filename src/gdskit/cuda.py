@@ -62,6 +62,8 @@ _device_count: int | None = None
 def device_count() -> int:
     """Number of CUDA devices; 0 when there is no GPU, driver or bindings. Never raises."""
     global _device_count
+    if _device_count is not None:
+        return _device_count
     with _count_lock:
         if _device_count is None:
             rt = runtime_or_none()

@@ -38,6 +38,9 @@ _backends_lock = threading.Lock()
 
 def backend(name: str) -> Backend:
     """The process-wide instance of a backend ("host", "bounce" or "cufile")."""
+    found = _backends.get(name)
+    if found is not None:
+        return found
     with _backends_lock:
         if name not in _backends:
             if name == "host":
@@ -53,6 +56,8 @@ def backend(name: str) -> Backend:
 
 
 def _check_int(name: str, value: Any) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         try:
             value = int(value.__index__())

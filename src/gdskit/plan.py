@@ -18,7 +18,7 @@ def is_aligned(value: int, alignment: int) -> bool:
     return value % alignment == 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One piece of a request: ``size`` bytes at ``file_offset`` <-> ``buf_offset``."""
 

@@ -260,6 +260,18 @@ class LaneRef:
             self.lane = lanes.acquire(*self._args)
         return self.lane
 
+    def release(self) -> None:
+        """Give the lane back (drained) if one was taken; discard it if it cannot be drained."""
+        lane, self.lane = self.lane, None
+        if lane is None:
+            return
+        try:
+            lane.drain()
+        except BaseException:
+            lanes.discard(lane)
+            raise
+        lanes.release(lane)
+
 
 def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[LaneRef, Chunk], T], *, device: int | None,
                stage_bytes: int, threads: int, max_lanes: int, budget: int) -> list[T]:

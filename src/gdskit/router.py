@@ -20,7 +20,7 @@ from gdskit.settings import Settings
 from gdskit.vocabulary import Mode, Reason
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Route:
     """Where one piece of a request goes: backend name ("cufile", "bounce", "host") and why."""
 

@@ -38,6 +38,8 @@ class OpenFile:
         self.extras: dict[str, Any] = {}
 
     def direct_fd(self) -> int | None:
+        if self._direct_tried:
+            return self._direct_fd
         if not O_DIRECT:
             return None
         with self._lock:
@@ -86,7 +88,7 @@ class OpenFile:
         return value
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     """One validated request handed to a backend."""
 

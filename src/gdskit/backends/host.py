@@ -19,7 +19,7 @@ from gdskit.errors import InvalidArgumentError
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.pool import LaneRef, run_chunks
-from gdskit.settings import settings
+from gdskit.settings import Settings, settings
 from gdskit.vocabulary import ODirectPolicy, Path
 
 
@@ -42,62 +42,23 @@ class HostBackend(Backend):
         view = req.buf.host_view
         if view is None:
             raise InvalidArgumentError("the host path needs host memory")
-        align = cfg.alignment
-        plan = chunks(req.file_offset, req.buf_offset, req.size, cfg.chunk_size, align)
         t0 = time.perf_counter()
+        if req.size <= cfg.chunk_size and (req.file_offset % cfg.alignment) + req.size <= cfg.chunk_size:
+            # One chunk: run it right here, without the worker machinery (small I/O is all overhead).
+            ch = Chunk(req.file_offset, req.buf_offset, req.size)
+            ref = LaneRef(None, cfg.chunk_size + 2 * cfg.alignment, cfg.threads, cfg.pinned_budget)
+            try:
+                total = self._read_chunk(f, req, view, cfg, ref, ch).nbytes
+            finally:
+                ref.release()
+            ledger.record(Path.HOST, req.reason, "read", total, 1, time.perf_counter() - t0)
+            return total
+        plan = chunks(req.file_offset, req.buf_offset, req.size, cfg.chunk_size, cfg.alignment)
 
         def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
-            dst = view[ch.buf_offset:ch.buf_offset + ch.size]
-            policy = cfg.odirect
-            dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.extras.get("direct_broken") else None
-            if dfd is None:
-                got = pread_full(f.fd, dst, ch.file_offset, f.path)
-                return ChunkResult(got, got)
-            cached = 0
-            if policy is ODirectPolicy.AUTO:
-                where = file_residency(f, ch.file_offset, ch.size)
-                if where is None and f.nowait_supported:
-                    try:
-                        cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
-                    except OSError as exc:
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                        f.nowait_supported = False
-                    if cached == ch.size:
-                        return ChunkResult(cached, cached)
-                elif where is not Residency.NONE or (where is None and not f.nowait_supported):
-                    got = pread_full(f.fd, dst, ch.file_offset, f.path)
-                    return ChunkResult(got, got)
-            pos = ch.file_offset + cached
-            rest = ch.size - cached
-            addr = req.buf.ptr + ch.buf_offset + cached
-            direct = 0
-            if pos % align == 0 and addr % align == 0 and rest >= align:
-                # The caller's memory is aligned like the file: O_DIRECT straight into it.
-                body = align_down(rest, align)
-                try:
-                    direct = read_direct(dfd, dst[cached:cached + body], pos, align, f.path)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    f.extras["direct_broken"] = True
-                    direct = 0
-                if direct < body:
-                    if f.extras.get("direct_broken"):
-                        got = pread_full(f.fd, dst[cached:], pos, f.path)
-                        return ChunkResult(cached + got, cached + got)
-                    return ChunkResult(cached + direct, cached)
-                pos += direct
-                rest -= direct
-                if rest == 0:
-                    return ChunkResult(ch.size, cached)
-            stage = ref.get().stages[0]
-            res = read_to_stage(f, stage.view, pos, rest, ODirectPolicy.ALWAYS, align)
-            if res.nbytes:
-                ctypes.memmove(addr + direct, stage.ptr + pos % align, res.nbytes)
-            return ChunkResult(cached + direct + res.nbytes, cached + res.cached)
+            return self._read_chunk(f, req, view, cfg, ref, ch)
 
-        results = run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * align,
+        results = run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * cfg.alignment,
                              threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         total = contiguous_prefix(results, plan)
         ledger.record(Path.HOST, req.reason, "read", total, len(plan), time.perf_counter() - t0)
@@ -128,4 +89,57 @@ class HostBackend(Backend):
         ledger.record(Path.HOST, req.reason, "write", req.size, len(plan), time.perf_counter() - t0)
         return req.size
 
+    def _read_chunk(self, f: OpenFile, req: Request, view: memoryview, cfg: Settings, ref: LaneRef,
+                    ch: Chunk) -> ChunkResult:
+        """One chunk into host memory: page-cache hits buffered, misses O_DIRECT."""
+        align = cfg.alignment
+        dst = view[ch.buf_offset:ch.buf_offset + ch.size]
+        policy = cfg.odirect
+        dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.extras.get("direct_broken") else None
+        if dfd is None:
+            got = pread_full(f.fd, dst, ch.file_offset, f.path)
+            return ChunkResult(got, got)
+        cached = 0
+        if policy is ODirectPolicy.AUTO:
+            where = file_residency(f, ch.file_offset, ch.size)
+            if where is None and f.nowait_supported:
+                try:
+                    cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    f.nowait_supported = False
+                if cached == ch.size:
+                    return ChunkResult(cached, cached)
+            elif where is not Residency.NONE or (where is None and not f.nowait_supported):
+                got = pread_full(f.fd, dst, ch.file_offset, f.path)
+                return ChunkResult(got, got)
+        pos = ch.file_offset + cached
+        rest = ch.size - cached
+        addr = req.buf.ptr + ch.buf_offset + cached
+        direct = 0
+        if pos % align == 0 and addr % align == 0 and rest >= align:
+            # The caller's memory is aligned like the file: O_DIRECT straight into it.
+            body = align_down(rest, align)
+            try:
+                direct = read_direct(dfd, dst[cached:cached + body], pos, align, f.path)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                f.extras["direct_broken"] = True
+                direct = 0
+            if direct < body:
+                if f.extras.get("direct_broken"):
+                    got = pread_full(f.fd, dst[cached:], pos, f.path)
+                    return ChunkResult(cached + got, cached + got)
+                return ChunkResult(cached + direct, cached)
+            pos += direct
+            rest -= direct
+            if rest == 0:
+                return ChunkResult(ch.size, cached)
+        stage = ref.get().stages[0]
+        res = read_to_stage(f, stage.view, pos, rest, ODirectPolicy.ALWAYS, align)
+        if res.nbytes:
+            ctypes.memmove(addr + direct, stage.ptr + pos % align, res.nbytes)
+        return ChunkResult(cached + direct + res.nbytes, cached + res.cached)
 

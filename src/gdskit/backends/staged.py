@@ -18,7 +18,7 @@ from gdskit.plan import align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkResult:
     """What happened to one chunk: bytes moved, and how many went through the page cache."""
 
