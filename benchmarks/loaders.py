@@ -44,19 +44,33 @@ TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
 
 # -- checkpoint creation ----------------------------------------------------------
 
-def _tensor_set(kind: str, size_gib: float, small_count: int, small_avg_kib: int):
+def _random_bf16(rng, n: int):
+    """``n`` bf16 values of random bits, made on the GPU where there is one (CPU generators take minutes
+    for 8 GiB), else with numpy's generator."""
     import torch
-    g = torch.Generator().manual_seed(0)
+    if n == 0:
+        return torch.empty(0, dtype=torch.bfloat16)
+    if torch.cuda.is_available():
+        seed = int(rng.integers(0, 2**62))
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        bits = torch.randint(-2**15, 2**15, (n,), dtype=torch.int16, device="cuda", generator=g)
+        return bits.cpu().view(torch.bfloat16)
+    return torch.frombuffer(bytearray(rng.bytes(2 * n)), dtype=torch.bfloat16)
+
+
+def _tensor_set(kind: str, size_gib: float, small_count: int, small_avg_kib: int):
+    import numpy as np
+    rng = np.random.default_rng(0)
     out = {}
     if kind == "large":
         n = max(1, int(size_gib * 1024 * MiB) // (32 * MiB))
         for i in range(n):
-            out[f"layers.{i}.weight"] = torch.empty(16 * MiB, dtype=torch.int16).random_(generator=g).view(torch.bfloat16)
+            out[f"layers.{i}.weight"] = _random_bf16(rng, 16 * MiB)
     else:
         avg = small_avg_kib * 1024 // 2  # elements of 2 bytes
-        sizes = torch.randint(avg // 5, avg * 9 // 5, (small_count,), generator=g).tolist()
+        sizes = rng.integers(avg // 5, avg * 9 // 5, small_count).tolist()
         for i, n in enumerate(sizes):
-            out[f"blocks.{i}.param"] = torch.empty(n, dtype=torch.int16).random_(generator=g).view(torch.bfloat16)
+            out[f"blocks.{i}.param"] = _random_bf16(rng, n)
     return out
 
 
@@ -70,10 +84,15 @@ def ensure_files(directory: str, size_gib: float, small_count: int, small_avg_ki
         if not (os.path.exists(st) and os.path.exists(pt)):
             import gdskit.safetensors
             import gdskit.torch
-            print(f"creating {kind} checkpoint in {directory} ...", file=sys.stderr)
+            print(f"creating {kind} checkpoint in {directory} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             tensors = _tensor_set(kind, size_gib, small_count, small_avg_kib)
+            t1 = time.perf_counter()
             gdskit.safetensors.save_file(tensors, st)
+            t2 = time.perf_counter()
             gdskit.torch.save(tensors, pt)
+            print(f"  made in {t1 - t0:.1f} s, safetensors saved in {t2 - t1:.1f} s, torch.save file in "
+                  f"{time.perf_counter() - t2:.1f} s", file=sys.stderr, flush=True)
             del tensors
         files[kind] = {"safetensors": st, "torch": pt}
     return files
@@ -346,6 +365,9 @@ def main() -> None:
                         if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
                             best = r
                     results.append({**best, "loader": loader, "file": kind, "mode": mode})
+                    # One line as each result lands, so a run cut short still says what it measured.
+                    print(f"# {loader} {kind} {mode}: {best.get('gb_per_s', best.get('error'))} GB/s",
+                          file=sys.stderr, flush=True)
     report(results, args)
 
 
