@@ -43,7 +43,6 @@ class TestCufileBackend(_DeviceMemory):
 
     @pytest.fixture(autouse=True)
     def _need_cufile(self, tmp_path):
-        import gdskit
         from gdskit.backends.cufile import library, register
         from gdskit.backends.base import OpenFile
         import os

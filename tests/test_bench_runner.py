@@ -201,7 +201,8 @@ def test_cli_default_run_is_quick_and_tidy(tmp_path, monkeypatch):
 
 def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkeypatch):
     from gdskit.bench import runner as r
-    monkeypatch.setattr(r, "allocate", lambda on_device, n, d: r.HostBuffer(n))
+    from gdskit.bench.memory import HostBuffer
+    monkeypatch.setattr(r, "allocate", lambda on_device, n, d: HostBuffer(n))
 
     def boom(device):
         raise gdskit.errors.CudaError("no device", code="cudaErrorNoDevice")

@@ -226,3 +226,63 @@ def synchronize_producer(stream: int | None) -> None:
         check(rt.cudaStreamSynchronize(rt.cudaStreamPerThread), "cudaStreamSynchronize")
     else:
         check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+class DeviceArray:
+    """Plain ``cudaMalloc`` (or managed) memory exposing ``__cuda_array_interface__``.
+
+    For programs (and gdskit's own benchmarks and tests) that need GPU buffers
+    without torch or CuPy. Freed exactly once, by :meth:`free` or the GC.
+    """
+
+    def __init__(self, nbytes: int, device: int | None = None, managed: bool = False) -> None:
+        rt = _runtime()
+        if device is not None:
+            set_device(device)
+        self.device = current_device()
+        self.nbytes = nbytes
+        self.managed = managed
+        if managed:
+            self.ptr = int(check(rt.cudaMallocManaged(max(nbytes, 1), rt.cudaMemAttachGlobal), "cudaMallocManaged"))
+        else:
+            self.ptr = int(check(rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+        # "stream": None: the memory has no producer work pending (we synchronise after our own writes).
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                                         "version": 3, "strides": None, "stream": None}
+
+    def fill(self, value: int) -> None:
+        """Set every byte to ``value``."""
+        rt = _runtime()
+        check(rt.cudaMemset(self.ptr, value, max(self.nbytes, 1)), "cudaMemset")
+        check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def copy_from_host(self, data: Any, offset: int = 0) -> None:
+        """Copy ``data`` (bytes-like or a numpy array) to ``offset`` (blocking)."""
+        import numpy as np  # noqa: PLC0415
+
+        arr = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data)
+        if arr.nbytes:
+            memcpy(self.ptr + offset, arr.ctypes.data, arr.nbytes)
+
+    def to_numpy(self, nbytes: int | None = None) -> Any:
+        """A host copy of the first ``nbytes`` (default: all) as a uint8 numpy array."""
+        import numpy as np  # noqa: PLC0415
+
+        n = self.nbytes if nbytes is None else nbytes
+        out = np.empty(n, dtype=np.uint8)
+        if n:
+            memcpy(out.ctypes.data, self.ptr, n)
+        return out
+
+    def free(self) -> None:
+        if self.ptr:
+            rt = runtime_or_none()
+            if rt is not None:
+                rt.cudaFree(self.ptr)
+            self.ptr = 0
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:
+            pass

@@ -217,34 +217,30 @@ class LanePool:
 lanes = LanePool()
 
 _exec_lock = threading.Lock()
-_io_executor: ThreadPoolExecutor | None = None
-_io_threads = 0
-_request_executor: ThreadPoolExecutor | None = None
-_request_threads = 0
+_executors: dict[str, tuple[ThreadPoolExecutor, int]] = {}
+
+
+def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
+    """The process's executor of this kind, remade when ``settings.threads`` changes."""
+    with _exec_lock:
+        found = _executors.get(kind)
+        if found is not None and found[1] == threads:
+            return found[0]
+        if found is not None:
+            found[0].shutdown(wait=False)
+        ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"gdskit-{kind}")
+        _executors[kind] = (ex, threads)
+        return ex
 
 
 def io_executor(threads: int) -> ThreadPoolExecutor:
     """Worker threads that move chunks. Tasks here never wait on other tasks here."""
-    global _io_executor, _io_threads
-    with _exec_lock:
-        if _io_executor is None or _io_threads != threads:
-            if _io_executor is not None:
-                _io_executor.shutdown(wait=False)
-            _io_executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskit-io")
-            _io_threads = threads
-        return _io_executor
+    return _executor("io", threads)
 
 
 def request_executor(threads: int) -> ThreadPoolExecutor:
     """Threads that run whole requests for ``pread``/``pwrite`` futures."""
-    global _request_executor, _request_threads
-    with _exec_lock:
-        if _request_executor is None or _request_threads != threads:
-            if _request_executor is not None:
-                _request_executor.shutdown(wait=False)
-            _request_executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskit-req")
-            _request_threads = threads
-        return _request_executor
+    return _executor("req", threads)
 
 
 class LaneRef:
@@ -365,12 +361,11 @@ def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alig
 
 def shutdown() -> None:
     """Stop worker threads and free all lanes (called at exit)."""
-    global _io_executor, _request_executor
     with _exec_lock:
-        for ex in (_request_executor, _io_executor):
-            if ex is not None:
-                ex.shutdown(wait=True)
-        _io_executor = _request_executor = None
+        found = [_executors.pop(kind, None) for kind in ("req", "io")]
+    for item in found:
+        if item is not None:
+            item[0].shutdown(wait=True)
     lanes.release_idle()
 
 

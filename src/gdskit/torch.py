@@ -329,7 +329,7 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
     finally:
         for f in eager_file:
             f.close()
-    del reader
+    reader = record_size = None  # close the archive before the storages are read
     if not target.eager:
         _read_storages(torch, path, slots, progress)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)

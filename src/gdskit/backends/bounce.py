@@ -1,10 +1,10 @@
 """The bounce path: gdskit's own CPU path for device memory.
 
-Workers read chunks into a bounded ring of pinned host buffers (two per
-worker) and copy them to the GPU with asynchronous copies on one stream per
-worker, so a worker reads chunk *i+1* while chunk *i* is still being copied.
-Writes run the same ring backwards. The ring is reused across calls: pinned
-memory is slow to allocate.
+Workers read chunks into a bounded ring of pinned host buffers (one per
+worker by default, see ``Lane``) and copy them to the GPU with asynchronous
+copies on one stream per worker; with several stages a worker reads chunk
+*i+1* while chunk *i* is still being copied. Writes run the same ring
+backwards. The ring is reused across calls: pinned memory is slow to allocate.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.settings import settings
+from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Path
 
 
@@ -40,17 +40,18 @@ class BounceBackend(Backend):
     name = "bounce"
     serves_device_memory = True
 
-    def _layout(self, device: int) -> tuple[int, int, int]:
-        cfg = settings.snapshot()
-        n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
-        return n_lanes, chunk, chunk + 2 * cfg.alignment
-
-    def read(self, f: OpenFile, req: Request) -> int:
+    @staticmethod
+    def _plan(req: Request) -> tuple[Settings, int, int, int, list[Chunk]]:
+        """Settings, device, lanes, stage bytes and chunks for one request (chunks fit the pinned budget)."""
         cfg = settings.snapshot()
         device = req.buf.device if req.buf.device is not None else cuda.current_device()
-        n_lanes, chunk, stage_bytes = self._layout(device)
+        n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
+        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, cfg.alignment)
+        return cfg, device, n_lanes, chunk + 2 * cfg.alignment, plan
+
+    def read(self, f: OpenFile, req: Request) -> int:
+        cfg, device, n_lanes, stage_bytes, plan = self._plan(req)
         align = cfg.alignment
-        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
         t0 = time.perf_counter()
 
         def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
@@ -70,11 +71,8 @@ class BounceBackend(Backend):
         return total
 
     def write(self, f: OpenFile, req: Request) -> int:
-        cfg = settings.snapshot()
-        device = req.buf.device if req.buf.device is not None else cuda.current_device()
-        n_lanes, chunk, stage_bytes = self._layout(device)
+        cfg, device, n_lanes, stage_bytes, plan = self._plan(req)
         align = cfg.alignment
-        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
         t0 = time.perf_counter()
 
         def work(ref: LaneRef, ch: Chunk) -> ChunkResult:

@@ -56,57 +56,35 @@ class HostBuffer:
         pass
 
 
-class _CudaArray:
-    """What gdskit's buffer adapter needs to see device memory."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None, "stream": None}
-
-
 class DeviceBuffer:
-    """``cudaMalloc`` memory on one GPU, freed exactly once."""
+    """``cudaMalloc`` memory on one GPU (zeroed, so timed runs touch no fresh pages), freed exactly once."""
 
     on_device = True
 
     def __init__(self, nbytes: int, device: int) -> None:
-        rt = cuda.runtime_or_none()
-        if rt is None:
+        if cuda.runtime_or_none() is None:
             raise CudaError("cuda.bindings is not importable; cannot allocate GPU memory")
-        cuda.set_device(device)
         self.device = device
         self.nbytes = nbytes
-        self.ptr = int(cuda.check(rt.cudaMalloc(nbytes), "cudaMalloc"))
-        cuda.check(rt.cudaMemset(self.ptr, 0, nbytes), "cudaMemset")
-        cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        self._obj = _CudaArray(self.ptr, nbytes)
+        self._mem = cuda.DeviceArray(nbytes, device)
+        self._mem.fill(0)
+
+    @property
+    def ptr(self) -> int:
+        return self._mem.ptr
 
     @property
     def obj(self) -> Any:
-        return self._obj
+        return self._mem
 
     def load(self, data: np.ndarray, offset: int = 0) -> None:
-        data = np.ascontiguousarray(data)
-        cuda.memcpy(self.ptr + offset, data.ctypes.data, data.nbytes)
+        self._mem.copy_from_host(np.ascontiguousarray(data), offset)
 
     def to_host(self, nbytes: int | None = None) -> np.ndarray:
-        n = self.nbytes if nbytes is None else nbytes
-        out = np.empty(n, dtype=np.uint8)
-        cuda.memcpy(out.ctypes.data, self.ptr, n)
-        return out
+        return self._mem.to_numpy(nbytes)
 
     def free(self) -> None:
-        if self.ptr:
-            rt = cuda.runtime_or_none()
-            if rt is not None:
-                rt.cudaFree(self.ptr)
-            self.ptr = 0
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
+        self._mem.free()
 
 
 def allocate(on_device: bool, nbytes: int, device: int) -> HostBuffer | DeviceBuffer:

@@ -30,10 +30,10 @@ from gdskit import cuda
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
-from gdskit.bench.memory import HostBuffer, allocate, pattern
-from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, Op, PathUnavailableError
+from gdskit.bench.memory import allocate, pattern
+from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
-from gdskit.errors import DirectPathUnavailable, GdskitError, GdskitIOError, InvalidArgumentError, from_os_error
+from gdskit.errors import DirectPathUnavailable, GdskitIOError, InvalidArgumentError, from_os_error
 from gdskit.vocabulary import Reason
 
 #: Engine mode that forces each bench path.

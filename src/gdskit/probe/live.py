@@ -17,28 +17,6 @@ from gdskit.probe.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
 
 
-class _DeviceBlock:
-    """``nbytes`` of cudaMalloc memory exposed through ``__cuda_array_interface__``."""
-
-    def __init__(self, nbytes: int) -> None:
-        from gdskit import cuda
-
-        self.nbytes = nbytes
-        self.ptr = int(cuda.check(cuda._runtime().cudaMalloc(nbytes), "cudaMalloc"))
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
-                "strides": None, "stream": None}
-
-    def free(self) -> None:
-        from gdskit import cuda
-
-        if self.ptr:
-            cuda._runtime().cudaFree(self.ptr)
-            self.ptr = 0
-
-
 def _ledger_view(delta: Any) -> dict[str, Any]:
     paths: dict[str, int] = {}
     reasons: dict[str, int] = {}
@@ -70,16 +48,16 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
     pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
     fd, tmp = tempfile.mkstemp(prefix=".gdskit-probe-", dir=directory)
     os.close(fd)
-    blocks: list[_DeviceBlock] = []
+    blocks: list[Any] = []
     result: dict[str, Any] = {"status": "failed", "directory": directory, "bytes": nbytes,
                               "memory": "device" if on_gpu else "host"}
     try:
         if on_gpu:
             from gdskit import cuda
 
-            src, dst = _DeviceBlock(nbytes), _DeviceBlock(nbytes)
+            src, dst = cuda.DeviceArray(nbytes), cuda.DeviceArray(nbytes)
             blocks += [src, dst]
-            cuda.memcpy(src.ptr, pattern.ctypes.data, nbytes)
+            src.copy_from_host(pattern)
         else:
             src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
         counters0 = _cufile_counters()
@@ -93,8 +71,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
         s2 = gdskit.stats()
         counters1 = _cufile_counters()
         if on_gpu:
-            back = np.empty(nbytes, dtype=np.uint8)
-            cuda.memcpy(back.ctypes.data, dst.ptr, nbytes)
+            back = dst.to_numpy()
         else:
             back = dst
         with open(tmp, "rb") as fh:
