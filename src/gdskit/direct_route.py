@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from gdskit.vocabulary import Path, Reason
 
@@ -38,10 +39,16 @@ def udev_database_present() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def direct_route() -> DirectRoute:
-    from gdskit.probe import gds  # noqa: PLC0415
+    """The direct route of this machine, worked out once per process."""
     from gdskit.probe.root import SystemRoot  # noqa: PLC0415
 
-    root = SystemRoot("/")
+    return route_of(SystemRoot("/"))
+
+
+def route_of(root: Any) -> DirectRoute:
+    """The direct route of the machine seen through ``root`` (a :class:`gdskit.probe.root.SystemRoot`)."""
+    from gdskit.probe import gds  # noqa: PLC0415
+
     nvfs = gds.nvidia_fs(root, gds.loaded_modules(root)).loaded
     config = gds.cufile_config(root)
     has_udev = gds.udev(root).database
