@@ -254,6 +254,10 @@ class LaneRef:
     def get(self) -> Lane:
         if self.lane is None:
             self.lane = lanes.acquire(*self._args)
+            if self.lane.device is not None:
+                # Copies go to the lane's stream, which belongs to the lane's device: make it this
+                # thread's current device (worker threads serve requests for any GPU).
+                cuda.set_device(self.lane.device)
         return self.lane
 
     def release(self) -> None:
