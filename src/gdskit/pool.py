@@ -125,6 +125,8 @@ class LanePool:
         self._idle: dict[Any, list[Lane]] = {}
         self._all: list[Lane] = []
         self._busy = 0
+        self._creating: dict[tuple[int | None, int], int] = {}
+        self._creating_pinned = 0
 
     def stage_layout(self, device: int | None, threads: int, chunk_size: int, budget: int,
                      alignment: int) -> tuple[int, int]:
@@ -141,32 +143,45 @@ class LanePool:
         return lanes, max(alignment, chunk)
 
     def acquire(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> Lane:
+        """An idle lane of this shape, or a new one if the count and the pinned budget allow; else wait.
+
+        Lanes being created count against both limits, so concurrent requests cannot overshoot.
+        """
+        key = (device, stage_bytes)
+        needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
         with self._cond:
             while True:
+                # The budget may have shrunk since idle lanes were made: trim them first.
+                while self._pinned() > budget and self._drop_one_idle(keep=None):
+                    pass
                 idle = self._idle.get(device, [])
                 for i, lane in enumerate(idle):
                     if lane.stage_bytes == stage_bytes:
                         self._busy += 1
                         return idle.pop(i)
-                mine = [ln for ln in self._all if ln.device == device and ln.stage_bytes == stage_bytes]
-                pinned_needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
-                if len(mine) < max_lanes:
+                count = sum(1 for ln in self._all if (ln.device, ln.stage_bytes) == key) + self._creating.get(key, 0)
+                if count < max_lanes:
                     # Free idle lanes of other shapes until the new one fits the budget.
-                    while self._pinned() + pinned_needed > budget and self._drop_one_idle(exclude=stage_bytes):
+                    while self._pinned() + needed > budget and self._drop_one_idle(keep=stage_bytes):
                         pass
-                    if self._pinned() + pinned_needed <= budget:
+                    if self._pinned() + needed <= budget:
                         break
                 self._cond.wait()
             self._busy += 1
+            self._creating[key] = self._creating.get(key, 0) + 1
+            self._creating_pinned += needed
+        lane: Lane | None = None
         try:
             lane = Lane(device, stage_bytes)
-        except BaseException:
+        finally:
             with self._cond:
-                self._busy -= 1
+                self._creating[key] -= 1
+                self._creating_pinned -= needed
+                if lane is None:
+                    self._busy -= 1
+                else:
+                    self._all.append(lane)
                 self._cond.notify_all()
-            raise
-        with self._cond:
-            self._all.append(lane)
         return lane
 
     def release(self, lane: Lane) -> None:
@@ -187,12 +202,13 @@ class LanePool:
                 self._cond.notify_all()
 
     def _pinned(self) -> int:
-        return sum(ln.pinned_bytes for ln in self._all)
+        return sum(ln.pinned_bytes for ln in self._all) + self._creating_pinned
 
-    def _drop_one_idle(self, exclude: int) -> bool:
+    def _drop_one_idle(self, keep: int | None) -> bool:
+        """Free one idle device lane (not of stage size ``keep``); False when there is none."""
         for lanes in self._idle.values():
             for i, lane in enumerate(lanes):
-                if lane.stage_bytes != exclude and lane.device is not None:
+                if lane.device is not None and lane.stage_bytes != keep:
                     lanes.pop(i)
                     self._all.remove(lane)
                     lane.free()

@@ -1,0 +1,143 @@
+"""The GPU paths' logic on a stand-in CUDA runtime (tests/fake_cuda.py), so CI covers it.
+
+Copies on the fake take effect only when their stream or event is waited on, so a
+missing synchronisation shows up as wrong bytes. Skipped where a real GPU is present:
+the real suite (tests/test_backend_gpu.py) runs there instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import gdskit
+from gdskit import cuda, pool
+from gdskit.errors import CudaError
+
+from backend_conformance import BackendTests
+from conftest import HAS_GPU
+from fake_cuda import FakeRuntime, cudaError_t, cudaMemoryType
+
+pytestmark = pytest.mark.skipif(HAS_GPU, reason="a real GPU is present: tests/test_backend_gpu.py covers this")
+
+
+@pytest.fixture(scope="module")
+def fake_runtime():
+    fake = FakeRuntime()
+    mp = pytest.MonkeyPatch()
+    gdskit.release_resources()
+    mp.setattr(cuda, "_runtime", lambda: fake)
+    mp.setattr(cuda, "_device_count", None)
+    yield fake
+    gdskit.release_resources()
+    mp.undo()
+    cuda._device_count = None
+
+
+@pytest.fixture(autouse=True)
+def _fake(fake_runtime):
+    fake_runtime.fail.clear()
+    yield fake_runtime
+
+
+class TestBounceOnFakeGpu(BackendTests):
+    settings_overrides = {"mode": "bounce", "chunk_size": "256KiB", "threads": 4}
+    expected_paths = {"bounce-cached", "bounce-direct"}
+
+    def make_buffer(self, nbytes):
+        return cuda.DeviceArray(nbytes)
+
+    def buffer_bytes(self, buf):
+        return buf.to_numpy().tobytes()
+
+    def fill_buffer(self, buf, data):
+        buf.copy_from_host(data)
+
+
+class TestAutoOnFakeGpu(TestBounceOnFakeGpu):
+    settings_overrides = {"mode": "auto", "chunk_size": "256KiB", "threads": 3, "pinned_budget": "1MiB"}
+
+
+def test_device_memory_is_routed_and_recorded(tmp_path):
+    p = tmp_path / "d.bin"
+    data = os.urandom(3 << 20)
+    p.write_bytes(data)
+    buf = cuda.DeviceArray(len(data))
+    before = gdskit.stats()
+    with gdskit.open(str(p)) as f:
+        assert f.read(buf) == len(data)
+    assert buf.to_numpy().tobytes() == data
+    delta = gdskit.stats() - before
+    assert set(delta.paths) <= {"bounce-cached", "bounce-direct"}
+    assert delta.bytes_read == len(data)
+    assert "host" not in delta.paths and "host_memory" not in delta.reasons
+
+
+def test_managed_memory(tmp_path):
+    p = tmp_path / "m.bin"
+    data = os.urandom(1 << 20)
+    p.write_bytes(data)
+    m = cuda.DeviceArray(len(data), managed=True)
+    before = gdskit.stats()
+    with gdskit.open(str(p)) as f:
+        f.read(m)
+    assert m.to_numpy().tobytes() == data
+    assert set((gdskit.stats() - before).reasons) == {"managed_memory"}
+
+
+def test_pinned_memory_stays_within_budget(tmp_path, fake_runtime):
+    p = tmp_path / "b.bin"
+    p.write_bytes(os.urandom(4 << 20))
+    buf = cuda.DeviceArray(4 << 20)
+    for budget in ("1MiB", "3MiB"):
+        with gdskit.settings.set(mode="bounce", pinned_budget=budget, chunk_size="1MiB", threads=8):
+            with gdskit.open(str(p)) as f:
+                f.read(buf)
+            assert gdskit.resources().pinned_bytes <= gdskit.settings.pinned_budget
+    gdskit.release_resources()
+    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned buffers leaked"
+
+
+def test_prepare_creates_the_ring_once(tmp_path, fake_runtime):
+    gdskit.release_resources()
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB"):
+        usage = gdskit.prepare()
+        assert usage.lanes == 4 and usage.pinned_bytes > 0
+        allocs = fake_runtime.calls.get("cudaHostAlloc", 0)
+        p = tmp_path / "p.bin"
+        p.write_bytes(os.urandom(4 << 20))
+        with gdskit.open(str(p)) as f:
+            f.read(cuda.DeviceArray(4 << 20))
+        assert fake_runtime.calls.get("cudaHostAlloc", 0) == allocs, "the first read allocated pinned memory again"
+
+
+@pytest.mark.parametrize("failing", ["cudaMemcpyAsync", "cudaHostAlloc", "cudaStreamSynchronize"])
+def test_cuda_errors_surface_and_release_everything(tmp_path, fake_runtime, failing):
+    p = tmp_path / "e.bin"
+    p.write_bytes(os.urandom(2 << 20))
+    buf = cuda.DeviceArray(2 << 20)
+    gdskit.release_resources()
+    fake_runtime.fail[failing] = cudaError_t.cudaErrorMemoryAllocation
+    op = "write" if failing == "cudaStreamSynchronize" else "read"
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"):
+        with gdskit.open(str(p), "r+") as f:
+            with pytest.raises(CudaError) as ei:
+                f.read(buf) if op == "read" else f.write(buf)
+    assert ei.value.code == "cudaErrorMemoryAllocation"
+    fake_runtime.fail.clear()
+    assert gdskit.resources().lanes_busy == 0
+    gdskit.release_resources()
+    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0
+
+
+def test_write_from_device_memory(tmp_path):
+    data = np.random.default_rng(5).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    buf = cuda.DeviceArray(data.size)
+    buf.copy_from_host(data)
+    p = tmp_path / "w.bin"
+    for policy in ("auto", "always", "never"):
+        with gdskit.settings.set(odirect=policy, chunk_size="1MiB"), gdskit.open(str(p), "w", atomic=True) as f:
+            f.write(buf, file_offset=4095)
+        assert p.read_bytes() == b"\0" * 4095 + data.tobytes()
