@@ -62,9 +62,10 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
                   alignment: int) -> ChunkResult:
     """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)``.
 
-    ``auto``: whatever the page cache holds is read buffered (``RWF_NOWAIT``
-    fails fast on a miss), the rest with O_DIRECT. ``always``: all O_DIRECT.
-    ``never``, or no O_DIRECT on this filesystem: all buffered.
+    ``auto``: a chunk the page cache holds (all or part of it, asked without
+    causing I/O: see :mod:`gdskit.residency`) is read buffered, one it does not
+    hold with O_DIRECT. ``always``: all O_DIRECT. ``never``, or no O_DIRECT on
+    this filesystem: all buffered.
     """
     head = pos % alignment
     cached = 0
