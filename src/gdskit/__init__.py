@@ -7,6 +7,8 @@
 >>> gdskit.stats().paths                        # doctest: +SKIP
 """
 
+from typing import TYPE_CHECKING
+
 from gdskit import cuda, errors
 from gdskit.errors import GdskitError
 from gdskit.file import File, open
@@ -14,6 +16,9 @@ from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, sta
 from gdskit.pool import ResourceUsage
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Mode, ODirectPolicy, Path, Reason
+
+if TYPE_CHECKING:
+    from gdskit.backends.cufile import BufferRegistration
 
 __version__ = "0.1.0"
 
@@ -42,6 +47,19 @@ def prepare(device: int | None = None) -> ResourceUsage:
     return pool.lanes.usage(settings.threads)
 
 
+def register_buffer(buf: object) -> "BufferRegistration":
+    """Register a GPU buffer with cuFile for repeated direct I/O (``cuFileBufRegister``).
+
+    cuFile then DMAs straight into it instead of through its own bounce buffers.
+    Use as a context manager, or call ``.release()``; whatever is left is released
+    at exit. Where cuFile cannot take the buffer (no libcufile, host or managed
+    memory) nothing happens and ``.registered`` is False, with ``.reason``.
+    """
+    from gdskit.backends.cufile import BufferRegistration  # noqa: PLC0415
+
+    return BufferRegistration(buf)
+
+
 def release_resources() -> None:
     """Free idle pinned buffers, streams and worker threads (they come back on the next request)."""
     from gdskit import pool  # noqa: PLC0415
@@ -51,6 +69,6 @@ def release_resources() -> None:
 
 __all__ = [
     "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "Reason",
-    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "release_resources",
+    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "register_buffer", "release_resources",
     "resources", "settings", "stats", "stats_delta", "stats_reset",
 ]

@@ -59,23 +59,33 @@ class DriverProperties:
 _COUNTER_FIELDS = ("n_nvfs_reads", "n_p2p_reads", "n_posix_reads", "n_nvfs_writes", "n_p2p_writes", "n_posix_writes")
 
 
-class CufileLibrary:
-    """libcufile for this process: opened once, stats switched on, closed at exit."""
+def _import_bindings() -> Any:
+    from cuda.bindings import cufile  # noqa: PLC0415 - lazy on purpose
 
-    def __init__(self) -> None:
+    return cufile
+
+
+class CufileLibrary:
+    """libcufile for this process: opened once, stats switched on, closed at exit.
+
+    ``loader`` returns the ``cuda.bindings.cufile`` module (tests pass a stand-in).
+    """
+
+    def __init__(self, loader: Any = _import_bindings) -> None:
+        self._loader = loader
         self._lock = threading.Lock()
         self._mod: Any = None
         self._error: str | None = None
         self._opened = False
         self.stats_enabled = False
         self.handles: set[int] = set()  # registered and not yet deregistered
+        self.buffers: dict[int, int] = {}  # registered buffer base -> length
 
     def _load(self) -> Any:
         with self._lock:
             if self._mod is None and self._error is None:
                 try:
-                    from cuda.bindings import cufile  # noqa: PLC0415 - lazy on purpose
-
+                    cufile = self._loader()
                     cufile.driver_open()
                     self._opened = True
                     self._mod = cufile
@@ -154,11 +164,35 @@ class CufileLibrary:
             self.handles.discard(handle)
         self._mod.handle_deregister(handle)
 
+    def register_buffer(self, ptr: int, nbytes: int) -> bool:
+        """``cuFileBufRegister`` once per buffer (pins it for DMA and maps it into BAR1).
+
+        Returns False when it was registered already.
+        """
+        with self._lock:
+            if ptr in self.buffers:
+                return False
+        self.module.buf_register(ptr, nbytes, 0)
+        with self._lock:
+            self.buffers[ptr] = nbytes
+        return True
+
+    def deregister_buffer(self, ptr: int) -> None:
+        with self._lock:
+            if self.buffers.pop(ptr, None) is None:
+                return
+        self._mod.buf_deregister(ptr)
+
     def close(self) -> None:
         """Deregister what is left, stop the counters, close the driver."""
         for handle in list(self.handles):
             try:
                 self.deregister(handle)
+            except Exception:
+                pass
+        for ptr in list(self.buffers):
+            try:
+                self.deregister_buffer(ptr)
             except Exception:
                 pass
         with self._lock:
@@ -309,3 +343,41 @@ class CufileBackend(Backend):
 
     def write(self, f: OpenFile, req: Request) -> int:
         return self._run(f, req)
+
+
+class BufferRegistration:
+    """A GPU buffer registered with cuFile (see :func:`gdskit.register_buffer`); a context manager.
+
+    ``registered`` says whether cuFile took it; ``reason`` says why not.
+    """
+
+    def __init__(self, buf: Any) -> None:
+        from gdskit.buffers import adapt  # noqa: PLC0415
+        from gdskit.cuda import MemoryKind  # noqa: PLC0415
+
+        view = adapt(buf)
+        self.ptr, self.nbytes = view.ptr, view.nbytes
+        self.registered = False
+        self.reason: Reason | None = None
+        self._owner = view.owner
+        lib = library()
+        if view.kind is not MemoryKind.DEVICE:
+            self.reason = Reason.MANAGED_MEMORY if view.kind is MemoryKind.MANAGED else Reason.HOST_MEMORY
+        elif not lib.available():
+            self.reason = Reason.CUFILE_MISSING
+        else:
+            try:
+                self.registered = lib.register_buffer(self.ptr, self.nbytes)
+            except Exception as exc:
+                raise GdskitIOError(5, f"cuFileBufRegister failed: {exc}") from exc
+
+    def release(self) -> None:
+        if self.registered:
+            self.registered = False
+            library().deregister_buffer(self.ptr)
+
+    def __enter__(self) -> BufferRegistration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
