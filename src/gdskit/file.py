@@ -22,7 +22,7 @@ from gdskit.errors import (
     from_os_error,
 )
 from gdskit.pool import request_executor
-from gdskit.router import plan_routes
+from gdskit.router import host_reason, plan_routes
 from gdskit.settings import settings
 
 _MODES = {
@@ -294,6 +294,10 @@ class File:
             # Kernels still queued on the buffer (a fill before a read, a compute before a write) must
             # finish first: gdskit's copies run on their own streams.
             cuda.synchronize_producer(view.producer_stream)
+        if not view.on_device:  # host memory: one route, no planning needed
+            req = Request(op, view, size, file_offset, buf_offset, host_reason())
+            host = backend("host")
+            return host.read(self._of, req) if op == "read" else host.write(self._of, req)
         total = 0
         for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
             req = Request(op, view, route.size, route.file_offset, route.buf_offset, route.reason)

@@ -144,7 +144,7 @@ class Ledger:
 
     def record(self, path: Path, reason: Reason, op: str, nbytes: int, ops: int = 1, busy_s: float = 0.0) -> None:
         with self._lock:
-            row = self._rows[(str(path), str(reason), op)]
+            row = self._rows[(path.value, reason.value, op)]
             row[0] += nbytes
             row[1] += ops
             row[2] += busy_s

@@ -31,7 +31,7 @@ class Route:
     size: int
 
 
-def _host_reason() -> Reason:
+def host_reason() -> Reason:
     return Reason.NO_GPU if cuda.device_count() == 0 else Reason.HOST_MEMORY
 
 
@@ -52,7 +52,7 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     """Split and route one request. Raises when a forced mode cannot serve it."""
     whole = (file_offset, buf_offset, size)
     if not buf.on_device:
-        return [Route("host", _host_reason(), *whole)]
+        return [Route("host", host_reason(), *whole)]
     if cfg.mode is Mode.HOST:
         raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
                                    "(use mode='auto' or 'bounce')")
