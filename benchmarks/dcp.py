@@ -31,6 +31,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+
 GB = 1e9
 MiB = 1 << 20
 SHARD_ELEMS = 4096 * 4096  # 32 MiB of bf16
@@ -106,32 +108,8 @@ def child(args: argparse.Namespace) -> None:
 
 # -- the parent ---------------------------------------------------------------------
 
-def drop_caches(paths: list[str]) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
-
-
 def data_files(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.endswith(".distcp")]
-
-
-def warm(paths: list[str]) -> None:
-    buf = bytearray(64 * MiB)
-    for p in paths:
-        with open(p, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
 
 
 def odirect_rate(paths: list[str], threads: int, block: int = 16 * MiB) -> float:

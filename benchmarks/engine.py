@@ -29,6 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 sys.path.insert(0, SRC)
 
+from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+
 GB = 1e9
 # KvikIO's own POSIX path is its fastest where cuFile can only run in compat mode.
 KVIKIO_ENV = {"KVIKIO_COMPAT_MODE": "ON"}
@@ -43,24 +45,6 @@ def parse_size(text: str) -> int:
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def drop_caches(path: str) -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
-def warm_cache(path: str) -> None:
-    buf = bytearray(64 << 20)
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
 
 
 def make_file(path: str, size: int) -> None:
@@ -124,8 +108,11 @@ def child_kvikio_read(path: str, size: int, repeats: int, threads: int, task_siz
     return out
 
 
-def child_raw_odirect_read(path: str, size: int, threads: int, chunk: int) -> dict:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def _raw_odirect(path: str, size: int, threads: int, chunk: int, write: bool) -> dict:
+    """``threads`` threads moving ``chunk``-byte O_DIRECT I/Os between the file and aligned host memory:
+    the disk's own rate, with no GPU and no gdskit in between. Writes end with fsync."""
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    fd = os.open(path, flags | os.O_DIRECT)
     bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
     nxt = iter(range(0, size, chunk))
     lock = threading.Lock()
@@ -138,7 +125,8 @@ def child_raw_odirect_read(path: str, size: int, threads: int, chunk: int) -> di
                 off = next(nxt, None)
             if off is None:
                 return
-            n = os.preadv(fd, [mv[: min(chunk, size - off)]], off)
+            piece = mv[: min(chunk, size - off)]
+            n = os.pwrite(fd, piece, off) if write else os.preadv(fd, [piece], off)
             with lock:
                 total[0] += n
 
@@ -148,10 +136,16 @@ def child_raw_odirect_read(path: str, size: int, threads: int, chunk: int) -> di
         t.start()
     for t in ts:
         t.join()
+    if write:
+        os.fsync(fd)
     dt = time.perf_counter() - t0
     os.close(fd)
     assert total[0] == size
     return {"times": [dt], "cpu": [cpu_seconds() - c0]}
+
+
+def child_raw_odirect_read(path: str, size: int, threads: int, chunk: int) -> dict:
+    return _raw_odirect(path, size, threads, chunk, write=False)
 
 
 def child_gdskit_write(path: str, size: int) -> dict:
@@ -167,30 +161,7 @@ def child_gdskit_write(path: str, size: int) -> dict:
 
 
 def child_raw_odirect_write(path: str, size: int, threads: int, chunk: int) -> dict:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    nxt = iter(range(0, size, chunk))
-    lock = threading.Lock()
-
-    def worker(i: int) -> None:
-        mv = memoryview(bufs[i])
-        while True:
-            with lock:
-                off = next(nxt, None)
-            if off is None:
-                return
-            os.pwrite(fd, mv[: min(chunk, size - off)], off)
-
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    os.fsync(fd)
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    return {"times": [dt], "cpu": [cpu_seconds() - c0]}
+    return _raw_odirect(path, size, threads, chunk, write=True)
 
 
 def child_pinned_alloc() -> dict:
@@ -415,19 +386,19 @@ def main() -> None:
     if "variants" in cases:
         results["pinned_variants"] = run_child("pinned-variants")
     if "tune" in cases:
-        warm_cache(path)
+        warm([path])
         results["tune"] = run_child("tune", path, size)
     if "timeline" in cases:
-        warm_cache(path)
+        warm([path])
         results["timeline"] = run_child("timeline", path, size)
     if "first" in cases:
-        warm_cache(path)
+        warm([path])
         for threads, chunk, stages, prep, touch in ((16, 8, 1, 0, 0), (16, 8, 1, 1, 0), (16, 8, 1, 0, 1),
                                                     (16, 8, 1, 1, 1), (12, 8, 1, 0, 0), (16, 8, 1, 0, 0)):
             results[f"first_t{threads}_c{chunk}_s{stages}_p{prep}_t{touch}_{len(results)}"] = run_child(
                 "first-call", path, size, threads, chunk, stages, prep, touch)
     if "hot" in cases:
-        warm_cache(path)
+        warm([path])
         results["hot_gdskit"] = summarize(run_child("gdskit-read", path, size, a.repeats), size)
         results["hot_kvikio"] = summarize(run_child("kvikio-read", path, size, a.repeats, a.kvikio_threads, kv_task,
                                                     env=KVIKIO_ENV), size)
@@ -439,7 +410,7 @@ def main() -> None:
                                   ("cold_kvikio_posix", "kvikio-read-posix", (1, a.kvikio_threads, kv_task)),
                                   ("cold_raw_odirect_2", "raw-odirect-read", (a.raw_threads, raw_chunk)),
                                   ("cold_gdskit_2", "gdskit-read", (1,))):
-            drop_caches(path)
+            drop_caches([path])
             env = KVIKIO_ENV if name == "kvikio-read-posix" else None
             results[label] = summarize(run_child(name.replace("-posix", ""), path, size, *args, env=env), size)
     if "write" in cases:

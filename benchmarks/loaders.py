@@ -29,6 +29,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+
 GB = 1e9
 MiB = 1 << 20
 
@@ -99,29 +101,6 @@ def ensure_files(directory: str, size_gib: float, small_count: int, small_avg_ki
 
 
 # -- page cache control -----------------------------------------------------------
-
-def drop_caches(paths: list[str]) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
-
-
-def warm(path: str) -> None:
-    buf = bytearray(64 * MiB)
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
-
 
 # -- the loaders (run inside the child process) -------------------------------------
 
@@ -359,7 +338,7 @@ def main() -> None:
                         continue
                     best = None
                     for _ in range(args.repeats):
-                        how = drop_caches(all_paths) if mode == "cold" else (warm(path) or "warmed")
+                        how = drop_caches(all_paths) if mode == "cold" else (warm([path]) or "warmed")
                         r = summarize(run_child(["--child", loader, "--path", path, *common], args.timeout))
                         r["cache"] = how
                         if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
