@@ -309,3 +309,31 @@ def test_checkpoint_id_and_storage_meta(tmp_path: Path) -> None:
     dcp.save({"x": torch.ones(2)}, checkpoint_id=tmp_path / "b", storage_writer=w, no_dist=True)
     md = gdskit.dcp.StorageReader(tmp_path / "b").read_metadata()
     assert md.storage_meta.save_id == w.save_id != meta.save_id   # every save gets a fresh id
+
+
+class _ReaderWithoutSizes:
+    """torch's archive reader as torch 2.11 has it: no ``get_record_size``."""
+
+    def __init__(self, *args: Any) -> None:
+        self._reader = _REAL_READER(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "get_record_size":
+            raise AttributeError(name)
+        return getattr(self._reader, name)
+
+
+_REAL_READER = torch._C.PyTorchFileReader
+
+
+def test_roundtrip_where_torch_reader_gives_no_record_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_archive.torch._C, "PyTorchFileReader", _ReaderWithoutSizes)
+    _archive.template.cache_clear()
+    try:
+        sd = _state()
+        _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+        _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c")), sd)
+        _save(sd, dcp.FileSystemWriter(tmp_path / "s"))
+        _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "s")), sd)
+    finally:
+        _archive.template.cache_clear()

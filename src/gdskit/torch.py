@@ -29,6 +29,7 @@ from gdskit.formats import read_plan
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.formats.torch_zip import RecordSizes
 
 __all__ = ["save", "load", "UnsafeCheckpointError", "DeviceUnavailableError", "STORAGE_ALIGNMENT"]
 
@@ -124,31 +125,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
         raise
 
 
-class _RecordSizes:
-    """Record sizes of a torch zip archive: ``PyTorchFileReader.get_record_size`` where torch has
-    it (newer than 2.11), else the zip directory (record names there carry the archive prefix)."""
-
-    def __init__(self, reader: Any, path: str) -> None:
-        self._reader = reader
-        self._path = path
-        self._sizes: dict[str, int] | None = None
-
-    def __call__(self, name: str) -> int:
-        if hasattr(self._reader, "get_record_size"):
-            return int(self._reader.get_record_size(name))
-        if self._sizes is None:
-            import zipfile
-
-            with zipfile.ZipFile(self._path) as zf:
-                self._sizes = {info.filename.split("/", 1)[-1]: info.file_size for info in zf.infolist()}
-        if name not in self._sizes:
-            raise RuntimeError(f"record {name} not found")
-        return self._sizes[name]
-
-
 def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: ProgressArg) -> None:
     reader = torch._C.PyTorchFileReader(tmp)
-    record_size = _RecordSizes(reader, tmp)
+    record_size = RecordSizes(reader, tmp)
     jobs = []
     for key, storage in captured.items():
         name = f"data/{key}"
@@ -277,7 +256,7 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         return _fallback(torch, path, map_location, weights_only, return_stats)
 
     target = _Target(torch, map_location)
-    record_size = _RecordSizes(reader, path)
+    record_size = RecordSizes(reader, path)
     file_size = os.path.getsize(path)
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None

@@ -28,6 +28,7 @@ import torch
 
 from gdskit.errors import FormatError
 from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.formats.torch_zip import RecordSizes
 
 #: Bytes read from each end of an archive to parse it (miniz looks for the end
 #: of the zip directory in the last 4 KiB; the pickle sits near the start).
@@ -122,11 +123,13 @@ def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
         torch.save(t, sink)
     nbytes = t.untyped_storage().nbytes()
     del t
-    reader = torch._C.PyTorchFileReader(_SinkReader(sink))
+    source = _SinkReader(sink)
+    reader = torch._C.PyTorchFileReader(source)
     name = f"data/{_STORAGE_KEY}"
     offset = reader.get_record_offset(name)
-    if reader.get_record_size(name) != nbytes:
-        raise FormatError(f"torch.save wrote {reader.get_record_size(name)} bytes for a {nbytes}-byte storage")
+    size = RecordSizes(reader, source)(name)
+    if size != nbytes:
+        raise FormatError(f"torch.save wrote {size} bytes for a {nbytes}-byte storage")
     return Template(sink.range(0, offset), sink.range(offset + nbytes, max(sink.size, offset + nbytes)))
 
 
@@ -189,11 +192,13 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
     if not head.startswith(b"PK\x03\x04"):
         raise FormatError(f"{where}: the item is not a torch.save archive")
     try:
-        reader = torch._C.PyTorchFileReader(_SliceReader(fd, offset, length, head, tail))
+        source = _SliceReader(fd, offset, length, head, tail)
+        reader = torch._C.PyTorchFileReader(source)
         pkl = reader.get_record("data.pkl")
     except RuntimeError as exc:
         raise FormatError(f"{where}: damaged torch.save archive: {exc}") from None
     storages: dict[str, tuple[int, int]] = {}
+    record_size = RecordSizes(reader, source)
 
     def persistent_load(saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
@@ -208,7 +213,7 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
         nbytes = numel * torch._utils._element_size(dtype)
         name = f"data/{key}"
         try:
-            rec_offset, rec_size = reader.get_record_offset(name), reader.get_record_size(name)
+            rec_offset, rec_size = reader.get_record_offset(name), record_size(name)
         except RuntimeError:
             raise FormatError(f"{where}: storage record {name} is missing") from None
         if rec_size != nbytes:
