@@ -33,6 +33,9 @@ def contiguous_prefix(results: list[ChunkResult], plan: list[Chunk]) -> int:
     return total
 
 
+_NOWAIT_FIRST_MAX = 256 << 10
+
+
 class HostBackend(Backend):
     name = "host"
     serves_host_memory = True
@@ -101,7 +104,10 @@ class HostBackend(Backend):
             return ChunkResult(got, got)
         cached = 0
         if policy is ODirectPolicy.AUTO:
-            where = file_residency(f, ch.file_offset, ch.size)
+            # Small chunks skip the residency probe: one RWF_NOWAIT read answers the same question
+            # and, on a hit, already moved the data (a probe costs as much as a small read).
+            small = ch.size <= _NOWAIT_FIRST_MAX and f.nowait_supported
+            where = None if small else file_residency(f, ch.file_offset, ch.size)
             if where is None and f.nowait_supported:
                 try:
                     cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
