@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch
-	$(PY) -m pip install -q -e ".[torch,plot,test]"
+	$(PY) -m pip install -q -e ".[torch,plot,test,prometheus]"
 	touch $@
 
 venv: $(VENV)/.installed

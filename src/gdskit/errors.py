@@ -119,3 +119,22 @@ def from_os_error(exc: OSError, filename: str | None = None) -> GdskitIOError:
     err = cls(exc.errno or _errno.EIO, exc.strerror or str(exc), name)
     err.__cause__ = exc
     return err
+
+
+class ProcessNotFoundError(GdskitError, ProcessLookupError):
+    """``gdskit stats -p PID``: there is no process with that pid."""
+
+
+class NotPublishingError(GdskitError, FileNotFoundError):
+    """The process exists but publishes no gdskit figures (it was not started with ``GDSKIT_STATS``)."""
+
+
+class WorkloadTimeoutError(GdskitError, TimeoutError):
+    """:func:`gdskit.telemetry.run_workload` stopped a workload that ran past its timeout.
+
+    ``report`` holds what the workload had done by then.
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report

@@ -2,11 +2,18 @@
 
 Backends record each finished piece of work as (path, reason, op, bytes, busy
 seconds). ``gdskit.stats()`` returns an immutable snapshot; snapshots subtract,
-so ``after - before`` is what happened in between.
+so ``after - before`` is what happened in between, and add, so the ledgers of
+several processes sum.
+
+Each record is one request (or the part of one that took one path): rows also
+count records (``requests``, so ``busy_s / requests`` is the mean latency) and
+keep a log2 histogram of their sizes, both under the lock the row update already
+takes. ``gdskit stats`` publishes them (gdskit.telemetry).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -14,34 +21,60 @@ from typing import Any
 
 from gdskit.vocabulary import Path, Reason
 
+#: A size histogram: (k, count) pairs, sorted by k; bucket k counts records of at most 2**k bytes
+#: (and more than 2**(k-1)); bucket 0 also holds empty records.
+SizeHistogram = tuple[tuple[int, int], ...]
+
+
+def size_bucket(nbytes: int) -> int:
+    """The histogram bucket of a record of ``nbytes``: the smallest k with nbytes <= 2**k."""
+    return (nbytes - 1).bit_length() if nbytes > 1 else 0
+
+
+def _merge_hist(a: SizeHistogram, b: SizeHistogram, sign: int = 1) -> SizeHistogram:
+    out = dict(a)
+    for k, n in b:
+        out[k] = out.get(k, 0) + sign * n
+    return tuple(sorted((k, n) for k, n in out.items() if n))
+
 
 @dataclass(frozen=True)
 class PathStats:
-    """Totals for one path (or one reason)."""
+    """Totals for one path (or one reason).
+
+    ``requests`` counts ledger records (requests, or the part of one that took
+    this path); ``mean_latency_s`` is their mean busy time.
+    """
 
     bytes_read: int = 0
     bytes_written: int = 0
     ops_read: int = 0
     ops_written: int = 0
     busy_s: float = 0.0
+    requests: int = 0
 
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
 
+    @property
+    def mean_latency_s(self) -> float | None:
+        return self.busy_s / self.requests if self.requests else None
+
     def __add__(self, other: PathStats) -> PathStats:
         return PathStats(self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written,
                          self.ops_read + other.ops_read, self.ops_written + other.ops_written,
-                         self.busy_s + other.busy_s)
+                         self.busy_s + other.busy_s, self.requests + other.requests)
 
     def __sub__(self, other: PathStats) -> PathStats:
         return PathStats(self.bytes_read - other.bytes_read, self.bytes_written - other.bytes_written,
                          self.ops_read - other.ops_read, self.ops_written - other.ops_written,
-                         self.busy_s - other.busy_s)
+                         self.busy_s - other.busy_s, self.requests - other.requests)
 
     def to_dict(self) -> dict[str, Any]:
         return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "ops_read": self.ops_read, "ops_written": self.ops_written, "busy_s": round(self.busy_s, 6)}
+                "ops_read": self.ops_read, "ops_written": self.ops_written, "busy_s": round(self.busy_s, 6),
+                "requests": self.requests}
 
 
 @dataclass(frozen=True)
@@ -54,18 +87,41 @@ class LedgerEntry:
     bytes: int
     ops: int
     busy_s: float
+    requests: int = 0
+    size_hist: SizeHistogram = ()
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.path, self.reason, self.op)
+
+    def __add__(self, other: LedgerEntry) -> LedgerEntry:
+        return LedgerEntry(self.path, self.reason, self.op, self.bytes + other.bytes, self.ops + other.ops,
+                           self.busy_s + other.busy_s, self.requests + other.requests,
+                           _merge_hist(self.size_hist, other.size_hist))
+
+    def __sub__(self, other: LedgerEntry) -> LedgerEntry:
+        return LedgerEntry(self.path, self.reason, self.op, self.bytes - other.bytes, self.ops - other.ops,
+                           self.busy_s - other.busy_s, self.requests - other.requests,
+                           _merge_hist(self.size_hist, other.size_hist, -1))
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "reason": self.reason, "op": self.op, "bytes": self.bytes,
-                "ops": self.ops, "busy_s": round(self.busy_s, 6)}
+                "ops": self.ops, "busy_s": round(self.busy_s, 6), "requests": self.requests}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LedgerEntry:
+        """The inverse of :meth:`to_dict`; also reads ``size_hist`` ({"<max bytes>": count}) if present."""
+        hist = tuple(sorted((size_bucket(int(k)), int(n)) for k, n in (d.get("size_hist") or {}).items()))
+        return cls(str(d["path"]), str(d["reason"]), str(d["op"]), int(d["bytes"]), int(d["ops"]),
+                   float(d["busy_s"]), int(d.get("requests", 0)), hist)
 
 
 def _group(entries: list[LedgerEntry], key: str) -> dict[str, PathStats]:
     out: dict[str, PathStats] = {}
     for e in entries:
         k = getattr(e, key)
-        ps = (PathStats(bytes_read=e.bytes, ops_read=e.ops, busy_s=e.busy_s) if e.op == "read"
-              else PathStats(bytes_written=e.bytes, ops_written=e.ops, busy_s=e.busy_s))
+        ps = (PathStats(bytes_read=e.bytes, ops_read=e.ops, busy_s=e.busy_s, requests=e.requests) if e.op == "read"
+              else PathStats(bytes_written=e.bytes, ops_written=e.ops, busy_s=e.busy_s, requests=e.requests))
         out[k] = out.get(k, PathStats()) + ps
     return out
 
@@ -84,8 +140,13 @@ class Stats:
 
     @classmethod
     def from_entries(cls, entries: list[LedgerEntry]) -> Stats:
-        entries = sorted((e for e in entries if e.ops or e.bytes), key=lambda e: (e.path, e.reason, e.op))
+        entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
         return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Stats:
+        """Rebuild a snapshot from :meth:`to_dict` output (the ``entries`` carry everything)."""
+        return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())])
 
     @property
     def total_bytes(self) -> int:
@@ -104,17 +165,23 @@ class Stats:
         """Bytes that provably took the direct path (cufile-nvfs or cufile-p2pdma)."""
         return sum(e.bytes for e in self.entries if Path(e.path).is_direct)
 
+    @property
+    def requests(self) -> int:
+        return sum(e.requests for e in self.entries)
+
     def __sub__(self, other: Stats) -> Stats:
-        mine = {(e.path, e.reason, e.op): e for e in self.entries}
-        theirs = {(e.path, e.reason, e.op): e for e in other.entries}
+        theirs = {e.key: e for e in other.entries}
         out = []
-        for k, e in mine.items():
-            o = theirs.get(k)
-            if o is None:
-                out.append(e)
-            else:
-                out.append(LedgerEntry(e.path, e.reason, e.op, e.bytes - o.bytes, e.ops - o.ops, e.busy_s - o.busy_s))
+        for e in self.entries:
+            o = theirs.get(e.key)
+            out.append(e if o is None else e - o)
         return Stats.from_entries(out)
+
+    def __add__(self, other: Stats) -> Stats:
+        out = {e.key: e for e in self.entries}
+        for e in other.entries:
+            out[e.key] = out[e.key] + e if e.key in out else e
+        return Stats.from_entries(list(out.values()))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,31 +202,73 @@ class Stats:
         return "\n".join(lines)
 
 
+def _new_row() -> list[Any]:
+    return [0, 0, 0.0, 0, {}]  # bytes, ops, busy seconds, records, size histogram {bucket: count}
+
+
 class Ledger:
-    """Thread-safe accumulator behind ``gdskit.stats()``."""
+    """Thread-safe accumulator behind ``gdskit.stats()``.
+
+    ``version`` changes with every record, so a reader can tell cheaply whether
+    anything happened since it last looked.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        self._rows: dict[tuple[str, str, str], list[Any]] = defaultdict(_new_row)
+        self._device_rows: dict[tuple[int, str, str], list[Any]] = defaultdict(_new_row)
+        self.version = 0
 
-    def record(self, path: Path, reason: Reason, op: str, nbytes: int, ops: int = 1, busy_s: float = 0.0) -> None:
+    def record(self, path: Path, reason: Reason, op: str, nbytes: int, ops: int = 1, busy_s: float = 0.0,
+               device: int | None = None) -> None:
+        """Add one finished piece of work; ``device`` (the GPU, if any) feeds the per-GPU figures."""
+        bucket = (nbytes - 1).bit_length() if nbytes > 1 else 0  # size_bucket(), inlined: this is the hot path
         with self._lock:
             row = self._rows[(path.value, reason.value, op)]
             row[0] += nbytes
             row[1] += ops
             row[2] += busy_s
+            row[3] += 1
+            hist = row[4]
+            hist[bucket] = hist.get(bucket, 0) + 1
+            if device is not None:
+                drow = self._device_rows[(device, path.value, op)]
+                drow[0] += nbytes
+                drow[1] += ops
+                drow[2] += busy_s
+                drow[3] += 1
+            self.version += 1
 
     def snapshot(self) -> Stats:
         with self._lock:
-            entries = [LedgerEntry(p, r, op, int(v[0]), int(v[1]), float(v[2])) for (p, r, op), v in self._rows.items()]
+            entries = [LedgerEntry(p, r, op, int(v[0]), int(v[1]), float(v[2]), int(v[3]), tuple(sorted(v[4].items())))
+                       for (p, r, op), v in self._rows.items()]
         return Stats.from_entries(entries)
+
+    def device_snapshot(self) -> dict[int, dict[str, PathStats]]:
+        """Totals per GPU and path, from the records that named their device."""
+        with self._lock:
+            rows = [(k, list(v[:4])) for k, v in self._device_rows.items()]
+        out: dict[int, dict[str, PathStats]] = {}
+        for (device, path, op), (nbytes, ops, busy, requests) in rows:
+            ps = (PathStats(bytes_read=nbytes, ops_read=ops, busy_s=busy, requests=requests) if op == "read"
+                  else PathStats(bytes_written=nbytes, ops_written=ops, busy_s=busy, requests=requests))
+            per_path = out.setdefault(device, {})
+            per_path[path] = per_path.get(path, PathStats()) + ps
+        return out
 
     def reset(self) -> None:
         with self._lock:
             self._rows.clear()
+            self._device_rows.clear()
+            self.version += 1
 
 
 ledger = Ledger()
+
+# Fork while no thread is mid-update, so a child's ledger (and its lock) is consistent.
+os.register_at_fork(before=ledger._lock.acquire, after_in_parent=ledger._lock.release,
+                    after_in_child=ledger._lock.release)
 
 
 def stats() -> Stats:
@@ -173,3 +282,16 @@ def stats_reset() -> None:
 
 def stats_delta(before: Stats, after: Stats) -> Stats:
     return after - before
+
+
+def _publish_if_asked() -> None:
+    """``GDSKIT_STATS`` set at start-up: publish from import on, so ``gdskit stats`` sees the process at once."""
+    from gdskit.settings import settings  # noqa: PLC0415 - settings does not import the ledger
+
+    if settings.stats_level > 0:
+        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default
+
+        start_publishing()
+
+
+_publish_if_asked()

@@ -42,6 +42,28 @@ def parse_size(text: str | int) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
 
 
+_STATS_WORDS = {"on": 1, "true": 1, "yes": 1, "off": 0, "false": 0, "no": 0}
+
+# Settings whose variable is not GDSKIT_<NAME>: ``GDSKIT_STATS=1`` reads better than GDSKIT_STATS_LEVEL.
+_ENV_NAMES = {"stats_level": "GDSKIT_STATS"}
+
+
+def env_name(setting: str) -> str:
+    """The environment variable that sets ``setting``."""
+    return _ENV_NAMES.get(setting, "GDSKIT_" + setting.upper())
+
+
+def _stats_level(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str) and value.strip().lower() in _STATS_WORDS:
+        return _STATS_WORDS[value.strip().lower()]
+    level = int(value)
+    if not 0 <= level <= 3:
+        raise ConfigError(f"stats_level (GDSKIT_STATS) must be 0, 1, 2 or 3, got {value!r}")
+    return level
+
+
 def _default_threads() -> int:
     return max(4, min(16, os.cpu_count() or 4))
 
@@ -71,6 +93,12 @@ class Settings:
     cufile_stats : bool
         Turn on cuFile's level-3 counters so the ledger can prove which path
         cuFile took (``GDSKIT_CUFILE_STATS``).
+    stats_level : int
+        Publish this process's ledger live for ``gdskit stats`` (``GDSKIT_STATS``):
+        0 off, 1 bytes, ops, latency and busy time per path and reason, 2 adds
+        an I/O size histogram, 3 adds per-GPU figures and cuFile's own counters.
+    stats_interval : float
+        Seconds between two published snapshots (``GDSKIT_STATS_INTERVAL``).
     """
 
     mode: Mode = Mode.AUTO
@@ -81,6 +109,8 @@ class Settings:
     odirect: ODirectPolicy = ODirectPolicy.AUTO
     alignment: int = 4 * KiB
     cufile_stats: bool = True
+    stats_level: int = 0
+    stats_interval: float = 0.5
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -102,6 +132,13 @@ class Settings:
                         raise ValueError(value)
                     return low in ("1", "true", "yes", "on")
                 return bool(value)
+            if name == "stats_level":
+                return _stats_level(value)
+            if name == "stats_interval":
+                seconds = float(value)
+                if not 0.05 <= seconds <= 3600:
+                    raise ConfigError(f"stats_interval must be between 0.05 and 3600 seconds, got {value!r}")
+                return seconds
             if name == "threads":
                 n = int(value)
                 if n < 1 or n > 1024:
@@ -138,6 +175,11 @@ class Settings:
             for k, v in coerced.items():
                 object.__setattr__(self, k, v)
             self._version += 1
+        if coerced.get("stats_level") and self is globals().get("settings"):
+            # Publication starts when it is switched on; the publisher stops itself when it is switched off.
+            from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default, so lazy
+
+            start_publishing()
         return _Restorer(self, before)
 
     def as_dict(self) -> dict[str, Any]:
@@ -173,7 +215,7 @@ class Settings:
 
     def _apply_env(self, environ: Any) -> None:
         for k in self._names():
-            key = "GDSKIT_" + k.upper()
+            key = env_name(k)
             if key in environ and environ[key] != "":
                 try:
                     self.set(**{k: environ[key]})
@@ -196,9 +238,14 @@ class _Restorer:
             for k, v in self._before.items():
                 object.__setattr__(self._owner, k, v)
             self._owner._version += 1
+        if self._before.get("stats_level") and self._owner is globals().get("settings"):
+            # Publication back on after a `with settings.set(stats_level=0)`: its thread may have stopped.
+            from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415
+
+            start_publishing()
 
 
-ENV_VARS = {f"GDSKIT_{f.name.upper()}": f.name for f in dataclasses.fields(Settings)}
+ENV_VARS = {env_name(f.name): f.name for f in dataclasses.fields(Settings)}
 
 
 def _load() -> Settings:

@@ -22,7 +22,7 @@ def _root() -> None:
 
 
 # Sub-command modules, in the order `gdskit --help` lists them.
-_COMMAND_MODULES = ("check", "bench")
+_COMMAND_MODULES = ("check", "bench", "accept", "stats", "run")
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"gdskit.cli.{_name}").register(app)

@@ -100,21 +100,26 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         out[e.key] = t
         return t
 
+    if on_cuda:
+        # Blocks torch's caching allocator hands out may still be in use by work queued on the
+        # current stream; the engine writes from its own streams or threads. Work queued before
+        # this point covers every block allocated below.
+        torch.cuda.current_stream(device).synchronize()
     for e in plan.empty:
         dest_for(e)
-    direct = [(e, dest_for(e)) for e in plan.direct]
     ring: list[torch.Tensor] = []
     if plan.groups:
         nbuf = min(depth, len(plan.groups))
         ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-    if on_cuda:
-        # Fresh blocks from torch's caching allocator may still be in use by work queued
-        # on the current stream; the engine writes from its own streams or threads.
-        torch.cuda.current_stream(device).synchronize()
 
+    direct: list[tuple[Extent, torch.Tensor]] = []
     futures: list[concurrent.futures.Future[int]] = []
     try:
-        for e, t in direct:
+        for e in plan.direct:
+            # Allocate each destination just before its read: later allocations (a cudaMalloc each
+            # for large tensors) then overlap the reads already in flight.
+            t = dest_for(e)
+            direct.append((e, t))
             fut = f.pread(t, size=e.nbytes, file_offset=e.file_offset)
             if progress is not None:
                 fut.add_done_callback(lambda _f, n=e.nbytes: progress.advance(n))

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Where a fresh process's first hot read of a large file into GPU memory spends its time.
+
+Each case runs in its own fresh process (CUDA context created before the clock) and
+prints one JSON line; the parent prints a table. Cases:
+
+* ``h2d``: no file at all. One 8 MiB pinned buffer copied over and over into device
+  memory on 4 streams: into fresh ``cudaMalloc`` memory, again into the same memory,
+  then into another fresh allocation. Shows whether the GPU side pays on first touch.
+* ``pinned``: ``cudaHostAlloc`` of the engine's default ring (``--threads`` stages of
+  ``--chunk``), from one thread and from ``--threads`` threads at once.
+* ``engine``: gdskit reads the (cached) file into fresh device memory, again into the
+  same memory, then into another fresh allocation; with and without ``gdskit.prepare()``
+  before the clock.
+
+    python benchmarks/first_call.py --file /data/big.bin --size 8GiB --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from page_cache import warm  # benchmarks/ is on sys.path when run as a script
+
+GB = 1e9
+MiB = 1 << 20
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.lower().removesuffix("ib").removesuffix("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def case_h2d(size: int, chunk: int, threads: int) -> dict:
+    from gdskit import cuda
+
+    src = cuda.PinnedBuffer(chunk)
+    streams = [cuda.Stream(0) for _ in range(4)]
+
+    def fill(dst: cuda.DeviceArray) -> float:
+        t0 = time.perf_counter()
+        for i, off in enumerate(range(0, size, chunk)):
+            streams[i % 4].copy_h2d(dst.ptr + off, src.ptr, min(chunk, size - off))
+        for s in streams:
+            s.synchronize()
+        return size / (time.perf_counter() - t0) / GB
+
+    a = cuda.DeviceArray(size)
+    out = {"fresh_GBps": fill(a), "same_again_GBps": fill(a)}
+    b = cuda.DeviceArray(size)
+    out["second_fresh_GBps"] = fill(b)
+    return out
+
+
+def case_pinned(size: int, chunk: int, threads: int) -> dict:
+    from gdskit import cuda
+
+    def alloc_all(workers: int) -> float:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as ex:
+            bufs = list(ex.map(lambda _: cuda.PinnedBuffer(chunk), range(threads)))
+        dt = time.perf_counter() - t0
+        for b in bufs:
+            b.free()
+        return dt * 1e3
+
+    out = {"ring_MiB": threads * chunk // MiB, "one_thread_ms": alloc_all(1), "parallel_ms": alloc_all(threads),
+           "again_one_thread_ms": alloc_all(1)}
+    out.update(_registered_ring(threads * chunk, huge=False))
+    out.update(_registered_ring(threads * chunk, huge=True))
+    return out
+
+
+def _registered_ring(nbytes: int, huge: bool) -> dict:
+    """The same bytes as one anonymous mapping (transparent huge pages asked for or not), touched,
+    then page-locked with cudaHostRegister: is first touch cheaper with 2 MiB pages?"""
+    import ctypes
+    import mmap
+
+    from gdskit import cuda
+
+    rt = cuda._runtime()
+    tag = "thp" if huge else "4k"
+    t0 = time.perf_counter()
+    m = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    start = (base + (2 << 20) - 1) & ~((2 << 20) - 1)
+    if huge:
+        m.madvise(mmap.MADV_HUGEPAGE, start - base, nbytes)
+    ctypes.memset(start, 0, nbytes)
+    t1 = time.perf_counter()
+    cuda.check(rt.cudaHostRegister(start, nbytes, rt.cudaHostRegisterPortable), "cudaHostRegister")
+    t2 = time.perf_counter()
+    anon_huge = 0
+    with open("/proc/self/smaps_rollup") as fh:
+        for line in fh:
+            if line.startswith("AnonHugePages:"):
+                anon_huge = int(line.split()[1]) * 1024
+    cuda.check(rt.cudaHostUnregister(start), "cudaHostUnregister")
+    try:
+        thp_mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        thp_mode = "unknown"
+    return {f"{tag}_touch_ms": (t1 - t0) * 1e3, f"{tag}_register_ms": (t2 - t1) * 1e3,
+            f"{tag}_anon_huge_MiB": anon_huge // MiB, "thp_mode": thp_mode}
+
+
+def case_engine(size: int, chunk: int, threads: int, path: str, prepare: bool) -> dict:
+    import gdskit
+    from gdskit import cuda
+
+    out: dict = {}
+    if prepare:
+        t0 = time.perf_counter()
+        gdskit.prepare(0)
+        out["prepare_ms"] = (time.perf_counter() - t0) * 1e3
+    with gdskit.open(path) as f:
+        for label in ("fresh", "same_again", "second_fresh"):
+            if label != "same_again":
+                dst = cuda.DeviceArray(size)
+            t0 = time.perf_counter()
+            n = f.read(dst, size)
+            dt = time.perf_counter() - t0
+            assert n == size, (n, size)
+            out[f"{label}_GBps"] = size / dt / GB
+    out["paths"] = {k: v.bytes for k, v in gdskit.stats().paths.items()}
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    from gdskit import cuda
+
+    cuda.set_device(0)
+    cuda.DeviceArray(1).free()  # context outside the clock
+    if args.case == "h2d":
+        r = case_h2d(args.size, args.chunk, args.threads)
+    elif args.case == "pinned":
+        r = case_pinned(args.size, args.chunk, args.threads)
+    else:
+        r = case_engine(args.size, args.chunk, args.threads, args.file, args.case == "engine-prepared")
+    print("RESULT " + json.dumps({"case": args.case, **r}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--file", default="/tmp/gdskit-first-call.bin")
+    ap.add_argument("--size", type=_size, default=8 << 30)
+    ap.add_argument("--chunk", type=_size, default=8 << 20)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        child(args)
+        return
+    if not os.path.exists(args.file) or os.path.getsize(args.file) < args.size:
+        with open(args.file, "wb") as fh:
+            block = os.urandom(64 * MiB)
+            for _ in range(0, args.size, len(block)):
+                fh.write(block)
+    results = []
+    for _ in range(args.repeats):
+        for case in ("h2d", "pinned", "engine", "engine-prepared"):
+            warm([args.file])
+            env = {**os.environ, "GDSKIT_THREADS": str(args.threads)}
+            proc = subprocess.run([sys.executable, __file__, "--case", case, "--file", args.file,
+                                   "--size", str(args.size), "--chunk", str(args.chunk),
+                                   "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            r = json.loads(lines[-1][7:]) if lines else {"case": case, "error": proc.stderr[-2000:]}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""`gdskit stats`: the live figures of a process that publishes its ledger (``GDSKIT_STATS=1``).
+
+Exit status: 0 figures shown (or the watched process ended); 1 no such process,
+it publishes nothing, or it belongs to another user; 2 bad arguments or a
+missing optional package.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import typer
+
+_HELP = (
+    "Show the live gdskit figures of a process: bytes, ops, latency and busy time per path and reason "
+    "(level 2: request sizes; level 3: per GPU and cuFile's own counters).\n\n"
+    "The process publishes them when started with GDSKIT_STATS=1 (2, 3), or under `gdskit run`. "
+    "Without -p: list this user's publishing processes."
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("stats", help=_HELP, no_args_is_help=False)(stats)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"gdskit stats: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def stats(
+    pid: Optional[int] = typer.Option(None, "-p", "--pid", help="The process to show (default: list them all)."),  # noqa: UP007
+    level: Optional[int] = typer.Option(  # noqa: UP007
+        None, "-l", "--level", min=1, max=3, help="Detail: 1 paths and reasons, 2 + request sizes, "
+        "3 + GPUs and cuFile counters (default: what the process publishes)."),
+    watch: Optional[float] = typer.Option(  # noqa: UP007
+        None, "--watch", metavar="SECONDS", min=0.05,
+        help="Refresh every SECONDS until Ctrl-C or until the process ends; shows current rates."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (schema gdskit.stats/1; one line per refresh with --watch)."),
+    prometheus: bool = typer.Option(False, "--prometheus", help="Print Prometheus text exposition format."),
+    serve: Optional[int] = typer.Option(  # noqa: UP007
+        None, "--serve", metavar="PORT", min=1, max=65535,
+        help="Serve Prometheus metrics on PORT (/metrics) until Ctrl-C (needs gdskit[prometheus])."),
+    serve_addr: str = typer.Option("127.0.0.1", "--serve-addr", help="Address --serve listens on."),
+) -> None:
+    from gdskit.errors import GdskitError, MissingDependencyError
+
+    if as_json and prometheus:
+        raise _fail("--json and --prometheus exclude each other", 2)
+    if watch is not None and (prometheus or serve is not None):
+        raise _fail("--watch shows tables or JSON; use --serve for a live Prometheus endpoint", 2)
+    try:
+        if serve is not None:
+            _serve(pid, serve, serve_addr, level)
+        elif pid is None:
+            _list(as_json, prometheus, level)
+        elif watch is not None:
+            _watch(pid, level, watch, as_json)
+        else:
+            _show(pid, level, as_json, prometheus)
+    except MissingDependencyError as exc:
+        raise _fail(str(exc), 2) from None
+    except GdskitError as exc:
+        raise _fail(_message(exc)) from None
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc)
+
+
+def _level_for(snap: Any, asked: int | None) -> int:
+    if asked is not None and asked > snap.level:
+        typer.echo(f"gdskit stats: note: process {snap.pid} publishes level {snap.level}; start it with "
+                   f"GDSKIT_STATS={asked} for level {asked} figures", err=True)
+    return min(asked or snap.level, snap.level)
+
+
+def _show(pid: int, level: int | None, as_json: bool, prometheus: bool) -> None:
+    from gdskit.telemetry import read_snapshot, to_prometheus
+    from gdskit.telemetry.snapshot import restrict
+
+    snap = read_snapshot(pid)
+    lvl = _level_for(snap, level)
+    if as_json:
+        sys.stdout.write(json.dumps(restrict(snap.doc, lvl), indent=2) + "\n")
+    elif prometheus:
+        sys.stdout.write(to_prometheus([snap], level=lvl))
+    else:
+        from rich.console import Console
+
+        from gdskit.telemetry.render import snapshot_view
+
+        Console().print(snapshot_view(snap, lvl))
+
+
+def _list(as_json: bool, prometheus: bool, level: int | None) -> None:
+    import os
+
+    from gdskit.telemetry import SCHEMA, list_snapshots, to_prometheus
+    from gdskit.telemetry.snapshot import restrict
+
+    snaps = [s for s in list_snapshots() if s.pid != os.getpid()]
+    if as_json:
+        docs = [restrict(s.doc, level or 3) for s in snaps]
+        sys.stdout.write(json.dumps({"schema": SCHEMA, "processes": docs}, indent=2) + "\n")
+    elif prometheus:
+        sys.stdout.write(to_prometheus(snaps, level=level))
+    elif not snaps:
+        typer.echo("No process of this user publishes gdskit figures. Start one with GDSKIT_STATS=1, "
+                   "or run it under `gdskit run`.")
+    else:
+        from rich.console import Console
+
+        from gdskit.telemetry.render import processes_table
+
+        Console().print(processes_table(snaps))
+
+
+def _rates(prev: Any, snap: Any, dt: float) -> dict[str, float]:
+    """Bytes per second per path between two looks ``dt`` seconds apart (an idle process is not rewritten)."""
+    if dt <= 0:
+        return {}
+    delta = snap.stats - prev.stats
+    return {path: ps.bytes / dt for path, ps in delta.paths.items()}
+
+
+def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from gdskit.errors import NotPublishingError, ProcessNotFoundError
+    from gdskit.telemetry import read_snapshot
+    from gdskit.telemetry.render import snapshot_view
+    from gdskit.telemetry.snapshot import restrict
+
+    console = Console()
+    snap = read_snapshot(pid)  # errors before the first frame are errors
+    lvl = _level_for(snap, level)
+    prev, rates = snap, {}
+    last_look = time.monotonic()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and not as_json else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            if as_json:
+                sys.stdout.write(json.dumps(restrict(snap.doc, lvl), separators=(",", ":")) + "\n")
+                sys.stdout.flush()
+            elif live is not None:
+                live.update(snapshot_view(snap, lvl, rates), refresh=True)
+            else:
+                console.print(snapshot_view(snap, lvl, rates))
+            time.sleep(every)
+            try:
+                nxt = read_snapshot(pid)
+            except (ProcessNotFoundError, NotPublishingError):
+                if live is not None:
+                    live.stop()
+                    live = None
+                typer.echo(f"process {pid} ended (or stopped publishing)", err=True)
+                return
+            now = time.monotonic()
+            prev, snap = snap, nxt
+            rates = _rates(prev, snap, now - last_look)
+            last_look = now
+    except KeyboardInterrupt:
+        return
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _serve(pid: int | None, port: int, addr: str, level: int | None) -> None:
+    import os
+
+    from gdskit.telemetry import list_snapshots, read_snapshot, start_exporter
+
+    if pid is not None:
+        read_snapshot(pid)  # a clear error now rather than an empty endpoint
+
+    def source() -> list[dict[str, Any]]:
+        from gdskit.errors import GdskitError
+        from gdskit.telemetry.snapshot import restrict
+
+        try:
+            snaps = [read_snapshot(pid)] if pid is not None else [s for s in list_snapshots() if s.pid != os.getpid()]
+        except GdskitError:
+            snaps = []  # the process ended: serve nothing rather than fail the scrape
+        return [restrict(s.doc, level or 3) for s in snaps]
+
+    start_exporter(port, addr, source=source, pid_label=True)
+    typer.echo(f"serving gdskit metrics on http://{addr}:{port}/metrics (Ctrl-C to stop)", err=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        return

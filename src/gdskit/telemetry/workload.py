@@ -1,0 +1,240 @@
+"""``gdskit run``: run a workload with publication on, then sum what its processes did.
+
+The runner gives the workload a session token and a private run directory in
+its environment. Every gdskit process of the workload (children that inherit
+the environment too) publishes with the token and, at exit, leaves its final
+snapshot in the run directory. When the workload ends, the runner sums the
+final snapshots, plus the last live snapshot of any process that did not leave
+one (killed, or still running), and removes the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gdskit.errors import (
+    FormatError,
+    GdskitFileNotFoundError,
+    InvalidArgumentError,
+    WorkloadTimeoutError,
+    from_os_error,
+)
+from gdskit.ledger import Stats
+from gdskit.settings import env_name
+from gdskit.telemetry.location import (
+    RUN_DIR_ENV,
+    SESSION_ENV,
+    ensure_private_dir,
+    is_running,
+    pid_of,
+    start_ticks,
+    stats_dir,
+)
+from gdskit.telemetry.read import load_file, run_dir_name
+from gdskit.telemetry.snapshot import Snapshot
+from gdskit.telemetry.verdict import split, verdict
+
+SCHEMA = "gdskit.run/1"
+_GRACE_S = 5.0  # after SIGTERM on timeout, before SIGKILL
+
+
+@dataclass(frozen=True)
+class WorkloadReport:
+    """What a workload's gdskit processes did, summed over its whole life.
+
+    ``posix_bytes`` counts every byte not on a direct path; ``all_direct`` is True
+    only when bytes moved and all were direct. ``processes`` is how many gdskit
+    processes published; ``partial`` says some ended without a final snapshot
+    (killed), so their last periodic snapshot (at most ``stats_interval`` old) was used.
+    """
+
+    argv: list[str]
+    returncode: int
+    duration_s: float
+    stats: Stats
+    cufile_counters: dict[str, int] | None
+    direct_bytes: int
+    posix_bytes: int
+    all_direct: bool
+    verdict: str
+    processes: int = 0
+    partial: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "argv": list(self.argv),
+            "returncode": self.returncode,
+            "duration_s": round(self.duration_s, 6),
+            "direct_bytes": self.direct_bytes,
+            "posix_bytes": self.posix_bytes,
+            "all_direct": self.all_direct,
+            "verdict": self.verdict,
+            "processes": self.processes,
+            "partial": self.partial,
+            "stats": self.stats.to_dict(),
+            "cufile_counters": None if self.cufile_counters is None else dict(self.cufile_counters),
+        }
+
+
+def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None = None,
+                 timeout: float | None = None, cwd: str | None = None) -> WorkloadReport:
+    """Run ``argv`` with gdskit publication on (``GDSKIT_STATS=level``) and report its path split.
+
+    ``env`` adds variables to this process's environment for the workload.
+    Signals meant for the runner (SIGINT, SIGTERM, SIGHUP) are passed on to the
+    workload, whose end is then reported as usual. Past ``timeout`` seconds the
+    workload is stopped (SIGTERM, then SIGKILL) and :class:`WorkloadTimeoutError`
+    is raised, carrying the report in ``.report``.
+    """
+    argv = [os.fspath(a) for a in argv]
+    if not argv:
+        raise InvalidArgumentError("run_workload needs a command to run")
+    if level not in (1, 2, 3):
+        raise InvalidArgumentError(f"level must be 1, 2 or 3, got {level!r}")
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    live_dir = ensure_private_dir(stats_dir(environ=child_env))
+    token = secrets.token_hex(8)
+    run_dir = os.path.join(live_dir, run_dir_name(os.getpid(), start_ticks(os.getpid()), token))
+    os.mkdir(run_dir, 0o700)
+    child_env.update({env_name("stats_level"): str(level), SESSION_ENV: token, RUN_DIR_ENV: run_dir})
+    timed_out = False
+    try:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, env=child_env, cwd=cwd)
+        except FileNotFoundError as exc:
+            raise GdskitFileNotFoundError(errno.ENOENT, "command not found", argv[0]) from exc
+        except OSError as exc:
+            raise from_os_error(exc, argv[0]) from exc
+        with _forward_signals(proc):
+            try:
+                returncode = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                returncode = _stop(proc)
+        duration = time.monotonic() - t0
+        snapshots, partial = collect(token, run_dir, live_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    report = make_report(argv, returncode, duration, snapshots, partial)
+    if timed_out:
+        raise WorkloadTimeoutError(f"{argv[0]} ran past its {timeout:g} s timeout and was stopped", report)
+    return report
+
+
+def collect(token: str, run_dir: str, live_dir: str) -> tuple[list[Snapshot], bool]:
+    """Every snapshot of the session ``token``: final ones, else the last live one. Also: any not final?"""
+    me = os.geteuid()
+    found: dict[tuple[int, Any], Snapshot] = {}
+    # Live snapshots first: a process leaves its final snapshot before it withdraws its live one,
+    # so reading in this order cannot miss a process that ends meanwhile.
+    live = []
+    for name in _listdir(live_dir):
+        pid = pid_of(name)
+        if pid is None:
+            continue
+        snap = _load(os.path.join(live_dir, name), me)
+        if snap is not None and snap.session == token:
+            live.append(snap)
+    for name in _listdir(run_dir):
+        snap = _load(os.path.join(run_dir, name), me)
+        if snap is not None and snap.session == token:
+            found[(snap.pid, snap.doc.get("start_ticks"))] = snap
+    partial = False
+    for snap in live:
+        key = (snap.pid, snap.doc.get("start_ticks"))
+        if key in found:
+            continue
+        found[key] = snap
+        partial = True
+        if not is_running(snap.pid, snap.doc.get("start_ticks")):
+            with contextlib.suppress(OSError):
+                os.unlink(snap.file)  # a killed process's leftover: nobody else will want it
+    return [found[k] for k in sorted(found, key=lambda k: (k[0], k[1] or 0))], partial
+
+
+def make_report(argv: list[str], returncode: int, duration_s: float, snapshots: list[Snapshot],
+                partial: bool = False) -> WorkloadReport:
+    stats = Stats()
+    counters: dict[str, int] | None = None
+    for snap in snapshots:
+        stats = stats + snap.stats
+        cu = snap.cufile_totals
+        if cu is not None:
+            counters = counters or {}
+            for k, v in cu.items():
+                counters[k] = counters.get(k, 0) + v
+    direct, posix = split(stats)
+    return WorkloadReport(list(argv), returncode, duration_s, stats, counters, direct, posix,
+                          direct > 0 and posix == 0, verdict(stats), len(snapshots), partial)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _load(path: str, owner: int) -> Snapshot | None:
+    try:
+        return Snapshot(load_file(path, owner), path)
+    except (OSError, FormatError):
+        return None
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _terminal_reached(proc: subprocess.Popen) -> bool:
+    """Whether a Ctrl-C at the terminal reached the workload itself (same foreground process group)."""
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                group = os.getpgrp()
+                return os.tcgetpgrp(fd) == group and os.getpgid(proc.pid) == group
+        except OSError:
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def _forward_signals(proc: subprocess.Popen) -> Iterator[None]:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the workload while it runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and _terminal_reached(proc):
+            return  # the terminal sent it to the workload as well: once is enough
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
