@@ -11,6 +11,7 @@ Needs torch (``pip install 'gdskit[torch]'``).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ def _torch() -> Any:
     return torch
 
 
+@functools.lru_cache(maxsize=2)  # built once per torch module: loads look it up per tensor
 def _dtype_table(torch: Any) -> dict[str, Any]:
     names = {
         "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
