@@ -46,7 +46,6 @@ class FakeRuntime:
     cudaMemoryType = cudaMemoryType
     cudaStreamNonBlocking = 1
     cudaHostAllocPortable = 1
-    cudaHostRegisterPortable = 1
     cudaEventDisableTiming = 2
     cudaEventBlockingSync = 1
     cudaStreamPerThread = 2
@@ -129,17 +128,6 @@ class FakeRuntime:
     def cudaHostAlloc(self, n: int, flags: int):  # noqa: N802
         err = self._count("cudaHostAlloc")
         return (err, 0) if err else (OK, self._alloc(n, cudaMemoryType.cudaMemoryTypeHost))
-
-    def cudaHostRegister(self, ptr: int, n: int, flags: int):  # noqa: N802
-        err = self._count("cudaHostRegister")
-        if err:
-            return (err,)
-        with self._lock:
-            self._allocs[int(ptr)] = (None, n, cudaMemoryType.cudaMemoryTypeHost, self._device())
-        return (OK,)
-
-    def cudaHostUnregister(self, ptr: int):  # noqa: N802
-        return (self._free(int(ptr)),)
 
     def cudaPointerGetAttributes(self, ptr: int):  # noqa: N802
         with self._lock:

@@ -116,89 +116,21 @@ def current_device() -> int:
     return int(check(_runtime().cudaGetDevice(), "cudaGetDevice"))
 
 
-_HUGE = 2 << 20  # transparent huge page size on x86-64 and the usual arm64 kernels
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
-_PROT_RW, _MAP_PRIVATE_ANON = 0x1 | 0x2, 0x02 | 0x20
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def _huge_page_pinned(nbytes: int) -> tuple[int, int, int] | None:
-    """``nbytes`` of anonymous memory on transparent huge pages, populated and page-locked with
-    ``cudaHostRegister``: ``(ptr, mapping, mapping_length)``, or None where that is not possible.
-
-    Why: page-locking is dominated by the first touch of each page, and in a virtual machine
-    that costs several times less per byte with 2 MiB pages than with 4 KiB ones (measured on
-    the H200 machine: 128 MiB in 33 ms, against 55-97 ms for ``cudaHostAlloc``).
-    """
-    if nbytes < _HUGE:
-        return None
-    try:
-        libc = _libc()
-        rt = _runtime()
-        register = rt.cudaHostRegister
-    except Exception:
-        return None
-    length = (nbytes + _HUGE - 1) // _HUGE * _HUGE + _HUGE  # room to start on a huge-page boundary
-    mapping = libc.mmap(None, length, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
-    if mapping in (None, ctypes.c_void_p(-1).value):
-        return None
-    ptr = (mapping + _HUGE - 1) & ~(_HUGE - 1)
-    size = (nbytes + _HUGE - 1) // _HUGE * _HUGE
-    if libc.madvise(ptr, size, _MADV_HUGEPAGE) != 0:
-        libc.munmap(mapping, length)
-        return None
-    if libc.madvise(ptr, size, _MADV_POPULATE_WRITE) != 0:  # kernels before 5.14: touch every page
-        ctypes.memset(ptr, 0, size)
-    err = register(ptr, size, rt.cudaHostRegisterPortable)
-    if int(err[0] if isinstance(err, tuple) else err) != 0:
-        libc.munmap(mapping, length)
-        return None
-    return ptr, mapping, length
-
-
 class PinnedBuffer:
-    """Page-locked host memory, freed exactly once: anonymous huge pages registered with CUDA
-    where the system allows, else ``cudaHostAlloc``."""
+    """Page-locked host memory from ``cudaHostAlloc``, freed exactly once."""
 
     def __init__(self, nbytes: int) -> None:
         rt = _runtime()
         self.nbytes = nbytes
-        self._mapping: tuple[int, int] | None = None
-        huge = _huge_page_pinned(nbytes)
-        if huge is not None:
-            self.ptr, mapping, length = huge
-            self._mapping = (mapping, length)
-        else:
-            self.ptr = int(check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc"))
+        self.ptr = int(check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc"))
         # A writable view over the whole buffer, for os.preadv / os.pwrite.
         self.view = memoryview((ctypes.c_char * nbytes).from_address(self.ptr)).cast("B")
-
-    @property
-    def huge_pages(self) -> bool:
-        return self._mapping is not None
 
     def free(self) -> None:
         if self.ptr:
             self.view.release()
-            ptr, self.ptr = self.ptr, 0
-            if self._mapping is not None:
-                mapping, length = self._mapping
-                self._mapping = None
-                try:
-                    check(_runtime().cudaHostUnregister(ptr), "cudaHostUnregister")
-                finally:
-                    _libc().munmap(mapping, length)
-            else:
-                check(_runtime().cudaFreeHost(ptr), "cudaFreeHost")
+            check(_runtime().cudaFreeHost(self.ptr), "cudaFreeHost")
+            self.ptr = 0
 
     def __del__(self) -> None:  # last resort; pools free explicitly
         try:
