@@ -140,3 +140,17 @@ def test_write_from_device_memory(tmp_path):
         with gdskit.settings.set(odirect=policy, chunk_size="1MiB"), gdskit.open(str(p), "w", atomic=True) as f:
             f.write(buf, file_offset=4095)
         assert p.read_bytes() == b"\0" * 4095 + data.tobytes()
+
+
+def test_ledger_names_the_gpu_of_each_bounce_read(tmp_path):
+    from gdskit.ledger import ledger
+
+    p = tmp_path / "g.bin"
+    p.write_bytes(os.urandom(3 << 20))
+    ledger.reset()
+    with gdskit.settings.set(mode="bounce", chunk_size="1MiB"), gdskit.open(str(p)) as f:
+        assert f.read(cuda.DeviceArray(3 << 20)) == 3 << 20
+    per_gpu = ledger.device_snapshot()
+    assert list(per_gpu) == [0]
+    assert sum(ps.bytes_read for ps in per_gpu[0].values()) == 3 << 20
+    assert set(per_gpu[0]) <= {"bounce-cached", "bounce-direct"}

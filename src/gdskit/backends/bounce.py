@@ -31,9 +31,10 @@ def _record(req: Request, op: str, results: list[ChunkResult], total: int, elaps
     n_direct = sum(1 for r in results if r is not None and r.nbytes > r.cached)
     share = (lambda b: elapsed * b / moved) if moved else (lambda b: 0.0)
     if cached or not direct:
-        ledger.record(Path.BOUNCE_CACHED, req.reason, op, cached, max(n_cached, 1 if not direct else 0), share(cached))
+        ledger.record(Path.BOUNCE_CACHED, req.reason, op, cached, max(n_cached, 1 if not direct else 0), share(cached),
+                      device=req.buf.device)
     if direct:
-        ledger.record(Path.BOUNCE_DIRECT, req.reason, op, direct, n_direct, share(direct))
+        ledger.record(Path.BOUNCE_DIRECT, req.reason, op, direct, n_direct, share(direct), device=req.buf.device)
 
 
 class BounceBackend(Backend):

@@ -336,7 +336,7 @@ class CufileBackend(Backend):
             reason = req.reason
             if path is Path.CUFILE_COMPAT and reason is Reason.DIRECT:
                 reason = direct_route().reason or Reason.CUFILE_COMPAT_OBSERVED
-            ledger.record(path, reason, req.op, nbytes, count, elapsed * count / n_ops)
+            ledger.record(path, reason, req.op, nbytes, count, elapsed * count / n_ops, device=req.buf.device)
 
     def read(self, f: OpenFile, req: Request) -> int:
         return self._run(f, req)
