@@ -145,7 +145,7 @@ class File:
         Returns the number of bytes read, which is short only at end of file.
         ``size=None`` fills the buffer from ``buf_offset`` to its end.
         """
-        return self._do("read", buf, size, file_offset, buf_offset)
+        return self._execute("read", *self._validate("read", buf, size, file_offset, buf_offset))
 
     def write(self, buf: Any, size: int | None = None, file_offset: int | None = None, buf_offset: int = 0) -> int:
         """Write ``size`` bytes from ``buf`` at ``buf_offset`` to the file at ``file_offset``; blocking.
@@ -153,7 +153,7 @@ class File:
         ``file_offset=None`` means 0, or the end of the file in mode ``"a"``.
         Returns ``size``: a write either completes or raises.
         """
-        return self._do("write", buf, size, file_offset, buf_offset)
+        return self._execute("write", *self._validate("write", buf, size, file_offset, buf_offset))
 
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> Future[int]:
         """Like :meth:`read`, in the background: returns a ``Future`` of the byte count."""
@@ -282,22 +282,18 @@ class File:
                 raise InvalidArgumentError("in mode 'a' writes go to the end of the file; leave file_offset unset")
         return view, size, file_offset, buf_offset
 
-    def _do(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int) -> int:
-        view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
-        return self._execute(op, view, size, file_offset, buf_offset)
-
     def _execute(self, op: str, view: BufferView, size: int, file_offset: int, buf_offset: int) -> int:
         if size == 0:
             return 0
-        cfg = settings.snapshot()
-        if view.on_device and view.producer_sync:
-            # Kernels still queued on the buffer (a fill before a read, a compute before a write) must
-            # finish first: gdskit's copies run on their own streams.
-            cuda.synchronize_producer(view.producer_stream)
         if not view.on_device:  # host memory: one route, no planning needed
             req = Request(op, view, size, file_offset, buf_offset, host_reason())
             host = backend("host")
             return host.read(self._of, req) if op == "read" else host.write(self._of, req)
+        if view.producer_sync:
+            # Kernels still queued on the buffer (a fill before a read, a compute before a write) must
+            # finish first: gdskit's copies run on their own streams.
+            cuda.synchronize_producer(view.producer_stream)
+        cfg = settings.snapshot()
         total = 0
         for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
             req = Request(op, view, route.size, route.file_offset, route.buf_offset, route.reason)
