@@ -13,7 +13,8 @@ multi-threaded O_DIRECT read of the gdskit checkpoint gives the disk's rate.
 
     python benchmarks/dcp.py --dir /data/dcp-bench --size 8GiB --cold --json dcp.json
 
-Targets (the issue): load >= 5x stock hot, >= 0.95x the raw disk rate cold;
+Targets (the issue): load >= 5x stock hot, >= 0.95x the raw disk rate cold (median of
+``--cold-pairs`` raw-read / gdskit-load pairs, each pair back to back);
 save >= 2x the best stock save.
 """
 
@@ -25,6 +26,7 @@ import mmap
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--gdskit-threads", type=int, default=16, help="GDSKIT_THREADS for the gdskit runs")
     ap.add_argument("--cold", action="store_true", help="also load with the page cache dropped")
     ap.add_argument("--repeats", type=int, default=1, help="runs per case (best is reported)")
+    ap.add_argument("--cold-pairs", type=int, default=3,
+                    help="raw O_DIRECT read / gdskit cold load pairs for the cold target (median ratio)")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", dest="json_out", help="write all results here")
@@ -224,10 +228,24 @@ def main() -> None:
             best("load", impl, path, label + f" ({mode})", prepare=prep)
     raw = None
     if args.cold:
-        drop_caches(data_files(g_path))
-        raw = odirect_rate(data_files(g_path), args.gdskit_threads)
-        results.append({"op": "raw", "impl": "O_DIRECT read", "gb_per_s": raw})
-        print(f"  raw   O_DIRECT read ({args.gdskit_threads} threads)    {raw:7.2f} GB/s")
+        # The disk's rate moves from one minute to the next: pair each raw read with a gdskit
+        # cold load right after it and judge the median of the pairs' ratios.
+        files = data_files(g_path)
+        ratios = []
+        for i in range(max(1, args.cold_pairs)):
+            drop_caches(files)
+            r_raw = odirect_rate(files, args.gdskit_threads)
+            drop_caches(files)
+            r_g = run_child(args, "load", "gdskit", g_path)
+            if "error" in r_g:
+                print(f"  pair {i + 1}: gdskit cold load failed: {r_g['error']}")
+                continue
+            ratios.append(r_g["gb_per_s"] / r_raw)
+            results.append({"op": "raw", "impl": "O_DIRECT read", "gb_per_s": r_raw, "pair": i})
+            results.append({**r_g, "op": "load-pair", "impl": "gdskit StorageReader (cold, paired)", "pair": i})
+            print(f"  pair {i + 1}: raw O_DIRECT ({args.gdskit_threads} threads x 16 MiB) {r_raw:6.2f} GB/s, "
+                  f"gdskit cold load {r_g['gb_per_s']:6.2f} GB/s, ratio {ratios[-1]:.2f}", flush=True)
+        raw = statistics.median(ratios) if ratios else None
     verdict = evaluate(results, raw)
     for k, v in verdict.items():
         print(f"{k}: {v}")
@@ -238,6 +256,7 @@ def main() -> None:
 
 
 def evaluate(results: list[dict], raw: float | None) -> dict[str, str]:
+    """The issue's targets; ``raw`` is the median gdskit/raw ratio of the paired cold runs."""
     def rate(op: str, pred) -> float | None:
         xs = [r["gb_per_s"] for r in results if r.get("op") == op and "gb_per_s" in r and pred(r["impl"])]
         return max(xs) if xs else None
@@ -251,9 +270,8 @@ def evaluate(results: list[dict], raw: float | None) -> dict[str, str]:
     s_hot = rate("load", lambda i: i == "stock FileSystemReader (hot)")
     if g_hot and s_hot:
         out["load hot >= 5x stock"] = f"{g_hot / s_hot:.2f}x ({'met' if g_hot >= 5 * s_hot else 'missed'})"
-    g_cold = rate("load", lambda i: i == "gdskit StorageReader (cold)")
-    if g_cold and raw:
-        out["load cold >= 0.95x raw disk"] = f"{g_cold / raw:.2f}x ({'met' if g_cold >= 0.95 * raw else 'missed'})"
+    if raw:  # the median ratio of the paired cold runs
+        out["load cold >= 0.95x raw disk"] = f"{raw:.2f}x, median of pairs ({'met' if raw >= 0.95 else 'missed'})"
     return out
 
 
