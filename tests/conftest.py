@@ -31,3 +31,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "torch" in item.keywords and not HAS_TORCH:
             item.add_marker(skip_torch)
+
+
+# -- the stand-in CUDA runtime and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
+
+@pytest.fixture(scope="module")
+def fake_runtime():
+    """gdskit on a stand-in CUDA runtime with one device, for every test of the module."""
+    import gdskit
+    from gdskit import cuda
+
+    from fake_cuda import FakeRuntime
+
+    fake = FakeRuntime()
+    mp = pytest.MonkeyPatch()
+    gdskit.release_resources()
+    mp.setattr(cuda, "_runtime", lambda: fake)
+    mp.setattr(cuda, "_device_count", None)
+    yield fake
+    gdskit.release_resources()
+    mp.undo()
+    cuda._device_count = None
+
+
+@pytest.fixture
+def compat_cufile(monkeypatch, fake_runtime):
+    """cuFile that works only in compat mode, as on a machine without nvidia-fs or P2PDMA."""
+    from fake_cufile import FakeCufile
+    from fake_stack import use_cufile
+
+    fake = FakeCufile(route="posix")
+    lib = use_cufile(monkeypatch, fake)
+    yield fake
+    lib.close()
+
+
+@pytest.fixture
+def stats_dir(tmp_path, monkeypatch):
+    """Where processes publish their figures for ``gdskit stats`` (GDSKIT_STATS_DIR), private to the test."""
+    d = tmp_path / "stats"
+    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
+    return d

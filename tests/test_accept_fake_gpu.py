@@ -9,50 +9,20 @@ import json
 
 import pytest
 
-import gdskit
 import gdskit.router as router
 from gdskit import cuda
 from gdskit.accept import fault_child, faults, items
 from gdskit.accept.context import QUICK, AcceptContext, AcceptOptions
 from gdskit.accept.workload import raw_round_trip
-from gdskit.backends import cufile as cufile_backend
 
-from fake_cuda import FakeRuntime
 from fake_cufile import FakeCufile
+from fake_stack import use_cufile
 
 pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: the stand-ins would hide it")
 
 MiB = 1 << 20
 TINY = dataclasses.replace(QUICK, ab_size=8 * MiB, ab_repeat=1, sweep_size=8 * MiB, sweep_seconds=0.02,
                            sweep_repeat=1, fault=4 * MiB)
-
-
-@pytest.fixture(scope="module")
-def fake_runtime():
-    mp = pytest.MonkeyPatch()
-    gdskit.release_resources()
-    fake = FakeRuntime()
-    mp.setattr(cuda, "_runtime", lambda: fake)
-    mp.setattr(cuda, "_device_count", None)
-    yield fake
-    gdskit.release_resources()
-    mp.undo()
-    cuda._device_count = None
-
-
-def _use(monkeypatch, fake: FakeCufile) -> cufile_backend.CufileLibrary:
-    lib = cufile_backend.CufileLibrary(loader=lambda: fake)
-    monkeypatch.setattr(cufile_backend, "library", lambda: lib)
-    return lib
-
-
-@pytest.fixture
-def compat_cufile(monkeypatch, fake_runtime):
-    """cuFile that works only in compat mode, as on a machine without nvidia-fs or P2PDMA."""
-    fake = FakeCufile(route="posix")
-    lib = _use(monkeypatch, fake)
-    yield fake
-    lib.close()
 
 
 def _ctx(tmp_path) -> AcceptContext:
@@ -88,7 +58,7 @@ def test_ab_and_sweep_run_archive_and_plot(tmp_path, compat_cufile):
 
 
 def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypatch, fake_runtime):
-    lib = _use(monkeypatch, FakeCufile(route="posix", register_fails=True))
+    lib = use_cufile(monkeypatch, FakeCufile(route="posix", register_fails=True))
     try:
         r = items.item_ab(_ctx(tmp_path))
     finally:
@@ -98,7 +68,7 @@ def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypa
 
 def test_registration_fault_sends_auto_mode_to_the_bounce_path(tmp_path, monkeypatch, fake_runtime):
     fake = FakeCufile(route="nvfs")          # a machine where cuFile would go direct
-    lib = _use(monkeypatch, fake)
+    lib = use_cufile(monkeypatch, fake)
     monkeypatch.setattr(router, "direct_route", router.direct_route)  # restored after the test
     try:
         hits = fault_child.refuse_registration(fake)

@@ -15,39 +15,12 @@ from gdskit.errors import DirectPathUnavailable
 from gdskit.vocabulary import Path, Reason
 
 from backend_conformance import BackendTests
-from fake_cuda import FakeRuntime
 from fake_cufile import FakeCufile
+from fake_stack import use_cufile
 
 pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: tests/test_backend_gpu.py")
 
 NVFS_ROUTE = dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True)
-
-
-@pytest.fixture(scope="module")
-def fake_runtime():
-    mp = pytest.MonkeyPatch()
-    gdskit.release_resources()
-    fake = FakeRuntime()
-    mp.setattr(cuda, "_runtime", lambda: fake)
-    mp.setattr(cuda, "_device_count", None)
-    yield fake
-    gdskit.release_resources()
-    mp.undo()
-    cuda._device_count = None
-
-
-def _use(monkeypatch, fake: FakeCufile) -> cufile_backend.CufileLibrary:
-    lib = cufile_backend.CufileLibrary(loader=lambda: fake)
-    monkeypatch.setattr(cufile_backend, "library", lambda: lib)
-    return lib
-
-
-@pytest.fixture
-def compat_cufile(monkeypatch, fake_runtime):
-    fake = FakeCufile(route="posix")
-    lib = _use(monkeypatch, fake)
-    yield fake
-    lib.close()
 
 
 class TestCufileOnFakes(BackendTests):
@@ -95,7 +68,7 @@ def test_compat_is_named_by_the_counters_and_auto_then_uses_the_ring(tmp_path, c
 
 def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_runtime):
     fake = FakeCufile(route="nvfs")
-    lib = _use(monkeypatch, fake)
+    lib = use_cufile(monkeypatch, fake)
     monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
     path, data = _file(tmp_path)
     buf = cuda.DeviceArray(len(data))
@@ -110,7 +83,7 @@ def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_runtime)
 
 
 def test_registration_failure_falls_back_with_its_reason(tmp_path, monkeypatch, fake_runtime):
-    _use(monkeypatch, FakeCufile(register_fails=True))
+    use_cufile(monkeypatch, FakeCufile(register_fails=True))
     monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
     monkeypatch.setattr(cufile_backend, "udev_database_present", lambda: False)
     path, data = _file(tmp_path)
@@ -137,7 +110,7 @@ def test_buffer_registration(compat_cufile):
 
 def test_library_close_releases_everything(tmp_path, monkeypatch, fake_runtime):
     fake = FakeCufile()
-    lib = _use(monkeypatch, fake)
+    lib = use_cufile(monkeypatch, fake)
     path, _ = _file(tmp_path, 8192)
     f = gdskit.open(path)
     with gdskit.settings.set(mode="cufile"):

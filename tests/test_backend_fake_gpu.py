@@ -17,22 +17,9 @@ from gdskit import cuda
 from gdskit.errors import CudaError
 
 from backend_conformance import BackendTests
-from fake_cuda import FakeRuntime, cudaError_t, cudaMemoryType
+from fake_cuda import cudaError_t, cudaMemoryType
 
 pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: tests/test_backend_gpu.py covers this")
-
-
-@pytest.fixture(scope="module")
-def fake_runtime():
-    fake = FakeRuntime()
-    mp = pytest.MonkeyPatch()
-    gdskit.release_resources()
-    mp.setattr(cuda, "_runtime", lambda: fake)
-    mp.setattr(cuda, "_device_count", None)
-    yield fake
-    gdskit.release_resources()
-    mp.undo()
-    cuda._device_count = None
 
 
 @pytest.fixture(autouse=True)

@@ -51,13 +51,6 @@ def app() -> typer.Typer:
 
 
 @pytest.fixture
-def stats_dir(tmp_path, monkeypatch):
-    d = tmp_path / "stats"
-    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def child(tmp_path, stats_dir):
     """A process publishing at level 3 after 1 MiB + 4 KiB of host reads; ends when the test does."""
     data = tmp_path / "data.bin"

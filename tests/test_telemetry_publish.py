@@ -53,13 +53,6 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.fixture
-def stats_dir(tmp_path, monkeypatch):
-    d = tmp_path / "stats"
-    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def data_file(tmp_path):
     p = tmp_path / "data.bin"
     p.write_bytes(os.urandom(3 << 20))

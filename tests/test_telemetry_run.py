@@ -74,13 +74,6 @@ APP = textwrap.dedent("""
 
 
 @pytest.fixture
-def stats_dir(tmp_path, monkeypatch):
-    d = tmp_path / "stats"
-    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def files(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(os.urandom(2 << 20))
