@@ -119,16 +119,22 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
 # -- parsing --------------------------------------------------------------------
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise HeaderError(f"duplicate name {k!r} in safetensors header")
-        out[k] = v
+    out = dict(pairs)  # built in C; a shorter dict means a name came twice
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise HeaderError(f"duplicate name {dup!r} in safetensors header")
     return out
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _naturals(v: object) -> bool:
+    """A list of non-negative integers (bools excluded), checked without a generator per entry."""
+    if type(v) is not list:
+        return False
+    for d in v:
+        if type(d) is not int or d < 0:
+            return False
+    return True
 
 
 def header_length(prefix: bytes, file_size: int) -> int:
@@ -183,10 +189,9 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
             raise HeaderError(f"entry {name!r} has no dtype string")
         if dtype not in DTYPE_BITS:
             raise UnknownDtypeError(f"entry {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not _naturals(shape):
             raise HeaderError(f"entry {name!r}: shape must be a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) and o >= 0 for o in offsets)):
+        if not _naturals(offsets) or len(offsets) != 2:
             raise HeaderError(f"entry {name!r}: data_offsets must be two non-negative integers")
         start, end = offsets
         if end < start:
