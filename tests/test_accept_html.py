@@ -20,7 +20,7 @@ from gdskit.accept.report import write_report
 from gdskit.accept.result import AcceptReport
 from gdskit.accept.run import run_accept
 
-from test_accept_fake_gpu import TINY, compat_cufile, fake_runtime  # noqa: F401 (fixtures)
+from test_accept_fake_gpu import TINY
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
