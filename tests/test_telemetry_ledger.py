@@ -112,3 +112,25 @@ def test_import_is_cheap_and_silent_when_stats_are_off(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False ['MainThread']"
     assert os.listdir(tmp_path) == []
+
+
+def test_threads_that_end_keep_their_figures_and_leave_no_shard_behind():
+    import threading
+
+    led = Ledger()
+
+    def work():
+        led.record(Path.HOST, Reason.NO_GPU, "read", 4096, 1, 0.001)
+
+    for _ in range(50):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    work()  # this thread's first record folds the ended threads' shards
+    snap = led.snapshot()
+    assert snap.bytes_read == 51 * 4096 and snap.requests == 51
+    assert dict(snap.entries[0].size_hist) == {12: 51}
+    assert len(led._shards) <= 3  # the folded rows, this thread, at most one more
+    version = led.version
+    led.reset()
+    assert led.snapshot().total_bytes == 0 and led.version != version

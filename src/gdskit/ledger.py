@@ -209,12 +209,27 @@ def _new_row() -> list[Any]:
 class _Shard:
     """One thread's rows: each thread adds to its own, so a record takes no lock."""
 
-    __slots__ = ("rows", "device_rows", "records")
+    __slots__ = ("rows", "device_rows", "records", "thread")
 
-    def __init__(self) -> None:
+    def __init__(self, thread: threading.Thread | None) -> None:
         self.rows: dict[tuple[str, str, str], list[Any]] = defaultdict(_new_row)
         self.device_rows: dict[tuple[int, str, str], list[Any]] = defaultdict(_new_row)
         self.records = 0
+        self.thread = thread  # None: the rows of threads that have ended
+
+
+def _add_rows(into: dict[tuple[Any, ...], list[Any]], rows: dict[tuple[Any, ...], list[Any]]) -> None:
+    for key, v in list(rows.items()):
+        acc = into.get(key)
+        if acc is None:
+            into[key] = [v[0], v[1], v[2], v[3], dict(v[4])]
+            continue
+        acc[0] += v[0]
+        acc[1] += v[1]
+        acc[2] += v[2]
+        acc[3] += v[3]
+        for b, c in list(v[4].items()):
+            acc[4][b] = acc[4].get(b, 0) + c
 
 
 class Ledger:
@@ -224,20 +239,32 @@ class Ledger:
     from Python costs a few microseconds, and a shared lock was a good part of
     it, more so when threads contend). Snapshots add the shards up; a snapshot
     taken while I/O is in flight may see a record's bytes a moment before its
-    op count. ``version`` changes with every record and reset, so a reader can
-    tell cheaply whether anything happened since it last looked.
+    op count. The shards of threads that have ended are folded into one when a
+    new thread first records, so a program that starts many threads keeps a
+    bounded number. ``version`` changes with every record and reset, so a reader
+    can tell cheaply whether anything happened since it last looked.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the shard list and resets; never taken by record()
-        self._shards: list[_Shard] = []
+        self._retired = _Shard(None)
+        self._shards: list[_Shard] = [self._retired]
         self._local = threading.local()
         self._resets = 0
 
     def _new_shard(self) -> _Shard:
-        shard = _Shard()
+        shard = _Shard(threading.current_thread())
         with self._lock:
-            self._shards.append(shard)
+            live = []
+            for s in self._shards:
+                if s.thread is None or s.thread.is_alive():
+                    live.append(s)
+                else:  # its thread has ended: nothing writes to it any more
+                    _add_rows(self._retired.rows, s.rows)
+                    _add_rows(self._retired.device_rows, s.device_rows)
+                    self._retired.records += s.records
+            live.append(shard)
+            self._shards = live
         self._local.shard = shard
         return shard
 
@@ -270,22 +297,10 @@ class Ledger:
         shard.records += 1
 
     def _merged(self, which: str) -> dict[tuple[Any, ...], list[Any]]:
-        with self._lock:
-            shards = list(self._shards)
         out: dict[tuple[Any, ...], list[Any]] = {}
-        for shard in shards:
-            for key, v in list(getattr(shard, which).items()):
-                hist = dict(v[4])
-                acc = out.get(key)
-                if acc is None:
-                    out[key] = [v[0], v[1], v[2], v[3], hist]
-                    continue
-                acc[0] += v[0]
-                acc[1] += v[1]
-                acc[2] += v[2]
-                acc[3] += v[3]
-                for b, c in hist.items():
-                    acc[4][b] = acc[4].get(b, 0) + c
+        with self._lock:  # folding (in _new_shard) must not move rows while they are added up
+            for shard in self._shards:
+                _add_rows(out, getattr(shard, which))
         return out
 
     def snapshot(self) -> Stats:
