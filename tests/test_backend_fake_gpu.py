@@ -141,3 +141,18 @@ def test_ledger_names_the_gpu_of_each_bounce_read(tmp_path):
     assert list(per_gpu) == [0]
     assert sum(ps.bytes_read for ps in per_gpu[0].values()) == 3 << 20
     assert set(per_gpu[0]) <= {"bounce-cached", "bounce-direct"}
+
+
+def test_read_batch_into_device_memory(tmp_path):
+    data = os.urandom(3 << 20)
+    p = tmp_path / "b.bin"
+    p.write_bytes(data)
+    buf = cuda.DeviceArray(4 * 65536)
+    offsets = [0, 1 << 20, 5, len(data) - 65536]
+    lat: list[int] = []
+    with gdskit.settings.set(mode="bounce", chunk_size="1MiB"), gdskit.open(str(p)) as f:
+        assert f.read_batch(buf, offsets, 65536, latencies_ns=lat) == [65536] * 4
+    got = buf.to_numpy().tobytes()
+    for i, off in enumerate(offsets):
+        assert got[i * 65536:(i + 1) * 65536] == data[off:off + 65536]
+    assert len(lat) == 4

@@ -274,26 +274,28 @@ class Ledger:
             return self._resets + sum(s.records for s in self._shards)
 
     def record(self, path: Path, reason: Reason, op: str, nbytes: int, ops: int = 1, busy_s: float = 0.0,
-               device: int | None = None) -> None:
-        """Add one finished piece of work; ``device`` (the GPU, if any) feeds the per-GPU figures."""
+               device: int | None = None, requests: int = 1) -> None:
+        """Add finished work: ``requests`` requests of ``nbytes / requests`` bytes each (one, usually);
+        ``device`` (the GPU, if any) feeds the per-GPU figures."""
         try:
             shard = self._local.shard
         except AttributeError:
             shard = self._new_shard()
-        bucket = (nbytes - 1).bit_length() if nbytes > 1 else 0  # size_bucket(), inlined: this is the hot path
+        each = nbytes // requests if requests > 1 else nbytes
+        bucket = (each - 1).bit_length() if each > 1 else 0  # size_bucket(), inlined: this is the hot path
         row = shard.rows[(path.value, reason.value, op)]
         row[0] += nbytes
         row[1] += ops
         row[2] += busy_s
-        row[3] += 1
+        row[3] += requests
         hist = row[4]
-        hist[bucket] = hist.get(bucket, 0) + 1
+        hist[bucket] = hist.get(bucket, 0) + requests
         if device is not None:
             drow = shard.device_rows[(device, path.value, op)]
             drow[0] += nbytes
             drow[1] += ops
             drow[2] += busy_s
-            drow[3] += 1
+            drow[3] += requests
         shard.records += 1
 
     def _merged(self, which: str) -> dict[tuple[Any, ...], list[Any]]:

@@ -14,6 +14,7 @@ import os
 import time
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
+from gdskit.buffers import BufferView
 from gdskit.backends.staged import ChunkResult, file_residency, read_direct, read_to_stage, write_from_stage
 from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError, from_os_error
@@ -21,7 +22,7 @@ from gdskit.ledger import ledger
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.pool import LaneRef, run_chunks
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import ODirectPolicy, Path
+from gdskit.vocabulary import ODirectPolicy, Path, Reason
 
 
 def contiguous_prefix(results: list[ChunkResult], plan: list[Chunk]) -> int:
@@ -97,6 +98,62 @@ class HostBackend(Backend):
                    threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         ledger.record(Path.HOST, req.reason, "write", req.size, len(plan), time.perf_counter() - t0)
         return req.size
+
+    def read_batch(self, f: OpenFile, buf: BufferView, file_offsets: list[int], buf_offsets: list[int], size: int,
+                   reason: Reason, latencies_ns: list[int] | None) -> list[int]:
+        """Many reads of ``size`` bytes; see :meth:`gdskit.File.read_batch`.
+
+        Each read that can be one system call (the cases :meth:`_read_small` serves) is made
+        in a tight loop; any other goes through :meth:`read`. One ledger record covers the loop.
+        """
+        cfg = settings.snapshot()
+        view = buf.host_view
+        if view is None:
+            raise InvalidArgumentError("the host path needs host memory")
+        policy, align = cfg.odirect, cfg.alignment
+        dfd = None
+        if policy is not ODirectPolicy.NEVER and size % align == 0 and not f.extras.get("direct_broken"):
+            dfd = f.direct_fd()
+        fd, base, preadv, clock = f.fd, buf.ptr, os.preadv, time.perf_counter_ns
+        fixed = fd if policy is ODirectPolicy.NEVER else (dfd if policy is ODirectPolicy.ALWAYS else None)
+        counts: list[int] = []
+        fast_ops = fast_ns = 0
+        last_bo, iov = -1, None
+        t0 = clock()  # one clock read per read: each one's end is the next one's start
+        for off, bo in zip(file_offsets, buf_offsets):
+            if fixed is not None or policy is not ODirectPolicy.AUTO:
+                use = fixed
+            else:
+                where = file_residency(f, off, size)
+                use = fd if where is Residency.ALL else (dfd if where is Residency.NONE else None)
+            if use is dfd and use is not None and (off % align or (base + bo) % align):
+                use = None
+            n = -1
+            if use is not None:
+                if bo != last_bo:  # the same place again (a benchmark's one buffer) reuses its iovec
+                    last_bo, iov = bo, [view[bo:bo + size]]
+                try:
+                    n = preadv(use, iov, off)
+                except InterruptedError:
+                    n = -1
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or use is fd:
+                        raise from_os_error(exc, f.path) from exc
+                    n = -1  # O_DIRECT refused: the general path falls back
+            if n == size:
+                t1 = clock()
+                fast_ops += 1
+                fast_ns += t1 - t0
+            else:  # short (end of file), refused or not a one-call case: the general path, exactly
+                n = self.read(f, Request("read", buf, size, off, bo, reason))
+                t1 = clock()
+            if latencies_ns is not None:
+                latencies_ns.append(t1 - t0)
+            t0 = t1
+            counts.append(n)
+        if fast_ops:
+            ledger.record(Path.HOST, reason, "read", fast_ops * size, fast_ops, fast_ns / 1e9, requests=fast_ops)
+        return counts
 
     @staticmethod
     def _read_small(f: OpenFile, req: Request, view: memoryview, cfg: Settings) -> int:

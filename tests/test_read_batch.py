@@ -1,0 +1,113 @@
+"""File.read_batch: many small reads in one call, against plain reads of the same bytes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+import gdskit
+from gdskit.errors import (
+    BufferTooSmallError,
+    ClosedFileError,
+    InvalidArgumentError,
+    ReadOnlyBufferError,
+    UnsupportedOperationError,
+)
+
+SIZE = (1 << 20) + 3000
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    path = tmp_path_factory.mktemp("batch") / "data.bin"
+    path.write_bytes(data)
+    return str(path), data
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start:start + nbytes]
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("policy", ["auto", "always", "never"])
+@pytest.mark.parametrize("cold", [True, False])
+def test_aligned_random_reads_match_and_are_counted(data_file, policy, cold):
+    path, data = data_file
+    if cold:
+        _evict(path)
+    rng = np.random.default_rng(7)
+    offsets = (rng.integers(0, SIZE // 4096 - 1, 200) * 4096).tolist()
+    buf = _aligned(200 * 4096)
+    lat: list[int] = []
+    before = gdskit.stats()
+    with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
+        counts = f.read_batch(buf, offsets, 4096, latencies_ns=lat)
+    delta = gdskit.stats() - before
+    assert counts == [4096] * 200 and len(lat) == 200 and all(t > 0 for t in lat)
+    for i, off in enumerate(offsets):
+        assert bytes(buf[i * 4096:(i + 1) * 4096]) == data[off:off + 4096]
+    host = delta.paths["host"]
+    assert host.bytes_read == 200 * 4096 and host.requests == 200
+
+
+def test_unaligned_places_and_the_end_of_the_file(data_file):
+    path, data = data_file
+    buf = np.zeros(5 * 5000 + 7, dtype=np.uint8)
+    offsets = [1, 4097, SIZE - 100, SIZE + 10, 12345]
+    places = [7, 5007, 10007, 15007, 20007]
+    with gdskit.settings.set(mode="host", odirect="always"), gdskit.open(path) as f:
+        counts = f.read_batch(buf, offsets, 5000, places)
+    assert counts == [5000, 5000, 100, 0, 5000]
+    for off, bo, n in zip(offsets, places, counts):
+        assert bytes(buf[bo:bo + n]) == data[off:off + n]
+
+
+@hsettings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 70_000), offsets=st.lists(st.integers(0, SIZE + 5000), max_size=12),
+       policy=st.sampled_from(["auto", "always", "never"]))
+def test_any_batch_reads_what_plain_reads_read(data_file, size, offsets, policy):
+    path, data = data_file
+    buf = np.zeros(max(1, size * len(offsets)), dtype=np.uint8)
+    with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
+        counts = f.read_batch(buf, np.array(offsets, dtype=np.int64), size)
+    for i, (off, n) in enumerate(zip(offsets, counts)):
+        want = data[off:off + size]
+        assert n == len(want) and bytes(buf[i * size:i * size + n]) == want
+
+
+def test_bad_arguments_get_clear_errors(data_file, tmp_path):
+    path, _ = data_file
+    buf = np.zeros(8192, dtype=np.uint8)
+    with gdskit.open(path) as f:
+        with pytest.raises(InvalidArgumentError):
+            f.read_batch(buf, [0, 4096], 4096, [0])
+        with pytest.raises(InvalidArgumentError):
+            f.read_batch(buf, [0, -4096], 4096)
+        with pytest.raises(InvalidArgumentError):
+            f.read_batch(buf, [True], 4096)
+        with pytest.raises(InvalidArgumentError):
+            f.read_batch(buf, [0.5], 4096)
+        with pytest.raises(BufferTooSmallError):
+            f.read_batch(buf, [0, 4096, 8192], 4096)
+        ro = np.zeros(4096, dtype=np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(ReadOnlyBufferError):
+            f.read_batch(ro, [0], 4096)
+        assert f.read_batch(buf, [], 4096) == [] and f.read_batch(buf, [0, 5], 0) == [0, 0]
+    with pytest.raises(ClosedFileError):
+        f.read_batch(buf, [0], 4096)
+    with gdskit.open(tmp_path / "w.bin", "w") as w, pytest.raises(UnsupportedOperationError):
+        w.read_batch(buf, [0], 4096)
