@@ -215,3 +215,17 @@ def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkey
     with pytest.raises(gdskit.errors.CudaError):
         r.run_benchmark(p, workdir=str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_offset_batches_cover_a_slice_in_order_or_draw_the_same_random_offsets():
+    seq = make_params(size="4M", io_size="64K", workers=1, paths="host", op="read")
+    gen = runner._offset_batches(seq, 64 * 1024, 1 << 20, 1 << 20, 0, 0, 5)
+    offs = [o for _ in range(4) for o in next(gen)][:16]
+    assert offs == [(1 << 20) + i * 65536 for i in range(16)]
+    assert next(gen)[:1] == [(1 << 20) + 4 * 65536]  # wraps around the 16 slots
+
+    rnd = make_params(size="4M", io_size="4K", workers=2, paths="host", op="randread")
+    a = next(runner._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
+    b = next(runner._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
+    assert a == b, "every path must do the very same I/O"
+    assert all((2 << 20) <= o < (4 << 20) and o % 4096 == 0 for o in a) and len(set(a)) > 32

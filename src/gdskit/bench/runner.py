@@ -252,6 +252,22 @@ def _offsets(params: BenchParams, io: int, start: int, length: int, worker: int,
             yield start + int(k) * io
 
 
+def _offset_batches(params: BenchParams, io: int, start: int, length: int, worker: int, rep: int,
+                    k: int) -> Iterator[list[int]]:
+    """The offsets of :func:`_offsets`' kind, ``k`` at a time, made with numpy (a few
+    nanoseconds per offset instead of a generator step each)."""
+    slots = length // io
+    if not params.op.is_random:
+        i = 0
+        while True:
+            yield (start + (np.arange(i, i + k) % slots) * io).tolist()
+            i += k
+    # The same seed for every path: A and B do the very same I/O.
+    rng = np.random.default_rng([params.seed, worker, io, rep])
+    while True:
+        yield (start + rng.integers(0, slots, size=k) * io).tolist()
+
+
 def _check(buf: object, expected: np.ndarray, out: _WorkerOut, offset: int, path: str) -> None:
     got = buf.to_host(expected.size)  # type: ignore[attr-defined]
     bad = np.flatnonzero(got != expected)
@@ -371,6 +387,7 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
             batched = params.op.is_read and not params.verify
             per_batch = max(1, min(64, _BATCH_BYTES // io))  # about 1 MiB per call: deadlines stay sharp
             zeros = [0] * per_batch
+            batches = _offset_batches(params, io, start_w, length_w, w, rep, per_batch)
             try:
                 if on_device:
                     cuda.set_device(params.device)  # a new thread starts on device 0
@@ -384,7 +401,7 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
                         # Small reads in batches (File.read_batch): each is still one blocking read at a
                         # time, as in fio's psync engine, without a Python call per read around it.
                         k = per_batch if budget is None else min(per_batch, budget - done)
-                        offs = [next(offsets) for _ in range(k)]
+                        offs = next(batches)[:k]
                         counts = f.read_batch(b.obj, offs, io, zeros[:k], latencies_ns=lat)
                         for n, off in zip(counts, offs):
                             if n != io:
