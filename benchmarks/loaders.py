@@ -115,6 +115,41 @@ def _import_loader(loader: str) -> None:
         importlib.import_module(_MODULES[loader])
 
 
+def _instrument_gdskit() -> dict:
+    """Where a gdskit load's time goes (``--breakdown``): seconds in header parsing, in
+    allocating destination tensors, in submitting reads, and in the whole read phase."""
+    import torch
+
+    import gdskit
+    import gdskit.safetensors
+    from gdskit.formats import safetensors_format, torch_io
+
+    t = {"header_s": 0.0, "alloc_s": 0.0, "allocs": 0, "submit_s": 0.0, "reads": 0, "execute_s": 0.0}
+
+    def timed(fn, key, count=None):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                t[key] += time.perf_counter() - t0
+                if count:
+                    t[count] += 1
+        return wrapper
+
+    class _TorchProxy:  # torch as torch_io sees it, with empty() timed
+        def __getattr__(self, name):
+            return getattr(torch, name)
+    proxy = _TorchProxy()
+    proxy.empty = timed(torch.empty, "alloc_s", "allocs")
+    torch_io.torch = proxy
+    safetensors_format.read_header_file = timed(safetensors_format.read_header_file, "header_s")
+    torch_io.execute = timed(torch_io.execute, "execute_s")
+    gdskit.safetensors.fmt.read_header_file = safetensors_format.read_header_file
+    gdskit.File.pread = timed(gdskit.File.pread, "submit_s", "reads")
+    return t
+
+
 def _load(loader: str, path: str, device: str, threads: int):
     import torch
     if loader == "gdskit":
@@ -195,6 +230,7 @@ def child(args: argparse.Namespace) -> None:
         torch.empty(1, device=args.device)  # CUDA context outside the clock, for every loader alike
         torch.cuda.reset_peak_memory_stats()
     _import_loader(args.loader)  # a program imports its libraries once; the clock times the load
+    timings = _instrument_gdskit() if args.breakdown and args.loader.startswith("gdskit") else None
     base = torch.cuda.memory_allocated() if use_cuda else 0
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
@@ -210,6 +246,8 @@ def child(args: argparse.Namespace) -> None:
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     peak = (torch.cuda.max_memory_allocated() - base) if use_cuda else 0
     out = {"loader": args.loader, "wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "peak_gpu_bytes": peak}
+    if timings is not None:
+        out["breakdown"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()}
     if args.loader.startswith("gdskit"):
         import gdskit
         try:
@@ -304,6 +342,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--save", action="store_true", help="benchmark saving the large set from GPU instead")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="gdskit loaders also report seconds in header parsing, allocation, read submission")
     ap.add_argument("--json", dest="json_out", help="write all results here")
     # child-process arguments
     ap.add_argument("--child", dest="loader", help=argparse.SUPPRESS)
@@ -316,7 +356,7 @@ def main() -> None:
         return
 
     files = ensure_files(args.dir, args.size, args.small_count, args.small_avg_kib)
-    common = ["--device", args.device, "--threads", str(args.threads)]
+    common = ["--device", args.device, "--threads", str(args.threads)] + (["--breakdown"] if args.breakdown else [])
     results: list[dict] = []
     if args.save:
         for saver in args.loaders.split(",") if args.loaders != ",".join(LOADERS) else SAVERS:
@@ -357,8 +397,8 @@ def main() -> None:
                             best = r
                     results.append({**best, "loader": loader, "file": kind, "mode": mode})
                     # One line as each result lands, so a run cut short still says what it measured.
-                    print(f"# {loader} {kind} {mode}: {best.get('gb_per_s', best.get('error'))} GB/s",
-                          file=sys.stderr, flush=True)
+                    print(f"# {loader} {kind} {mode}: {best.get('gb_per_s', best.get('error'))} GB/s"
+                          + (f" {best['breakdown']}" if "breakdown" in best else ""), file=sys.stderr, flush=True)
     report(results, args)
 
 
