@@ -134,3 +134,32 @@ def test_threads_that_end_keep_their_figures_and_leave_no_shard_behind():
     version = led.version
     led.reset()
     assert led.snapshot().total_bytes == 0 and led.version != version
+
+
+def test_concurrent_records_and_snapshots_add_up_exactly():
+    import threading
+
+    led = Ledger()
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader():
+        while not stop.is_set():
+            seen.append(led.snapshot().bytes_read)
+
+    def writer(i: int):
+        for _ in range(2000):
+            led.record(Path.HOST, Reason.NO_GPU, "read", 512 * (i + 1), 1, 0.0)
+
+    r = threading.Thread(target=reader)
+    r.start()
+    ws = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join()
+    stop.set()
+    r.join()
+    snap = led.snapshot()
+    assert snap.bytes_read == 2000 * 512 * sum(range(1, 9)) and snap.requests == 16000
+    assert seen == sorted(seen), "a snapshot went backwards"
