@@ -156,3 +156,21 @@ def test_read_batch_into_device_memory(tmp_path):
     for i, off in enumerate(offsets):
         assert got[i * 65536:(i + 1) * 65536] == data[off:off + 65536]
     assert len(lat) == 4
+
+
+def test_synchronized_device_views_read_like_the_buffer_itself(tmp_path):
+    from gdskit.buffers import synchronized_device_view
+    from gdskit.errors import UnsupportedBufferError
+
+    data = os.urandom(3 << 20)
+    p = tmp_path / "v.bin"
+    p.write_bytes(data)
+    dev = cuda.DeviceArray(2 << 20)
+    view = synchronized_device_view(dev.ptr + 4096, (2 << 20) - 4096, dev)
+    assert view.on_device and view.device == 0 and not view.producer_sync and view.owner is dev
+    with gdskit.settings.set(mode="bounce", chunk_size="1MiB"), gdskit.open(str(p)) as f:
+        assert f.pread(view, file_offset=12345).result() == (2 << 20) - 4096
+    assert dev.to_numpy().tobytes()[4096:] == data[12345:12345 + (2 << 20) - 4096]
+    host = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(UnsupportedBufferError):
+        synchronized_device_view(host.ctypes.data, 4096, host)

@@ -22,9 +22,18 @@ from typing import Any
 
 import torch
 
+from gdskit.buffers import synchronized_device_view
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
+
+
+def _engine_buffer(t: torch.Tensor) -> Any:
+    """What the engine is handed for destination ``t``: CUDA tensors as ready views (``execute``
+    has synchronised the current stream, so no per-request producer wait is needed)."""
+    if t.is_cuda:
+        return synchronized_device_view(t.data_ptr(), t.numel() * t.element_size(), t)
+    return t
 
 
 def _check(n: int, want: int, what: str) -> None:
@@ -101,10 +110,10 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         return t
 
     if on_cuda:
-        # Blocks torch's caching allocator hands out may still be in use by work queued on the
-        # current stream; the engine writes from its own streams or threads. Work queued before
-        # this point covers every block allocated below.
-        torch.cuda.current_stream(device).synchronize()
+        # Blocks torch's caching allocator hands out, and given destinations, may still be in use
+        # by queued work; the engine writes from its own streams or threads. One wait here, for
+        # the whole device, covers every request below (which then skip their own waits).
+        torch.cuda.synchronize(device)
     for e in plan.empty:
         dest_for(e)
     ring: list[torch.Tensor] = []
@@ -120,7 +129,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             # for large tensors) then overlap the reads already in flight.
             t = dest_for(e)
             direct.append((e, t))
-            fut = f.pread(t, size=e.nbytes, file_offset=e.file_offset)
+            fut = f.pread(_engine_buffer(t), size=e.nbytes, file_offset=e.file_offset)
             if progress is not None:
                 fut.add_done_callback(lambda _f, n=e.nbytes: progress.advance(n))
             futures.append(fut)
@@ -140,6 +149,7 @@ def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
                 device: torch.device, progress: Progress | None,
                 futures: list[concurrent.futures.Future[int]]) -> None:
     on_cuda = device.type == "cuda"
+    ring_views = [_engine_buffer(r) for r in ring]
     free: deque[tuple[int, Any]] = deque((i, None) for i in range(len(ring)))
     pending: deque[tuple[Group, int, concurrent.futures.Future[int]]] = deque()
     it = iter(groups)
@@ -153,7 +163,7 @@ def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
             slot, event = free.popleft()
             if event is not None:
                 event.synchronize()  # the previous split out of this buffer has finished
-            fut = f.pread(ring[slot], size=g.nbytes, file_offset=g.file_offset)
+            fut = f.pread(ring_views[slot], size=g.nbytes, file_offset=g.file_offset)
             futures.append(fut)
             pending.append((g, slot, fut))
         if not pending:
