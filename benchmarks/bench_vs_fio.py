@@ -21,6 +21,11 @@ were O_DIRECT.
 Usage::
 
     PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
+
+fio comes from ``PATH`` (Debian: ``apt-get install fio``). For a machine without a
+package manager or network, a static build travels as one file: ``apt-get source fio``
+(3.33 here), then ``./configure --build-static --disable-native && make`` in its
+directory, and put the ``fio`` binary on ``PATH`` there.
 """
 
 from __future__ import annotations
