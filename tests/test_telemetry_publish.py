@@ -168,6 +168,15 @@ def test_stale_snapshot_of_a_dead_process_is_cleaned_up(stats_dir):
     assert clean_stale(str(stats_dir)) == []
 
 
+def test_cleanup_leaves_files_that_are_not_gdskit_snapshots(stats_dir):
+    # GDSKIT_STATS_DIR may name a directory that holds other things called <number>.json.
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    other = stats_dir / f"{_dead_pid()}.json"
+    other.write_text('{"epoch": 3, "loss": 0.25}')
+    assert clean_stale(str(stats_dir)) == []
+    assert other.exists()
+
+
 def test_a_reused_pid_does_not_inherit_the_old_snapshot(stats_dir):
     # A snapshot naming a live pid but another start time: written by an earlier process with that pid.
     sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)

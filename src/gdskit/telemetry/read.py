@@ -186,14 +186,15 @@ def clean_stale(directory: str) -> list[str]:
 def _is_stale(path: str, name: str, st: os.stat_result) -> bool:
     pid = pid_of(name)
     if pid is not None and stat.S_ISREG(st.st_mode):
-        if start_ticks(pid) is None:
-            return True
         try:
             with open(path, "rb") as f:
-                ticks = json.loads(f.read()).get("start_ticks")
-        except (OSError, ValueError, AttributeError):
-            return False  # unreadable but its pid lives: leave it to its owner
-        return not is_running(pid, ticks)
+                doc = json.loads(f.read())
+        except (OSError, ValueError):
+            return False  # unreadable: leave it to its owner
+        # Only gdskit's own snapshots: GDSKIT_STATS_DIR may name a directory that holds other files.
+        if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("gdskit.stats/"):
+            return False
+        return start_ticks(pid) is None or not is_running(pid, doc.get("start_ticks"))
     if name.startswith(".") and name.endswith(".tmp"):
         writer = name[:-len(".tmp")].rsplit(".", 1)[-1]  # .<file>.<pid>.tmp
         return writer.isdigit() and start_ticks(int(writer)) is None
