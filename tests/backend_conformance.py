@@ -20,7 +20,15 @@ import gdskit
 _HSET = hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors])
 
 
-def _drop_cache(path: str) -> None:
+def aligned_array(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 numpy array whose data starts on a 4 KiB boundary (as O_DIRECT needs)."""
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start:start + nbytes]
+
+
+def drop_cache(path: str) -> None:
+    """Evict the file's pages from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -103,7 +111,7 @@ class BackendTests:
     @pytest.mark.parametrize("policy", ["auto", "always", "never"])
     def test_odirect_policies_cold_and_hot(self, data_file, policy):
         path, data = data_file
-        _drop_cache(path)
+        drop_cache(path)
         with gdskit.settings.set(odirect=policy):
             for _ in range(2):  # cold, then (partly) hot
                 n, got = self._read(path, len(data) - 777, 777)

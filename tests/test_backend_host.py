@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from backend_conformance import BackendTests
+from backend_conformance import BackendTests, aligned_array, drop_cache
 
 import gdskit
 
@@ -39,11 +39,6 @@ class TestHostBackendBytearray(TestHostBackendNumpy):
         buf[: len(data)] = data
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return raw[start:start + nbytes]
-
 
 @pytest.fixture
 def small_io_file(tmp_path):
@@ -53,21 +48,13 @@ def small_io_file(tmp_path):
     return str(path), data
 
 
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
 
 @pytest.mark.parametrize("policy", ["auto", "always", "never"])
 @pytest.mark.parametrize("size", [4096, 16384, 65536])
 def test_small_aligned_reads_cold_hot_and_at_the_end(small_io_file, policy, size):
     path, data = small_io_file
-    _evict(path)
-    buf = _aligned(size)
+    drop_cache(path)
+    buf = aligned_array(size)
     with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
         for off in (0, 8 * size, 0, len(data) - len(data) % 4096, len(data) - len(data) % 4096 - size):
             n = f.read(buf, size, off)
@@ -79,14 +66,14 @@ def test_small_cold_read_under_auto_leaves_the_page_cache_alone(small_io_file):
     from gdskit.residency import Residency, residency
 
     path, data = small_io_file
-    _evict(path)
+    drop_cache(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         if residency(fd, 0, len(data)) is None:
             pytest.skip("page-cache residency cannot be asked here")
         if residency(fd, 0, len(data)) is not Residency.NONE:
             pytest.skip("this filesystem keeps the file cached")
-        buf = _aligned(4096)
+        buf = aligned_array(4096)
         with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
             assert f.read(buf, 4096, 256 << 10) == 4096
         assert bytes(buf) == data[256 << 10:(256 << 10) + 4096]
@@ -98,10 +85,10 @@ def test_small_cold_read_under_auto_leaves_the_page_cache_alone(small_io_file):
 
 def test_small_read_of_a_partly_cached_range(small_io_file):
     path, data = small_io_file
-    _evict(path)
+    drop_cache(path)
     with open(path, "rb") as fh:  # cache the first page only
         fh.read(4096)
-    buf = _aligned(16384)
+    buf = aligned_array(16384)
     with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
         assert f.read(buf, 16384, 0) == 16384
     assert bytes(buf) == data[:16384]

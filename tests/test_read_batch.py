@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from backend_conformance import aligned_array, drop_cache
 
 import gdskit
 from gdskit.errors import (
@@ -28,18 +29,6 @@ def data_file(tmp_path_factory):
     return str(path), data
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return raw[start:start + nbytes]
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("policy", ["auto", "always", "never"])
@@ -47,10 +36,10 @@ def _evict(path: str) -> None:
 def test_aligned_random_reads_match_and_are_counted(data_file, policy, cold):
     path, data = data_file
     if cold:
-        _evict(path)
+        drop_cache(path)
     rng = np.random.default_rng(7)
     offsets = (rng.integers(0, SIZE // 4096 - 1, 200) * 4096).tolist()
-    buf = _aligned(200 * 4096)
+    buf = aligned_array(200 * 4096)
     lat: list[int] = []
     before = gdskit.stats()
     with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
