@@ -7,6 +7,7 @@
 # WORKDIR (default /tmp/gdskit-bench) holds the data files on the filesystem under test; it
 # needs about 40 GiB free. Run on the GPU machine through scripts/gpu_test.sh, e.g.
 #   bash scripts/gpu_test.sh bash benchmarks/run_all.sh /tmp/results /data/bench
+# All steps take about 20 minutes; STEPS="first_call dcp" runs only those (names below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: run_all.sh OUTDIR [WORKDIR]}
@@ -17,6 +18,7 @@ PY=${PYTHON:-python3}
 
 step() {  # step NAME SECONDS CMD...
     local name=$1 limit=$2; shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
     echo "== $name (limit ${limit}s)" >&2
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "   exit $? ($(tail -n 1 "$out/$name.log"))" >&2
