@@ -15,6 +15,7 @@ from typing import Any
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.buffers import BufferView, adapt
+from gdskit.durable import fsync_dir, remove_if_present
 from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
@@ -279,11 +280,7 @@ class File:
         self._of.close()
         try:
             os.replace(self._open_path, self._target)
-            dfd = os.open(os.path.dirname(os.path.abspath(self._target)), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(os.path.dirname(os.path.abspath(self._target)))
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
 
@@ -292,10 +289,7 @@ class File:
             if self._of.fd >= 0:
                 self._of.close()
         finally:
-            try:
-                os.unlink(self._open_path)
-            except FileNotFoundError:
-                pass
+            remove_if_present(self._open_path)
 
     def __del__(self) -> None:
         try:

@@ -24,12 +24,13 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gdskit.durable import fsync_dir, remove_if_present
 from gdskit.errors import FormatError, GdskitError, MissingDependencyError
 from gdskit.formats import read_plan
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
-from gdskit.formats.torch_zip import RecordSizes
+from gdskit.formats.torch_zip import RecordSizes, StorageRecords
 
 __all__ = ["save", "load", "UnsafeCheckpointError", "DeviceUnavailableError", "STORAGE_ALIGNMENT"]
 
@@ -116,12 +117,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
             config.save.storage_alignment = old_alignment
         _fill_storages(torch, tmp, captured, progress)
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        remove_if_present(tmp)
         raise
 
 
@@ -154,19 +152,6 @@ def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: Pro
         finally:
             concurrent.futures.wait([fut for fut, _n in futures])
         f.fsync()
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- load -----------------------------------------------------------------------
@@ -256,51 +241,30 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         return _fallback(torch, path, map_location, weights_only, return_stats)
 
     target = _Target(torch, map_location)
-    record_size = RecordSizes(reader, path)
-    file_size = os.path.getsize(path)
+    records = StorageRecords(torch, reader, path, os.path.getsize(path), path)
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None
     eager_file: list[Any] = []
 
     def persistent_load(saved_id: Any) -> Any:
-        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise FormatError(f"{path}: unexpected persistent id in the pickle")
-        typename, storage_type, key, location, numel = saved_id
-        if torch.serialization._maybe_decode_ascii(typename) != "storage":
-            raise FormatError(f"{path}: unexpected persistent id type {typename!r}")
-        key = torch.serialization._maybe_decode_ascii(key)
-        location = torch.serialization._maybe_decode_ascii(location)
-        if key in slots:
-            return slots[key][0]
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        if not isinstance(numel, int) or numel < 0:
-            raise FormatError(f"{path}: storage {key!r} has invalid size {numel!r}")
-        nbytes = numel * torch._utils._element_size(dtype)
-        name = f"data/{key}"
-        try:
-            offset = reader.get_record_offset(name)
-            size = record_size(name)
-        except RuntimeError:
-            raise FormatError(f"{path}: storage record {name} is missing") from None
-        if size != nbytes:
-            raise FormatError(f"{path}: record {name} holds {size} bytes, the pickle says {nbytes}")
-        if offset + nbytes > file_size:
-            raise TruncatedFileError(f"{path}: record {name} ends past the end of the file")
-        dev = target.device(location)
-        storage = torch.UntypedStorage(nbytes, device=dev)
+        rec = records.resolve(saved_id)
+        if rec.key in slots:
+            return slots[rec.key][0]
+        nbytes = rec.nbytes
+        storage = torch.UntypedStorage(nbytes, device=target.device(rec.location))
         if target.eager:
             if nbytes:
                 if not eager_file:
                     eager_file.append(open_file(path, "r"))
-                n = eager_file[0].read(_bytes_of(torch, storage, nbytes), size=nbytes, file_offset=offset)
+                n = eager_file[0].read(_bytes_of(torch, storage, nbytes), size=nbytes, file_offset=rec.offset)
                 if n != nbytes:
-                    raise TruncatedFileError(f"{path}: short read of {name}")
-            mapped = target.map_location(storage, location)
+                    raise TruncatedFileError(f"{path}: short read of storage {rec.key}")
+            mapped = target.map_location(storage, rec.location)
             if mapped is None:
-                mapped = torch.serialization.default_restore_location(storage, location)
+                mapped = torch.serialization.default_restore_location(storage, rec.location)
             storage = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
-        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        slots[key] = (typed, offset, nbytes, storage.device)
+        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
+        slots[rec.key] = (typed, rec.offset, nbytes, storage.device)
         return typed
 
     try:
@@ -308,7 +272,7 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
     finally:
         for f in eager_file:
             f.close()
-    reader = record_size = None  # close the archive before the storages are read
+    reader = records = None  # close the archive before the storages are read
     if not target.eager:
         _read_storages(torch, path, slots, progress)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from gdskit.errors import FormatError
-from gdskit.formats.safetensors_format import TruncatedFileError
-from gdskit.formats.torch_zip import RecordSizes
+from gdskit.formats.torch_zip import RecordSizes, StorageRecords
 
 #: Bytes read from each end of an archive to parse it (miniz looks for the end
 #: of the zip directory in the last 4 KiB; the pickle sits near the start).
@@ -198,31 +197,13 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
     except RuntimeError as exc:
         raise FormatError(f"{where}: damaged torch.save archive: {exc}") from None
     storages: dict[str, tuple[int, int]] = {}
-    record_size = RecordSizes(reader, source)
+    records = StorageRecords(torch, reader, source, length, where)
 
     def persistent_load(saved_id: Any) -> Any:
-        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise FormatError(f"{where}: unexpected persistent id in the archive")
-        typename, storage_type, key, _location, numel = saved_id
-        if torch.serialization._maybe_decode_ascii(typename) != "storage":
-            raise FormatError(f"{where}: unexpected persistent id type {typename!r}")
-        key = torch.serialization._maybe_decode_ascii(key)
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        if not isinstance(numel, int) or numel < 0:
-            raise FormatError(f"{where}: storage has invalid size {numel!r}")
-        nbytes = numel * torch._utils._element_size(dtype)
-        name = f"data/{key}"
-        try:
-            rec_offset, rec_size = reader.get_record_offset(name), record_size(name)
-        except RuntimeError:
-            raise FormatError(f"{where}: storage record {name} is missing") from None
-        if rec_size != nbytes:
-            raise FormatError(f"{where}: record {name} holds {rec_size} bytes, the pickle says {nbytes}")
-        if rec_offset + nbytes > length:
-            raise TruncatedFileError(f"{where}: record {name} ends past the end of the item")
-        storages[key] = (rec_offset, nbytes)
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        rec = records.resolve(saved_id)
+        storages[rec.key] = (rec.offset, rec.nbytes)
+        storage = torch.UntypedStorage(rec.nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
 
     obj = _unpickle(pkl, persistent_load, where)
     if type(obj) is not torch.Tensor or obj.device.type != "meta" or len(storages) != 1:

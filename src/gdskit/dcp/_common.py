@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 from gdskit.errors import GdskitError
 
@@ -37,14 +36,6 @@ def temp_name(name: str, token: str) -> str:
 
 def is_temp_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def metadata_name(rank: int | None = None) -> str:

@@ -24,12 +24,12 @@ from gdskit.dcp._common import (
     DATA_SUFFIX,
     CheckpointExistsError,
     UnsupportedItemError,
-    fsync_dir,
     is_temp_name,
     metadata_name,
     temp_name,
 )
 from gdskit.dcp._layout import ItemShape, Placement, place
+from gdskit.durable import fsync_dir, remove_if_present
 from gdskit.errors import GdskitError
 from gdskit.formats._engine import open_file
 
@@ -167,11 +167,8 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         own = None if self.use_collectives else f".__{self.rank}_"
         for name in os.listdir(self.path):
             if is_temp_name(name) and (own is None or name.startswith(own)):
-                try:
-                    os.unlink(os.path.join(self.path, name))
+                if remove_if_present(os.path.join(self.path, name)):
                     changed = True
-                except FileNotFoundError:
-                    pass
         if changed and self.sync_files:
             fsync_dir(self.path)
 
@@ -203,10 +200,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
                 fsync_dir(self.path)
         except BaseException:
             f.abort()
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            remove_if_present(tmp)
             raise
         return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
                                         storage_data=_StorageInfo(name, e.where.offset, e.where.length))
@@ -304,10 +298,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             if self.sync_files:
                 fsync_dir(self.path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            remove_if_present(tmp)
             raise
 
 
