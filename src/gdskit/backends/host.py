@@ -38,21 +38,73 @@ def contiguous_prefix(results: list[ChunkResult], plan: list[Chunk]) -> int:
 _SMALL_MAX = 64 << 10  # requests up to this size try the one-syscall path first
 
 
+def _direct_fd(f: OpenFile, cfg: Settings, size: int) -> int | None:
+    """The O_DIRECT descriptor for reads of ``size`` bytes, if the policy and size allow one."""
+    if cfg.odirect is ODirectPolicy.NEVER or size % cfg.alignment or f.extras.get("direct_broken"):
+        return None
+    return f.direct_fd()
+
+
+def _one_call_fd(f: OpenFile, policy: ODirectPolicy, dfd: int | None, pos: int, size: int, addr: int,
+                 align: int) -> int | None:
+    """The descriptor one system call can read ``size`` bytes at ``pos`` into ``addr`` from, or None.
+
+    Buffered when the policy is ``never`` or every page is cached (asked with ``cachestat``,
+    never probed with RWF_NOWAIT, which would start readahead that races the O_DIRECT read);
+    O_DIRECT when the range and the memory are aligned and nothing is cached. None (unaligned
+    miss, partly cached range) sends the read the general way.
+    """
+    if policy is ODirectPolicy.NEVER:
+        return f.fd
+    if policy is ODirectPolicy.AUTO:
+        where = file_residency(f, pos, size)
+        if where is Residency.ALL:
+            return f.fd
+        if where is not Residency.NONE:
+            return None
+    if dfd is None or pos % align or addr % align:
+        return None
+    return dfd
+
+
+def _preadv_once(f: OpenFile, fd: int, iov: list[memoryview], pos: int) -> int:
+    """One ``preadv``; -1 where the general path must take over (interrupted, O_DIRECT refused)."""
+    try:
+        return os.preadv(fd, iov, pos)
+    except InterruptedError:
+        return -1
+    except OSError as exc:
+        if fd == f.fd or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise from_os_error(exc, f.path) from exc
+        return -1
+
+
 class HostBackend(Backend):
     name = "host"
     serves_host_memory = True
 
     def read(self, f: OpenFile, req: Request) -> int:
+        if req.size <= _SMALL_MAX:
+            # A small request costs more in Python than in the kernel: one system call where it can.
+            t0 = time.perf_counter()
+            cfg = settings.snapshot()
+            buf, pos = req.buf, req.file_offset
+            view = buf.host_view
+            fd = _one_call_fd(f, cfg.odirect, _direct_fd(f, cfg, req.size), pos, req.size,
+                              buf.ptr + req.buf_offset, cfg.alignment)
+            if fd is not None and view is not None:
+                n = _preadv_once(f, fd, [view[req.buf_offset:req.buf_offset + req.size]], pos)
+                if n == req.size:
+                    ledger.record(Path.HOST, req.reason, "read", n, 1, time.perf_counter() - t0)
+                    return n
+        return self._read_general(f, req)
+
+    def _read_general(self, f: OpenFile, req: Request) -> int:
         cfg = settings.snapshot()
         view = req.buf.host_view
         if view is None:
             raise InvalidArgumentError("the host path needs host memory")
         t0 = time.perf_counter()
-        if req.size <= _SMALL_MAX:
-            total = self._read_small(f, req, view, cfg)
-            if total >= 0:
-                ledger.record(Path.HOST, req.reason, "read", total, 1, time.perf_counter() - t0)
-                return total
         if req.size <= cfg.chunk_size and (req.file_offset % cfg.alignment) + req.size <= cfg.chunk_size:
             # One chunk: run it right here, without the worker machinery (small I/O is all overhead).
             ch = Chunk(req.file_offset, req.buf_offset, req.size)
@@ -103,49 +155,33 @@ class HostBackend(Backend):
                    reason: Reason, latencies_ns: list[int] | None) -> list[int]:
         """Many reads of ``size`` bytes; see :meth:`gdskit.File.read_batch`.
 
-        Each read that can be one system call (the cases :meth:`_read_small` serves) is made
-        in a tight loop; any other goes through :meth:`read`. One ledger record covers the loop.
+        Each read that can be one system call (:func:`_one_call_fd`) is made in a tight loop;
+        any other (and one that comes back short: end of file) takes the general path. One
+        ledger record covers the loop.
         """
         cfg = settings.snapshot()
         view = buf.host_view
         if view is None:
             raise InvalidArgumentError("the host path needs host memory")
-        policy, align = cfg.odirect, cfg.alignment
-        dfd = None
-        if policy is not ODirectPolicy.NEVER and size % align == 0 and not f.extras.get("direct_broken"):
-            dfd = f.direct_fd()
-        fd, base, preadv, clock = f.fd, buf.ptr, os.preadv, time.perf_counter_ns
-        fixed = fd if policy is ODirectPolicy.NEVER else (dfd if policy is ODirectPolicy.ALWAYS else None)
+        policy, align, dfd = cfg.odirect, cfg.alignment, _direct_fd(f, cfg, size)
+        base, clock = buf.ptr, time.perf_counter_ns
         counts: list[int] = []
         fast_ops = fast_ns = 0
         last_bo, iov = -1, None
         t0 = clock()  # one clock read per read: each one's end is the next one's start
         for off, bo in zip(file_offsets, buf_offsets):
-            if fixed is not None or policy is not ODirectPolicy.AUTO:
-                use = fixed
-            else:
-                where = file_residency(f, off, size)
-                use = fd if where is Residency.ALL else (dfd if where is Residency.NONE else None)
-            if use is dfd and use is not None and (off % align or (base + bo) % align):
-                use = None
+            fd = _one_call_fd(f, policy, dfd, off, size, base + bo, align)
             n = -1
-            if use is not None:
+            if fd is not None:
                 if bo != last_bo:  # the same place again (a benchmark's one buffer) reuses its iovec
                     last_bo, iov = bo, [view[bo:bo + size]]
-                try:
-                    n = preadv(use, iov, off)
-                except InterruptedError:
-                    n = -1
-                except OSError as exc:
-                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or use is fd:
-                        raise from_os_error(exc, f.path) from exc
-                    n = -1  # O_DIRECT refused: the general path falls back
+                n = _preadv_once(f, fd, iov, off)
             if n == size:
                 t1 = clock()
                 fast_ops += 1
                 fast_ns += t1 - t0
             else:  # short (end of file), refused or not a one-call case: the general path, exactly
-                n = self.read(f, Request("read", buf, size, off, bo, reason))
+                n = self._read_general(f, Request("read", buf, size, off, bo, reason))
                 t1 = clock()
             if latencies_ns is not None:
                 latencies_ns.append(t1 - t0)
@@ -154,46 +190,6 @@ class HostBackend(Backend):
         if fast_ops:
             ledger.record(Path.HOST, reason, "read", fast_ops * size, fast_ops, fast_ns / 1e9, requests=fast_ops)
         return counts
-
-    @staticmethod
-    def _read_small(f: OpenFile, req: Request, view: memoryview, cfg: Settings) -> int:
-        """The common small reads in one system call, or -1 to take the general path.
-
-        A small request costs more in Python than in the kernel, and with several threads
-        every microsecond holding the interpreter lock delays the others' next I/O.
-        Served here: buffered reads (``odirect="never"``, or ``"auto"`` with every page
-        cached) and aligned O_DIRECT reads into aligned memory (``"always"``, or ``"auto"``
-        with nothing cached). Everything else (unaligned misses, partly cached ranges, end
-        of file under O_DIRECT) goes the general way.
-        """
-        policy = cfg.odirect
-        pos, size = req.file_offset, req.size
-        dst = view[req.buf_offset:req.buf_offset + size]
-        if policy is ODirectPolicy.NEVER:
-            return pread_full(f.fd, dst, pos, f.path)
-        if policy is ODirectPolicy.AUTO:
-            # Asked, not probed: a RWF_NOWAIT read of missing pages would start readahead
-            # that races the O_DIRECT read.
-            where = file_residency(f, pos, size)
-            if where is Residency.ALL:
-                return pread_full(f.fd, dst, pos, f.path)
-            if where is not Residency.NONE:
-                return -1
-        align = cfg.alignment
-        if pos % align or size % align or (req.buf.ptr + req.buf_offset) % align:
-            return -1
-        dfd = f.direct_fd()
-        if dfd is None or f.extras.get("direct_broken"):
-            return -1
-        try:
-            n = os.preadv(dfd, [dst], pos)
-        except InterruptedError:
-            return -1
-        except OSError as exc:
-            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                return -1  # the general path knows how to fall back
-            raise from_os_error(exc, f.path) from exc
-        return n if n == size else -1  # short: end of file, which the general path reads exactly
 
     def _read_chunk(self, f: OpenFile, req: Request, view: memoryview, cfg: Settings, ref: LaneRef,
                     ch: Chunk) -> ChunkResult:

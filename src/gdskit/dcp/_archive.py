@@ -87,10 +87,16 @@ class _SparseSink:
         return bytes(out)
 
 
-class _SinkReader:
-    def __init__(self, sink: _SparseSink) -> None:
-        self._sink = sink
+class _RangeStream:
+    """A read-only, seekable stream over ``length`` bytes that :meth:`_range` serves
+    (what torch's archive reader needs from a Python object)."""
+
+    def __init__(self, length: int) -> None:
+        self._length = length
         self._pos = 0
+
+    def _range(self, start: int, end: int) -> bytes:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -99,17 +105,27 @@ class _SinkReader:
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else (self._pos + offset if whence == 1 else self._sink.size + offset)
+        self._pos = offset if whence == 0 else (self._pos + offset if whence == 1 else self._length + offset)
         return self._pos
 
     def tell(self) -> int:
         return self._pos
 
     def read(self, n: int = -1) -> bytes:
-        end = self._sink.size if n is None or n < 0 else min(self._sink.size, self._pos + n)
-        out = self._sink.range(self._pos, max(end, self._pos))
-        self._pos += len(out)
+        start = min(self._pos, self._length)
+        end = self._length if n is None or n < 0 else min(self._length, start + n)
+        out = self._range(start, end)
+        self._pos = start + len(out)
         return out
+
+
+class _SinkReader(_RangeStream):
+    def __init__(self, sink: _SparseSink) -> None:
+        super().__init__(sink.size)
+        self._sink = sink
+
+    def _range(self, start: int, end: int) -> bytes:
+        return self._sink.range(start, end)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,39 +162,21 @@ class SavedTensor:
     record_nbytes: int
 
 
-class _SliceReader:
+class _SliceReader(_RangeStream):
     """``[offset, offset + length)`` of an open file as a stream, served from prefetched ends when possible."""
 
     def __init__(self, fd: int, offset: int, length: int, head: bytes, tail: bytes) -> None:
-        self._fd, self._offset, self._length = fd, offset, length
+        super().__init__(length)
+        self._fd, self._offset = fd, offset
         self._head, self._tail = head, tail
         self._tail_start = length - len(tail)
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else (self._pos + offset if whence == 1 else self._length + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        start = min(self._pos, self._length)
-        end = self._length if n is None or n < 0 else min(self._length, start + n)
+    def _range(self, start: int, end: int) -> bytes:
         if end <= len(self._head):
-            out = self._head[start:end]
-        elif start >= self._tail_start:
-            out = self._tail[start - self._tail_start:end - self._tail_start]
-        else:
-            out = os.pread(self._fd, end - start, self._offset + start)
-        self._pos = start + len(out)
-        return out
+            return self._head[start:end]
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start:end - self._tail_start]
+        return os.pread(self._fd, end - start, self._offset + start)
 
 
 def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: str) -> SavedTensor:
