@@ -88,15 +88,13 @@ class _SparseSink:
 
 
 class _RangeStream:
-    """A read-only, seekable stream over ``length`` bytes that :meth:`_range` serves
+    """A read-only, seekable stream over ``length`` bytes that ``fetch(start, end)`` serves
     (what torch's archive reader needs from a Python object)."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, fetch: Callable[[int, int], bytes]) -> None:
         self._length = length
+        self._fetch = fetch
         self._pos = 0
-
-    def _range(self, start: int, end: int) -> bytes:
-        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -114,18 +112,9 @@ class _RangeStream:
     def read(self, n: int = -1) -> bytes:
         start = min(self._pos, self._length)
         end = self._length if n is None or n < 0 else min(self._length, start + n)
-        out = self._range(start, end)
+        out = self._fetch(start, end)
         self._pos = start + len(out)
         return out
-
-
-class _SinkReader(_RangeStream):
-    def __init__(self, sink: _SparseSink) -> None:
-        super().__init__(sink.size)
-        self._sink = sink
-
-    def _range(self, start: int, end: int) -> bytes:
-        return self._sink.range(start, end)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -138,7 +127,7 @@ def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
         torch.save(t, sink)
     nbytes = t.untyped_storage().nbytes()
     del t
-    source = _SinkReader(sink)
+    source = _RangeStream(sink.size, sink.range)
     reader = torch._C.PyTorchFileReader(source)
     name = f"data/{_STORAGE_KEY}"
     offset = reader.get_record_offset(name)
@@ -162,21 +151,18 @@ class SavedTensor:
     record_nbytes: int
 
 
-class _SliceReader(_RangeStream):
+def _slice_stream(fd: int, offset: int, length: int, head: bytes, tail: bytes) -> _RangeStream:
     """``[offset, offset + length)`` of an open file as a stream, served from prefetched ends when possible."""
+    tail_start = length - len(tail)
 
-    def __init__(self, fd: int, offset: int, length: int, head: bytes, tail: bytes) -> None:
-        super().__init__(length)
-        self._fd, self._offset = fd, offset
-        self._head, self._tail = head, tail
-        self._tail_start = length - len(tail)
+    def fetch(start: int, end: int) -> bytes:
+        if end <= len(head):
+            return head[start:end]
+        if start >= tail_start:
+            return tail[start - tail_start:end - tail_start]
+        return os.pread(fd, end - start, offset + start)
 
-    def _range(self, start: int, end: int) -> bytes:
-        if end <= len(self._head):
-            return self._head[start:end]
-        if start >= self._tail_start:
-            return self._tail[start - self._tail_start:end - self._tail_start]
-        return os.pread(self._fd, end - start, self._offset + start)
+    return _RangeStream(length, fetch)
 
 
 def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: str) -> SavedTensor:
@@ -189,7 +175,7 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
     if not head.startswith(b"PK\x03\x04"):
         raise FormatError(f"{where}: the item is not a torch.save archive")
     try:
-        source = _SliceReader(fd, offset, length, head, tail)
+        source = _slice_stream(fd, offset, length, head, tail)
         reader = torch._C.PyTorchFileReader(source)
         pkl = reader.get_record("data.pkl")
     except RuntimeError as exc:

@@ -31,11 +31,11 @@ FIELDS = {
 
 def read_per_gpu() -> dict[int, dict[str, int]] | None:
     """Counters of every GPU cuFile has counted something on, or ``None`` when cuFile is not in use here."""
-    backend = sys.modules.get("gdskit.backends.cufile")
-    if backend is None:
+    cufile_backend = sys.modules.get("gdskit.backends.cufile")
+    if cufile_backend is None:
         return None
     try:
-        lib = backend.library()
+        lib = cufile_backend.library()
         if not lib.stats_enabled:
             return None
         mod = lib.module
