@@ -188,73 +188,24 @@ def udev_fs_usage(root: SystemRoot, major: int, minor: int) -> bool:
 
 
 # --------------------------------------------------------------------------- cufile.json
+_JSON_STRING = r'"(?:\\.|[^"\\])*"'
+_COMMENT = re.compile(_JSON_STRING + r"|//[^\n]*|/\*.*?(?:\*/|\Z)", re.S)
+_TRAILING_COMMA = re.compile(_JSON_STRING + r"|,(?=\s*[}\]])")
+
+
 def strip_json_comments(text: str) -> str:
     """Remove ``//`` and ``/* */`` comments and trailing commas, leaving strings intact.
 
     cufile.json is JSON with comments; URLs or paths inside strings may hold
-    ``//`` and must survive.
+    ``//`` and must survive. Each pattern matches whole strings first, so what it
+    removes is never inside one.
     """
-    out: list[str] = []
-    i, n = 0, len(text)
-    in_string = False
-    while i < n:
-        c = text[i]
-        if in_string:
-            out.append(c)
-            if c == "\\" and i + 1 < n:
-                out.append(text[i + 1])
-                i += 2
-                continue
-            if c == '"':
-                in_string = False
-            i += 1
-            continue
-        if c == '"':
-            in_string = True
-            out.append(c)
-            i += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            i = n if end < 0 else end       # keep the newline
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-            out.append(" ")
-        else:
-            out.append(c)
-            i += 1
-    return _drop_trailing_commas("".join(out))
+    def comment(m: re.Match[str]) -> str:
+        t = m.group(0)
+        return t if t[0] == '"' else (" " if t.startswith("/*") else "")
 
-
-def _drop_trailing_commas(text: str) -> str:
-    out: list[str] = []
-    in_string = False
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if in_string:
-            out.append(c)
-            if c == "\\" and i + 1 < n:
-                out.append(text[i + 1])
-                i += 2
-                continue
-            if c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-            out.append(c)
-        elif c == ",":
-            j = i + 1
-            while j < n and text[j] in " \t\r\n":
-                j += 1
-            if j < n and text[j] in "}]":
-                i += 1
-                continue
-            out.append(c)
-        else:
-            out.append(c)
-        i += 1
-    return "".join(out)
+    text = _COMMENT.sub(comment, text)
+    return _TRAILING_COMMA.sub(lambda m: m.group(0) if m.group(0)[0] == '"' else "", text)
 
 
 def parse_cufile_json(text: str) -> dict[str, Any]:
