@@ -327,3 +327,37 @@ def test_gpu_peak_memory_close_to_checkpoint_size(tmp_path) -> None:
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= size + 4 * gs.MAX_GROUP_BYTES + (1 << 20)
     del out
+
+
+@pytest.mark.gpu
+def test_gpu_large_tensors_come_from_one_reserved_segment(tmp_path) -> None:
+    # 24 tensors of 4 MiB: without the reservation each would cost torch's allocator its own cudaMalloc.
+    tensors = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(24)}
+    path = tmp_path / "many.safetensors"
+    gs.save_file(tensors, path)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    out = gs.load_file(path, device="cuda:0")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] - before == 1
+    for k, v in tensors.items():
+        assert same(out[k].cpu(), v), k
+    # Each tensor still owns its memory: dropping all but one leaves only that one allocated.
+    allocated = torch.cuda.memory_allocated()
+    keep = out.pop("w0")
+    del out
+    assert allocated - torch.cuda.memory_allocated() == 23 * (4 << 20)
+    assert keep.sum().item() == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_reservation_stands_aside_when_allocator_is_configured(monkeypatch) -> None:
+    from gdskit.formats import torch_io
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    torch_io.reserve_device_memory(torch.device("cuda:0"), [256 << 20])
+    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == before

@@ -271,3 +271,17 @@ def test_gpu_save_and_load_both_ways(tmp_path) -> None:
     assert same(gt.load(plain, map_location="cuda:0"), sd)
     cpu = gt.load(path, map_location="cpu")
     assert cpu["w"].device.type == "cpu" and torch.equal(cpu["w"], sd["w"].cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_load_to_one_device_takes_one_segment(tmp_path) -> None:
+    sd = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(24)}
+    path = tmp_path / "many.pt"
+    gt.save(sd, path)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    out = gt.load(path, map_location="cuda:0")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] - before == 1
+    assert same(out, {k: v.cuda() for k, v in sd.items()})

@@ -174,6 +174,7 @@ class _Target:
         self.torch = torch
         self.map_location = map_location
         self.eager = callable(map_location) and not isinstance(map_location, (str, bytes, dict, torch.device))
+        self.single_device = isinstance(map_location, (str, bytes, torch.device))  # every storage goes there
 
     def device(self, location: str) -> Any:
         torch = self.torch
@@ -241,7 +242,9 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         return _fallback(torch, path, map_location, weights_only, return_stats)
 
     target = _Target(torch, map_location)
-    records = StorageRecords(torch, reader, path, os.path.getsize(path), path)
+    archive_size = os.path.getsize(path)
+    records = StorageRecords(torch, reader, path, archive_size, path)
+    reserved: list[Any] = []
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None
     eager_file: list[Any] = []
@@ -251,7 +254,13 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         if rec.key in slots:
             return slots[rec.key][0]
         nbytes = rec.nbytes
-        storage = torch.UntypedStorage(nbytes, device=target.device(rec.location))
+        dev = target.device(rec.location)
+        if target.single_device and dev.type == "cuda" and nbytes > (1 << 20) and not reserved:
+            # Storages follow the pickle in archive order: what lies past this one bounds the rest.
+            from gdskit.formats.torch_io import reserve_device_memory
+            reserve_device_memory(dev, [archive_size - rec.offset])
+            reserved.append(dev)
+        storage = torch.UntypedStorage(nbytes, device=dev)
         if target.eager:
             if nbytes:
                 if not eager_file:

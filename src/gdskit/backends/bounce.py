@@ -10,6 +10,7 @@ backwards. The ring is reused across calls: pinned memory is slow to allocate.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
@@ -42,20 +43,34 @@ class BounceBackend(Backend):
     serves_device_memory = True
 
     @staticmethod
-    def _plan(req: Request) -> tuple[Settings, int, int, int, list[Chunk]]:
-        """Settings, device, lanes, stage bytes and chunks for one request (chunks fit the pinned budget)."""
+    def _layout(req: Request) -> tuple[Settings, int, int, int]:
+        """Settings, device, lanes and chunk bytes for requests into ``req``'s device (chunks fit the pinned budget)."""
         cfg = settings.snapshot()
         device = req.buf.device if req.buf.device is not None else cuda.current_device()
         n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
-        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, cfg.alignment)
-        return cfg, device, n_lanes, chunk + 2 * cfg.alignment, plan
+        return cfg, device, n_lanes, chunk
 
     def read(self, f: OpenFile, req: Request) -> int:
-        cfg, device, n_lanes, stage_bytes, plan = self._plan(req)
+        return self.read_many(f, [req])[0]
+
+    def read_many(self, f: OpenFile, reqs: Sequence[Request]) -> list[int]:
+        """Several reads into memory of one device as one job; the byte count of each.
+
+        The chunks of all requests share the workers, and each worker keeps its lane
+        from one request to the next: a checkpoint's hundreds of tensors then move
+        like one large read instead of paying a lane hand-over and a drain per tensor.
+        """
+        if not reqs:
+            return []
+        cfg, device, n_lanes, chunk = self._layout(reqs[0])
         align = cfg.alignment
+        stage_bytes = chunk + 2 * align
+        plans = [chunks(r.file_offset, r.buf_offset, r.size, chunk, align) for r in reqs]
+        jobs = [(r, ch) for r, plan in zip(reqs, plans) for ch in plan]
         t0 = time.perf_counter()
 
-        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
+        def work(ref: LaneRef, job: tuple[Request, Chunk]) -> ChunkResult:
+            req, ch = job
             lane = ref.get()
             stage, event = lane.next_stage()
             res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
@@ -65,15 +80,25 @@ class BounceBackend(Backend):
                 event.record(lane.stream)
             return res
 
-        results = run_chunks(plan, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,
+        results = run_chunks(jobs, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,
                              max_lanes=n_lanes, budget=cfg.pinned_budget)
-        total = contiguous_prefix(results, plan)
-        _record(req, "read", results, total, time.perf_counter() - t0)
-        return total
+        elapsed = time.perf_counter() - t0
+        total_bytes = sum(r.size for r in reqs)
+        counts = []
+        start = 0
+        for req, plan in zip(reqs, plans):
+            mine = results[start:start + len(plan)]
+            start += len(plan)
+            n = contiguous_prefix(mine, plan)
+            _record(req, "read", mine, n, elapsed * req.size / total_bytes)
+            counts.append(n)
+        return counts
 
     def write(self, f: OpenFile, req: Request) -> int:
-        cfg, device, n_lanes, stage_bytes, plan = self._plan(req)
+        cfg, device, n_lanes, chunk = self._layout(req)
         align = cfg.alignment
+        stage_bytes = chunk + 2 * align
+        plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)
         t0 = time.perf_counter()
 
         def work(ref: LaneRef, ch: Chunk) -> ChunkResult:

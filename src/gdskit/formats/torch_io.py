@@ -16,8 +16,9 @@ only those modules import it.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,6 +37,46 @@ def _engine_buffer(t: torch.Tensor) -> Any:
     return t
 
 
+_FIRST_BATCH_BYTES = 256 << 20  # later batches double
+
+# torch's caching allocator serves requests above 1 MiB from its large pool, rounded up to 512 bytes.
+_SMALL_POOL_MAX = 1 << 20
+_ROUND = 512
+
+
+def _allocator_splits_blocks() -> bool:
+    """Whether torch's allocator will carve later allocations out of one freed large block:
+    true for its native allocator unless a setting stops it (``max_split_size_mb`` keeps
+    big blocks whole; expandable segments and cudaMallocAsync manage memory otherwise)."""
+    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if any(k in conf for k in ("max_split_size_mb", "expandable_segments", "cudaMallocAsync")):
+        return False
+    try:
+        return torch.cuda.memory.get_allocator_backend() == "native"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
+    """Let torch's allocator take, in one ``cudaMalloc``, the memory of the large tensors about to be made.
+
+    Measured on an H200: 256 separate 32 MiB allocations took 0.28 s, longer than reading
+    the 8 GiB they hold from the page cache. One block of the total, freed at once, stays in
+    torch's cache and each later allocation is split from it; every tensor still owns its
+    memory. Nothing is reserved where that would not hold, or when the block does not fit.
+    """
+    if device.type != "cuda":
+        return
+    total = sum(-(-n // _ROUND) * _ROUND for n in sizes if n > _SMALL_POOL_MAX)
+    if total < 2 * (32 << 20) or not _allocator_splits_blocks():
+        return  # a few allocations cost less than the check
+    try:
+        block = torch.empty(total, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        return
+    del block
+
+
 def _check(n: int, want: int, what: str) -> None:
     if n != want:
         raise TruncatedFileError(f"short read of {what}: got {n} of {want} bytes "
@@ -48,12 +89,17 @@ def _wait_all(futures: list[concurrent.futures.Future[Any]]) -> None:
 
 
 def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
-    # On the GPU one batched call saves a launch per tensor; on the CPU a plain
-    # loop is as fast and avoids the batched op's slow CPU fallback.
+    # On the GPU batched calls save a launch per tensor (torch releases without _foreach_clone:
+    # fresh tensors, then one _foreach_copy_); on the CPU a plain loop is as fast and avoids the
+    # batched ops' slow CPU fallback.
+    if not srcs or srcs[0].device.type != "cuda":
+        return [s.clone() for s in srcs]
     fn = getattr(torch, "_foreach_clone", None)
-    if fn is not None and srcs and srcs[0].device.type == "cuda":
+    if fn is not None:
         return list(fn(srcs))
-    return [s.clone() for s in srcs]
+    out = [torch.empty_like(s) for s in srcs]
+    _copy_all(out, srcs)
+    return out
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -114,6 +160,10 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # by queued work; the engine writes from its own streams or threads. One wait here, for
         # the whole device, covers every request below (which then skip their own waits).
         torch.cuda.synchronize(device)
+        fresh = [e.nbytes for e in plan.direct if e.key not in dests]
+        fresh += [m.nbytes for g in plan.groups for m in g.members if m.key not in dests]
+        fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
+        reserve_device_memory(device, fresh)
     for e in plan.empty:
         dest_for(e)
     ring: list[torch.Tensor] = []
@@ -121,21 +171,28 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         nbuf = min(depth, len(plan.groups))
         ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
 
-    direct: list[tuple[Extent, torch.Tensor]] = []
-    futures: list[concurrent.futures.Future[int]] = []
+    batches: list[tuple[list[Extent], concurrent.futures.Future[list[int]]]] = []
+    futures: list[concurrent.futures.Future[Any]] = []
     try:
-        for e in plan.direct:
-            # Allocate each destination just before its read: later allocations (a cudaMalloc each
-            # for large tensors) then overlap the reads already in flight.
-            t = dest_for(e)
-            direct.append((e, t))
-            fut = f.pread(_engine_buffer(t), size=e.nbytes, file_offset=e.file_offset)
-            if progress is not None:
-                fut.add_done_callback(lambda _f, n=e.nbytes: progress.advance(n))
-            futures.append(fut)
+        # Direct extents go to the engine in a few growing batches (one job each, see
+        # File.pread_many): the first is small so reads start at once, and each
+        # destination is allocated just before its batch, overlapping the reads in flight.
+        batch: list[Extent] = []
+        batch_bytes, target = 0, _FIRST_BATCH_BYTES
+        for i, e in enumerate(plan.direct):
+            batch.append(e)
+            batch_bytes += e.nbytes
+            if batch_bytes >= target or i == len(plan.direct) - 1:
+                fut = f.pread_many([(_engine_buffer(dest_for(x)), x.nbytes, x.file_offset) for x in batch])
+                if progress is not None:
+                    fut.add_done_callback(lambda _f, n=batch_bytes: progress.advance(n))
+                futures.append(fut)
+                batches.append((batch, fut))
+                batch, batch_bytes, target = [], 0, target * 2
         _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
-        for (e, _t), fut in zip(direct, futures[:len(direct)]):
-            _check(fut.result(), e.nbytes, repr(e.key))
+        for members, fut in batches:
+            for e, n in zip(members, fut.result()):
+                _check(n, e.nbytes, repr(e.key))
     except BaseException:
         _wait_all(futures)
         if on_cuda:
