@@ -147,7 +147,8 @@ def run_case(ctx: AcceptContext, case: str) -> dict[str, Any]:
     if case == "compat":
         env.update(CUFILE_ENV_PATH_JSON=forced_compat_config(scratch), CUFILE_FORCE_COMPAT_MODE="true",
                    CUFILE_ALLOW_COMPAT_MODE="true")
-    argv = [sys.executable, "-m", "gdskit.accept.fault_child", "--case", case, "--dir", scratch,
+    # -X faulthandler: should the child crash, its stderr (kept in the report) shows where.
+    argv = [sys.executable, "-X", "faulthandler", "-m", "gdskit.accept.fault_child", "--case", case, "--dir", scratch,
             "--size", str(ctx.sizes.fault), "--device", str(ctx.options.device)]
     try:
         proc = subprocess.run(argv, env=env, cwd=scratch, capture_output=True, text=True,
