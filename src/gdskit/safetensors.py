@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gdskit.errors import GdskitError, InvalidArgumentError, MissingDependencyError
 from gdskit.formats import read_plan, safetensors_format as fmt
+from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import (HeaderError, LayoutError, MissingTensorError,
@@ -138,6 +139,12 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
     MissingTensorError
         A name in ``keys`` is not in the checkpoint.
     """
+    with collector_paused():
+        return _load_file(path_or_paths, device, keys, progress, return_stats)
+
+
+def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, progress: ProgressArg,
+               return_stats: bool) -> Any:
     torch = _torch()
     dev = _device(torch, device)
     shards = fmt.resolve_checkpoint(path_or_paths)
@@ -162,8 +169,7 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
         if missing:
             raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
                                      + (" ..." if len(missing) > 5 else ""))
-    for n in names:
-        _torch_type(torch, where[n][2])  # fail before reading anything
+    types = {n: _torch_type(torch, where[n][2]) for n in names}  # fails before anything is read
 
     by_file: dict[str, list[fmt.TensorEntry]] = {}
     for n in names:
@@ -186,9 +192,9 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
                                              f"({h.file_size} -> {f.size} bytes)")
                 raw.update(execute(f, plan, dev, progress=prog))
     out = {}
-    for n in names:
-        dt, shape = _torch_type(torch, where[n][2])
-        out[n] = raw.pop(n).view(dt).reshape(shape)
+    for n, (dt, shape) in types.items():
+        t = raw.pop(n)
+        out[n] = t.view(dt) if len(shape) == 1 and t.numel() == shape[0] * dt.itemsize else t.view(dt).reshape(shape)
     if return_stats:
         return out, stats_delta(before, stats())
     return out

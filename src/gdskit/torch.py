@@ -27,6 +27,7 @@ from typing import Any
 from gdskit.durable import fsync_dir, remove_if_present
 from gdskit.errors import FormatError, GdskitError, MissingDependencyError
 from gdskit.formats import read_plan
+from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -220,8 +221,13 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
     progress, return_stats
         As for :func:`gdskit.safetensors.load_file`.
     """
+    with collector_paused():
+        return _load(os.fspath(path), map_location, weights_only, progress, return_stats)
+
+
+def _load(path: str, map_location: MapLocation, weights_only: bool, progress: ProgressArg,
+          return_stats: bool) -> Any:
     torch = _torch()
-    path = os.fspath(path)
     try:
         kind = _file_kind(path)
     except OSError as exc:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable
+from typing import NamedTuple
 
 
-@dataclasses.dataclass(frozen=True)
-class Extent:
-    """``nbytes`` bytes at ``file_offset`` that belong to ``key`` (a tensor or a storage)."""
+class Extent(NamedTuple):
+    """``nbytes`` bytes at ``file_offset`` that belong to ``key`` (a tensor or a storage).
+
+    A named tuple rather than a dataclass: a checkpoint of 20,000 tensors makes 20,000 of
+    them, and a tuple is made several times faster.
+    """
 
     key: Hashable
     file_offset: int
