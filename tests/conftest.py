@@ -72,3 +72,4 @@ def stats_dir(tmp_path, monkeypatch):
     d = tmp_path / "stats"
     monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
     return d
+

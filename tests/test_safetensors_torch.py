@@ -15,6 +15,7 @@ from safetensors import safe_open  # noqa: E402
 
 import gdskit  # noqa: E402
 import gdskit.safetensors as gs  # noqa: E402
+from gpu_memory import new_large_pool_segments  # noqa: E402
 from gdskit.errors import FormatError, GdskitError, MissingDependencyError  # noqa: E402
 from gdskit.formats import read_plan  # noqa: E402
 from gdskit.formats import safetensors_format as fmt  # noqa: E402
@@ -335,12 +336,8 @@ def test_gpu_large_tensors_come_from_one_reserved_segment(tmp_path) -> None:
     tensors = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(24)}
     path = tmp_path / "many.safetensors"
     gs.save_file(tensors, path)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
-    out = gs.load_file(path, device="cuda:0")
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] - before == 1
+    out, segments = new_large_pool_segments(lambda: gs.load_file(path, device="cuda:0"))
+    assert segments == 1
     for k, v in tensors.items():
         assert same(out[k].cpu(), v), k
     # Each tensor still owns its memory: dropping all but one leaves only that one allocated.
@@ -356,8 +353,5 @@ def test_gpu_reservation_stands_aside_when_allocator_is_configured(monkeypatch) 
     from gdskit.formats import torch_io
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
-    torch_io.reserve_device_memory(torch.device("cuda:0"), [256 << 20])
-    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == before
+    _, segments = new_large_pool_segments(lambda: torch_io.reserve_device_memory(torch.device("cuda:0"), [256 << 20]))
+    assert segments == 0
