@@ -127,9 +127,9 @@ class LanePool:
         self._busy = 0
         self._creating: dict[tuple[int | None, int], int] = {}
         self._creating_pinned = 0
-        # Pinned allocations made at once do not finish sooner (the kernel serialises them:
-        # 16 x 8 MiB took 66 ms from 16 threads and 50 ms from one on the H200 machine), but
-        # made one after another the first lanes are ready in a few ms and their workers start.
+        # Pinned allocations made at once do not finish sooner (16 x 8 MiB took 66 ms from 16
+        # threads at once and 50 ms from one on the H200 machine), but made one after another
+        # the first lanes are ready in a few ms and their workers start.
         self._pin_lock = threading.Lock()
 
     def stage_layout(self, device: int | None, threads: int, chunk_size: int, budget: int,

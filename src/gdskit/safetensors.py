@@ -193,8 +193,8 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                 raw.update(execute(f, plan, dev, progress=prog))
     out = {}
     for n, (dt, shape) in types.items():
-        t = raw.pop(n)
-        out[n] = t.view(dt) if len(shape) == 1 and t.numel() == shape[0] * dt.itemsize else t.view(dt).reshape(shape)
+        t = raw.pop(n).view(dt)
+        out[n] = t if t.shape == shape else t.reshape(shape)
     if return_stats:
         return out, stats_delta(before, stats())
     return out

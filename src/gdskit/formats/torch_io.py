@@ -60,8 +60,8 @@ def _allocator_splits_blocks() -> bool:
 def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
     """Let torch's allocator take, in one ``cudaMalloc``, the memory of the large tensors about to be made.
 
-    Measured on an H200: 256 separate 32 MiB allocations took 0.28 s, longer than reading
-    the 8 GiB they hold from the page cache. One block of the total, freed at once, stays in
+    On the H200 machine, 256 separate 32 MiB allocations made while the engine's copies were
+    in flight took 0.28 s (0.05 s this way). One block of the total, freed at once, stays in
     torch's cache and each later allocation is split from it; every tensor still owns its
     memory. Nothing is reserved where that would not hold, or when the block does not fit.
     """
