@@ -100,3 +100,29 @@ def test_bad_arguments_get_clear_errors(data_file, tmp_path):
         f.read_batch(buf, [0], 4096)
     with gdskit.open(tmp_path / "w.bin", "w") as w, pytest.raises(UnsupportedOperationError):
         w.read_batch(buf, [0], 4096)
+
+
+@pytest.mark.parametrize("policy", ["auto", "always", "never"])
+def test_a_failing_read_raises_the_io_error_not_a_count(data_file, monkeypatch, policy):
+    import errno
+    import os
+
+    from gdskit.errors import GdskitError
+
+    path, _ = data_file
+    buf = aligned_array(3 * 4096)
+    real = os.preadv
+    calls = []
+
+    def failing(fd, iov, off, *flags):
+        calls.append(off)
+        if off == 4096:
+            raise OSError(errno.EIO, "injected I/O error")
+        return real(fd, iov, off, *flags)
+
+    with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(GdskitError) as info:
+            f.read_batch(buf, [0, 4096, 8192], 4096)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EIO
+    assert 4096 in calls
