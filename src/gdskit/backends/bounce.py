@@ -57,8 +57,8 @@ class BounceBackend(Backend):
         """Several reads into memory of one device as one job; the byte count of each.
 
         The chunks of all requests share the workers, and each worker keeps its lane
-        from one request to the next: a checkpoint's hundreds of tensors then move
-        like one large read instead of paying a lane hand-over and a drain per tensor.
+        from one request to the next instead of handing it over and draining it at the
+        end of every request (a checkpoint's hundreds of tensors).
         """
         if not reqs:
             return []
