@@ -374,7 +374,8 @@ class File:
         items = []
         for i, item in enumerate(reads):
             if not isinstance(item, tuple) or len(item) not in (3, 4):
-                raise InvalidArgumentError(f"read {i}: expected (buf, size, file_offset[, buf_offset]), got {item!r:.80}")
+                raise InvalidArgumentError(
+                    f"read {i}: expected (buf, size, file_offset[, buf_offset]), got {item!r:.80}")
             buf, size, file_offset = item[:3]
             if size is None or file_offset is None:
                 raise InvalidArgumentError(f"read {i}: size and file_offset must be given")
