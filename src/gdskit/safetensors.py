@@ -16,8 +16,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gdskit.errors import GdskitError, InvalidArgumentError, MissingDependencyError
-from gdskit.formats import read_plan, safetensors_format as fmt
+from gdskit.errors import GdskitError, InvalidArgumentError
+from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -47,11 +47,7 @@ class UnsupportedTensorError(GdskitError, TypeError):
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise MissingDependencyError("gdskit.safetensors needs torch: pip install 'gdskit[torch]'") from None
-    return torch
+    return require_torch("gdskit.safetensors")
 
 
 @functools.lru_cache(maxsize=2)  # built once per torch module: loads look it up per tensor

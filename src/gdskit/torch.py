@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gdskit.durable import fsync_dir, remove_if_present
-from gdskit.errors import FormatError, GdskitError, MissingDependencyError
-from gdskit.formats import read_plan
+from gdskit.errors import FormatError, GdskitError
+from gdskit.formats import read_plan, require_torch
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -59,11 +59,7 @@ class DeviceUnavailableError(GdskitError, RuntimeError):
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise MissingDependencyError("gdskit.torch needs torch: pip install 'gdskit[torch]'") from None
-    return torch
+    return require_torch("gdskit.torch")
 
 
 # -- save -----------------------------------------------------------------------
