@@ -356,18 +356,14 @@ class File:
             req = Request(op, view, size, file_offset, buf_offset, host_reason())
             host = backend("host")
             return host.read(self._of, req) if op == "read" else host.write(self._of, req)
-        if view.producer_sync:
-            # Kernels still queued on the buffer (a fill before a read, a compute before a write) must
-            # finish first: gdskit's copies run on their own streams.
-            cuda.synchronize_producer(view.producer_stream)
+        if op == "read":
+            return self._execute_many([(view, size, file_offset, buf_offset)])[0]
+        _wait_for_producer(view)
         cfg = settings.snapshot()
         total = 0
         for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
-            req = Request(op, view, route.size, route.file_offset, route.buf_offset, route.reason)
-            n = backend(route.backend).read(self._of, req) if op == "read" else backend(route.backend).write(self._of, req)
-            total += n
-            if n < route.size:  # end of file: later pieces would leave a gap
-                break
+            total += backend(route.backend).write(self._of, Request(op, view, route.size, route.file_offset,
+                                                                    route.buf_offset, route.reason))
         return total
 
     def _validate_many(self, reads: Iterable[tuple[Any, ...]]) -> list[tuple[BufferView, int, int, int]]:
@@ -394,9 +390,7 @@ class File:
                 reqs.append(("host", Request("read", view, size, file_offset, buf_offset, host_reason())))
                 pieces[i].append(len(reqs) - 1)
                 continue
-            if view.producer_sync and view.producer_stream not in synced:
-                cuda.synchronize_producer(view.producer_stream)  # see _execute
-                synced.add(view.producer_stream)
+            _wait_for_producer(view, synced)
             for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
                 reqs.append((route.backend, Request("read", view, route.size, route.file_offset, route.buf_offset,
                                                     route.reason)))
@@ -437,6 +431,17 @@ class File:
     def _forget(self, fut: Future[int]) -> None:
         with self._lock:
             self._pending.discard(fut)
+
+
+def _wait_for_producer(view: BufferView, done: set[Any] | None = None) -> None:
+    """Let kernels still queued on a device buffer (a fill before a read, a compute before a
+    write) finish first: gdskit's copies run on their own streams. ``done``: streams already
+    waited for by this call, skipped."""
+    if not view.producer_sync or (done is not None and view.producer_stream in done):
+        return
+    cuda.synchronize_producer(view.producer_stream)
+    if done is not None:
+        done.add(view.producer_stream)
 
 
 def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> File:  # noqa: A001
