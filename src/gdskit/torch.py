@@ -246,12 +246,13 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     target = _Target(torch, map_location)
     archive_size = os.path.getsize(path)
     records = StorageRecords(torch, reader, path, archive_size, path)
-    reserved: list[Any] = []
+    reserved = False  # the allocator block for the storages has been set aside
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None
     eager_file: list[Any] = []
 
     def persistent_load(saved_id: Any) -> Any:
+        nonlocal reserved
         rec = records.resolve(saved_id)
         if rec.key in slots:
             return slots[rec.key][0]
@@ -261,7 +262,7 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
             # Storages follow the pickle in archive order: what lies past this one bounds the rest.
             from gdskit.formats.torch_io import reserve_device_memory
             reserve_device_memory(dev, [archive_size - rec.offset])
-            reserved.append(dev)
+            reserved = True
         storage = torch.UntypedStorage(nbytes, device=dev)
         if target.eager:
             if nbytes:

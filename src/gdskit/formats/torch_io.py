@@ -160,8 +160,9 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # by queued work; the engine writes from its own streams or threads. One wait here, for
         # the whole device, covers every request below (which then skip their own waits).
         torch.cuda.synchronize(device)
+        # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
+        # only the direct tensors and the staging ring count.
         fresh = [e.nbytes for e in plan.direct if e.key not in dests]
-        fresh += [m.nbytes for g in plan.groups for m in g.members if m.key not in dests]
         fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
         reserve_device_memory(device, fresh)
     for e in plan.empty:
