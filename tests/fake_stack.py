@@ -13,5 +13,5 @@ from fake_cufile import FakeCufile
 def use_cufile(monkeypatch: pytest.MonkeyPatch, fake: FakeCufile) -> cufile_backend.CufileLibrary:
     """Make ``fake`` the libcufile gdskit's cuFile backend loads."""
     lib = cufile_backend.CufileLibrary(loader=lambda: fake)
-    monkeypatch.setattr(cufile_backend, "library", lambda: lib)
+    monkeypatch.setattr(cufile_backend, "cufile_library", lambda: lib)
     return lib

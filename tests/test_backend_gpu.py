@@ -43,12 +43,12 @@ class TestCufileBackend(_DeviceMemory):
 
     @pytest.fixture(autouse=True)
     def _need_cufile(self, tmp_path):
-        from gdskit.backends.cufile import library, register
+        from gdskit.backends.cufile import cufile_library, register
         from gdskit.backends.base import OpenFile
         import os
 
-        if not library().available():
-            pytest.skip(f"libcufile not usable: {library().error}")
+        if not cufile_library().available():
+            pytest.skip(f"libcufile not usable: {cufile_library().error}")
         p = tmp_path / "probe.bin"
         p.write_bytes(b"x" * 4096)
         fd = os.open(p, os.O_RDWR)

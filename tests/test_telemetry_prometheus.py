@@ -89,7 +89,7 @@ def test_label_values_are_escaped():
 def test_cufile_counters_are_read_only_where_cufile_is_open(monkeypatch):
     fake = FakeCufile(route="posix")
     lib = cufile_backend.CufileLibrary(loader=lambda: fake)
-    monkeypatch.setattr(cufile_backend, "library", lambda: lib)
+    monkeypatch.setattr(cufile_backend, "cufile_library", lambda: lib)
     assert cufile_counters.read_per_gpu() is None  # not opened by any I/O: publishing must not open it
     assert lib.available() and lib.stats_enabled
     fake.counters["n_posix_reads"] = 3

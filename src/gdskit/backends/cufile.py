@@ -211,7 +211,7 @@ class CufileLibrary:
 
 
 @functools.lru_cache(maxsize=1)
-def library() -> CufileLibrary:
+def cufile_library() -> CufileLibrary:
     return CufileLibrary()
 
 
@@ -241,7 +241,7 @@ def register(f: OpenFile) -> FileRegistration:
 
 
 def _register(f: OpenFile) -> FileRegistration:
-    lib = library()
+    lib = cufile_library()
     if not lib.available():
         reg = FileRegistration(None, Reason.CUFILE_MISSING, lib.error or "")
     else:
@@ -276,7 +276,7 @@ class CufileBackend(Backend):
 
     def _run(self, f: OpenFile, req: Request) -> int:
         cfg = settings.snapshot()
-        lib = library()
+        lib = cufile_library()
         mod = lib.module
         handle = self._handle(f)
         gpu = req.buf.device or 0
@@ -323,7 +323,7 @@ class CufileBackend(Backend):
     def _record(req: Request, total: int, ops: int, elapsed: float, evidence: dict[Path, int] | None) -> None:
         if evidence is None:
             # No counters: cuFile's driver properties say whether a direct route exists at all.
-            props = library().properties()
+            props = cufile_library().properties()
             route = direct_route().route
             path = route if (route is not None and props is not None and props.nvidia_fs_loaded) else Path.CUFILE_COMPAT
             evidence = {path: ops}
@@ -360,7 +360,7 @@ class BufferRegistration:
         self.registered = False
         self.reason: Reason | None = None
         self._owner = view.owner
-        lib = library()
+        lib = cufile_library()
         if view.kind is not MemoryKind.DEVICE:
             self.reason = Reason.MANAGED_MEMORY if view.kind is MemoryKind.MANAGED else Reason.HOST_MEMORY
         elif not lib.available():
@@ -374,7 +374,7 @@ class BufferRegistration:
     def release(self) -> None:
         if self.registered:
             self.registered = False
-            library().deregister_buffer(self.ptr)
+            cufile_library().deregister_buffer(self.ptr)
 
     def __enter__(self) -> BufferRegistration:
         return self

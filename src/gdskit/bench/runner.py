@@ -68,8 +68,8 @@ def static_availability(device: int) -> dict[str, str | None]:
     if device >= n:
         raise InvalidArgumentError(f"GPU index (-d) {device} does not exist; this machine has {n} GPU(s)")
     try:
-        from gdskit.backends.cufile import library
-        if not library().available():
+        from gdskit.backends.cufile import cufile_library
+        if not cufile_library().available():
             out["cufile"] = Reason.CUFILE_MISSING.value
     except Exception:
         out["cufile"] = Reason.CUFILE_MISSING.value
@@ -321,8 +321,8 @@ def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tupl
 
 def _cufile_counters(device: int) -> dict[str, int] | None:
     try:
-        from gdskit.backends.cufile import library
-        return library().counters(device)
+        from gdskit.backends.cufile import cufile_library
+        return cufile_library().counters(device)
     except Exception:
         return None
 

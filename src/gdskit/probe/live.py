@@ -31,9 +31,9 @@ def _ledger_view(delta: Any) -> dict[str, Any]:
 def _cufile_counters() -> dict[str, int] | None:
     """cuFile's own operation counters for GPU 0, where the engine has them switched on."""
     try:
-        from gdskit.backends.cufile import library
+        from gdskit.backends.cufile import cufile_library
 
-        lib = library()
+        lib = cufile_library()
         return lib.counters(0) if lib.stats_enabled else None
     except Exception:
         return None

@@ -35,7 +35,7 @@ def read_per_gpu() -> dict[int, dict[str, int]] | None:
     if cufile_backend is None:
         return None
     try:
-        lib = cufile_backend.library()
+        lib = cufile_backend.cufile_library()
         if not lib.stats_enabled:
             return None
         mod = lib.module
