@@ -11,7 +11,8 @@ prints one JSON line; the parent prints a table. Cases:
   ``--chunk``), from one thread and from ``--threads`` threads at once.
 * ``engine``: gdskit reads the (cached) file into fresh device memory, again into the
   same memory, then into another fresh allocation; with and without ``gdskit.prepare()``
-  before the clock.
+  before the clock, once for each way of making the pinned ring (``--allocs``,
+  ``settings.pinned_alloc``), interleaved.
 
     python benchmarks/first_call.py --file /data/big.bin --size 8GiB --json out.json
 """
@@ -131,6 +132,9 @@ def case_engine(size: int, chunk: int, threads: int, path: str, prepare: bool) -
             assert n == size, (n, size)
             out[f"{label}_GBps"] = size / dt / GB
     out["paths"] = {k: v.bytes for k, v in gdskit.stats().paths.items()}
+    from gdskit import pool
+
+    out["lane_setup_ms"] = sorted(round(x * 1e3, 1) for x in pool.setup_seconds)
     return out
 
 
@@ -155,6 +159,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=_size, default=8 << 20)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--allocs", default="register,hostalloc",
+                    help="pinned ring allocators to compare (settings.pinned_alloc values)")
+    ap.add_argument("--cases", default="h2d,pinned,engine,engine-prepared")
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,17 +174,31 @@ def main() -> None:
             for _ in range(0, args.size, len(block)):
                 fh.write(block)
     results = []
+    runs = [(case, alloc) for case in args.cases.split(",")
+            for alloc in (args.allocs.split(",") if case.startswith("engine") else [None])]
     for _ in range(args.repeats):
-        for case in ("h2d", "pinned", "engine", "engine-prepared"):
+        for case, alloc in runs:
             warm([args.file])
             env = {**os.environ, "GDSKIT_THREADS": str(args.threads)}
+            if alloc:
+                env["GDSKIT_PINNED_ALLOC"] = alloc
             proc = subprocess.run([sys.executable, __file__, "--case", case, "--file", args.file,
                                    "--size", str(args.size), "--chunk", str(args.chunk),
                                    "--threads", str(args.threads)], capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             r = json.loads(lines[-1][7:]) if lines else {"case": case, "error": proc.stderr[-2000:]}
+            if alloc:
+                r["pinned_alloc"] = alloc
+            if proc.returncode:
+                r["exit_status"] = proc.returncode  # e.g. -11: a crash after the result was printed
             print(json.dumps(r), flush=True)
             results.append(r)
+    print("\n| case | pinned ring | first GB/s | same buffer again | another fresh buffer |")
+    print("|---|---|---:|---:|---:|")
+    for r in results:
+        if "fresh_GBps" in r:
+            print(f"| {r['case']} | {r.get('pinned_alloc', '')} | {r['fresh_GBps']:.1f} | "
+                  f"{r['same_again_GBps']:.1f} | {r['second_fresh_GBps']:.1f} |")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=2)

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fake_runtime():
     """gdskit on a stand-in CUDA runtime with one device, for every test of the module."""
     import gdskit
-    from gdskit import cuda
+    from gdskit import cuda, pool
 
     from fake_cuda import FakeRuntime
 
@@ -48,6 +48,7 @@ def fake_runtime():
     gdskit.release_resources()
     mp.setattr(cuda, "_runtime", lambda: fake)
     mp.setattr(cuda, "_device_count", None)
+    mp.setattr(pool.lanes, "_register_failed", False)
     yield fake
     gdskit.release_resources()
     mp.undo()

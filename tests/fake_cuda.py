@@ -20,6 +20,8 @@ class cudaError_t(enum.IntEnum):  # noqa: N801 - the bindings' names
     cudaSuccess = 0
     cudaErrorInvalidValue = 1
     cudaErrorMemoryAllocation = 2
+    cudaErrorHostMemoryAlreadyRegistered = 712
+    cudaErrorHostMemoryNotRegistered = 713
 
 
 class cudaMemcpyKind(enum.IntEnum):  # noqa: N801
@@ -46,6 +48,7 @@ class FakeRuntime:
     cudaMemoryType = cudaMemoryType
     cudaStreamNonBlocking = 1
     cudaHostAllocPortable = 1
+    cudaHostRegisterPortable = 1
     cudaEventDisableTiming = 2
     cudaEventBlockingSync = 1
     cudaStreamPerThread = 2
@@ -128,6 +131,27 @@ class FakeRuntime:
     def cudaHostAlloc(self, n: int, flags: int):  # noqa: N802
         err = self._count("cudaHostAlloc")
         return (err, 0) if err else (OK, self._alloc(n, cudaMemoryType.cudaMemoryTypeHost))
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int):  # noqa: N802
+        err = self._count("cudaHostRegister")
+        if err:
+            return (err,)
+        with self._lock:
+            if ptr in self._allocs:
+                return (cudaError_t.cudaErrorHostMemoryAlreadyRegistered,)
+            self._allocs[ptr] = (None, n, cudaMemoryType.cudaMemoryTypeHost, self._device())
+        return (OK,)
+
+    def cudaHostUnregister(self, ptr: int):  # noqa: N802
+        err = self._count("cudaHostUnregister")
+        if err:
+            return (err,)
+        with self._lock:
+            found = self._allocs.get(ptr)
+            if found is None or found[0] is not None:
+                return (cudaError_t.cudaErrorHostMemoryNotRegistered,)
+            del self._allocs[ptr]
+        return (OK,)
 
     def cudaPointerGetAttributes(self, ptr: int):  # noqa: N802
         with self._lock:

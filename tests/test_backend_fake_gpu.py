@@ -86,17 +86,38 @@ def test_pinned_memory_stays_within_budget(tmp_path, fake_runtime):
     assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned buffers leaked"
 
 
-def test_prepare_creates_the_ring_once(tmp_path, fake_runtime):
+@pytest.mark.parametrize("alloc, call", [("register", "cudaHostRegister"), ("hostalloc", "cudaHostAlloc")])
+def test_prepare_creates_the_ring_once(tmp_path, fake_runtime, alloc, call):
     gdskit.release_resources()
-    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB"):
+    before = fake_runtime.calls.get(call, 0)
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc=alloc):
         usage = gdskit.prepare()
         assert usage.lanes == 4 and usage.pinned_bytes > 0
-        allocs = fake_runtime.calls.get("cudaHostAlloc", 0)
+        assert fake_runtime.calls.get(call, 0) == before + 4
+        assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 4
         p = tmp_path / "p.bin"
         p.write_bytes(os.urandom(4 << 20))
         with gdskit.open(str(p)) as f:
             f.read(cuda.DeviceArray(4 << 20))
-        assert fake_runtime.calls.get("cudaHostAlloc", 0) == allocs, "the first read allocated pinned memory again"
+        assert fake_runtime.calls.get(call, 0) == before + 4, "the first read allocated pinned memory again"
+    gdskit.release_resources()
+    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned stages leaked"
+
+
+def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_runtime):
+    data = os.urandom(3 << 20)
+    p = tmp_path / "r.bin"
+    p.write_bytes(data)
+    buf = cuda.DeviceArray(len(data))
+    gdskit.release_resources()
+    registers, allocs = fake_runtime.calls.get("cudaHostRegister", 0), fake_runtime.calls.get("cudaHostAlloc", 0)
+    fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"), gdskit.open(str(p)) as f:
+        assert f.read(buf) == len(data)
+    assert buf.to_numpy().tobytes() == data
+    assert fake_runtime.calls["cudaHostRegister"] > registers and fake_runtime.calls["cudaHostAlloc"] > allocs
+    gdskit.release_resources()
+    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0
 
 
 @pytest.mark.parametrize("failing", ["cudaMemcpyAsync", "cudaHostAlloc", "cudaStreamSynchronize"])
@@ -107,7 +128,7 @@ def test_cuda_errors_surface_and_release_everything(tmp_path, fake_runtime, fail
     gdskit.release_resources()
     fake_runtime.fail[failing] = cudaError_t.cudaErrorMemoryAllocation
     op = "write" if failing == "cudaStreamSynchronize" else "read"
-    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"):
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB", pinned_alloc="hostalloc"):
         with gdskit.open(str(p), "r+") as f:
             with pytest.raises(CudaError) as ei:
                 f.read(buf) if op == "read" else f.write(buf)

@@ -60,3 +60,48 @@ class TestCufileBackend(_DeviceMemory):
         if reg.handle is None:
             pytest.skip(f"cuFile cannot register files here: {reg.reason} {reg.detail}")
         yield
+
+
+def test_registered_stage_is_pinned_and_copies():
+    import numpy as np
+
+    from gdskit import cuda
+
+    n = (8 << 20) + 8192
+    stage = cuda.RegisteredHostBuffer(n)
+    dev = cuda.DeviceArray(n)
+    try:
+        assert cuda.pointer_info(stage.ptr).kind is cuda.MemoryKind.PINNED
+        data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+        stage.view[:] = data.tobytes()
+        cuda.memcpy(dev.ptr, stage.ptr, n)
+        assert np.array_equal(dev.to_numpy(), data)
+    finally:
+        stage.free()
+        dev.free()
+    stage.free()  # a second free does nothing
+
+
+@pytest.mark.parametrize("alloc, kind", [("register", "RegisteredHostBuffer"), ("hostalloc", "PinnedBuffer")])
+def test_ring_is_made_the_way_the_setting_says(tmp_path, alloc, kind):
+    import os
+
+    import gdskit
+    from gdskit import cuda, pool
+
+    data = os.urandom(5 << 20)
+    p = tmp_path / "ring.bin"
+    p.write_bytes(data)
+    dev = cuda.DeviceArray(len(data))
+    gdskit.release_resources()
+    try:
+        with gdskit.settings.set(mode="bounce", chunk_size="1MiB", threads=4, pinned_alloc=alloc):
+            with gdskit.open(str(p)) as f:
+                assert f.read(dev) == len(data)
+            stages = [type(st).__name__ for lane in pool.lanes._all for st in lane.stages]
+        assert stages and set(stages) == {kind}
+        assert dev.to_numpy().tobytes() == data
+    finally:
+        gdskit.release_resources()
+        dev.free()
+    assert gdskit.resources().pinned_bytes == 0

@@ -32,7 +32,7 @@ def test_set_without_with_persists():
 @pytest.mark.parametrize("changes", [
     {"mode": "fast"}, {"threads": 0}, {"threads": "many"}, {"chunk_size": "3KiB"}, {"chunk_size": 1000},
     {"pinned_budget": "12"}, {"alignment": 3000}, {"odirect": "sometimes"}, {"cufile_stats": "maybe"},
-    {"no_such_setting": 1},
+    {"pinned_alloc": "mlock"}, {"no_such_setting": 1},
 ])
 def test_invalid_values(changes):
     before = gdskit.settings.as_dict()

@@ -15,7 +15,7 @@ from gdskit.file import File, open
 from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
 from gdskit.pool import ResourceUsage
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import Mode, ODirectPolicy, Path, Reason
+from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
     from gdskit.backends.cufile import BufferRegistration
@@ -68,7 +68,7 @@ def release_resources() -> None:
 
 
 __all__ = [
-    "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "Reason",
+    "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PinnedAlloc", "PathStats", "Reason",
     "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "register_buffer", "release_resources",
     "resources", "settings", "stats", "stats_delta", "stats_reset",
 ]

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gdskit import cuda
+from gdskit.errors import CudaError
 from gdskit.plan import Chunk, align_down
+from gdskit.settings import settings
+from gdskit.vocabulary import PinnedAlloc
 
 T = TypeVar("T")
 
@@ -56,7 +59,7 @@ class Lane:
     # bought no throughput (48 vs 42 GB/s hot, repeated calls) and doubled the set-up cost.
     stages_per_device_lane = 1
 
-    def __init__(self, device: int | None, stage_bytes: int) -> None:
+    def __init__(self, device: int | None, stage_bytes: int, pinned: Callable[[int], Any] | None = None) -> None:
         t0 = time.perf_counter()
         self.device = device
         self.stage_bytes = stage_bytes
@@ -71,7 +74,7 @@ class Lane:
                 cuda.set_device(device)
                 self.stream = cuda.Stream(device)
                 for _ in range(self.stages_per_device_lane):
-                    self.stages.append(cuda.PinnedBuffer(stage_bytes))
+                    self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
                     self.events.append(cuda.Event())
         except BaseException:
             self.free()
@@ -127,10 +130,11 @@ class LanePool:
         self._busy = 0
         self._creating: dict[tuple[int | None, int], int] = {}
         self._creating_pinned = 0
-        # Pinned allocations made at once do not finish sooner (16 x 8 MiB took 66 ms from 16
+        # cudaHostAlloc calls made at once do not finish sooner (16 x 8 MiB took 66 ms from 16
         # threads at once and 50 ms from one on the H200 machine), but made one after another
         # the first lanes are ready in a few ms and their workers start.
         self._pin_lock = threading.Lock()
+        self._register_failed = False
 
     def stage_layout(self, device: int | None, threads: int, chunk_size: int, budget: int,
                      alignment: int) -> tuple[int, int]:
@@ -176,11 +180,7 @@ class LanePool:
             self._creating_pinned += needed
         lane: Lane | None = None
         try:
-            if device is None:
-                lane = Lane(device, stage_bytes)
-            else:
-                with self._pin_lock:
-                    lane = Lane(device, stage_bytes)
+            lane = self._make_lane(device, stage_bytes)
         finally:
             with self._cond:
                 self._creating[key] -= 1
@@ -191,6 +191,18 @@ class LanePool:
                     self._all.append(lane)
                 self._cond.notify_all()
         return lane
+
+    def _make_lane(self, device: int | None, stage_bytes: int) -> Lane:
+        if device is None:
+            return Lane(device, stage_bytes)
+        if settings.pinned_alloc is PinnedAlloc.REGISTER and not self._register_failed:
+            try:
+                # No lock: each worker faults in its own stage, all at once.
+                return Lane(device, stage_bytes, cuda.RegisteredHostBuffer)
+            except CudaError:
+                self._register_failed = True  # e.g. registration refused here: cudaHostAlloc from now on
+        with self._pin_lock:
+            return Lane(device, stage_bytes, cuda.PinnedBuffer)
 
     def release(self, lane: Lane) -> None:
         with self._cond:

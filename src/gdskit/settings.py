@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gdskit.errors import ConfigError
-from gdskit.vocabulary import Mode, ODirectPolicy
+from gdskit.vocabulary import Mode, ODirectPolicy, PinnedAlloc
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -83,6 +83,10 @@ class Settings:
         Bytes one worker moves per step (``GDSKIT_CHUNK_SIZE``); a multiple of 4 KiB.
     pinned_budget : int
         Most pinned host memory the bounce ring may hold (``GDSKIT_PINNED_BUDGET``).
+    pinned_alloc : PinnedAlloc
+        How the ring's pinned memory is made (``GDSKIT_PINNED_ALLOC``): ``register``
+        (huge pages faulted in by each worker at once, then registered with CUDA;
+        falls back to ``hostalloc`` where that fails) or ``hostalloc``.
     direct_threshold : int
         Device requests smaller than this skip cuFile in ``auto`` mode: fixed
         set-up cost makes small direct I/O slower (``GDSKIT_DIRECT_THRESHOLD``).
@@ -105,6 +109,7 @@ class Settings:
     threads: int = dataclasses.field(default_factory=_default_threads)
     chunk_size: int = 8 * MiB
     pinned_budget: int = 512 * MiB
+    pinned_alloc: PinnedAlloc = PinnedAlloc.REGISTER
     direct_threshold: int = 1 * MiB
     odirect: ODirectPolicy = ODirectPolicy.AUTO
     alignment: int = 4 * KiB
@@ -125,6 +130,8 @@ class Settings:
                 return Mode(str(value).lower())
             if name == "odirect":
                 return ODirectPolicy(str(value).lower())
+            if name == "pinned_alloc":
+                return PinnedAlloc(str(value).lower())
             if name == "cufile_stats":
                 if isinstance(value, str):
                     low = value.strip().lower()
@@ -187,7 +194,7 @@ class Settings:
         out: dict[str, Any] = {}
         for k in self._names():
             v = getattr(self, k)
-            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy)) else v
+            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc)) else v
         return out
 
     def snapshot(self) -> Settings:

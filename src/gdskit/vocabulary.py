@@ -72,3 +72,13 @@ class ODirectPolicy(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class PinnedAlloc(str, enum.Enum):
+    """How the bounce ring gets its pinned memory (``settings.pinned_alloc``)."""
+
+    REGISTER = "register"    # anonymous memory on huge pages, touched by its worker, then cudaHostRegister
+    HOSTALLOC = "hostalloc"  # cudaHostAlloc
+
+    def __str__(self) -> str:
+        return self.value
