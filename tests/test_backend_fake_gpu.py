@@ -195,3 +195,51 @@ def test_synchronized_device_views_read_like_the_buffer_itself(tmp_path):
     host = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(UnsupportedBufferError):
         synchronized_device_view(host.ctypes.data, 4096, host)
+
+
+@pytest.mark.parametrize("populate", [True, False])
+def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
+    """The stage is page-aligned, writable and registered; without MADV_POPULATE_WRITE (kernels
+    before 5.14) its pages are faulted in by writing them; free unregisters and unmaps once."""
+    real = cuda._libc()
+    seen: list[int] = []
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, addr, n, advice):
+            seen.append(advice)
+            return -1 if advice == 23 and not populate else real.madvise(addr, n, advice)
+
+    monkeypatch.setattr(cuda, "_libc", lambda: Libc())
+    before = fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost)
+    n = (3 << 20) + 8192
+    stage = cuda.RegisteredHostBuffer(n)
+    assert stage.ptr % 4096 == 0 and len(stage.view) == n
+    assert 23 in seen
+    assert cuda.pointer_info(stage.ptr).kind is cuda.MemoryKind.PINNED
+    stage.view[-5:] = b"hello"
+    assert bytes(stage.view[-5:]) == b"hello" and bytes(stage.view[:4]) == b"\0\0\0\0"
+    stage.free()
+    stage.free()
+    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == before
+
+
+def test_refused_registration_unmaps_the_memory(fake_runtime, monkeypatch):
+    real = cuda._libc()
+    unmapped: list[int] = []
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def munmap(self, addr, n):
+            unmapped.append(n)
+            return real.munmap(addr, n)
+
+    monkeypatch.setattr(cuda, "_libc", lambda: Libc())
+    fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
+    with pytest.raises(CudaError):
+        cuda.RegisteredHostBuffer(1 << 20)
+    assert unmapped == [(1 << 20) + (2 << 20)]
