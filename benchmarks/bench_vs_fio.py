@@ -13,14 +13,21 @@ same work from Python threads calling ``os.preadv`` on an O_DIRECT descriptor
 with no gdskit engine in between: it separates the cost of the engine from the
 cost of driving I/O from Python at all.
 
-Repetitions alternate fio, gdskit, plain Python so drift hits all three alike;
-medians are reported. After a gdskit sequential run, ``fincore`` (util-linux)
-shows how much of the file sits in the page cache: near zero proves the reads
-were O_DIRECT.
+Fairness. Repetitions run the three in a rotating order (fio, gdskit, plain; then
+gdskit, plain, fio; ...) so drift hits all three alike; medians are reported. Each
+tool reads its own file of the same size, written the same way, and every random run
+draws fresh offsets (its own seed; fio's ``randrepeat`` would otherwise replay the
+same offsets each run). In a VM the virtual disk is often a file cached by the host:
+data read by one tool before would come back faster for the next, which an earlier
+version of this script (one shared file, fio always first) let through. After a
+gdskit sequential run, ``fincore`` (util-linux) shows how much of the file sits in the
+guest's page cache: near zero proves the reads were O_DIRECT.
 
 Usage::
 
     PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
+
+(three files, ``fio-test.bin.fio``, ``.gdskit`` and ``.plain``, each ``--size``).
 
 fio comes from ``PATH`` (Debian: ``apt-get install fio``). For a machine without a
 package manager or network, a static build travels as one file: ``apt-get source fio``
@@ -47,13 +54,16 @@ from gdskit.bench import runner
 from gdskit.bench.params import make_params, parse_bytes
 
 
-def fio_cmd(path: str, rw: str, bs: str, workers: int, slice_bytes: int, runtime: float | None) -> list[str]:
+def fio_cmd(path: str, rw: str, bs: str, workers: int, slice_bytes: int, runtime: float | None,
+            seed: int = 0) -> list[str]:
     cmd = ["fio", "--name=gdskit-compare", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
            "--ioengine=psync", f"--numjobs={workers}", f"--size={slice_bytes}",
            f"--offset_increment={slice_bytes}", "--group_reporting", "--output-format=json",
            "--invalidate=1"]
     if runtime:
         cmd += [f"--runtime={runtime}", "--time_based"]
+    if seed:
+        cmd += ["--randrepeat=0", f"--randseed={seed}"]
     return cmd
 
 
@@ -63,15 +73,16 @@ def run_fio(cmd: list[str]) -> float:
     return data["jobs"][0]["read"]["bw_bytes"] / 2**30
 
 
-def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None) -> float:
+def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None, seed: int = 0) -> float:
     p = make_params(file=path, size=size, io_size=io, workers=workers, paths="host", op=op,
-                    duration=runtime, cache="cold", repeat=1)
+                    duration=runtime, cache="cold", repeat=1, seed=seed)
     (r,) = runner.run_benchmark(p).runs
     assert r.taken == {"host": r.bytes}, r.taken
     return r.gib_per_s
 
 
-def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime: float | None) -> float:
+def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime: float | None,
+              seed: int = 0) -> float:
     """The same work from Python threads with os.preadv on O_DIRECT, no engine."""
     slice_bytes = size // workers
     slots = slice_bytes // io
@@ -83,7 +94,7 @@ def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime
     def work(w: int) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         buf = mmap.mmap(-1, io)
-        rng = np.random.default_rng(w)
+        rng = np.random.default_rng([seed, w])
         base = w * slice_bytes
         try:
             barrier.wait()
@@ -138,9 +149,11 @@ def main() -> int:
     size = parse_bytes(args.size, "--size")
     W = args.workers
     slice_bytes = size // W
-    made = not os.path.exists(args.file) or os.path.getsize(args.file) < size
-    if made:
-        runner.fill_file(args.file, size, 0)
+    tools = ("fio", "gdskit", "plain")
+    files = {t: f"{args.file}.{t}" for t in tools}
+    made = [p for p in files.values() if not os.path.exists(p) or os.path.getsize(p) < size]
+    for i, p in enumerate(made):
+        runner.fill_file(p, size, i)
     cases = {
         "sequential read 1 MiB": dict(rw="read", bs="1M", io="1M", op="read", runtime=None, random=False,
                                       io_bytes=2**20),
@@ -152,21 +165,30 @@ def main() -> int:
     resident = None
     try:
         for rep in range(args.reps):
+            order = tools[rep % 3:] + tools[:rep % 3]
             for name, c in cases.items():
-                cmd = fio_cmd(args.file, c["rw"], c["bs"], W, slice_bytes, c["runtime"])
-                commands[name] = " ".join(cmd)
-                results[name]["fio"].append(run_fio(cmd))
-                results[name]["gdskit"].append(run_gdskit(args.file, size, c["io"], W, c["op"], c["runtime"]))
-                if c["op"] == "read" and resident is None:
-                    resident = fincore_pages(args.file)
-                results[name]["plain"].append(run_plain(args.file, size, c["io_bytes"], W, c["random"],
-                                                        c["runtime"]))
-                print(f"rep {rep + 1}: {name}: fio {results[name]['fio'][-1]:.3f}, gdskit "
+                for tool in order:
+                    seed = 1 + rep * 10 + tools.index(tool)  # fresh offsets for every random run
+                    path = files[tool]
+                    if tool == "fio":
+                        cmd = fio_cmd(path, c["rw"], c["bs"], W, slice_bytes, c["runtime"], seed)
+                        commands[name] = " ".join(cmd)
+                        results[name]["fio"].append(run_fio(cmd))
+                    elif tool == "gdskit":
+                        results[name]["gdskit"].append(run_gdskit(path, size, c["io"], W, c["op"], c["runtime"],
+                                                                  seed))
+                        if c["op"] == "read" and resident is None:
+                            resident = fincore_pages(path)
+                    else:
+                        results[name]["plain"].append(run_plain(path, size, c["io_bytes"], W, c["random"],
+                                                                c["runtime"], seed))
+                print(f"rep {rep + 1} ({', '.join(order)}): {name}: fio {results[name]['fio'][-1]:.3f}, gdskit "
                       f"{results[name]['gdskit'][-1]:.3f}, plain Python {results[name]['plain'][-1]:.3f} GiB/s",
                       file=sys.stderr)
     finally:
-        if made and not args.keep:
-            os.unlink(args.file)
+        if not args.keep:
+            for p in made:
+                os.unlink(p)
 
     summary = {}
     for name, r in results.items():

@@ -126,3 +126,21 @@ def test_a_failing_read_raises_the_io_error_not_a_count(data_file, monkeypatch, 
             f.read_batch(buf, [0, 4096, 8192], 4096)
     assert isinstance(info.value, OSError) and info.value.errno == errno.EIO
     assert 4096 in calls
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+@pytest.mark.parametrize("timed", [True, False])
+def test_one_place_for_every_read(data_file, policy, timed):
+    """A benchmark's pattern: every read into the same place. A short read at the end of the
+    file in the middle of the batch is counted as such, and the reads after it still happen."""
+    path, data = data_file
+    buf = aligned_array(4096)
+    offsets = [0, 8192, SIZE - 1000, 4096, 12288]
+    lat: list[int] | None = [] if timed else None
+    with gdskit.settings.set(mode="host", odirect=policy), gdskit.open(path) as f:
+        counts = f.read_batch(buf, offsets, 4096, [0] * 5, latencies_ns=lat)
+        assert counts == [4096, 4096, 1000, 4096, 4096]
+        assert bytes(buf) == data[12288:12288 + 4096]  # the last read's bytes
+        assert lat is None or len(lat) == 5
+        assert f.read_batch(buf, [SIZE - 1000], 4096, [0]) == [1000]
+        assert bytes(buf[:1000]) == data[SIZE - 1000:]

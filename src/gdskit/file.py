@@ -75,12 +75,16 @@ def _check_int(name: str, value: Any) -> int:
 def _check_ints(name: str, values: Iterable[int]) -> list[int]:
     """Non-negative integers as a list (numpy integer arrays welcome), checked in one pass."""
     items = values.tolist() if hasattr(values, "tolist") else list(values)  # numpy: plain ints at C speed
-    if any(type(v) is bool for v in items):
+    kinds = set(map(type, items))  # at C speed: this runs for every batch of small reads
+    if bool in kinds:
         raise InvalidArgumentError(f"{name} must be integers, not booleans")
-    try:
-        out = list(map(operator.index, items))
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be integers") from None
+    if kinds <= {int}:
+        out = items
+    else:
+        try:
+            out = list(map(operator.index, items))
+        except TypeError:
+            raise InvalidArgumentError(f"{name} must be integers") from None
     if out and min(out) < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {min(out)}")
     return out
