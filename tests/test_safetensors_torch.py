@@ -355,3 +355,19 @@ def test_gpu_reservation_stands_aside_when_allocator_is_configured(monkeypatch) 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     _, segments = new_large_pool_segments(lambda: torch_io.reserve_device_memory(torch.device("cuda:0"), [256 << 20]))
     assert segments == 0
+
+
+@pytest.mark.gpu
+def test_gpu_group_members_are_independent_copies() -> None:
+    from gdskit.formats.torch_io import _clone_all
+
+    staging = torch.arange(4096, device="cuda").to(torch.uint8)
+    parts = list(torch.split_with_sizes(staging, [100, 900, 3096]))
+    copies = _clone_all(parts)
+    staging.zero_()
+    torch.cuda.synchronize()
+    for i, (c, n) in enumerate(zip(copies, [100, 900, 3096])):
+        start = [0, 100, 1000][i]
+        assert c.dtype == torch.uint8 and c.numel() == n
+        assert c.untyped_storage().nbytes() == n  # owns exactly its own bytes
+        assert torch.equal(c.cpu(), (torch.arange(start, start + n) % 256).to(torch.uint8))

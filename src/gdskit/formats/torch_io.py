@@ -89,14 +89,17 @@ def _wait_all(futures: list[concurrent.futures.Future[Any]]) -> None:
 
 
 def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
-    # On the GPU batched calls save a launch per tensor (torch releases without _foreach_clone:
-    # fresh tensors, then one _foreach_copy_); on the CPU a plain loop is as fast and avoids the
-    # batched ops' slow CPU fallback.
+    # On the GPU batched calls save a launch per tensor; on the CPU a plain loop is as fast and
+    # avoids the batched ops' slow CPU fallback. Where torch has no _foreach_clone (2.11), the
+    # byte views are copied by adding 0: new tensors, each owning its memory, made in C++
+    # (2.5 us a tensor on the H200 machine, against 3.6 for empty_like plus one _foreach_copy_).
     if not srcs or srcs[0].device.type != "cuda":
         return [s.clone() for s in srcs]
     fn = getattr(torch, "_foreach_clone", None)
     if fn is not None:
         return list(fn(srcs))
+    if all(s.dtype == torch.uint8 for s in srcs):  # adding 0 is an exact copy of bytes
+        return list(torch._foreach_add(srcs, 0))
     out = [torch.empty_like(s) for s in srcs]
     _copy_all(out, srcs)
     return out
