@@ -197,6 +197,19 @@ def test_synchronized_device_views_read_like_the_buffer_itself(tmp_path):
         synchronized_device_view(host.ctypes.data, 4096, host)
 
 
+def _mapped_in_a_forked_child(addr: int) -> bool:
+    pid = os.fork()
+    if pid == 0:  # the child: is addr inside one of its mappings?
+        found = False
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                found = found or lo <= addr < hi
+        os._exit(1 if found else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 1
+
+
 @pytest.mark.parametrize("populate", [True, False])
 def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
     """The stage is page-aligned, writable and registered; without MADV_POPULATE_WRITE (kernels
@@ -217,7 +230,9 @@ def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
     n = (3 << 20) + 8192
     stage = cuda.RegisteredHostBuffer(n)
     assert stage.ptr % 4096 == 0 and len(stage.view) == n
-    assert 23 in seen
+    assert 23 in seen and 10 in seen  # populated, and kept out of forked children
+    if populate:
+        assert not _mapped_in_a_forked_child(stage.ptr)
     assert cuda.pointer_info(stage.ptr).kind is cuda.MemoryKind.PINNED
     stage.view[-5:] = b"hello"
     assert bytes(stage.view[-5:]) == b"hello" and bytes(stage.view[:4]) == b"\0\0\0\0"

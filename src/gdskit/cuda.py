@@ -142,7 +142,7 @@ class PinnedBuffer:
 
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 14, 15, 23
+_MADV_DONTFORK, _MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 10, 14, 15, 23
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,6 +186,9 @@ class RegisteredHostBuffer:
                 libc.madvise(start, whole, _MADV_HUGEPAGE)
             if span > whole:
                 libc.madvise(start + whole, span - whole, _MADV_NOHUGEPAGE)
+            # A forked child (a data-loader worker) gets none of it: it cannot use CUDA anyway,
+            # and the kernel would otherwise copy every page-locked page into it at fork.
+            libc.madvise(start, span, _MADV_DONTFORK)
             # Fault every page in now, in this thread (Linux 5.14+; else by writing it).
             if libc.madvise(start, span, _MADV_POPULATE_WRITE) != 0:
                 ctypes.memset(start, 0, span)
