@@ -1,6 +1,6 @@
 """Check ``gdskit bench``'s host path against fio on the same work.
 
-Two cases, each with matching parameters on one file:
+Two cases, each with matching parameters, on files of one size:
 
 * sequential read, 1 MiB I/Os, W workers, each reading its own slice once, O_DIRECT;
 * random read, 4 KiB I/Os, W workers, each at random 4 KiB-aligned offsets in its

@@ -68,7 +68,7 @@ def release_resources() -> None:
 
 
 __all__ = [
-    "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PinnedAlloc", "PathStats", "Reason",
+    "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "PinnedAlloc", "Reason",
     "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "register_buffer", "release_resources",
     "resources", "settings", "stats", "stats_delta", "stats_reset",
 ]
