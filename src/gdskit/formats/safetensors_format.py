@@ -1,6 +1,6 @@
 """The safetensors file format in pure Python: parse, validate, lay out, plan reads.
 
-No torch here: this module turns header bytes into frozen dataclasses and back.
+No torch here: this module turns header bytes into immutable records and back.
 The torch-facing loader (:mod:`gdskit.safetensors`) executes the plans.
 
 A safetensors file is ``u64 little-endian header length N``, ``N`` bytes of UTF-8
@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from gdskit.errors import FormatError, GdskitError, from_os_error
 from gdskit.formats.read_plan import Extent
@@ -60,11 +62,11 @@ class MissingTensorError(GdskitError, KeyError):
     """A tensor asked for by name is not in the checkpoint."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     """One tensor of a safetensors file.
 
     ``start`` and ``end`` are byte offsets relative to the data section, as in the header.
+    A named tuple: a header of 20,000 tensors makes 20,000 of them.
     """
 
     name: str
@@ -178,6 +180,30 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise HeaderError("__metadata__ must map strings to strings")
 
+    entries = _entries(obj)
+    entries.sort(key=_by_position)
+    expected = 0
+    for e in entries:
+        if e.start != expected:
+            what = "overlaps the previous tensor" if e.start < expected else "leaves a hole before it"
+            raise LayoutError(f"entry {e.name!r} starts at {e.start}: {what} (expected {expected})")
+        expected = e.end
+    if file_size is not None:
+        end_of_data = data_start + expected
+        if end_of_data > file_size:
+            raise TruncatedFileError(f"tensor data ends at byte {end_of_data}, "
+                                     f"but the file has {file_size} bytes")
+        if end_of_data < file_size:
+            raise LayoutError(f"{file_size - end_of_data} bytes after the last tensor "
+                              "are not covered by any tensor")
+    return Header(tuple(entries), metadata, data_start)
+
+
+_by_position = operator.itemgetter(3, 4)  # (start, end) of a TensorEntry
+
+
+def _entries(obj: dict[str, object]) -> list[TensorEntry]:
+    """Every entry, checked: the first bad one raises an error that names it."""
     entries = []
     for name, info in obj.items():
         if not isinstance(info, dict):
@@ -200,23 +226,7 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
             raise LayoutError(f"entry {name!r}: shape {shape} of {dtype} needs "
                               f"{nbytes_of(dtype, shape)} bytes, offsets give {end - start}")
         entries.append(TensorEntry(name, dtype, tuple(shape), start, end))
-
-    entries.sort(key=lambda e: (e.start, e.end))
-    expected = 0
-    for e in entries:
-        if e.start != expected:
-            what = "overlaps the previous tensor" if e.start < expected else "leaves a hole before it"
-            raise LayoutError(f"entry {e.name!r} starts at {e.start}: {what} (expected {expected})")
-        expected = e.end
-    if file_size is not None:
-        end_of_data = data_start + expected
-        if end_of_data > file_size:
-            raise TruncatedFileError(f"tensor data ends at byte {end_of_data}, "
-                                     f"but the file has {file_size} bytes")
-        if end_of_data < file_size:
-            raise LayoutError(f"{file_size - end_of_data} bytes after the last tensor "
-                              "are not covered by any tensor")
-    return Header(tuple(entries), metadata, data_start)
+    return entries
 
 
 def parse_header(read_at: Callable[[int, int], bytes], file_size: int) -> Header:
