@@ -48,7 +48,7 @@ def fake_runtime():
     gdskit.release_resources()
     mp.setattr(cuda, "_runtime", lambda: fake)
     mp.setattr(cuda, "_device_count", None)
-    mp.setattr(pool.lanes, "_register_failed", False)
+    mp.setattr(pool.lanes, "_register_error", None)
     yield fake
     gdskit.release_resources()
     mp.undo()

@@ -92,7 +92,7 @@ def test_prepare_creates_the_ring_once(tmp_path, fake_runtime, alloc, call):
     before = fake_runtime.calls.get(call, 0)
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc=alloc):
         usage = gdskit.prepare()
-        assert usage.lanes == 4 and usage.pinned_bytes > 0
+        assert usage.lanes == 4 and usage.pinned_bytes > 0 and usage.pinned_alloc == alloc
         assert fake_runtime.calls.get(call, 0) == before + 4
         assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 4
         p = tmp_path / "p.bin"
@@ -102,6 +102,7 @@ def test_prepare_creates_the_ring_once(tmp_path, fake_runtime, alloc, call):
         assert fake_runtime.calls.get(call, 0) == before + 4, "the first read allocated pinned memory again"
     gdskit.release_resources()
     assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned stages leaked"
+    assert gdskit.resources().pinned_alloc == "none"
 
 
 def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_runtime):
@@ -111,11 +112,15 @@ def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_runtime):
     buf = cuda.DeviceArray(len(data))
     gdskit.release_resources()
     registers, allocs = fake_runtime.calls.get("cudaHostRegister", 0), fake_runtime.calls.get("cudaHostAlloc", 0)
+    assert gdskit.resources().register_error is None
     fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"), gdskit.open(str(p)) as f:
-        assert f.read(buf) == len(data)
+        with pytest.warns(RuntimeWarning, match="falls back to cudaHostAlloc"):
+            assert f.read(buf) == len(data)
     assert buf.to_numpy().tobytes() == data
     assert fake_runtime.calls["cudaHostRegister"] > registers and fake_runtime.calls["cudaHostAlloc"] > allocs
+    usage = gdskit.resources()
+    assert usage.pinned_alloc == "hostalloc" and "cudaErrorMemoryAllocation" in usage.register_error
     gdskit.release_resources()
     assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0
 

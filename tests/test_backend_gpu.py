@@ -99,6 +99,7 @@ def test_ring_is_made_the_way_the_setting_says(tmp_path, alloc, kind):
             with gdskit.open(str(p)) as f:
                 assert f.read(dev) == len(data)
             stages = [type(st).__name__ for lane in pool.lanes._all for st in lane.stages]
+            assert gdskit.resources().pinned_alloc == alloc
         assert stages and set(stages) == {kind}
         assert dev.to_numpy().tobytes() == data
     finally:

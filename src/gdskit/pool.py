@@ -13,6 +13,7 @@ import atexit
 import mmap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -117,12 +118,19 @@ class Lane:
 
 @dataclass(frozen=True)
 class ResourceUsage:
-    """What the pool holds right now (for tests and ``gdskit.resources()``)."""
+    """What the pool holds right now (for tests and ``gdskit.resources()``).
+
+    ``pinned_alloc`` says how the pinned stages held now were made (``register``,
+    ``hostalloc``, ``mixed``, or ``none``); ``register_error`` is why registration was
+    refused, if it was (gdskit then uses ``cudaHostAlloc`` for the rest of the process).
+    """
 
     lanes: int
     lanes_busy: int
     pinned_bytes: int
     threads: int
+    pinned_alloc: str = "none"
+    register_error: str | None = None
 
 
 class LanePool:
@@ -139,7 +147,7 @@ class LanePool:
         # threads at once and 50 ms from one on the H200 machine), but made one after another
         # the first lanes are ready in a few ms and their workers start.
         self._pin_lock = threading.Lock()
-        self._register_failed = False
+        self._register_error: str | None = None  # set once registration is refused
 
     def stage_layout(self, device: int | None, threads: int, chunk_size: int, budget: int,
                      alignment: int) -> tuple[int, int]:
@@ -200,12 +208,15 @@ class LanePool:
     def _make_lane(self, device: int | None, stage_bytes: int) -> Lane:
         if device is None:
             return Lane(device, stage_bytes)
-        if settings.pinned_alloc is PinnedAlloc.REGISTER and not self._register_failed:
+        if settings.pinned_alloc is PinnedAlloc.REGISTER and self._register_error is None:
             try:
                 # No lock: each worker faults in its own stage, all at once.
                 return Lane(device, stage_bytes, cuda.RegisteredHostBuffer)
-            except CudaError:
-                self._register_failed = True  # e.g. registration refused here: cudaHostAlloc from now on
+            except CudaError as exc:
+                if self._register_error is None:
+                    self._register_error = str(exc)
+                    warnings.warn(f"gdskit: pinned staging falls back to cudaHostAlloc ({exc}); "
+                                  "the first large read will set up more slowly", RuntimeWarning, stacklevel=2)
         with self._pin_lock:
             return Lane(device, stage_bytes, cuda.PinnedBuffer)
 
@@ -242,7 +253,10 @@ class LanePool:
 
     def usage(self, threads: int) -> ResourceUsage:
         with self._cond:
-            return ResourceUsage(len(self._all), self._busy, self._pinned(), threads)
+            made = {"register" if isinstance(st, cuda.RegisteredHostBuffer) else "hostalloc"
+                    for ln in self._all if ln.device is not None for st in ln.stages}
+            how = made.pop() if len(made) == 1 else "mixed" if made else "none"
+            return ResourceUsage(len(self._all), self._busy, self._pinned(), threads, how, self._register_error)
 
     def release_idle(self) -> None:
         """Free every idle lane (pinned memory, streams). Busy lanes are left alone."""
