@@ -102,6 +102,19 @@ def test_written_by_stock_loads_with_gdskit(tmp_path: Path, single_file: bool) -
     _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c")), sd)
 
 
+def test_large_non_tensor_items_round_trip(tmp_path: Path) -> None:
+    """A pickled object of more than 1 MiB (optimizer state, a long list) is a raw byte item:
+    packed with the small items, never sent down the aligned tensor path."""
+    sd = {"w": torch.randn(300_000), "blob": {"ids": list(range(300_000)), "raw": os.urandom(3 << 20)}}
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    for reader in (gdskit.dcp.StorageReader(tmp_path / "c"), dcp.FileSystemReader(tmp_path / "c")):
+        _assert_same(_load(_zeros_like(sd), reader), sd)
+    from gdskit.dcp._layout import ItemShape, place
+
+    (p,), _ = place([ItemShape(0, 2 << 20, 0, raw=True)])
+    assert not p.aligned  # raw items are packed, however large
+
+
 def test_large_payloads_are_aligned(tmp_path: Path) -> None:
     sd = {"a": torch.randn(300_000), "b": torch.randn(3), "c": torch.randn(262_144)}
     _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))

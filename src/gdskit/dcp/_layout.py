@@ -19,11 +19,13 @@ from gdskit.plan import align_up
 
 @dataclasses.dataclass(frozen=True)
 class ItemShape:
-    """The three parts of one item's bytes (raw byte items have no head or tail)."""
+    """The three parts of one item's bytes (raw byte items have no head or tail, and are
+    always packed, however large: nothing reads them straight into device memory)."""
 
     head: int
     payload: int
     tail: int
+    raw: bool = False
 
     @property
     def length(self) -> int:
@@ -48,7 +50,7 @@ def place(shapes: Sequence[ItemShape], *, alignment: int = 4096, large: int = 1 
           start: int = 0) -> tuple[list[Placement], int]:
     """Place ``shapes`` one after another from ``start``.
 
-    Payloads of at least ``large`` bytes start on a multiple of ``alignment``.
+    Payloads of at least ``large`` bytes start on a multiple of ``alignment``, unless raw.
 
     Returns
     -------
@@ -61,7 +63,7 @@ def place(shapes: Sequence[ItemShape], *, alignment: int = 4096, large: int = 1 
     for s in shapes:
         if min(s.head, s.payload, s.tail) < 0:
             raise ValueError(f"negative item part in {s}")
-        aligned = s.payload >= large and s.payload > 0
+        aligned = not s.raw and s.payload >= large and s.payload > 0
         offset = align_up(pos + s.head, alignment) - s.head if aligned else pos
         out.append(Placement(offset, s.length, offset + s.head, aligned))
         pos = offset + s.length

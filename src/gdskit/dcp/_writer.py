@@ -214,7 +214,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 b = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                raw.append(_Entry(item, ItemShape(0, len(b), 0), raw=b))
+                raw.append(_Entry(item, ItemShape(0, len(b), 0, raw=True), raw=b))
                 continue
             td = item.tensor_data
             if td is None:
