@@ -21,7 +21,9 @@ step() {  # step NAME SECONDS CMD...
     if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
     echo "== $name (limit ${limit}s)" >&2
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "   exit $? ($(tail -n 1 "$out/$name.log"))" >&2
+    local rc=$?
+    echo "   exit $rc ($(tail -n 1 "$out/$name.log"))" >&2
+    [ "$rc" = 0 ] || failed="${failed:-} $name"
 }
 
 step first_call 120 $PY benchmarks/first_call.py --file "$work/fc.bin" --size 8GiB --repeats 1 --json "$out/first_call.json"
@@ -37,5 +39,6 @@ rm -rf "$work/dcp"
 if command -v fio > /dev/null; then
     step fio_4 150 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 4G --workers 4 --reps 3 --keep
     step fio_1 100 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 4G --workers 1 --reps 3 --runtime 4
-    rm -f "$work/fio.bin"
+    rm -f "$work"/fio.bin.*  # one file per tool, kept by the first step for the second
 fi
+if [ -n "${failed:-}" ]; then echo "failed:$failed" >&2; exit 1; fi
