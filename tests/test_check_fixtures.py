@@ -265,9 +265,18 @@ def test_require_direct_fails_only_for_non_direct_mounts():
     assert check("vm-firecracker", require="compat").exit_code == 1
 
 
-def test_bad_arguments_raise_typed_errors():
+def test_a_requirement_is_not_met_by_no_mounts(tmp_path):
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "mountinfo").write_text("")
+    r = run_check(root=str(tmp_path), require="direct", odirect=False)
+    assert r.mounts == [] and r.require_met is False and r.exit_code == 1
+
+
+def test_bad_arguments_raise_typed_errors(tmp_path):
     from gdskit.errors import InvalidArgumentError
 
+    with pytest.raises(InvalidArgumentError):
+        run_check(root=str(tmp_path / "no-such-dir"), require="direct")
     with pytest.raises(InvalidArgumentError):
         check("nvme-ext4-nvfs", require="fast")
     with pytest.raises(InvalidArgumentError):

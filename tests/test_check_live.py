@@ -65,3 +65,12 @@ def test_probe_on_the_gpu_machine_uses_device_memory(tmp_path):
     assert Path.HOST.value not in m.probe["read"]["paths"]
     if m.verdict != "direct":
         assert not set(m.probe["read"]["paths"]) & {Path.CUFILE_NVFS.value, Path.CUFILE_P2PDMA.value}
+
+
+def test_probe_of_a_directory_it_cannot_write_reports_instead_of_raising(tmp_path):
+    from gdskit.probe.live import probe_directory
+
+    res = probe_directory(str(tmp_path / "gone"), 4096, on_gpu=False)
+    assert res["status"] == "failed" and "FileNotFoundError" in res["error"]
+    ok = probe_directory(str(tmp_path), 4096, on_gpu=False)
+    assert ok["status"] == "ok" and ok["data_verified"] and list(tmp_path.iterdir()) == []

@@ -86,6 +86,8 @@ def run_check(
         raise InvalidArgumentError(f"require must be one of {REQUIREMENTS}, not {require!r}")
     if not isinstance(root, SystemRoot):
         root = SystemRoot(root or "/")
+    if not os.path.isdir(root.prefix):
+        raise InvalidArgumentError(f"root {root.prefix!r} is not a directory")
     gpu = gpu_facts(root)
     gds = gds_stack(root, gpu.kernel_module, gpu.driver_major)
     topo = topology(root, gpu.gpus)

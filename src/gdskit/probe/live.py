@@ -15,6 +15,9 @@ from typing import Any
 from gdskit.probe.mounts import odirect_dir_for, read_mounts
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
+from gdskit.vocabulary import Path, Reason
+
+_DIRECT_PATHS = {p.value for p in Path if p.is_direct}
 
 
 def _ledger_view(delta: Any) -> dict[str, Any]:
@@ -46,17 +49,20 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
     import gdskit
 
     pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
-    fd, tmp = tempfile.mkstemp(prefix=".gdskit-probe-", dir=directory)
-    os.close(fd)
+    tmp: str | None = None
     blocks: list[Any] = []
     result: dict[str, Any] = {"status": "failed", "directory": directory, "bytes": nbytes,
                               "memory": "device" if on_gpu else "host"}
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".gdskit-probe-", dir=directory)
+        os.close(fd)
         if on_gpu:
             from gdskit import cuda
 
-            src, dst = cuda.DeviceArray(nbytes), cuda.DeviceArray(nbytes)
-            blocks += [src, dst]
+            src = cuda.DeviceArray(nbytes)
+            blocks.append(src)  # freed below even if the second allocation fails
+            dst = cuda.DeviceArray(nbytes)
+            blocks.append(dst)
             src.copy_from_host(pattern)
         else:
             src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
@@ -93,10 +99,11 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
     finally:
         for b in blocks:
             b.free()
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return result
 
 
@@ -160,14 +167,14 @@ def _probe_findings(mc: MountCheck, res: dict[str, Any]) -> list[Finding]:
         out.append(Finding("probe.data_mismatch", "error", subj, "bytes read back differ from bytes written",
                            "Data corruption on this path.", "Report this with the probe output."))
     seen = set(res["write"]["paths"]) | set(res["read"]["paths"])
-    direct_seen = seen & {"cufile-nvfs", "cufile-p2pdma"}
+    direct_seen = {p for p in seen if p in _DIRECT_PATHS}
     if mc.verdict == "direct" and not direct_seen:
-        reasons = sorted(set(res["write"]["reasons"]) | set(res["read"]["reasons"]))
+        reasons = sorted((set(res["write"]["reasons"]) | set(res["read"]["reasons"])) - {Reason.DIRECT.value})
         out.append(Finding("probe.not_direct", "error", subj,
                            f"predicted direct, but the ledger recorded {', '.join(sorted(seen))}",
                            "The direct path is not active despite the platform facts.",
                            "See the recorded reasons (" + ", ".join(reasons) + ") and cuFile's log.",
-                           reasons[0] if reasons and reasons[0] != "direct" else None))
+                           reasons[0] if reasons else None))
     elif mc.verdict != "direct" and direct_seen:
         out.append(Finding("probe.direct_despite_verdict", "info", subj,
                            f"the ledger recorded {', '.join(sorted(direct_seen))} although the check predicted "

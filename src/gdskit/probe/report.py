@@ -43,7 +43,8 @@ class CheckReport:
 
     @property
     def require_met(self) -> bool | None:
-        return None if self.require is None else not self.failing_mounts
+        # No mount checked proves nothing: a requirement is never met by an empty report.
+        return None if self.require is None else bool(self.mounts) and not self.failing_mounts
 
     @property
     def worst_severity(self) -> str:
