@@ -163,3 +163,14 @@ def test_concurrent_records_and_snapshots_add_up_exactly():
     snap = led.snapshot()
     assert snap.bytes_read == 2000 * 512 * sum(range(1, 9)) and snap.requests == 16000
     assert seen == sorted(seen), "a snapshot went backwards"
+
+
+def test_a_path_name_from_a_newer_gdskit_is_counted_as_not_direct():
+    from gdskit.telemetry.render import paths_table
+    from gdskit.telemetry.verdict import split, verdict
+
+    stats = Stats(entries=(LedgerEntry("cufile-future", "direct", "read", 4096, 1, 0.001),
+                           LedgerEntry("cufile-nvfs", "direct", "read", 8192, 1, 0.001)))
+    assert stats.direct_bytes == 8192 and split(stats) == (8192, 4096)
+    assert "not direct" in verdict(stats)
+    paths_table(stats)  # raised ValueError on the unknown name before

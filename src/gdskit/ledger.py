@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gdskit.vocabulary import Path, Reason
+from gdskit.vocabulary import Path, Reason, is_direct_path
 
 #: A size histogram: (k, count) pairs, sorted by k; bucket k counts records of at most 2**k bytes
 #: (and more than 2**(k-1)); bucket 0 also holds empty records.
@@ -163,7 +163,7 @@ class Stats:
     @property
     def direct_bytes(self) -> int:
         """Bytes that provably took the direct path (cufile-nvfs or cufile-p2pdma)."""
-        return sum(e.bytes for e in self.entries if Path(e.path).is_direct)
+        return sum(e.bytes for e in self.entries if is_direct_path(e.path))
 
     @property
     def requests(self) -> int:

@@ -28,6 +28,15 @@ class Path(str, enum.Enum):
         return self in (Path.CUFILE_NVFS, Path.CUFILE_P2PDMA)
 
 
+_DIRECT_NAMES = frozenset(p.value for p in Path if p.is_direct)
+
+
+def is_direct_path(name: str) -> bool:
+    """Whether a path name (a ``Path`` or its string, e.g. from a snapshot) is a direct path.
+    A name this gdskit does not know (from a newer one) is not."""
+    return str(name) in _DIRECT_NAMES
+
+
 class Reason(str, enum.Enum):
     """Why a request took the path it took (for non-direct paths: why not direct)."""
 

@@ -15,9 +15,7 @@ from typing import Any
 from gdskit.probe.mounts import odirect_dir_for, read_mounts
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
-from gdskit.vocabulary import Path, Reason
-
-_DIRECT_PATHS = {p.value for p in Path if p.is_direct}
+from gdskit.vocabulary import Reason, is_direct_path
 
 
 def _ledger_view(delta: Any) -> dict[str, Any]:
@@ -167,7 +165,7 @@ def _probe_findings(mc: MountCheck, res: dict[str, Any]) -> list[Finding]:
         out.append(Finding("probe.data_mismatch", "error", subj, "bytes read back differ from bytes written",
                            "Data corruption on this path.", "Report this with the probe output."))
     seen = set(res["write"]["paths"]) | set(res["read"]["paths"])
-    direct_seen = {p for p in seen if p in _DIRECT_PATHS}
+    direct_seen = {p for p in seen if is_direct_path(p)}
     if mc.verdict == "direct" and not direct_seen:
         reasons = sorted((set(res["write"]["reasons"]) | set(res["read"]["reasons"])) - {Reason.DIRECT.value})
         out.append(Finding("probe.not_direct", "error", subj,

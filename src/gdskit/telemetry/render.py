@@ -10,8 +10,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gdskit.ledger import Stats
-from gdskit.telemetry.snapshot import Snapshot, is_direct
+from gdskit.telemetry.snapshot import Snapshot
 from gdskit.telemetry.verdict import ALL_DIRECT, NO_IO, verdict
+from gdskit.vocabulary import is_direct_path
 
 
 def human_bytes(n: float) -> str:
@@ -46,12 +47,12 @@ def paths_table(stats: Stats, rates: dict[str, float] | None = None, title: str 
         t.add_column("now", justify="right", no_wrap=True)
     total = stats.total_bytes or 1
     for path, ps in sorted(stats.paths.items(), key=lambda kv: -kv[1].bytes):
-        row = [path + (" (direct)" if is_direct(path) else ""), human_bytes(ps.bytes_read),
+        row = [path + (" (direct)" if is_direct_path(path) else ""), human_bytes(ps.bytes_read),
                human_bytes(ps.bytes_written), str(ps.requests), human_seconds(ps.busy_s),
                human_seconds(ps.mean_latency_s), f"{human_bytes(ps.bytes / ps.busy_s)}/s" if ps.busy_s > 0 else "-"]
         if rates is not None:
             row.append(f"{human_bytes(rates.get(path, 0.0))}/s")
-        t.add_row(*row, style="green" if is_direct(path) else None)
+        t.add_row(*row, style="green" if is_direct_path(path) else None)
     t.caption = (f"{human_bytes(stats.total_bytes)} in all, {100.0 * stats.direct_bytes / total:.1f}% direct; "
                  "latency: mean busy time per request")
     t.caption_justify = "left"

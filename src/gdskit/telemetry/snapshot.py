@@ -152,10 +152,3 @@ class Snapshot:
     def cufile_totals(self) -> dict[str, int] | None:
         cu = self.doc.get("cufile")
         return None if not cu else {k: int(v) for k, v in cu.get("totals", {}).items()}
-
-
-def is_direct(path: str) -> bool:
-    try:
-        return Path(path).is_direct
-    except ValueError:  # a path name from a newer gdskit
-        return False

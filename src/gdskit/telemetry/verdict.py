@@ -8,7 +8,7 @@ all went through the CPU and the page cache or O_DIRECT.
 from __future__ import annotations
 
 from gdskit.ledger import Stats
-from gdskit.telemetry.snapshot import is_direct
+from gdskit.vocabulary import is_direct_path
 
 NO_IO = "no gdskit I/O recorded"
 ALL_DIRECT = "direct grew, posix flat"
@@ -18,15 +18,14 @@ def posix_reasons(stats: Stats) -> list[str]:
     """The reasons of the bytes that were not direct, most bytes first."""
     by_reason: dict[str, int] = {}
     for e in stats.entries:
-        if not is_direct(e.path):
+        if not is_direct_path(e.path):
             by_reason[e.reason] = by_reason.get(e.reason, 0) + e.bytes
     return [r for r, _ in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def split(stats: Stats) -> tuple[int, int]:
     """(direct bytes, posix bytes)."""
-    direct = sum(e.bytes for e in stats.entries if is_direct(e.path))
-    return direct, stats.total_bytes - direct
+    return stats.direct_bytes, stats.total_bytes - stats.direct_bytes
 
 
 def verdict(stats: Stats) -> str:
