@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import textwrap
 
 import pytest
@@ -139,6 +140,20 @@ def test_timeout_stops_the_workload_and_keeps_the_report(files, stats_dir):
         run_workload([sys.executable, "-c", "import gdskit, time; time.sleep(60)"], timeout=0.5)
     assert isinstance(info.value, TimeoutError)
     assert isinstance(info.value.report, WorkloadReport) and info.value.report.returncode == -signal.SIGTERM
+
+
+def test_timeout_also_stops_what_the_workload_started(tmp_path, stats_dir):
+    from gdskit.telemetry.location import start_ticks
+
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    with pytest.raises(WorkloadTimeoutError):
+        run_workload(["bash", "-c", script], timeout=0.5)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while start_ticks(child) is not None and time.monotonic() < deadline:  # reaped by init shortly
+        time.sleep(0.05)
+    assert start_ticks(child) is None, "the workload's own child survived the timeout"
 
 
 def test_bad_arguments(stats_dir):

@@ -8,16 +8,28 @@
 docs/stats.md describes the files, the JSON schema and the metric names.
 """
 
-from gdskit.telemetry.location import stats_dir
-from gdskit.telemetry.prometheus import render as to_prometheus
-from gdskit.telemetry.prometheus import start_exporter
-from gdskit.telemetry.publish import publish_now, start_publishing
-from gdskit.telemetry.read import clean_stale, list_snapshots, read_snapshot
-from gdskit.telemetry.snapshot import SCHEMA, Snapshot
-from gdskit.telemetry.verdict import verdict
-from gdskit.telemetry.workload import WorkloadReport, run_workload
+from __future__ import annotations
 
-__all__ = [
-    "SCHEMA", "Snapshot", "WorkloadReport", "clean_stale", "list_snapshots", "publish_now", "read_snapshot",
-    "run_workload", "start_exporter", "start_publishing", "stats_dir", "to_prometheus", "verdict",
-]
+import importlib
+from typing import Any
+
+# Loaded on first use: a process that publishes (GDSKIT_STATS=1, e.g. every process under
+# `gdskit run`) imports only the publisher, not the reader, exporter and workload runner.
+_LAZY = {"stats_dir": ("location", "stats_dir"), "to_prometheus": ("prometheus", "render"),
+         "start_exporter": ("prometheus", "start_exporter"), "publish_now": ("publish", "publish_now"),
+         "start_publishing": ("publish", "start_publishing"), "clean_stale": ("read", "clean_stale"),
+         "list_snapshots": ("read", "list_snapshots"), "read_snapshot": ("read", "read_snapshot"),
+         "SCHEMA": ("snapshot", "SCHEMA"), "Snapshot": ("snapshot", "Snapshot"),
+         "WorkloadReport": ("workload", "WorkloadReport"), "run_workload": ("workload", "run_workload")}
+
+# Not lazy: the function shares its name with its module, which would shadow it once imported.
+from gdskit.telemetry.verdict import verdict  # noqa: E402 - light (the ledger is loaded anyway)
+
+__all__ = sorted([*_LAZY, "verdict"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f"gdskit.telemetry.{module}"), attr)
+    raise AttributeError(f"module 'gdskit.telemetry' has no attribute {name!r}")

@@ -92,8 +92,8 @@ def pid_of(filename: str) -> int | None:
     return int(stem) if stem.isdigit() else None
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot), or ``None`` when there is no such process."""
+def _stat_field(pid: int, index: int) -> int | None:
+    """Field ``index + 3`` of ``/proc/<pid>/stat`` (proc(5) numbering), or ``None`` when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -102,9 +102,30 @@ def start_ticks(pid: int) -> int | None:
     # Field 2 (the command) may hold spaces and parentheses: count fields from the last ')'.
     fields = raw[raw.rfind(b")") + 2:].split()
     try:
-        return int(fields[19])  # field 22 of proc(5), starttime
+        return int(fields[index])
     except (IndexError, ValueError):
         return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or ``None`` when there is no such process."""
+    return _stat_field(pid, 19)  # field 22 of proc(5), starttime
+
+
+def descendants(pid: int) -> list[tuple[int, int | None]]:
+    """Every process below ``pid`` (children, their children...), each with its start time."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            ppid = _stat_field(int(name), 1)  # field 4 of proc(5), ppid
+            if ppid is not None:
+                parents[int(name)] = ppid
+    found: list[int] = []
+    level = {pid}
+    while level:
+        level = {child for child, parent in parents.items() if parent in level}
+        found += sorted(level)
+    return [(p, start_ticks(p)) for p in found]
 
 
 def is_running(pid: int, ticks: int | None) -> bool:

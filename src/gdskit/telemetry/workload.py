@@ -35,6 +35,7 @@ from gdskit.settings import env_name
 from gdskit.telemetry.location import (
     RUN_DIR_ENV,
     SESSION_ENV,
+    descendants,
     ensure_private_dir,
     is_running,
     pid_of,
@@ -197,12 +198,28 @@ def _load(path: str, owner: int) -> Snapshot | None:
 
 
 def _stop(proc: subprocess.Popen) -> int:
+    """Stop the workload and every process it started (a shell's or a launcher's children
+    would otherwise run on, and keep publishing): SIGTERM, then SIGKILL after a grace period."""
+    family = descendants(proc.pid)
     proc.terminate()
+    _signal_all(family, signal.SIGTERM)
     try:
-        return proc.wait(_GRACE_S)
+        code = proc.wait(_GRACE_S)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait()
+        code = proc.wait()
+    deadline = time.monotonic() + _GRACE_S
+    while any(is_running(p, t) for p, t in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_all(family, signal.SIGKILL)
+    return code
+
+
+def _signal_all(family: list[tuple[int, int | None]], sig: int) -> None:
+    for pid, ticks in family:
+        if is_running(pid, ticks):  # not a pid reused since
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
 
 
 def _terminal_reached(proc: subprocess.Popen) -> bool:
