@@ -169,6 +169,13 @@ def test_bad_arguments_exit_2(app, tmp_path, args):
     assert "error" in res.output
 
 
+def test_an_unwritable_report_directory_exits_2(app, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = run(app, "--root", fixture_root("no-gpu"), "--items", "1", "--report", str(blocker / "r"))
+    assert res.exit_code == 2 and "error" in res.output and "Traceback" not in res.output
+
+
 def test_relative_path_in_a_captured_tree_is_an_argument_error(app, tmp_path):
     res = run(app, "--root", fixture_root("no-gpu"), "relative/path", "--report", str(tmp_path / "r"))
     assert res.exit_code == 2

@@ -156,6 +156,11 @@ def test_timeout_also_stops_what_the_workload_started(tmp_path, stats_dir):
     assert start_ticks(child) is None, "the workload's own child survived the timeout"
 
 
+def test_an_unwritable_report_file_exits_2(files, stats_dir, tmp_path):
+    r = _gdskit_run(files, "--report", str(tmp_path / "no-dir" / "r.json"), "--", sys.executable, "-c", "pass")
+    assert r.returncode == 2 and "gdskit run: error" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bad_arguments(stats_dir):
     with pytest.raises(GdskitFileNotFoundError):
         run_workload(["/nonexistent/command"])

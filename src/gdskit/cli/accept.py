@@ -66,27 +66,22 @@ def accept(
     from gdskit.accept.context import AcceptOptions
     from gdskit.accept.report import headline
     from gdskit.accept.run import ConsoleProgress, default_report_dir, run_accept
-    from gdskit.errors import GdskitError
+    from gdskit.cli import cli_errors
     from gdskit.settings import parse_size
 
     err = Console(stderr=True, highlight=False)
     progress = None
     try:
-        # Paths inside a captured tree are machine paths: keep them as given.
-        targets = list(paths or []) if root else [os.path.abspath(p) for p in (paths or [os.getcwd()])]
-        opts = AcceptOptions(
-            targets=targets, report_dir=os.path.abspath(report_dir) if report_dir else default_report_dir(),
-            root=root, quick=quick, size=parse_size(size) if size is not None else None, workload=workload,
-            device=device, items=_parse_items(items), timeout=timeout)
-        # Results go to stdout; with --json stdout holds only the JSON, so they go to stderr then.
-        progress = ConsoleProgress(err if as_json else Console(highlight=False))
-        report = run_accept(opts, progress=progress)
-    except GdskitError as exc:
-        typer.echo(f"gdskit accept: error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo("gdskit accept: interrupted", err=True)
-        raise typer.Exit(130) from None
+        with cli_errors("accept"):  # an unwritable report directory included
+            # Paths inside a captured tree are machine paths: keep them as given.
+            targets = list(paths or []) if root else [os.path.abspath(p) for p in (paths or [os.getcwd()])]
+            opts = AcceptOptions(
+                targets=targets, report_dir=os.path.abspath(report_dir) if report_dir else default_report_dir(),
+                root=root, quick=quick, size=parse_size(size) if size is not None else None, workload=workload,
+                device=device, items=_parse_items(items), timeout=timeout)
+            # Results go to stdout; with --json stdout holds only the JSON, so they go to stderr then.
+            progress = ConsoleProgress(err if as_json else Console(highlight=False))
+            report = run_accept(opts, progress=progress)
     finally:
         if progress is not None:
             progress.close()

@@ -55,10 +55,11 @@ def bench(
     from gdskit.bench import runner
     from gdskit.bench.params import make_params
     from gdskit.bench.report import plot, render_table, write_csv
-    from gdskit.errors import GdskitError, MissingDependencyError
+    from gdskit.cli import cli_errors
+    from gdskit.errors import MissingDependencyError
 
     default_run = file is None and directory is None
-    try:
+    with cli_errors("bench", "interrupted; temporary files removed"):
         if plot_file is not None:
             try:
                 import matplotlib  # noqa: F401
@@ -81,15 +82,6 @@ def bench(
             else:
                 with open(csv_file, "w", newline="", encoding="utf-8") as fh:
                     write_csv(report.runs, fh)
-    except GdskitError as exc:
-        typer.echo(f"gdskit bench: error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo("gdskit bench: interrupted; temporary files removed", err=True)
-        raise typer.Exit(130) from None
-    except OSError as exc:  # e.g. the --csv file cannot be written
-        typer.echo(f"gdskit bench: error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

@@ -43,6 +43,7 @@ def run(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.01, help="Stop the workload after this many seconds."),  # noqa: UP007
 ) -> None:
     from gdskit.errors import GdskitError, GdskitFileNotFoundError, WorkloadTimeoutError
+    from gdskit.cli import cli_errors
     from gdskit.telemetry import run_workload
 
     timed_out = False
@@ -58,7 +59,7 @@ def run(
         raise typer.Exit(2) from None
     doc = report.to_dict()
     if report_file:
-        with open(report_file, "w") as f:
+        with cli_errors("run"), open(report_file, "w") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")
     if as_json:
