@@ -161,6 +161,15 @@ def test_an_unwritable_report_file_exits_2(files, stats_dir, tmp_path):
     assert r.returncode == 2 and "gdskit run: error" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_workload_output_can_go_elsewhere(stats_dir):
+    code = ("import sys; from gdskit.telemetry import run_workload; "
+            "run_workload([sys.executable, '-c', 'print(\"from-workload\")'], stdout=2); print('runner-out')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "GDSKIT_STATS_DIR": str(stats_dir)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "runner-out\n" and "from-workload" in r.stderr
+
+
 def test_bad_arguments(stats_dir):
     with pytest.raises(GdskitFileNotFoundError):
         run_workload(["/nonexistent/command"])

@@ -8,13 +8,12 @@ report; the others measure (see the modules each one names).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
@@ -228,19 +227,6 @@ def run_workload(argv: list[str], **kw: Any) -> Any:
     return run(argv, **kw)
 
 
-@contextlib.contextmanager
-def _output_to_stderr() -> Iterator[None]:
-    """Send what the workload prints to stderr: stdout carries only gdskit accept's own output (--json)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def default_workload_argv(directory: str, nbytes: int, device: int) -> list[str]:
     return [sys.executable, "-m", "gdskit.accept.workload", "--dir", directory, "--size", str(nbytes),
             "--device", str(device)]
@@ -270,8 +256,8 @@ def item_workload(ctx: AcceptContext) -> ItemResult:
         tmp = tempfile.mkdtemp(prefix=".gdskit-accept-workload-", dir=ctx.work_dir)
         argv = default_workload_argv(tmp, ctx.sizes.workload, opts.device)
     try:
-        with _output_to_stderr():
-            wr = run_workload(argv, level=3, timeout=opts.timeout)
+        # What the workload prints goes to stderr: stdout carries only gdskit accept's own output (--json).
+        wr = run_workload(argv, level=3, timeout=opts.timeout, stdout=2)  # fd 2, our stderr
     except ImportError as exc:
         return result(5, FAIL, "cannot observe the workload: gdskit.telemetry is not importable",
                       evidence=[f"{type(exc).__name__}: {exc}"],

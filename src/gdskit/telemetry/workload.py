@@ -90,10 +90,11 @@ class WorkloadReport:
 
 
 def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None = None,
-                 timeout: float | None = None, cwd: str | None = None) -> WorkloadReport:
+                 timeout: float | None = None, cwd: str | None = None, stdout: Any = None) -> WorkloadReport:
     """Run ``argv`` with gdskit publication on (``GDSKIT_STATS=level``) and report its path split.
 
-    ``env`` adds variables to this process's environment for the workload.
+    ``env`` adds variables to this process's environment for the workload; ``stdout``
+    (a file or descriptor, as for ``subprocess.Popen``) takes its output instead of ours.
     Signals meant for the runner (SIGINT, SIGTERM, SIGHUP) are passed on to the
     workload, whose end is then reported as usual. Past ``timeout`` seconds the
     workload is stopped (SIGTERM, then SIGKILL) and :class:`WorkloadTimeoutError`
@@ -115,7 +116,7 @@ def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None 
     try:
         t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(argv, env=child_env, cwd=cwd)
+            proc = subprocess.Popen(argv, env=child_env, cwd=cwd, stdout=stdout)
         except FileNotFoundError as exc:
             raise GdskitFileNotFoundError(errno.ENOENT, "command not found", argv[0]) from exc
         except OSError as exc:
