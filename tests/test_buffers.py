@@ -87,3 +87,16 @@ def test_managed_memory_never_goes_to_cufile(tmp_path):
         with pytest.raises(gdskit.errors.DirectPathUnavailable) as ei:
             f.read(m)
     assert ei.value.reason is gdskit.Reason.MANAGED_MEMORY
+
+
+def test_import_stays_light_and_plain_buffers_need_no_numpy():
+    import subprocess
+    import sys
+
+    code = ("import sys, gdskit\n"
+            "assert 'numpy' not in sys.modules and 'torch' not in sys.modules, 'heavy import at import time'\n"
+            "from gdskit.buffers import adapt\n"
+            "b = bytearray(b'abc'); v = adapt(b)\n"
+            "import ctypes; assert ctypes.string_at(v.ptr, 3) == b'abc' and not v.readonly\n"
+            "r = adapt(b'xyz'); assert ctypes.string_at(r.ptr, 3) == b'xyz' and r.readonly\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

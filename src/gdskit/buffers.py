@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from gdskit import cuda
 from gdskit.cuda import MemoryKind
@@ -98,7 +97,14 @@ def _from_buffer_protocol(obj: Any) -> BufferView:
     if not mv.c_contiguous:
         raise UnsupportedBufferError("buffer is not C-contiguous; pass a contiguous copy")
     byte_view = mv.cast("B") if mv.nbytes else memoryview(b"")
-    ptr = int(np.frombuffer(byte_view, dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+    if not mv.nbytes:
+        ptr = 0
+    elif not mv.readonly:
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(byte_view))
+    else:  # ctypes takes only writable buffers
+        import numpy as np  # noqa: PLC0415 - not at import time: `import gdskit` stays light
+
+        ptr = int(np.frombuffer(byte_view, dtype=np.uint8).ctypes.data)
     return BufferView(ptr, mv.nbytes, MemoryKind.HOST, None, mv.readonly, byte_view, obj)
 
 
@@ -124,7 +130,6 @@ class _DLManagedTensor(ctypes.Structure):
 
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
-_ndarray = np.ndarray
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype = ctypes.c_void_p
@@ -175,7 +180,8 @@ def adapt(obj: Any) -> BufferView:
     """Describe ``obj``'s memory, or raise :class:`UnsupportedBufferError`."""
     if isinstance(obj, BufferView):
         return obj
-    if type(obj) is _ndarray and obj.nbytes:
+    np = sys.modules.get("numpy")  # an ndarray exists only once numpy is imported
+    if np is not None and type(obj) is np.ndarray and obj.nbytes:
         return _from_numpy(obj)
     errors: list[str] = []
     cai = None
