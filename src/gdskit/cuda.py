@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.errors import CudaError
+from gdskit.residency import MAP_FAILED, libc
 
 
 class MemoryKind(str, enum.Enum):
@@ -145,14 +146,8 @@ _HUGE_PAGE = 2 << 20
 _MADV_DONTFORK, _MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 10, 14, 15, 23
 
 
-@functools.lru_cache(maxsize=1)
 def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+    return libc  # the one ctypes view of the C library (gdskit.residency)
 
 
 class RegisteredHostBuffer:
@@ -173,7 +168,7 @@ class RegisteredHostBuffer:
         self._map_len = span + _HUGE_PAGE  # slack, so the memory can start on a huge-page boundary
         base = libc.mmap(None, self._map_len, mmap.PROT_READ | mmap.PROT_WRITE,
                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if base is None or base == ctypes.c_void_p(-1).value:
+        if base is None or base == MAP_FAILED:
             err = ctypes.get_errno()
             raise CudaError(f"mmap of {self._map_len} bytes for pinned staging failed: {os.strerror(err)}")
         self._base = base

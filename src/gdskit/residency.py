@@ -21,13 +21,15 @@ import threading
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PAGE = mmap.PAGESIZE
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+# The C library calls gdskit makes through ctypes (also the pinned staging memory in gdskit.cuda).
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Range(ctypes.Structure):
@@ -55,7 +57,7 @@ def _cachestat(fd: int, offset: int, length: int) -> tuple[int, int] | None:
         return None
     rng = _Range(offset, length)
     cs = _Cachestat()
-    rc = _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(cs), 0)
+    rc = libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(cs), 0)
     if rc != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
             _cachestat_works = False
@@ -82,15 +84,15 @@ class _FileMapping:
             size = os.fstat(fd).st_size
             if size == 0:
                 return None
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, _MAP_FAILED):
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, MAP_FAILED):
                 return None
             self.addr, self.length = addr, size
             return addr
 
     def close_locked(self) -> None:
         if self.addr is not None:
-            _libc.munmap(self.addr, self.length)
+            libc.munmap(self.addr, self.length)
             self.addr, self.length = None, 0
 
     def close(self) -> None:
@@ -108,7 +110,7 @@ def _mincore(mapping: _FileMapping, fd: int, offset: int, length: int) -> tuple[
         return 0, 0
     pages = (end - first + _PAGE - 1) // _PAGE
     vec = ctypes.create_string_buffer(pages)
-    if _libc.mincore(addr + first, end - first, vec) != 0:
+    if libc.mincore(addr + first, end - first, vec) != 0:
         return None
     return sum(b & 1 for b in vec.raw), pages
 

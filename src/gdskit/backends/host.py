@@ -17,7 +17,8 @@ import time
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
 from gdskit.buffers import BufferView
-from gdskit.backends.staged import ChunkResult, file_residency, read_direct, read_to_stage, write_from_stage
+from gdskit.backends.staged import (ChunkResult, direct_usable, file_residency, read_direct, read_to_stage,
+                                    write_from_stage)
 from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import ledger
@@ -42,9 +43,7 @@ _SMALL_MAX = 64 << 10  # requests up to this size try the one-syscall path first
 
 def _direct_fd(f: OpenFile, cfg: Settings, size: int) -> int | None:
     """The O_DIRECT descriptor for reads of ``size`` bytes, if the policy and size allow one."""
-    if cfg.odirect is ODirectPolicy.NEVER or size % cfg.alignment or f.extras.get("direct_broken"):
-        return None
-    return f.direct_fd()
+    return None if size % cfg.alignment else direct_usable(f, cfg.odirect)
 
 
 def _one_call_fd(f: OpenFile, policy: ODirectPolicy, dfd: int | None, pos: int, size: int, addr: int,
@@ -213,12 +212,13 @@ class HostBackend(Backend):
         if fixed is not None:
             fast_ops, fast_ns = _tight_reads(fixed, view, file_offsets, buf_offsets, size, latencies_ns)
             counts = [size] * fast_ops
-        # Whatever the tight loop did not finish (a short read at the end of the file, an error
-        # to report properly) and every read under ``auto``: decided one by one.
+        # Whatever the tight loop did not finish (it stops at a short read at the end of the file
+        # or an error, which the general path then reports) and every read under ``auto``:
+        # decided one by one.
         t0 = clock()  # one clock read per read: each one's end is the next one's start
         for off, bo in zip(file_offsets[fast_ops:], buf_offsets[fast_ops:]):
             n = -1
-            fd = _one_call_fd(f, policy, dfd, off, size, base + bo, align) if fixed is None else None
+            fd = _one_call_fd(f, policy, dfd, off, size, base + bo, align)
             if fd is not None:
                 try:
                     n = os.preadv(fd, [view[bo:bo + size]], off)

@@ -43,7 +43,8 @@ def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: st
     return done
 
 
-def _direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
+def direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
+    """The file's O_DIRECT descriptor, unless the policy or an earlier refusal rules it out."""
     if policy is ODirectPolicy.NEVER or f.extras.get("direct_broken"):
         return None
     return f.direct_fd()
@@ -69,7 +70,7 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
     """
     head = pos % alignment
     cached = 0
-    dfd = _direct_usable(f, policy)
+    dfd = direct_usable(f, policy)
     if policy is ODirectPolicy.AUTO and dfd is not None:
         where = file_residency(f, pos, n)
         if where is None and f.nowait_supported:
@@ -115,7 +116,7 @@ def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: O
     buffered. ``never``: everything buffered.
     """
     head = pos % alignment
-    dfd = _direct_usable(f, policy)
+    dfd = direct_usable(f, policy)
     body_start = align_up(pos, alignment)
     body_end = align_down(pos + n, alignment)
     if dfd is None or body_end <= body_start:
