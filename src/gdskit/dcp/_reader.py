@@ -23,11 +23,9 @@ from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
 from gdskit.formats._engine import open_file
 from gdskit.formats.safetensors_format import TruncatedFileError
-
-SMALL_READ_BYTES = 1 << 20
-MAX_GROUP_BYTES = 16 << 20
-#: Zip records between packed small items are read along with them rather than skipped.
-MAX_GAP_BYTES = 8192
+# Items are torch.save archives: grouped for reading the way gdskit.torch groups storages.
+from gdskit.torch import MAX_GAP_BYTES, MAX_GROUP_BYTES
+from gdskit.torch import SMALL_STORAGE_BYTES as SMALL_READ_BYTES
 
 
 @dataclasses.dataclass

@@ -36,8 +36,10 @@ from gdskit.formats._engine import open_file
 #: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written
 #: straight from their own memory; smaller items are packed and written in batches.
 LARGE_ITEM_BYTES = 1 << 20
-#: Largest host batch of packed small items (also the most host memory they take at once).
+#: Largest host batch of packed small items; at most two batches are in flight at once, so
+#: packed items never take more than twice this in host memory.
 MAX_BATCH_BYTES = 16 << 20
+_BATCHES_IN_FLIGHT = 2
 ALIGNMENT = 4096
 
 
@@ -55,6 +57,12 @@ class _Entry:
     template: _archive.Template | None = None
     raw: bytes | None = None
     where: Placement | None = None
+
+
+def _check_written(f: Any, fut: concurrent.futures.Future[int], n: int) -> None:
+    got = fut.result()
+    if got != n:
+        raise GdskitError(f"short write to {f.path}: {got} of {n} bytes")
 
 
 def _tensor_bytes(tensor: Any, item: WriteItem) -> torch.Tensor:
@@ -236,7 +244,9 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         futures: list[tuple[concurrent.futures.Future[int], int]] = []
         try:
             packed = [e for e in entries if e.where is not None and not e.where.aligned]
-            for batch in _batches(packed):
+            for i, batch in enumerate(_batches(packed)):
+                if i >= _BATCHES_IN_FLIGHT:  # each batch is a host copy: bound how many exist at once
+                    _check_written(f, *futures[i - _BATCHES_IN_FLIGHT])
                 futures.append(self._write_batch(f, batch, planner))
             large = [e for e in entries if e.where is not None and e.where.aligned]
             resolved = [(e, _tensor_bytes(planner.resolve_data(e.item), e.item)) for e in large]
@@ -248,9 +258,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
                 futures.append((f.pwrite(t, size=e.shape.payload, file_offset=p.payload_offset), e.shape.payload))
                 futures.append((f.pwrite(tpl.tail, file_offset=p.payload_offset + e.shape.payload), len(tpl.tail)))
             for fut, n in futures:
-                got = fut.result()
-                if got != n:
-                    raise GdskitError(f"short write to {f.path}: {got} of {n} bytes")
+                _check_written(f, fut, n)
         finally:
             concurrent.futures.wait([fut for fut, _n in futures])
 

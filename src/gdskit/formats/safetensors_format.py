@@ -199,7 +199,7 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
     return Header(tuple(entries), metadata, data_start)
 
 
-_by_position = operator.itemgetter(3, 4)  # (start, end) of a TensorEntry
+_by_position = operator.attrgetter("start", "end")
 
 
 def _entries(obj: dict[str, object]) -> list[TensorEntry]:
