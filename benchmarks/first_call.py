@@ -29,14 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from page_cache import warm  # benchmarks/ is on sys.path when run as a script
 
+from gdskit.bench.runner import fill_file
+from gdskit.settings import parse_size
+
 GB = 1e9
 MiB = 1 << 20
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.lower().removesuffix("ib").removesuffix("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
 
 
 def case_h2d(size: int, chunk: int, threads: int) -> dict:
@@ -155,8 +152,8 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", default="/tmp/gdskit-first-call.bin")
-    ap.add_argument("--size", type=_size, default=8 << 30)
-    ap.add_argument("--chunk", type=_size, default=8 << 20)
+    ap.add_argument("--size", type=parse_size, default=8 << 30)
+    ap.add_argument("--chunk", type=parse_size, default=8 << 20)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--allocs", default="register,hostalloc",
@@ -169,17 +166,15 @@ def main() -> None:
         child(args)
         return
     if not os.path.exists(args.file) or os.path.getsize(args.file) < args.size:
-        with open(args.file, "wb") as fh:
-            block = os.urandom(64 * MiB)
-            for _ in range(0, args.size, len(block)):
-                fh.write(block)
+        fill_file(args.file, args.size, 0)
     results = []
     runs = [(case, alloc) for case in args.cases.split(",")
             for alloc in (args.allocs.split(",") if case.startswith("engine") else [None])]
     for _ in range(args.repeats):
         for case, alloc in runs:
-            warm([args.file])
-            env = {**os.environ, "GDSKIT_THREADS": str(args.threads)}
+            if case.startswith("engine"):
+                warm([args.file])  # only the engine cases read the file
+            env = {**os.environ, "GDSKIT_THREADS": str(args.threads), "GDSKIT_CHUNK_SIZE": str(args.chunk)}
             if alloc:
                 env["GDSKIT_PINNED_ALLOC"] = alloc
             proc = subprocess.run([sys.executable, __file__, "--case", case, "--file", args.file,

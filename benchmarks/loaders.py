@@ -100,8 +100,6 @@ def ensure_files(directory: str, size_gib: float, small_count: int, small_avg_ki
     return files
 
 
-# -- page cache control -----------------------------------------------------------
-
 # -- the loaders (run inside the child process) -------------------------------------
 
 _MODULES = {"gdskit": "gdskit.safetensors", "gdskit-torch": "gdskit.torch", "safetensors": "safetensors.torch",
@@ -145,8 +143,8 @@ def _instrument_gdskit() -> dict:
     torch_io.torch = proxy
     safetensors_format.read_header_file = timed(safetensors_format.read_header_file, "header_s")
     torch_io.execute = timed(torch_io.execute, "execute_s")
-    gdskit.safetensors.fmt.read_header_file = safetensors_format.read_header_file
-    gdskit.File.pread = timed(gdskit.File.pread, "submit_s", "reads")
+    gdskit.File.pread = timed(gdskit.File.pread, "submit_s", "reads")  # small-tensor groups
+    gdskit.File.pread_many = timed(gdskit.File.pread_many, "submit_s", "reads")  # batches of large tensors
     return t
 
 
