@@ -346,3 +346,20 @@ def test_device_mapper_loop_and_multipath_layers_are_resolved(tmp_path):
     assert img.device.kind == "loop" and img.device.detail == "/data/images/disk.img"
     assert [n.name for n in img.device.leaves()] == ["nvme0n1"]        # the backing file lives on /data
     assert img.verdict == "compat" and "mount.loop" in finding_ids(r)
+
+
+def test_each_bridge_is_read_once_however_many_links_cross_it(monkeypatch):
+    from collections import Counter
+
+    from gdskit.probe import topology
+
+    reads: Counter[str] = Counter()
+    real = topology.read_bridge
+
+    def counting(root, bdf):
+        reads[bdf] += 1
+        return real(root, bdf)
+
+    monkeypatch.setattr(topology, "read_bridge", counting)
+    r = check("raid0-p2pdma")
+    assert r.topology.links and reads and max(reads.values()) == 1, reads

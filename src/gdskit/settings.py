@@ -42,6 +42,14 @@ def parse_size(text: str | int) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
 
 
+def format_size(n: float, digits: int = 0) -> str:
+    """``n`` bytes for people: ``"80 GiB"`` (``digits`` after the point), ``"512 B"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.{digits}f} {unit}"
+    return f"{int(n)} B"
+
+
 _STATS_WORDS = {"on": 1, "true": 1, "yes": 1, "off": 0, "false": 0, "no": 0}
 
 # Settings whose variable is not GDSKIT_<NAME>: ``GDSKIT_STATS=1`` reads better than GDSKIT_STATS_LEVEL.

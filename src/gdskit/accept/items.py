@@ -18,6 +18,7 @@ from typing import Any
 
 from gdskit.accept.context import AcceptContext
 from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult
+from gdskit.settings import format_size
 
 TITLES = {
     1: "GDS platform ready: nvidia-fs or PCI P2PDMA, no ACS blockage, BAR1 and RDMA",
@@ -76,12 +77,7 @@ def _fix_of(report: Any, *ids: str) -> str | None:
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.0f} {unit}"
-    return f"{n} B"
+    return "unknown" if n is None else format_size(n)
 
 
 # --------------------------------------------------------------------------- item 1

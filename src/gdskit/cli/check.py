@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import typer
 
+from gdskit.settings import format_size
+
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
 VERDICT_STYLE = {"direct": "bold green", "compat": "yellow", "unsupported": "bold red"}
 
@@ -23,12 +25,7 @@ class Requirement(str, enum.Enum):
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.0f} {unit}"
-    return f"{n} B"
+    return "?" if n is None else format_size(n)
 
 
 def _yes(v: Any, yes: str = "yes", no: str = "no") -> str:
@@ -39,6 +36,8 @@ def render(report: Any, console: Any) -> None:
     """Print the report as grouped rich tables: platform, GPUs, topology, mounts, findings."""
     from rich.table import Table
     from rich.text import Text
+
+    from gdskit.probe.verdict import SEVERITIES
 
     d = report.to_dict()
     p = d["platform"]
@@ -121,12 +120,11 @@ def render(report: Any, console: Any) -> None:
     console.print(mt)
 
     problems = [f for f in d["findings"] if f["severity"] != "ok"]
-    order = {"error": 0, "warning": 1, "info": 2}
     if problems:
         ft = Table(title="Findings", title_justify="left", show_lines=True)
         for col in ("severity", "subject", "finding", "consequence", "fix"):
             ft.add_column(col)
-        for f in sorted(problems, key=lambda f: order[f["severity"]]):
+        for f in sorted(problems, key=lambda f: -SEVERITIES.index(f["severity"])):  # worst first
             title = f["title"] + (f" [{f['reason']}]" if f["reason"] else "")
             ft.add_row(Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]), f["subject"], title,
                        f["consequence"], f["fix"])

@@ -8,7 +8,7 @@ from typing import Any
 from gdskit.probe.gds import GdsStack
 from gdskit.probe.gpus import GpuFacts
 from gdskit.probe.topology import Topology
-from gdskit.probe.verdict import SEVERITIES, Finding, MountCheck
+from gdskit.probe.verdict import SEVERITIES, VERDICTS, Finding, MountCheck
 
 SCHEMA = "gdskit.check"
 SCHEMA_VERSION = 1
@@ -56,7 +56,7 @@ class CheckReport:
         return 1 if self.require_met is False else 0
 
     def summary(self) -> dict[str, Any]:
-        counts = {v: sum(1 for m in self.mounts if m.verdict == v) for v in ("direct", "compat", "unsupported")}
+        counts = {v: sum(1 for m in self.mounts if m.verdict == v) for v in VERDICTS}
         return {
             "verdicts": counts,
             "findings": {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES},

@@ -233,8 +233,10 @@ class Link:
 
 
 def relate(root: SystemRoot, gpu_index: int, gpu_place: PciPlace | None, gpu_bdf: str,
-           gpu_numa: int | None, peer: PeerDevice) -> Link:
-    """How traffic between a GPU and a peer would cross the PCIe tree."""
+           gpu_numa: int | None, peer: PeerDevice, bridges: dict[str, Bridge] | None = None) -> Link:
+    """How traffic between a GPU and a peer would cross the PCIe tree. ``bridges`` caches
+    bridges already read (their config space is read once however many links cross them)."""
+    bridges = {} if bridges is None else bridges
     if gpu_place is None or peer.place is None:
         return Link(gpu_index, gpu_bdf, peer.name, peer.kind, "unknown", None)
     a, b = gpu_place.chain, peer.place.chain
@@ -251,7 +253,8 @@ def relate(root: SystemRoot, gpu_index: int, gpu_place: PciPlace | None, gpu_bdf
         relation = "same-root-complex"
     cross_numa = gpu_numa is not None and peer.numa_node is not None and gpu_numa != peer.numa_node
     return Link(gpu_index, gpu_bdf, peer.name, peer.kind, relation, a[common - 1] if common else None,
-                [read_bridge(root, bdf) for bdf in between], cross_numa)
+                [bridges[bdf] if bdf in bridges else bridges.setdefault(bdf, read_bridge(root, bdf))
+                 for bdf in between], cross_numa)
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,9 @@ def topology(root: SystemRoot, gpus: list[Any]) -> Topology:
     """Relate every GPU (``GpuInfo``) to every NVMe controller and RDMA device."""
     peers = nvme_controllers(root) + rdma_devices(root)
     links = []
+    bridges: dict[str, Bridge] = {}
     for g in gpus:
         place = pci_place(root, g.pci_bus_id)
         for p in peers:
-            links.append(relate(root, g.index, place, g.pci_bus_id, g.numa_node, p))
+            links.append(relate(root, g.index, place, g.pci_bus_id, g.numa_node, p, bridges))
     return Topology(peers, links)

@@ -10,16 +10,14 @@ from rich.table import Table
 from rich.text import Text
 
 from gdskit.ledger import Stats
+from gdskit.settings import format_size
 from gdskit.telemetry.snapshot import Snapshot
 from gdskit.telemetry.verdict import ALL_DIRECT, NO_IO, verdict
 from gdskit.vocabulary import is_direct_path
 
 
 def human_bytes(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{int(n)} B"
+    return format_size(n, 1)
 
 
 def human_seconds(s: float | None) -> str:
