@@ -23,36 +23,22 @@ class MountInfo:
     dev: str           # "major:minor" of the filesystem
 
 
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit() and len(field[i + 1:i + 4]) == 3:
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+def _mount_info(m: Any) -> MountInfo:
+    return MountInfo(mount_point=m.mountpoint, fstype=m.fstype, source=m.source, dev=f"{m.major}:{m.minor}")
 
 
 def parse_mountinfo(text: str) -> list[MountInfo]:
-    """Parse the text of ``/proc/self/mountinfo`` (malformed lines are skipped)."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        sep = fields.index("-")
-        if sep < 6 or len(fields) < sep + 3:
-            continue
-        mounts.append(MountInfo(mount_point=_unescape(fields[4]), fstype=fields[sep + 1],
-                                source=_unescape(fields[sep + 2]), dev=fields[2]))
-    return mounts
+    """Parse the text of ``/proc/self/mountinfo`` (malformed lines are skipped), as ``gdskit check`` does."""
+    from gdskit.probe.mounts import parse_mountinfo as parse  # noqa: PLC0415
+
+    return [_mount_info(m) for m in parse(text)]
 
 
 def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
     """The mount holding ``path`` (the longest mount point that is a prefix; last one wins)."""
+    from gdskit.probe.mounts import mount_for_path  # noqa: PLC0415
+    from gdskit.probe.mounts import parse_mountinfo as parse  # noqa: PLC0415
+
     try:
         if mountinfo_text is None:
             with open("/proc/self/mountinfo") as fh:
@@ -60,13 +46,8 @@ def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
         real = os.path.realpath(path)
     except OSError:
         return None
-    best: MountInfo | None = None
-    for m in parse_mountinfo(mountinfo_text):
-        mp = m.mount_point.rstrip("/") or "/"
-        inside = real == mp or mp == "/" or real.startswith(mp + "/")
-        if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
-            best = m
-    return best
+    m = mount_for_path(parse(mountinfo_text), real)
+    return None if m is None else _mount_info(m)
 
 
 def _read(path: str) -> str | None:
@@ -148,9 +129,9 @@ def cufile_version() -> str | None:
         v = int(cufile.get_version())
     except Exception:
         return None
-    # cuFileGetVersion returns 1000 * major + 10 * minor (1.15 -> 1150)
-    text = f"{v // 1000}.{(v % 1000) // 10}"
-    return text + (f".{v % 10}" if v % 10 else "")
+    from gdskit.probe.gds import cufile_version_text  # noqa: PLC0415
+
+    return cufile_version_text(v)
 
 
 @dataclasses.dataclass(frozen=True)

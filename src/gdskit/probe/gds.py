@@ -21,6 +21,12 @@ UDEV_DATA = "/run/udev/data"
 
 
 # --------------------------------------------------------------------------- libcufile
+def cufile_version_text(code: int) -> str:
+    """``cuFileGetVersion``'s number (1000 * major + 10 * minor + patch) as ``major.minor[.patch]``."""
+    text = f"{code // 1000}.{(code % 1000) // 10}"
+    return text + (f".{code % 10}" if code % 10 else "")
+
+
 @dataclass(frozen=True)
 class CufileLibrary:
     """Whether libcufile loads, and its version (``1000*major + 10*minor``)."""
@@ -32,9 +38,7 @@ class CufileLibrary:
 
     @property
     def version(self) -> str | None:
-        if self.version_code is None:
-            return None
-        return f"{self.version_code // 1000}.{(self.version_code % 1000) // 10}"
+        return None if self.version_code is None else cufile_version_text(self.version_code)
 
     def to_dict(self) -> dict[str, Any]:
         return {"found": self.found, "version": self.version, "version_code": self.version_code,
