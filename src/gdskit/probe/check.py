@@ -114,7 +114,7 @@ def run_check(
             odirect=_odirect(root, m, requested, odirect),
             udev_entry=udev_entry_for(root, tree, gds),
         )
-        findings.extend(judge_mount(root, m, mc, gpu, gds, topo))
+        findings.extend(judge_mount(m, mc, gpu, gds, topo))
         checks.append(mc)
 
     report = CheckReport(root=root.prefix, gpu=gpu, gds=gds, topology=topo, mounts=checks,

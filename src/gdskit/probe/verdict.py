@@ -283,8 +283,7 @@ def _links_for(topo: Topology, leaves: list[BlockNode]) -> list[Link]:
     return [link for link in topo.links if link.peer in peers]
 
 
-def judge_mount(root: SystemRoot, m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack,
-                topo: Topology) -> list[Finding]:
+def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, topo: Topology) -> list[Finding]:
     """Fill ``mc.verdict``, ``route``, ``fallback`` and ``reasons``; return the mount's findings."""
     out: list[Finding] = []
     subj = f"mount {m.mountpoint}"
