@@ -24,6 +24,7 @@ import tempfile
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
+from gdskit.accept.fault_child import CASES
 from gdskit.accept.result import FAIL, NA, PASS
 
 TMPFS_DIR = "/dev/shm"
@@ -143,14 +144,14 @@ def run_case(ctx: AcceptContext, case: str) -> dict[str, Any]:
         return {"case": case, "description": DESCRIPTIONS[case], "status": NA,
                 "detail": f"no tmpfs mounted at {TMPFS_DIR}"}
     scratch = tempfile.mkdtemp(prefix=".gdskit-accept-fault-", dir=TMPFS_DIR if case == "tmpfs" else ctx.work_dir)
-    env = {**os.environ, "GDSKIT_MODE": "auto"}  # the fallback under test is auto mode's
-    if case == "compat":
-        env.update(CUFILE_ENV_PATH_JSON=forced_compat_config(scratch), CUFILE_FORCE_COMPAT_MODE="true",
-                   CUFILE_ALLOW_COMPAT_MODE="true")
-    # -X faulthandler: should the child crash, its stderr (kept in the report) shows where.
-    argv = [sys.executable, "-X", "faulthandler", "-m", "gdskit.accept.fault_child", "--case", case, "--dir", scratch,
-            "--size", str(ctx.sizes.fault), "--device", str(ctx.options.device)]
-    try:
+    try:  # from here on the scratch directory is removed whatever happens
+        env = {**os.environ, "GDSKIT_MODE": "auto"}  # the fallback under test is auto mode's
+        if case == "compat":
+            env.update(CUFILE_ENV_PATH_JSON=forced_compat_config(scratch), CUFILE_FORCE_COMPAT_MODE="true",
+                       CUFILE_ALLOW_COMPAT_MODE="true")
+        # -X faulthandler: should the child crash, its stderr (kept in the report) shows where.
+        argv = [sys.executable, "-X", "faulthandler", "-m", "gdskit.accept.fault_child", "--case", case,
+                "--dir", scratch, "--size", str(ctx.sizes.fault), "--device", str(ctx.options.device)]
         proc = subprocess.run(argv, env=env, cwd=scratch, capture_output=True, text=True,
                               timeout=ctx.options.timeout)
     except subprocess.TimeoutExpired:
@@ -165,4 +166,4 @@ def run_case(ctx: AcceptContext, case: str) -> dict[str, Any]:
 
 
 def run_cases(ctx: AcceptContext) -> list[dict[str, Any]]:
-    return [run_case(ctx, case) for case in ("compat", "register", "tmpfs")]
+    return [run_case(ctx, case) for case in CASES]

@@ -52,7 +52,11 @@ def raw_round_trip(directory: str, nbytes: int, device: int | None, name: str = 
     chunk = min(CHUNK, nbytes)
     on_device = device is not None
     wbuf = allocate(on_device, chunk, device or 0)
-    rbuf = allocate(on_device, chunk, device or 0)
+    try:
+        rbuf = allocate(on_device, chunk, device or 0)
+    except BaseException:
+        wbuf.free()
+        raise
     path = os.path.join(directory, name)
     first_bad = None
     before = gdskit.stats()

@@ -23,7 +23,7 @@ _LAZY = {"stats_dir": ("location", "stats_dir"), "to_prometheus": ("prometheus",
          "WorkloadReport": ("workload", "WorkloadReport"), "run_workload": ("workload", "run_workload")}
 
 # Not lazy: the function shares its name with its module, which would shadow it once imported.
-from gdskit.telemetry.verdict import verdict  # noqa: E402 - light (the ledger is loaded anyway)
+from gdskit.telemetry.verdict import verdict  # noqa: E402, F401 - light (the ledger is loaded anyway)
 
 __all__ = sorted([*_LAZY, "verdict"])
 

@@ -24,7 +24,7 @@ _LEDGER_COUNTERS = (
     ("gdskit_requests_total", "requests", "Requests (or their parts) recorded, by path, reason and operation."),
     ("gdskit_busy_seconds_total", "busy_s", "Seconds spent moving bytes; divided by requests: mean latency."),
 )
-_CUFILE_ROUTES = {"nvfs": "nvfs", "p2p": "p2p", "posix": "posix"}
+_CUFILE_ROUTES = ("nvfs", "p2p", "posix")
 
 
 def _escape_label(value: Any) -> str:

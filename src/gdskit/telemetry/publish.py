@@ -212,12 +212,6 @@ def publish_now() -> None:
         p.publish(force=True)
 
 
-def current() -> Publisher | None:
-    """This process's publisher, if it ever started."""
-    p = _publisher
-    return p if p is not None and p.pid == os.getpid() else None
-
-
 def _at_exit() -> None:
     p = _publisher
     if p is not None:

@@ -16,7 +16,6 @@ from typing import Any
 
 from gdskit.errors import FormatError
 from gdskit.ledger import PathStats, Stats, ledger
-from gdskit.vocabulary import Path
 
 SCHEMA = "gdskit.stats/1"
 
