@@ -193,3 +193,24 @@ def test_bad_option_combinations_exit_2(app):
     assert stats(app, "--json", "--prometheus").exit_code == 2
     assert stats(app, "-p", "1", "--watch", "1", "--prometheus").exit_code == 2
     assert stats(app, "-l", "4").exit_code == 2
+
+
+def test_watch_rates_come_from_published_snapshots_not_from_looks():
+    from gdskit.cli.stats import _advance
+    from gdskit.ledger import Ledger
+    from gdskit.telemetry.snapshot import Snapshot, ledger_dict
+    from gdskit.vocabulary import Path, Reason
+
+    def snap(seq, at, nbytes):
+        led = Ledger()
+        led.record(Path.HOST, Reason.NO_GPU, "read", nbytes, 1, 0.0)
+        return Snapshot({"schema": "gdskit.stats/1", "pid": 1, "seq": seq, "updated_at": at, "interval_s": 0.5,
+                         "level": 1, "ledger": ledger_dict(led.snapshot(), 1)}, "x")
+
+    a, b = snap(1, 100.0, 0), snap(2, 100.5, 1 << 30)
+    shown, rates = _advance(a, b, {}, now=100.6)
+    assert shown is b and rates == {"host": 2 * (1 << 30)}
+    # Looked again before the next publication: the same rate, not zero.
+    assert _advance(b, snap(2, 100.5, 1 << 30), rates, now=100.7) == (b, rates)
+    # Nothing published for two intervals: idle.
+    assert _advance(b, snap(2, 100.5, 1 << 30), rates, now=102.0) == (b, {})

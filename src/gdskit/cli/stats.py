@@ -123,11 +123,24 @@ def _list(as_json: bool, prometheus: bool, level: int | None) -> None:
 
 
 def _rates(prev: Any, snap: Any, dt: float) -> dict[str, float]:
-    """Bytes per second per path between two looks ``dt`` seconds apart (an idle process is not rewritten)."""
+    """Bytes per second per path between two published snapshots ``dt`` seconds apart."""
     if dt <= 0:
         return {}
     delta = snap.stats - prev.stats
     return {path: ps.bytes / dt for path, ps in delta.paths.items()}
+
+
+def _advance(snap: Any, nxt: Any, rates: dict[str, float], now: float) -> tuple[Any, dict[str, float]]:
+    """The snapshot and rates to show after looking again and finding ``nxt``.
+
+    Rates come from the publisher's own clock: it rewrites its snapshot every interval, and
+    only when its figures changed, so looks faster than that would see zeros and spikes.
+    """
+    if nxt.doc.get("seq") != snap.doc.get("seq"):
+        return nxt, _rates(snap, nxt, nxt.updated_at - snap.updated_at)
+    if now - snap.updated_at > 2 * float(snap.doc.get("interval_s", 0.5)):
+        return snap, {}  # not rewritten for two intervals: idle
+    return snap, rates
 
 
 def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
@@ -142,8 +155,7 @@ def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
     console = Console()
     snap = read_snapshot(pid)  # errors before the first frame are errors
     lvl = _level_for(snap, level)
-    prev, rates = snap, {}
-    last_look = time.monotonic()
+    rates: dict[str, float] = {}
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not as_json else None
     try:
         if live is not None:
@@ -165,10 +177,7 @@ def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
                     live = None
                 typer.echo(f"process {pid} ended (or stopped publishing)", err=True)
                 return
-            now = time.monotonic()
-            prev, snap = snap, nxt
-            rates = _rates(prev, snap, now - last_look)
-            last_look = now
+            snap, rates = _advance(snap, nxt, rates, time.time())
     except KeyboardInterrupt:
         return
     finally:
