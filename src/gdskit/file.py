@@ -209,9 +209,10 @@ class File:
         if not view.on_device:
             return backend("host").read_batch(self._of, view, offsets, places, size, host_reason(), latencies_ns)
         counts = []
+        synced: set[Any] = set()  # one wait for the producer's stream, not one per read
         for off, bo in zip(offsets, places):
             t0 = time.perf_counter_ns()
-            counts.append(self._execute("read", view, size, off, bo))
+            counts.append(self._execute_many([(view, size, off, bo)], synced)[0])
             if latencies_ns is not None:
                 latencies_ns.append(time.perf_counter_ns() - t0)
         return counts
@@ -382,11 +383,13 @@ class File:
             items.append(self._validate("read", buf, size, file_offset, item[3] if len(item) == 4 else 0))
         return items
 
-    def _execute_many(self, items: list[tuple[BufferView, int, int, int]]) -> list[int]:
+    def _execute_many(self, items: list[tuple[BufferView, int, int, int]],
+                      synced: set[Any] | None = None) -> list[int]:
+        """``synced``: producer streams already waited for (a batch's later calls skip the wait)."""
         cfg = settings.snapshot()
         pieces: list[list[int]] = [[] for _ in items]   # per item: indexes into ``reqs``
         reqs: list[tuple[str, Request]] = []
-        synced: set[Any] = set()
+        synced = set() if synced is None else synced
         for i, (view, size, file_offset, buf_offset) in enumerate(items):
             if size == 0:
                 continue
