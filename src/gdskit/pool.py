@@ -213,8 +213,11 @@ class LanePool:
                 # No lock: each worker faults in its own stage, all at once.
                 return Lane(device, stage_bytes, cuda.RegisteredHostBuffer)
             except CudaError as exc:
-                if self._register_error is None:
-                    self._register_error = str(exc)
+                with self._cond:  # several workers may fail at once: say it once
+                    first = self._register_error is None
+                    if first:
+                        self._register_error = str(exc)
+                if first:
                     warnings.warn(f"gdskit: pinned staging falls back to cudaHostAlloc ({exc}); "
                                   "the first large read will set up more slowly", RuntimeWarning, stacklevel=2)
         with self._pin_lock:

@@ -172,10 +172,19 @@ class CufileLibrary:
         with self._lock:
             if ptr in self.buffers:
                 return False
-        self.module.buf_register(ptr, nbytes, 0)
-        with self._lock:
-            self.buffers[ptr] = nbytes
+            self.buffers[ptr] = nbytes  # claimed now: a second caller for the same buffer backs off
+        try:
+            self.module.buf_register(ptr, nbytes, 0)
+        except BaseException:
+            with self._lock:
+                self.buffers.pop(ptr, None)
+            raise
         return True
+
+    def track(self, handle: int) -> None:
+        """Remember a registered file handle (deregistered on close or at exit)."""
+        with self._lock:
+            self.handles.add(handle)
 
     def deregister_buffer(self, ptr: int) -> None:
         with self._lock:
@@ -185,7 +194,9 @@ class CufileLibrary:
 
     def close(self) -> None:
         """Deregister what is left, stop the counters, close the driver."""
-        for handle in list(self.handles):
+        with self._lock:
+            handles = list(self.handles)
+        for handle in handles:
             try:
                 self.deregister(handle)
             except Exception:
@@ -255,7 +266,7 @@ def _register(f: OpenFile) -> FileRegistration:
             descr.fs_ops = 0
             handle = int(mod.handle_register(descr.ptr))
             reg = FileRegistration(handle, None)
-            lib.handles.add(handle)
+            lib.track(handle)
             f.on_close(lambda: lib.deregister(handle))
         except Exception as exc:
             reason = Reason.UDEV_MISSING if not udev_database_present() else Reason.HANDLE_REGISTER_FAILED
