@@ -8,7 +8,6 @@ report; the others measure (see the modules each one names).
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import sys
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
-from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult
+from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult, write_json
 from gdskit.settings import format_size
 
 TITLES = {
@@ -269,7 +268,7 @@ def item_workload(ctx: AcceptContext) -> ItemResult:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     d = wr.to_dict()
-    _write_json(ctx.artifact("workload.json"), d)
+    write_json(ctx.artifact("workload.json"), d)
     art = [Artifact("json", "workload.json", "workload ledger and cuFile counters (JSON)")]
     ev = [f"command: {shlex.join(list(wr.argv))}", f"exit status {wr.returncode} after {wr.duration_s:.1f} s",
           f"direct bytes: {wr.direct_bytes}, POSIX bytes: {wr.posix_bytes}", f"verdict: {wr.verdict}"]
@@ -325,7 +324,7 @@ def item_faults(ctx: AcceptContext) -> ItemResult:
     from gdskit.accept import faults
 
     cases = faults.run_cases(ctx)
-    _write_json(ctx.artifact("faults.json"), cases)
+    write_json(ctx.artifact("faults.json"), cases)
     art = [Artifact("json", "faults.json", "fault-injection children: ledgers and outcomes (JSON)")]
     c = _Checks()
     for case in cases:
@@ -341,13 +340,6 @@ def item_faults(ctx: AcceptContext) -> ItemResult:
                   evidence=c.lines(), data={"cases": cases}, artifacts=art)
 
 
-def _write_json(path: str, data: Any) -> None:
-    import json
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
-        fh.write("\n")
 
 
 ITEMS: dict[int, Callable[[AcceptContext], ItemResult]] = {

@@ -13,7 +13,7 @@ from typing import Any
 
 from gdskit.accept.context import AcceptContext
 from gdskit.accept.items import result
-from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult
+from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, write_json
 
 #: The two paths compared: the direct path and the CPU path it must beat.
 AB_PATHS = "cufile,bounce"
@@ -45,9 +45,7 @@ def _fix_for_reason(ctx: AcceptContext, reason: str) -> str:
 def _archive(ctx: AcceptContext, report: Any, stem: str, what: str) -> list[Artifact]:
     from gdskit.bench.report import write_csv
 
-    with open(ctx.artifact(f"{stem}.json"), "w", encoding="utf-8") as fh:
-        json.dump(report.to_dict(), fh, indent=2)
-        fh.write("\n")
+    write_json(ctx.artifact(f"{stem}.json"), report.to_dict())
     with open(ctx.artifact(f"{stem}.csv"), "w", encoding="utf-8", newline="") as fh:
         write_csv(report.runs, fh)
     return [Artifact("json", f"{stem}.json", f"{what}: full gdskit bench report (JSON)"),

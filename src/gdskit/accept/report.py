@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 
-from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult
+from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult, write_json
 
 MARKDOWN = "report.md"
 HTML = "report.html"
@@ -146,9 +145,7 @@ def write_report(report: AcceptReport, report_dir: str) -> dict[str, str]:
     os.makedirs(report_dir, exist_ok=True)
     paths = {"markdown": os.path.join(report_dir, MARKDOWN), "html": os.path.join(report_dir, HTML),
              "json": os.path.join(report_dir, JSON)}
-    with open(paths["json"], "w", encoding="utf-8") as fh:
-        json.dump(report.to_dict(), fh, indent=2, default=str)
-        fh.write("\n")
+    write_json(paths["json"], report.to_dict())
     with open(paths["markdown"], "w", encoding="utf-8") as fh:
         fh.write(to_markdown(report))
     with open(paths["html"], "w", encoding="utf-8") as fh:

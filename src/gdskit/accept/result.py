@@ -7,6 +7,8 @@ ever added within one ``schema_version``.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 SCHEMA = "gdskit.accept"
@@ -109,3 +111,11 @@ class AcceptReport:
             },
             "notes": list(self.notes),
         }
+
+
+def write_json(path: str, data: Any) -> None:
+    """One report file: indented JSON, anything else as its string, the directory made if missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=str)
+        fh.write("\n")

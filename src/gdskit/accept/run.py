@@ -7,7 +7,6 @@ written, and one broken item never hides the others.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -18,7 +17,7 @@ from typing import Any
 from gdskit.accept.context import ALL_ITEMS, AcceptContext, AcceptOptions
 from gdskit.accept.items import ITEMS, TITLES, not_applicable, result
 from gdskit.accept.report import write_report
-from gdskit.accept.result import FAIL, AcceptReport, ItemResult
+from gdskit.accept.result import FAIL, AcceptReport, ItemResult, write_json
 
 #: ``progress(item, title, result)``: called with ``result=None`` when an item starts, then with its result.
 ProgressFn = Callable[[int, str, "ItemResult | None"], None]
@@ -63,9 +62,7 @@ def run_accept(options: AcceptOptions, progress: ProgressFn | None = None) -> Ac
     os.makedirs(options.report_dir, exist_ok=True)
     ctx = AcceptContext(options)
     check = ctx.check_report()  # bad targets surface here, as argument errors, before anything runs
-    with open(ctx.artifact("check.json"), "w", encoding="utf-8") as fh:
-        json.dump(check.to_dict(), fh, indent=2)
-        fh.write("\n")
+    write_json(ctx.artifact("check.json"), check.to_dict())
 
     items: list[ItemResult] = []
     for item in ALL_ITEMS:
