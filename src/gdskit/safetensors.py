@@ -205,13 +205,15 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
     atomic: a temporary file beside ``path`` is fsynced and renamed.
     """
     torch = _torch()
+    from gdskit.formats.torch_io import flat_bytes, has_plain_bytes  # noqa: PLC0415 - needs torch
+
     if not isinstance(tensors, Mapping):
         raise InvalidArgumentError("tensors must be a mapping of names to tensors")
     specs = []
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        if not has_plain_bytes(t):
             raise UnsupportedTensorError(f"tensor {name!r} ({t.layout}, {t.device}) has no plain bytes to store")
         st, shape = _st_type(torch, name, t)
         specs.append(fmt.TensorSpec(name, st, shape))
@@ -227,13 +229,11 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
             for e in lay.entries:
                 if e.nbytes == 0:
                     continue
-                t = tensors[e.name].detach()
+                t = tensors[e.name]
                 copied = not t.is_contiguous()
-                if copied:
-                    t = t.contiguous()
-                    if t.device.type == "cuda":
-                        torch.cuda.synchronize(t.device)
-                src = t.reshape(-1).view(torch.uint8)
+                src = flat_bytes(t)
+                if copied and src.device.type == "cuda":
+                    torch.cuda.synchronize(src.device)  # the copy was made on torch's stream
                 fut = f.pwrite(src, size=e.nbytes, file_offset=lay.file_offset(e))
                 fut.add_done_callback(lambda _f, n=e.nbytes: prog.advance(n))
                 if copied:

@@ -32,6 +32,7 @@ from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import fsync_dir, remove_if_present
 from gdskit.errors import GdskitError
 from gdskit.formats._engine import open_file
+from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 
 #: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written
 #: straight from their own memory; smaller items are packed and written in batches.
@@ -69,16 +70,13 @@ def _tensor_bytes(tensor: Any, item: WriteItem) -> torch.Tensor:
     """The item's tensor as a flat uint8 tensor over contiguous memory (a copy only if it is not contiguous)."""
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedItemError(f"{item.index.fqn}: the planner resolved {type(tensor).__name__}, not a tensor")
-    t = tensor.detach()
-    want = item.tensor_data
-    if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized:
+    t, want = tensor, item.tensor_data
+    if not has_plain_bytes(t):
         raise UnsupportedItemError(f"{item.index.fqn}: a {t.layout} tensor on {t.device} has no plain bytes to save")
     if want is not None and (tuple(t.shape) != tuple(want.chunk.sizes) or t.dtype != want.properties.dtype):
         raise UnsupportedItemError(f"{item.index.fqn}: resolved {t.dtype}{tuple(t.shape)}, the plan says "
                                    f"{want.properties.dtype}{tuple(want.chunk.sizes)}")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return flat_bytes(t)
 
 
 class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):

@@ -77,6 +77,17 @@ def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
     del block
 
 
+def has_plain_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory simply holds its values (not sparse, quantized or on the meta device)."""
+    return t.layout is torch.strided and not t.is_quantized and t.device.type != "meta"
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor over contiguous memory (a copy only when ``t`` is not contiguous)."""
+    t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+
+
 def _check(n: int, want: int, what: str) -> None:
     if n != want:
         raise TruncatedFileError(f"short read of {what}: got {n} of {want} bytes "
