@@ -136,7 +136,7 @@ def list_snapshots(*, directory: str | None = None, clean: bool = True) -> list[
     found: dict[int, Snapshot] = {}
     for d in dirs:
         if clean:
-            clean_stale(d)
+            clean_stale(d, snapshots=False)  # the snapshots themselves are judged below, each read once
         try:
             names = sorted(os.listdir(d))
         except OSError:
@@ -152,11 +152,14 @@ def list_snapshots(*, directory: str | None = None, clean: bool = True) -> list[
                 continue
             if is_running(pid, doc.get("start_ticks")):
                 found[pid] = Snapshot(doc, path)
+            elif clean:
+                _remove(path)  # a dead process's snapshot (load_file checked it is this user's)
     return [found[p] for p in sorted(found)]
 
 
-def clean_stale(directory: str) -> list[str]:
-    """Remove what dead processes left in ``directory``: snapshots, temporary files, run directories.
+def clean_stale(directory: str, *, snapshots: bool = True) -> list[str]:
+    """Remove what dead processes left in ``directory``: snapshots (unless ``snapshots`` is
+    False), temporary files, run directories.
 
     Only this user's entries are touched. Returns the paths removed.
     """
@@ -172,7 +175,7 @@ def clean_stale(directory: str) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue
-        if st.st_uid != me:
+        if st.st_uid != me or (not snapshots and pid_of(name) is not None and stat.S_ISREG(st.st_mode)):
             continue
         if _is_stale(path, name, st):
             if stat.S_ISDIR(st.st_mode):
@@ -194,7 +197,7 @@ def _is_stale(path: str, name: str, st: os.stat_result) -> bool:
         # Only gdskit's own snapshots: GDSKIT_STATS_DIR may name a directory that holds other files.
         if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("gdskit.stats/"):
             return False
-        return start_ticks(pid) is None or not is_running(pid, doc.get("start_ticks"))
+        return not is_running(pid, doc.get("start_ticks"))
     if name.startswith(".") and name.endswith(".tmp"):
         writer = name[:-len(".tmp")].rsplit(".", 1)[-1]  # .<file>.<pid>.tmp
         return writer.isdigit() and start_ticks(int(writer)) is None
