@@ -7,7 +7,6 @@ import stat
 import operator
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.buffers import BufferView, adapt
-from gdskit.durable import fsync_dir, remove_if_present
+from gdskit.durable import fsync_dir, remove_if_present, temp_name
 from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
@@ -114,7 +113,7 @@ class File:
             d, name = os.path.split(os.path.abspath(self.path))
             if os.path.isdir(self.path):
                 raise GdskitIsADirectoryError(21, "Is a directory", self.path)
-            open_path = os.path.join(d, f".{name}.gdskit-{uuid.uuid4().hex[:12]}.tmp")
+            open_path = os.path.join(d, temp_name(name))
         self._open_path = open_path
         flags = _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
         try:

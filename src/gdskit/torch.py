@@ -24,7 +24,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gdskit.durable import fsync_dir, remove_if_present
+from gdskit.durable import fsync_dir, remove_if_present, temp_name
 from gdskit.errors import FormatError, GdskitError
 from gdskit.formats import read_plan, require_torch
 from gdskit.formats._gc import collector_paused
@@ -102,7 +102,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.gdskit-{os.getpid()}.tmp")
+    tmp = os.path.join(directory, temp_name(os.path.basename(path)))
     captured: dict[str, Any] = {}
     old_alignment = config.save.storage_alignment
     try:

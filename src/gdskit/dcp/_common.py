@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-
 from gdskit.errors import GdskitError
 
 #: The stock layout's names (torch.distributed.checkpoint.filesystem).
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
-#: Files being written carry this ending until they are complete and fsynced.
-TEMP_SUFFIX = ".gdskit-tmp"
 
 
 class IncompleteCheckpointError(GdskitError, FileNotFoundError):
@@ -27,15 +24,6 @@ class CheckpointExistsError(GdskitError, FileExistsError):
 class UnsupportedItemError(GdskitError, ValueError):
     """An item of the checkpoint uses a feature this storage layer does not implement
     (stream transforms such as compression, or a tensor that has no plain bytes)."""
-
-
-def temp_name(name: str, token: str) -> str:
-    """The hidden name ``name`` has while it is being written."""
-    return f".{name}.{token}{TEMP_SUFFIX}"
-
-
-def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
 def metadata_name(rank: int | None = None) -> str:

@@ -20,16 +20,10 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
 from gdskit.dcp import _archive
-from gdskit.dcp._common import (
-    DATA_SUFFIX,
-    CheckpointExistsError,
-    UnsupportedItemError,
-    is_temp_name,
-    metadata_name,
-    temp_name,
-)
+from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError,
+                                metadata_name)
 from gdskit.dcp._layout import ItemShape, Placement, place
-from gdskit.durable import fsync_dir, remove_if_present
+from gdskit.durable import fsync_dir, is_temp_name, remove_if_present, temp_name
 from gdskit.errors import GdskitError
 from gdskit.formats._engine import open_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
@@ -172,7 +166,9 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             changed = True
         own = None if self.use_collectives else f".__{self.rank}_"
         for name in os.listdir(self.path):
-            if is_temp_name(name) and (own is None or name.startswith(own)):
+            # Only a checkpoint's own temporaries: another gdskit writer may be at work in the directory.
+            ours = DATA_SUFFIX in name or METADATA_NAME in name
+            if is_temp_name(name) and ours and (own is None or name.startswith(own)):
                 if remove_if_present(os.path.join(self.path, name)):
                     changed = True
         if changed and self.sync_files:
