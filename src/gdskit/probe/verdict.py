@@ -291,6 +291,11 @@ def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, top
     nvfs, p2p, cfg = gds.nvidia_fs.loaded, gds.p2pdma.available, gds.config
     blocked = False                  # cuFile cannot serve this mount at all
 
+    def flag(reason: Reason, fid: str, severity: str, title: str, consequence: str, fix: str) -> None:
+        """A finding that is also a reason the mount falls short of the direct path."""
+        reasons.add(reason)
+        out.append(Finding(fid, severity, subj, title, consequence, fix, reason.value))
+
     if not gpu.gpus:
         reasons.add(Reason.NO_GPU)
         blocked = True
@@ -304,31 +309,26 @@ def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, top
     nvfs_route = p2p_route = False
 
     if fs in MEMORY_FS:
-        reasons.add(Reason.FS_UNSUPPORTED)
-        out.append(Finding("mount.memory_fs", "info", subj, f"{fs} keeps its data in host memory",
-                           "There is no storage device to DMA from: no direct path. Reads are page-cache copies, "
-                           "which gdskit's bounce-cached path already does at memory speed.",
-                           "Keep datasets meant for direct loading on ext4/xfs over NVMe.", Reason.FS_UNSUPPORTED.value))
+        flag(Reason.FS_UNSUPPORTED, "mount.memory_fs", "info", f"{fs} keeps its data in host memory",
+             "There is no storage device to DMA from: no direct path. Reads are page-cache copies, "
+             "which gdskit's bounce-cached path already does at memory speed.",
+             "Keep datasets meant for direct loading on ext4/xfs over NVMe.")
     elif fs in STACKED_FS:
-        reasons.add(Reason.FS_UNSUPPORTED)
-        out.append(Finding("mount.overlay", "warning", subj, f"{fs} (a stacked filesystem) has no direct path",
-                           "cuFile does not see through overlay layers: I/O runs in compat mode at best.",
-                           "Bind-mount the data directory from an ext4/xfs volume on NVMe into the container.",
-                           Reason.FS_UNSUPPORTED.value))
+        flag(Reason.FS_UNSUPPORTED, "mount.overlay", "warning", f"{fs} (a stacked filesystem) has no direct path",
+             "cuFile does not see through overlay layers: I/O runs in compat mode at best.",
+             "Bind-mount the data directory from an ext4/xfs volume on NVMe into the container.")
     elif mc.network:
         if fs not in GDS_NETWORK_FS:
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.network_fs", "warning", subj, f"{fs} is not a GPUDirect Storage filesystem",
-                               "cuFile runs in compat mode on it.",
-                               "Use NFS over RDMA, Lustre (o2ib), BeeGFS, GPFS or WekaFS for a direct network path.",
-                               Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.network_fs", "warning",
+                 f"{fs} is not a GPUDirect Storage filesystem",
+                 "cuFile runs in compat mode on it.",
+                 "Use NFS over RDMA, Lustre (o2ib), BeeGFS, GPFS or WekaFS for a direct network path.")
         elif mc.rdma is False:
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.no_rdma", "warning", subj, f"{fs} is mounted without RDMA",
-                               "Network storage reaches GPU memory directly only over RDMA: this mount runs in "
-                               "compat mode through host memory.",
-                               "Mount over RDMA (NFS: -o proto=rdma,port=20049; Lustre: an o2ib LNet) with an "
-                               "RDMA NIC near the GPU.", Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.no_rdma", "warning", f"{fs} is mounted without RDMA",
+                 "Network storage reaches GPU memory directly only over RDMA: this mount runs in "
+                 "compat mode through host memory.",
+                 "Mount over RDMA (NFS: -o proto=rdma,port=20049; Lustre: an o2ib LNet) with an "
+                 "RDMA NIC near the GPU.")
         else:
             if mc.rdma is None:
                 out.append(Finding("mount.rdma_unknown", "info", subj,
@@ -340,11 +340,10 @@ def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, top
             else:
                 reasons.add(Reason.NVIDIA_FS_MISSING)
     elif tree is None:
-        reasons.add(Reason.FS_UNSUPPORTED)
-        out.append(Finding("mount.no_block_device", "info", subj,
-                           f"{fs} on {m.source} has no block device gdskit can resolve",
-                           "No direct path is known for it; cuFile runs in compat mode at best.",
-                           "Keep data for direct loading on ext4/xfs over NVMe.", Reason.FS_UNSUPPORTED.value))
+        flag(Reason.FS_UNSUPPORTED, "mount.no_block_device", "info",
+             f"{fs} on {m.source} has no block device gdskit can resolve",
+             "No direct path is known for it; cuFile runs in compat mode at best.",
+             "Keep data for direct loading on ext4/xfs over NVMe.")
     else:
         # libcufile looks the mount's own device up in udev before it registers a handle.
         if gds.udev.database and mc.udev_entry is False:
@@ -359,50 +358,45 @@ def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, top
 
         fs_ok = fs in GDS_LOCAL_FS
         if not fs_ok:
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.fs_unsupported", "warning", subj, f"{fs} is not supported by GPUDirect Storage",
-                               "cuFile runs in compat mode on it (POSIX through host memory).",
-                               "Use ext4 (data=ordered) or xfs for data loaded directly into GPU memory.",
-                               Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.fs_unsupported", "warning",
+                 f"{fs} is not supported by GPUDirect Storage",
+                 "cuFile runs in compat mode on it (POSIX through host memory).",
+                 "Use ext4 (data=ordered) or xfs for data loaded directly into GPU memory.")
         elif fs == "ext4" and m.option("data") == "journal":
             fs_ok = False
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.ext4_data_journal", "warning", subj, "ext4 mounted with data=journal",
-                               "Data journaling bypasses direct I/O: cuFile falls back to compat mode.",
-                               "Remount with data=ordered (the default).", Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.ext4_data_journal", "warning", "ext4 mounted with data=journal",
+                 "Data journaling bypasses direct I/O: cuFile falls back to compat mode.",
+                 "Remount with data=ordered (the default).")
         bad_types = sorted({n.dev_type or "unknown" for n in leaves if n.dev_type not in DIRECT_DEVICE_TYPES})
         dev_ok = not bad_types
         for t in bad_types:
             names = ", ".join(n.name for n in leaves if (n.dev_type or "unknown") == t)
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding(f"mount.device_{t}", "error" if t == "virtio" else "warning", subj,
-                               f"backed by {t} storage ({names}), not NVMe",
-                               _DEVICE_WHY.get(t, f"{t} devices are not GPUDirect Storage targets") + ".",
-                               "Put the data on a local NVMe drive (passed through to the VM, if any) or on "
-                               "RDMA network storage.", Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, f"mount.device_{t}", "error" if t == "virtio" else "warning",
+                 f"backed by {t} storage ({names}), not NVMe",
+                 _DEVICE_WHY.get(t, f"{t} devices are not GPUDirect Storage targets") + ".",
+                 "Put the data on a local NVMe drive (passed through to the VM, if any) or on "
+                 "RDMA network storage.")
         nodes = tree.walk()
         loops = [n for n in nodes if n.kind == "loop"]
         dms = [n for n in nodes if n.kind == "dm" and n.detail != "multipath"]
         mds = [n for n in nodes if n.kind == "md"]
         multipath = [n for n in nodes if n.multipath]
         if loops:
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.loop", "warning", subj, f"on a loop device ({loops[0].detail or loops[0].name})",
-                               "Loop devices route I/O through the backing file: no direct path.",
-                               "Mount the filesystem from the block device itself.", Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.loop", "warning",
+                 f"on a loop device ({loops[0].detail or loops[0].name})",
+                 "Loop devices route I/O through the backing file: no direct path.",
+                 "Mount the filesystem from the block device itself.")
         if dms:
-            reasons.add(Reason.FS_UNSUPPORTED)
-            out.append(Finding("mount.device_mapper", "warning", subj,
-                               f"on device-mapper ({', '.join(f'{n.name} {n.detail}' for n in dms)})",
-                               "GPUDirect Storage does not pass through LVM or dm-crypt: compat mode.",
-                               "Use a plain partition or md RAID0 for GDS data.", Reason.FS_UNSUPPORTED.value))
+            flag(Reason.FS_UNSUPPORTED, "mount.device_mapper", "warning",
+                 f"on device-mapper ({', '.join(f'{n.name} {n.detail}' for n in dms)})",
+                 "GPUDirect Storage does not pass through LVM or dm-crypt: compat mode.",
+                 "Use a plain partition or md RAID0 for GDS data.")
         md_ok = all(n.detail in NVFS_MD_LEVELS for n in mds)
         if mds and not md_ok:
-            reasons.add(Reason.RAID_OR_MULTIPATH)
-            out.append(Finding("mount.md_level", "warning", subj,
-                               f"md RAID level {', '.join(sorted({n.detail or '?' for n in mds}))} is not supported",
-                               "Only md RAID0/RAID1 (with nvidia-fs) have a direct path.",
-                               "Use md RAID0 or RAID1 over NVMe for GDS data.", Reason.RAID_OR_MULTIPATH.value))
+            flag(Reason.RAID_OR_MULTIPATH, "mount.md_level", "warning",
+                 f"md RAID level {', '.join(sorted({n.detail or '?' for n in mds}))} is not supported",
+                 "Only md RAID0/RAID1 (with nvidia-fs) have a direct path.",
+                 "Use md RAID0 or RAID1 over NVMe for GDS data.")
         stack_plain = not (loops or dms or mds or multipath)
         base_ok = fs_ok and dev_ok and not loops and not dms
         nvfs_route = nvfs and base_ok and md_ok
@@ -411,30 +405,25 @@ def judge_mount(m: MountEntry, mc: MountCheck, gpu: GpuFacts, gds: GdsStack, top
         p2p_route = p2p and base_ok and stack_plain and not acs
         if not nvfs and base_ok:
             if not stack_plain and p2p:
-                reasons.add(Reason.RAID_OR_MULTIPATH)
                 what = ", ".join(f"{n.name} ({n.detail or 'multipath'})" for n in mds + multipath)
-                out.append(Finding("mount.raid_p2pdma", "error", subj,
-                                   f"{what} under PCI P2PDMA without nvidia-fs",
-                                   "PCI P2PDMA serves single NVMe devices only: RAID and multipath run in compat mode.",
-                                   "Load nvidia-fs (it supports md RAID0/RAID1), or put the data on a single NVMe.",
-                                   Reason.RAID_OR_MULTIPATH.value))
+                flag(Reason.RAID_OR_MULTIPATH, "mount.raid_p2pdma", "error",
+                     f"{what} under PCI P2PDMA without nvidia-fs",
+                     "PCI P2PDMA serves single NVMe devices only: RAID and multipath run in compat mode.",
+                     "Load nvidia-fs (it supports md RAID0/RAID1), or put the data on a single NVMe.")
             if p2p and acs and stack_plain:
-                reasons.add(Reason.P2PDMA_UNAVAILABLE)
-                out.append(Finding("mount.acs_p2pdma", "error", subj,
-                                   f"ACS on {', '.join(sorted({b.bdf for b in acs}))} blocks P2PDMA to the GPU",
-                                   "The kernel refuses P2PDMA between this NVMe and the GPU: compat mode.",
-                                   "Disable ACS on the named bridge(s) or load nvidia-fs.",
-                                   Reason.P2PDMA_UNAVAILABLE.value))
+                flag(Reason.P2PDMA_UNAVAILABLE, "mount.acs_p2pdma", "error",
+                     f"ACS on {', '.join(sorted({b.bdf for b in acs}))} blocks P2PDMA to the GPU",
+                     "The kernel refuses P2PDMA between this NVMe and the GPU: compat mode.",
+                     "Disable ACS on the named bridge(s) or load nvidia-fs.")
         if not nvfs and not p2p:
             # Neither kernel route exists: name both, whatever else stands in the way.
             reasons.add(Reason.NVIDIA_FS_MISSING)
             reasons.add(Reason.P2PDMA_UNAVAILABLE)
     if mc.odirect.status == "unsupported" and (nvfs_route or p2p_route):
         nvfs_route = p2p_route = False
-        reasons.add(Reason.FS_UNSUPPORTED)
-        out.append(Finding("mount.odirect", "warning", subj, "O_DIRECT opens fail on this mount",
-                           "cuFile needs O_DIRECT for the direct route: compat mode.",
-                           "Use a filesystem that supports O_DIRECT (ext4, xfs).", Reason.FS_UNSUPPORTED.value))
+        flag(Reason.FS_UNSUPPORTED, "mount.odirect", "warning", "O_DIRECT opens fail on this mount",
+             "cuFile needs O_DIRECT for the direct route: compat mode.",
+             "Use a filesystem that supports O_DIRECT (ext4, xfs).")
 
     route = Path.CUFILE_NVFS.value if nvfs_route else Path.CUFILE_P2PDMA.value if p2p_route else None
     if route and cfg.force_compat_mode:
