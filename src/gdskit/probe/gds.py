@@ -282,22 +282,15 @@ def cufile_config(root: SystemRoot) -> CufileConfig:
         v = props.get(key)
         return v if isinstance(v, bool) else default
 
-    allow = flag("allow_compat_mode", True)
-    force = flag("force_compat_mode", False)
-    p2p = flag("use_pci_p2pdma", False)
-    overrides: dict[str, str] = {}
-    for env_key, current in (("CUFILE_ALLOW_COMPAT_MODE", "allow"), ("CUFILE_FORCE_COMPAT_MODE", "force"),
-                             ("CUFILE_USE_PCIP2PDMA", "p2p")):
+    modes = {"allow_compat_mode": flag("allow_compat_mode", True),
+             "force_compat_mode": flag("force_compat_mode", False),
+             "use_pci_p2pdma": flag("use_pci_p2pdma", False)}
+    overrides: dict[str, str] = {}  # the environment wins over the file, as in libcufile
+    for env_key, key in (("CUFILE_ALLOW_COMPAT_MODE", "allow_compat_mode"),
+                         ("CUFILE_FORCE_COMPAT_MODE", "force_compat_mode"), ("CUFILE_USE_PCIP2PDMA", "use_pci_p2pdma")):
         b = _env_bool(root.env.get(env_key))
-        if b is None:
-            continue
-        overrides[env_key] = root.env[env_key]
-        if current == "allow":
-            allow = b
-        elif current == "force":
-            force = b
-        else:
-            p2p = b
+        if b is not None:
+            modes[key], overrides[env_key] = b, root.env[env_key]
     min_kb: dict[str, int] = {}
     fs = data.get("fs") if isinstance(data.get("fs"), dict) else {}
     for fs_name, fs_conf in fs.items():
@@ -311,9 +304,7 @@ def cufile_config(root: SystemRoot) -> CufileConfig:
         path=path,
         found=text is not None,
         error=error,
-        allow_compat_mode=allow,
-        force_compat_mode=force,
-        use_pci_p2pdma=p2p,
+        **modes,
         max_direct_io_size_kb=mdio if isinstance(mdio, int) and not isinstance(mdio, bool) else None,
         logging_dir=log_dir if isinstance(log_dir, str) else None,
         logging_level=level if isinstance(level, str) else None,
