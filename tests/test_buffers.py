@@ -100,3 +100,8 @@ def test_import_stays_light_and_plain_buffers_need_no_numpy():
             "import ctypes; assert ctypes.string_at(v.ptr, 3) == b'abc' and not v.readonly\n"
             "r = adapt(b'xyz'); assert ctypes.string_at(r.ptr, 3) == b'xyz' and r.readonly\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_array_of_python_objects_is_refused():
+    with pytest.raises(UnsupportedBufferError):
+        adapt(np.array([1, "a", None], dtype=object))

@@ -80,26 +80,18 @@ def _from_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> BufferView:
 
 # -- buffer protocol ---------------------------------------------------------
 
-def _from_numpy(obj: Any) -> BufferView:
-    """The common case, fast: small reads are dominated by per-call overhead."""
-    mv = memoryview(obj)
-    if not mv.c_contiguous:
-        raise UnsupportedBufferError("buffer is not C-contiguous; pass a contiguous copy")
-    readonly = mv.readonly
-    # ctypes finds a writable buffer's address about three times faster than __array_interface__.
-    ptr = obj.__array_interface__["data"][0] if readonly else ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return BufferView(ptr, mv.nbytes, MemoryKind.HOST, None, readonly, mv.cast("B") if mv.ndim != 1 or mv.format != "B"
-                      else mv, obj)
-
-
 def _from_buffer_protocol(obj: Any) -> BufferView:
+    """numpy arrays, bytearray, memoryview, mmap...: small reads are dominated by this per-call work."""
     mv = memoryview(obj)
     if not mv.c_contiguous:
         raise UnsupportedBufferError("buffer is not C-contiguous; pass a contiguous copy")
-    byte_view = mv.cast("B") if mv.nbytes else memoryview(b"")
+    if "O" in mv.format:  # reading bytes over Python object pointers would corrupt the interpreter
+        raise UnsupportedBufferError("an array of Python objects has no plain bytes to read into or write from")
     if not mv.nbytes:
-        ptr = 0
-    elif not mv.readonly:
+        return BufferView(0, 0, MemoryKind.HOST, None, mv.readonly, memoryview(b""), obj)
+    byte_view = mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+    if not mv.readonly:
+        # ctypes finds a writable buffer's address about three times faster than numpy.
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(byte_view))
     else:  # ctypes takes only writable buffers
         import numpy as np  # noqa: PLC0415 - not at import time: `import gdskit` stays light
@@ -181,8 +173,8 @@ def adapt(obj: Any) -> BufferView:
     if isinstance(obj, BufferView):
         return obj
     np = sys.modules.get("numpy")  # an ndarray exists only once numpy is imported
-    if np is not None and type(obj) is np.ndarray and obj.nbytes:
-        return _from_numpy(obj)
+    if np is not None and type(obj) is np.ndarray:  # the common case first
+        return _from_buffer_protocol(obj)
     errors: list[str] = []
     cai = None
     try:
