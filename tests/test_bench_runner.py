@@ -93,7 +93,7 @@ def test_verify_catches_one_corrupted_byte(tmp_path, monkeypatch):
 def test_ctrl_c_between_runs_removes_the_temporary_file(tmp_path, monkeypatch):
     seen = []
 
-    def interrupted(params, targets, name, io, rep):
+    def interrupted(params, targets, name, io, rep, processes=None):
         seen.extend(targets.files)
         assert all(os.path.exists(f) for f in targets.files)
         raise KeyboardInterrupt

@@ -138,3 +138,7 @@ class WorkloadTimeoutError(GdskitError, TimeoutError):
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class WorkerProcessError(GdskitError, RuntimeError):
+    """A worker process (``gdskit bench --processes``) ended without finishing its work."""

@@ -113,6 +113,9 @@ class BenchParams:
         Whether ``io_sizes`` is a sweep (knee finding applies).
     seed : int
         Seed of the random offsets, so runs of different paths do the same I/O.
+    processes : bool
+        Each worker in its own process (``--processes``), as fio's jobs are, instead of a
+        thread of this one: small I/O then measures the storage, not the interpreter lock.
     """
 
     file: str | None
@@ -130,6 +133,7 @@ class BenchParams:
     repeat: int
     sweep: bool
     seed: int = 0
+    processes: bool = False
 
     @property
     def paths_explicit(self) -> bool:
@@ -252,6 +256,7 @@ def make_params(
     repeat: int = 3,
     sweep: bool = False,
     seed: int = 0,
+    processes: bool = False,
 ) -> BenchParams:
     """Parse and validate; raise :class:`InvalidArgumentError` on anything wrong."""
     if file and directory:
@@ -310,5 +315,5 @@ def make_params(
         workers=int(workers), paths=tuple(path_names), op=parse_op(op),
         duration=None if duration is None else float(duration), total_bytes=total_bytes,
         verify=bool(verify), cache=parse_cache(cache), repeat=int(repeat),
-        sweep=bool(sweep or is_range), seed=int(seed),
+        sweep=bool(sweep or is_range), seed=int(seed), processes=bool(processes),
     )

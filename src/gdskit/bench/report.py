@@ -317,7 +317,8 @@ def render_table(report: BenchReport, console: Any = None) -> None:
         f"GPU {gpu} (driver {m['gpu'].get('driver')})" if gpu else "no GPU",
         f"libcufile {m['cufile_version']}" if m.get("cufile_version") else None,
     ) if x)
-    console.print(f"[bold]gdskit bench[/bold]: {p.get('op')}, {p.get('workers')} workers, "
+    kind = "worker processes" if p.get("processes") else "workers"
+    console.print(f"[bold]gdskit bench[/bold]: {p.get('op')}, {p.get('workers')} {kind}, "
                   f"cache {p.get('cache')}, {p.get('repeat')} repetitions, "
                   f"data set {size_text(int(p.get('size', 0)))} — {where}")
     t = Table(show_lines=False)
@@ -415,7 +416,8 @@ def plot(report: BenchReport, filename: str) -> None:
     p = report.params
     m = report.machine
     gpu = (m.get("gpu") or {}).get("name") or "no GPU"
-    fig.suptitle(f"gdskit bench: {p.get('op')}, {p.get('workers')} workers, cache {p.get('cache')}, "
+    kind = "worker processes" if p.get("processes") else "workers"
+    fig.suptitle(f"gdskit bench: {p.get('op')}, {p.get('workers')} {kind}, cache {p.get('cache')}, "
                  f"{m.get('filesystem') or '?'} on {m.get('mount_source') or '?'}, {gpu}")
     fig.tight_layout()
     fig.savefig(filename, dpi=110)

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,9 @@ from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, PathUnavail
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, InvalidArgumentError, from_os_error
 from gdskit.vocabulary import Reason
+
+if TYPE_CHECKING:
+    from gdskit.bench.procs import WorkerProcesses
 
 #: Engine mode that forces each bench path.
 ENGINE_MODE = {"cufile": "cufile", "bounce": "bounce", "host": "host"}
@@ -225,7 +229,9 @@ def make_cold(files: list[str], drop_all: bool) -> None:
 
 # -- one run ----------------------------------------------------------------------------
 @dataclass
-class _WorkerOut:
+class WorkerOut:
+    """What one worker did in a run's window."""
+
     nbytes: int = 0
     ops: int = 0
     latencies: list[int] = field(default_factory=list)
@@ -260,7 +266,7 @@ def _offset_batches(params: BenchParams, io: int, start: int, length: int, worke
         yield (start + rng.integers(0, slots, size=k) * io).tolist()
 
 
-def _check(buf: object, expected: np.ndarray, out: _WorkerOut, offset: int, path: str) -> None:
+def _check(buf: object, expected: np.ndarray, out: WorkerOut, offset: int, path: str) -> None:
     got = buf.to_host(expected.size)  # type: ignore[attr-defined]
     bad = np.flatnonzero(got != expected)
     out.checked += expected.size
@@ -319,106 +325,143 @@ def _cufile_counters(device: int) -> dict[str, int] | None:
         return None
 
 
-def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int) -> RunResult:
-    """One run of path ``name`` at I/O size ``io``; see the module docstring."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What every worker of one run needs to know (picklable: process workers get it too)."""
+
+    params: BenchParams
+    name: str
+    io: int
+    rep: int
+    budgets: tuple[int | None, ...]
+    forced: dict[str, str]        # the settings that force the path (mode, O_DIRECT policy)
+    settings: dict[str, object]   # every other engine setting, for workers in other processes
+
+    @property
+    def on_device(self) -> bool:
+        return self.name != "host"
+
+    @property
+    def cold(self) -> bool:
+        return self.params.cache is not Cache.HOT
+
+
+def make_plan(params: BenchParams, targets: Targets, name: str, io: int, rep: int) -> RunPlan:
     W = params.workers
-    slot_counts = [length // io for _, _, length in targets.slices]
-    deadline_s = params.duration
-    if deadline_s is None and params.total_bytes is None and params.sweep:
-        deadline_s = SWEEP_RUN_SECONDS
     if params.total_bytes is not None:
         n_ops = math.ceil(params.total_bytes / io)
-        budgets = [n_ops // W + (1 if w < n_ops % W else 0) for w in range(W)]
+        budgets: list[int | None] = [n_ops // W + (1 if w < n_ops % W else 0) for w in range(W)]
     elif params.duration is not None:
-        budgets = [None] * W  # type: ignore[list-item]
+        budgets = [None] * W
     else:
-        budgets = list(slot_counts)  # one pass over each slice
-    on_device = name != "host"
-    cold = params.cache is not Cache.HOT
-    if cold:
-        make_cold(targets.files, params.cache is Cache.DROP)
+        budgets = [length // io for _, _, length in targets.slices]  # one pass over each slice
+    forced = {"mode": ENGINE_MODE[name], "odirect": "always" if params.cache is not Cache.HOT else "auto"}
+    return RunPlan(params, name, io, rep, tuple(budgets), forced, gdskit.settings.as_dict())
 
-    mode = "r" if params.op.is_read else "r+"
-    files: list[gdskit.File] = []
-    bufs: list = []
-    outs = [_WorkerOut() for _ in range(W)]
+
+def _deadline_s(params: BenchParams) -> float | None:
+    if params.duration is None and params.total_bytes is None and params.sweep:
+        return SWEEP_RUN_SECONDS
+    return params.duration
+
+
+def open_worker(plan: RunPlan, w: int, slice_: tuple[str, int, int],
+                stack: contextlib.ExitStack) -> tuple[gdskit.File, object]:
+    """One worker's buffer and file (released by ``stack``), after one warm-up I/O outside the
+    window, so cuFile handle registration and the engine's pinned ring are set up before the clock."""
+    params, io = plan.params, plan.io
+    b = allocate(plan.on_device, io, params.device)
+    stack.callback(b.free)
+    try:
+        f = gdskit.open(slice_[0], "r" if params.op.is_read else "r+")
+        stack.callback(f.close)  # runs before the buffer is freed
+        if not params.op.is_read:
+            b.load(pattern(slice_[1], io, params.seed))
+        (f.read if params.op.is_read else f.write)(b.obj, io, slice_[1])
+    except DirectPathUnavailable as exc:
+        raise PathUnavailableError(f"the {plan.name} path cannot run on {slice_[0]}: {exc}",
+                                   plan.name, exc.reason) from exc
+    return f, b
+
+
+def work(plan: RunPlan, w: int, slice_: tuple[str, int, int], f: gdskit.File, b: object,
+         out: WorkerOut, stop: threading.Event, end: float) -> None:
+    """One worker's timed loop: I/Os over its slice until its budget, ``end`` or ``stop``."""
+    params, io = plan.params, plan.io
+    path_w, start_w, length_w = slice_
+    call = f.read if params.op.is_read else f.write
+    offsets = _offsets(params, io, start_w, length_w, w, plan.rep)
+    budget = plan.budgets[w]
+    lat = out.latencies
+    batched = params.op.is_read and not params.verify
+    per_batch = max(1, min(64, _BATCH_BYTES // io))  # about 1 MiB per call: deadlines stay sharp
+    zeros = [0] * per_batch
+    batches = _offset_batches(params, io, start_w, length_w, w, plan.rep, per_batch)
+    while not stop.is_set() and (budget is None or out.ops < budget):
+        if end and time.perf_counter() >= end:
+            break
+        if batched:
+            # Small reads in batches (File.read_batch): each is still one blocking read at a
+            # time, as in fio's psync engine, without a Python call per read around it.
+            k = per_batch if budget is None else min(per_batch, budget - out.ops)
+            offs = next(batches)[:k]
+            counts = f.read_batch(b.obj, offs, io, zeros if k == per_batch else zeros[:k],  # type: ignore[attr-defined]
+                                  latencies_ns=lat)
+            if counts.count(io) != k:  # at C speed; the loop only to name the short one
+                n, off = next((n, o) for n, o in zip(counts, offs) if n != io)
+                raise GdskitIOError(5, f"short read of {n} of {io} bytes at {off}", path_w)
+            out.nbytes += k * io
+            out.ops += k
+            continue
+        off = next(offsets)
+        if params.verify and not params.op.is_read:
+            b.load(pattern(off, io, params.seed))  # type: ignore[attr-defined]
+        t0 = time.perf_counter_ns()
+        n = call(b.obj, io, off)  # type: ignore[attr-defined]
+        lat.append(time.perf_counter_ns() - t0)
+        if n != io:
+            raise GdskitIOError(5, f"short {params.op.value} of {n} of {io} bytes at {off}", path_w)
+        out.nbytes += n
+        out.ops += 1
+        if params.verify and params.op.is_read:
+            _check(b, pattern(off, io, params.seed), out, off, path_w)
+
+
+@dataclass
+class _Window:
+    """What a run measured around its timed window, however its workers ran."""
+
+    outs: list[WorkerOut]
+    wall_s: float
+    cpu: cpu_mod.CpuCost
+    ledger: gdskit.Stats
+    counters: dict[str, int] | None
+
+
+def _run_threads(plan: RunPlan, targets: Targets) -> _Window:
+    """The run's workers as threads of this process."""
+    params = plan.params
+    W = params.workers
+    outs = [WorkerOut() for _ in range(W)]
     stop = threading.Event()
     barrier = threading.Barrier(W + 1)
     deadline = [0.0]
-    settings_cm = gdskit.settings.set(mode=ENGINE_MODE[name], odirect="always" if cold else "auto")
-    with settings_cm, contextlib.ExitStack() as stack:
-        try:
-            for w in range(W):
-                b = allocate(on_device, io, params.device)
-                stack.callback(b.free)
-                bufs.append(b)
-                f = gdskit.open(targets.slices[w][0], mode)
-                stack.callback(f.close)  # runs before the buffer is freed
-                files.append(f)
-                if not params.op.is_read:
-                    b.load(pattern(targets.slices[w][1], io, params.seed))
-            # Warm-up: one I/O per worker outside the window, so cuFile handle registration and the
-            # engine's pinned ring are set up before the clock starts.
-            for w in range(W):
-                path_w, start_w, _ = targets.slices[w]
-                (files[w].read if params.op.is_read else files[w].write)(bufs[w].obj, io, start_w)
-            if cold:
-                make_cold(targets.files, False)
-        except DirectPathUnavailable as exc:
-            raise PathUnavailableError(f"the {name} path cannot run on {targets.files[0]}: {exc}",
-                                       name, exc.reason) from exc
-
-        batched = params.op.is_read and not params.verify
-        per_batch = max(1, min(64, _BATCH_BYTES // io))  # about 1 MiB per call: deadlines stay sharp
-        zeros = [0] * per_batch
+    deadline_s = _deadline_s(params)
+    with gdskit.settings.set(**plan.forced), contextlib.ExitStack() as stack:
+        opened = [open_worker(plan, w, targets.slices[w], stack) for w in range(W)]
+        if plan.cold:
+            make_cold(targets.files, False)
 
         def worker(w: int) -> None:
-            out = outs[w]
-            f, b = files[w], bufs[w]
-            path_w, start_w, length_w = targets.slices[w]
-            call = f.read if params.op.is_read else f.write
-            offsets = _offsets(params, io, start_w, length_w, w, rep)
-            budget = budgets[w]
-            lat = out.latencies
-            batches = _offset_batches(params, io, start_w, length_w, w, rep, per_batch)
             try:
-                if on_device:
+                if plan.on_device:
                     cuda.set_device(params.device)  # a new thread starts on device 0
                 barrier.wait()
-                end = deadline[0]
-                while not stop.is_set() and (budget is None or out.ops < budget):
-                    if end and time.perf_counter() >= end:
-                        break
-                    if batched:
-                        # Small reads in batches (File.read_batch): each is still one blocking read at a
-                        # time, as in fio's psync engine, without a Python call per read around it.
-                        k = per_batch if budget is None else min(per_batch, budget - out.ops)
-                        offs = next(batches)[:k]
-                        counts = f.read_batch(b.obj, offs, io, zeros if k == per_batch else zeros[:k],
-                                              latencies_ns=lat)
-                        if counts.count(io) != k:  # at C speed; the loop only to name the short one
-                            n, off = next((n, o) for n, o in zip(counts, offs) if n != io)
-                            raise GdskitIOError(5, f"short read of {n} of {io} bytes at {off}", path_w)
-                        out.nbytes += k * io
-                        out.ops += k
-                        continue
-                    off = next(offsets)
-                    if params.verify and not params.op.is_read:
-                        b.load(pattern(off, io, params.seed))
-                    t0 = time.perf_counter_ns()
-                    n = call(b.obj, io, off)
-                    lat.append(time.perf_counter_ns() - t0)
-                    if n != io:
-                        raise GdskitIOError(5, f"short {params.op.value} of {n} of {io} bytes at {off}",
-                                            path_w)
-                    out.nbytes += n
-                    out.ops += 1
-                    if params.verify and params.op.is_read:
-                        _check(b, pattern(off, io, params.seed), out, off, path_w)
+                work(plan, w, targets.slices[w], *opened[w], outs[w], stop, deadline[0])
             except threading.BrokenBarrierError:
                 pass
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                out.error = exc
+                outs[w].error = exc
                 stop.set()
                 barrier.abort()  # a worker failing before the start must not leave the others waiting
 
@@ -426,7 +469,7 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
                    for w in range(W)]
         for t in threads:
             t.start()
-        counters_before = _cufile_counters(params.device) if name == "cufile" else None
+        counters_before = _cufile_counters(params.device) if plan.name == "cufile" else None
         ledger_before = gdskit.stats()
         try:
             cpu_before = cpu_mod.sample()
@@ -438,8 +481,8 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
                 pass  # a worker failed before the start; its error is raised below
             for t in threads:
                 t.join()
-            if not params.op.is_read and cold:
-                for f in files:
+            if not params.op.is_read and plan.cold:
+                for f, _ in opened:
                     f.fsync()  # cold writes count until the data is on the device
             t_end = time.perf_counter()
             cpu_after = cpu_mod.sample()
@@ -450,18 +493,38 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
                 t.join()
             raise
         ledger_after = gdskit.stats()
-        counters_after = _cufile_counters(params.device) if name == "cufile" else None
+        counters_after = _cufile_counters(params.device) if plan.name == "cufile" else None
+    return _Window(outs, t_end - t_start, cpu_mod.cpu_cost(cpu_before, cpu_after), ledger_after - ledger_before,
+                   counter_delta(counters_before, counters_after))
 
-    for out in outs:
+
+def counter_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int,
+             processes: WorkerProcesses | None = None) -> RunResult:
+    """One run of path ``name`` at I/O size ``io``; see the module docstring. With ``processes``
+    the workers are those processes (``--processes``), else threads of this one."""
+    plan = make_plan(params, targets, name, io, rep)
+    if plan.cold:
+        make_cold(targets.files, params.cache is Cache.DROP)
+    if processes is not None:
+        win = processes.run(plan, targets, _deadline_s(params))
+    else:
+        win = _run_threads(plan, targets)
+    for out in win.outs:
         if out.error is not None:
             raise out.error
 
-    delta = ledger_after - ledger_before
-    taken = {p: ps.bytes for p, ps in delta.paths.items() if ps.bytes}
-    reasons = {r: ps.bytes for r, ps in delta.reasons.items() if ps.bytes}
+    outs = win.outs
+    taken = {p: ps.bytes for p, ps in win.ledger.paths.items() if ps.bytes}
+    reasons = {r: ps.bytes for r, ps in win.ledger.reasons.items() if ps.bytes}
     fell_back, why = _fallback(name, taken, reasons)
     nbytes = sum(o.nbytes for o in outs)
-    wall = max(t_end - t_start, 1e-9)
+    wall = max(win.wall_s, 1e-9)
     lat = np.concatenate([np.asarray(o.latencies, dtype=np.int64) for o in outs]) if nbytes else None
     verify = None
     if params.verify:
@@ -471,18 +534,15 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
                                   bad[0].first_bad if bad else None, bad[0].first_bad_file if bad else None)
         else:
             verify = _verify_file_slices(targets.slices, params.seed)
-    counters = None
-    if counters_before is not None and counters_after is not None:
-        counters = {k: counters_after[k] - counters_before.get(k, 0) for k in counters_after}
     return RunResult(
         path=name, io_size=io, repetition=rep, op=params.op.value, bytes=nbytes,
         ops=sum(o.ops for o in outs), wall_s=wall, gib_per_s=nbytes / wall / 2**30,
         latency_avg_us=float(lat.mean() / 1e3) if lat is not None and lat.size else None,
         latency_p50_us=float(np.percentile(lat, 50) / 1e3) if lat is not None and lat.size else None,
         latency_p99_us=float(np.percentile(lat, 99) / 1e3) if lat is not None and lat.size else None,
-        cpu=cpu_mod.cpu_cost(cpu_before, cpu_after), taken=taken, reasons=reasons,
+        cpu=win.cpu, taken=taken, reasons=reasons,
         path_taken=max(taken, key=taken.__getitem__) if taken else None,
-        fell_back=fell_back, fallback_reason=why, verify=verify, cufile_counters=counters,
+        fell_back=fell_back, fallback_reason=why, verify=verify, cufile_counters=win.counters,
     )
 
 
@@ -549,7 +609,12 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
                                    "cufile and the bounce path")
     targets = prepare_targets(params, workdir)
     failed = True
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: targets.cleanup(failed=failed))  # runs last: after the processes ended
+        processes = None
+        if params.processes:
+            from gdskit.bench.procs import WorkerProcesses
+            processes = stack.enter_context(WorkerProcesses(params.workers))
         facts = machine.collect(targets.files[0], params.device if cuda.device_count() else None)
         runs: list[RunResult] = []
         total = len(params.io_sizes) * params.repeat * len(paths)
@@ -558,7 +623,7 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
             for rep in range(params.repeat):
                 for name in list(paths):
                     try:
-                        runs.append(run_once(params, targets, name, io, rep))
+                        runs.append(run_once(params, targets, name, io, rep, processes))
                     except PathUnavailableError as exc:
                         if params.paths_explicit:
                             raise
@@ -587,5 +652,3 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
                        "op": params.op.value, "cache": params.cache.value, "workers": params.workers})
         failed = False
         return report
-    finally:
-        targets.cleanup(failed=failed)

@@ -1,0 +1,115 @@
+"""``gdskit bench --processes``: each worker a process of its own, with the same results and clean-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+
+import psutil
+import pytest
+
+import gdskit
+from gdskit.bench import procs, runner
+from gdskit.bench.params import MiB, make_params
+from gdskit.errors import GdskitFileNotFoundError, GdskitIOError, WorkerProcessError
+
+
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def test_reads_happen_in_the_worker_processes_and_their_cpu_is_counted(tmp_path):
+    p = make_params(size="16M", io_size="4K", workers=2, paths="host", op="randread", cache="cold",
+                    repeat=2, duration=0.4, processes=True)
+    before = gdskit.stats()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    rep = runner.run_benchmark(p, workdir=str(tmp_path))
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    assert rep.params["processes"] is True
+    for r in rep.runs:
+        assert r.ops > 100 and r.bytes == r.ops * 4096
+        assert r.taken == {"host": r.bytes} and not r.fell_back
+        assert r.latency_p50_us is not None and r.latency_p99_us >= r.latency_p50_us
+    # This process read nothing itself (its ledger did not move): the workers did, elsewhere...
+    assert (gdskit.stats() - before).paths.get("host") is None
+    # ...and the CPU they spent is in the report, beyond what this process spent waiting for them.
+    assert sum(r.cpu.process_cpu_s for r in rep.runs) > own
+    assert os.listdir(tmp_path) == [] and _children() == []
+
+
+def test_sequential_read_makes_one_pass_per_run(tmp_path):
+    p = make_params(size="8M", io_size="1M", workers=2, paths="host", cache="cold", repeat=1, processes=True)
+    (r,) = runner.run_benchmark(p, workdir=str(tmp_path)).runs
+    assert r.bytes == 8 * MiB and r.ops == 8 and r.taken == {"host": 8 * MiB}
+
+
+@pytest.mark.parametrize("op,cache", [("randwrite", "cold"), ("read", "hot")])
+def test_verify_in_processes(tmp_path, op, cache):
+    target = tmp_path / "v.bin"
+    p = make_params(file=str(target), size="4M", io_size="64K", workers=3, paths="host", op=op, verify=True,
+                    cache=cache, repeat=1, total="1M" if op == "randwrite" else None, processes=True)
+    rep = runner.run_benchmark(p)
+    (r,) = rep.runs
+    assert r.verify is not None and r.verify.ok and r.verify.checked_bytes > 0
+    assert rep.verify_ok is True
+
+
+def test_a_worker_error_comes_back_as_the_same_exception_type(tmp_path):
+    p = make_params(size="4M", io_size="1M", workers=1, paths="host", repeat=1, processes=True)
+    missing = str(tmp_path / "gone.bin")
+    targets = runner.Targets(files=[missing], slices=[(missing, 0, 4 * MiB)])
+    with procs.WorkerProcesses(1) as pool:
+        with pytest.raises(GdskitFileNotFoundError) as exc_info:
+            runner.run_once(p, targets, "host", MiB, 0, pool)
+        assert missing in str(exc_info.value)
+        # A short read in the timed window (the file is shorter than the slice) is an I/O error.
+        short = tmp_path / "short.bin"
+        short.write_bytes(b"x" * MiB)
+        targets = runner.Targets(files=[str(short)], slices=[(str(short), 0, 4 * MiB)])
+        with pytest.raises(GdskitIOError, match="short read"):
+            runner.run_once(p, targets, "host", MiB, 0, pool)
+        # The pool still serves after its workers' errors.
+        ok = runner.Targets(files=[str(short)], slices=[(str(short), 0, MiB)])
+        assert runner.run_once(p, ok, "host", MiB, 0, pool).bytes == MiB
+    assert _children() == []
+
+
+def test_a_worker_process_that_dies_is_reported_not_hung(tmp_path):
+    p = make_params(size="4M", io_size="1M", workers=2, paths="host", repeat=1, processes=True)
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"\0" * 4 * MiB)
+    targets = runner.Targets(files=[str(data)], slices=[(str(data), 0, 2 * MiB), (str(data), 2 * MiB, 2 * MiB)])
+    with procs.WorkerProcesses(2) as pool:
+        os.kill(pool.pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerProcessError, match="signal 9"):
+            runner.run_once(p, targets, "host", MiB, 0, pool)
+    assert _children() == []
+
+
+def test_ctrl_c_ends_the_worker_processes_and_removes_the_file(tmp_path, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(procs.cpu_mod, "sample", interrupted)  # after the workers are ready, before the start
+    p = make_params(size="4M", io_size="1M", workers=2, paths="host", repeat=1, processes=True)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_benchmark(p, workdir=str(tmp_path))
+    assert os.listdir(tmp_path) == [] and _children() == []
+
+
+def test_cli_processes_flag(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from test_bench_runner import _cli
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(_cli(), ["bench", "-s", "4M", "-i", "1M", "-w", "2", "-x", "host", "--repeat", "1",
+                                      "--processes", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["params"]["processes"] is True and d["runs"][0]["bytes"] == 4 * MiB
+    res = CliRunner().invoke(_cli(), ["bench", "-s", "4M", "-i", "1M", "-w", "2", "-x", "host", "--repeat", "1",
+                                      "--processes"])
+    assert res.exit_code == 0 and "2 worker processes" in res.stdout
