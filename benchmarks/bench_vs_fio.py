@@ -8,26 +8,28 @@ Two cases, each with matching parameters, on files of one size:
 
 fio runs with ``ioengine=psync`` (one blocking I/O at a time per job, as each
 gdskit worker does), ``numjobs=W``, ``size`` = slice and ``offset_increment`` =
-slice, so job ``i`` covers exactly worker ``i``'s slice. A third column runs the
-same work from Python threads calling ``os.preadv`` on an O_DIRECT descriptor
-with no gdskit engine in between: it separates the cost of the engine from the
-cost of driving I/O from Python at all.
+slice, so job ``i`` covers exactly worker ``i``'s slice. fio's jobs are processes;
+gdskit bench runs twice, with worker threads (its default: what one Python process
+gets) and with ``--processes`` (one process per worker, as fio's jobs). A fourth
+column runs the same work from Python threads calling ``os.preadv`` on an O_DIRECT
+descriptor with no gdskit engine in between: it separates the cost of the engine
+from the cost of driving I/O from Python threads at all.
 
-Fairness. Repetitions run the three in a rotating order (fio, gdskit, plain; then
-gdskit, plain, fio; ...) so drift hits all three alike; medians are reported. Each
+Fairness. Repetitions run the four in a rotating order (fio, gdskit, gdskit
+--processes, plain; then gdskit, ..., fio; ...) so drift hits all alike; medians are reported. Each
 tool reads its own file of the same size, written the same way, and every random run
 draws fresh offsets (its own seed; fio's ``randrepeat`` would otherwise replay the
 same offsets each run). In a VM the virtual disk is often a file cached by the host:
 data read by one tool before would come back faster for the next, which an earlier
 version of this script (one shared file, fio always first) let through. After a
-gdskit sequential run, ``fincore`` (util-linux) shows how much of the file sits in the
-guest's page cache: near zero proves the reads were O_DIRECT.
+gdskit sequential run (threads and processes), ``fincore`` (util-linux) or cachestat(2) shows
+how much of the file sits in the guest's page cache: near zero proves the reads were O_DIRECT.
 
 Usage::
 
     PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
 
-(three files, ``fio-test.bin.fio``, ``.gdskit`` and ``.plain``, each ``--size``).
+(four files, ``fio-test.bin.fio``, ``.gdskit``, ``.gdskit-processes`` and ``.plain``, each ``--size``).
 
 fio comes from ``PATH`` (Debian: ``apt-get install fio``). For a machine without a
 package manager or network, a static build travels as one file: ``apt-get source fio``
@@ -73,9 +75,10 @@ def run_fio(cmd: list[str]) -> float:
     return data["jobs"][0]["read"]["bw_bytes"] / 2**30
 
 
-def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None, seed: int = 0) -> float:
+def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None, seed: int = 0,
+               processes: bool = False) -> float:
     p = make_params(file=path, size=size, io_size=io, workers=workers, paths="host", op=op,
-                    duration=runtime, cache="cold", repeat=1, seed=seed)
+                    duration=runtime, cache="cold", repeat=1, seed=seed, processes=processes)
     (r,) = runner.run_benchmark(p).runs
     assert r.taken == {"host": r.bytes}, r.taken
     return r.gib_per_s
@@ -125,12 +128,20 @@ def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime
     return sum(counts) * io / (time.perf_counter() - t0) / 2**30
 
 
-def fincore_pages(path: str) -> str | None:
-    if shutil.which("fincore") is None:
-        return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", path],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or None
+def resident_bytes(path: str) -> int | None:
+    """Bytes of ``path`` in the page cache: fincore (util-linux) where present, else cachestat(2)."""
+    if shutil.which("fincore") is not None:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", path],
+                             capture_output=True, text=True)
+        if out.stdout.strip().isdigit():
+            return int(out.stdout.strip())
+    from gdskit.residency import _cachestat
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = _cachestat(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return None if got is None else got[0] * 4096
 
 
 def main() -> int:
@@ -149,7 +160,7 @@ def main() -> int:
     size = parse_bytes(args.size, "--size")
     W = args.workers
     slice_bytes = size // W
-    tools = ("fio", "gdskit", "plain")
+    tools = ("fio", "gdskit", "gdskit-processes", "plain")
     files = {t: f"{args.file}.{t}" for t in tools}
     made = [p for p in files.values() if not os.path.exists(p) or os.path.getsize(p) < size]
     for i, p in enumerate(made):
@@ -160,12 +171,12 @@ def main() -> int:
         "random read 4 KiB": dict(rw="randread", bs="4k", io="4K", op="randread", runtime=args.runtime,
                                   random=True, io_bytes=4096),
     }
-    results: dict[str, dict[str, list[float]]] = {c: {"fio": [], "gdskit": [], "plain": []} for c in cases}
+    results: dict[str, dict[str, list[float]]] = {c: {t: [] for t in tools} for c in cases}
     commands = {}
-    resident = None
+    resident: dict[str, int | None] = {}
     try:
         for rep in range(args.reps):
-            order = tools[rep % 3:] + tools[:rep % 3]
+            order = tools[rep % len(tools):] + tools[:rep % len(tools)]
             for name, c in cases.items():
                 for tool in order:
                     seed = 1 + rep * 10 + tools.index(tool)  # fresh offsets for every random run
@@ -174,17 +185,16 @@ def main() -> int:
                         cmd = fio_cmd(path, c["rw"], c["bs"], W, slice_bytes, c["runtime"], seed)
                         commands[name] = " ".join(cmd)
                         results[name]["fio"].append(run_fio(cmd))
-                    elif tool == "gdskit":
-                        results[name]["gdskit"].append(run_gdskit(path, size, c["io"], W, c["op"], c["runtime"],
-                                                                  seed))
-                        if c["op"] == "read" and resident is None:
-                            resident = fincore_pages(path)
+                    elif tool.startswith("gdskit"):
+                        results[name][tool].append(run_gdskit(path, size, c["io"], W, c["op"], c["runtime"],
+                                                              seed, processes=tool == "gdskit-processes"))
+                        if c["op"] == "read" and tool not in resident:
+                            resident[tool] = resident_bytes(path)
                     else:
                         results[name]["plain"].append(run_plain(path, size, c["io_bytes"], W, c["random"],
                                                                 c["runtime"], seed))
-                print(f"rep {rep + 1} ({', '.join(order)}): {name}: fio {results[name]['fio'][-1]:.3f}, gdskit "
-                      f"{results[name]['gdskit'][-1]:.3f}, plain Python {results[name]['plain'][-1]:.3f} GiB/s",
-                      file=sys.stderr)
+                got = ", ".join(f"{t} {results[name][t][-1]:.3f}" for t in tools)
+                print(f"rep {rep + 1} ({', '.join(order)}): {name}: {got} GiB/s", file=sys.stderr)
     finally:
         if not args.keep:
             for p in made:
@@ -194,19 +204,21 @@ def main() -> int:
     for name, r in results.items():
         med = {k: statistics.median(v) for k, v in r.items()}
         summary[name] = {"median_gib_per_s": med, "all": r, "gdskit_vs_fio": med["gdskit"] / med["fio"],
+                         "gdskit_processes_vs_fio": med["gdskit-processes"] / med["fio"],
                          "plain_vs_fio": med["plain"] / med["fio"], "fio_command": commands[name]}
     if args.json:
         print(json.dumps({"workers": W, "size": size, "page_cache_after_gdskit_seq_read": resident,
                           "cases": summary}, indent=2))
         return 0
-    print(f"| case ({W} workers, O_DIRECT) | fio GiB/s | gdskit bench GiB/s | gdskit / fio | "
-          f"plain Python os.preadv GiB/s | plain / fio |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| case ({W} workers, O_DIRECT) | fio GiB/s | gdskit bench (threads) GiB/s | / fio | "
+          f"gdskit bench --processes GiB/s | / fio | plain Python threads GiB/s | / fio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in summary.items():
         m = s["median_gib_per_s"]
-        print(f"| {name} | {m['fio']:.3f} | {m['gdskit']:.3f} | {s['gdskit_vs_fio']:.2f} | {m['plain']:.3f} | "
+        print(f"| {name} | {m['fio']:.3f} | {m['gdskit']:.3f} | {s['gdskit_vs_fio']:.2f} | "
+              f"{m['gdskit-processes']:.3f} | {s['gdskit_processes_vs_fio']:.2f} | {m['plain']:.3f} | "
               f"{s['plain_vs_fio']:.2f} |")
-    print(f"\npage cache holding the file after a gdskit cold sequential read (fincore): {resident}")
+    print(f"\nbytes of the file in the page cache after a gdskit cold sequential read: {resident}")
     for name, s in summary.items():
         print(f"\nfio, {name}: `{s['fio_command']}`")
     return 0

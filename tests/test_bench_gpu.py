@@ -50,3 +50,27 @@ def test_small_sweep_gives_a_knee_or_says_why(tmp_path):
         pytest.skip("cuFile cannot register files on this machine")
     assert rep.knee is not None and len(rep.knee.verdicts) == 5
     assert rep.knee.threshold > 0
+
+
+@pytest.mark.parametrize("op", ["read", "randwrite"])
+def test_worker_processes_on_the_gpu(tmp_path, op):
+    """--processes: each worker process makes its own CUDA context, pinned ring and cuFile handle."""
+    p = make_params(size="16M", io_size="1M", workers=2, paths="cufile,bounce", op=op, verify=True,
+                    cache="cold", repeat=1, processes=True)
+    try:
+        rep = runner.run_benchmark(p, workdir=str(tmp_path))
+    except PathUnavailableError:
+        p = make_params(size="16M", io_size="1M", workers=2, paths="bounce", op=op, verify=True,
+                        cache="cold", repeat=1, processes=True)
+        rep = runner.run_benchmark(p, workdir=str(tmp_path))
+    for r in rep.runs:
+        assert r.verify is not None and r.verify.ok and r.verify.checked_bytes >= 16 * MiB
+        assert sum(r.taken.values()) == r.bytes
+    bounce = next(r for r in rep.runs if r.path == "bounce")
+    assert set(bounce.taken) <= {"bounce-direct", "bounce-cached"} and not bounce.fell_back
+    cufile = [r for r in rep.runs if r.path == "cufile"]
+    if cufile and op == "read" and cufile[0].cufile_counters is not None:
+        # the workers' own cuFile counters came back and add up to every read they made
+        c = cufile[0].cufile_counters
+        assert c["n_nvfs_reads"] + c["n_p2p_reads"] + c["n_posix_reads"] >= cufile[0].ops
+    assert os.listdir(tmp_path) == []
