@@ -9,6 +9,11 @@ prints one JSON line; the parent prints a table. Cases:
   then into another fresh allocation. Shows whether the GPU side pays on first touch.
 * ``pinned``: ``cudaHostAlloc`` of the engine's default ring (``--threads`` stages of
   ``--chunk``), from one thread and from ``--threads`` threads at once.
+* ``ceiling``: what this machine allows a hot read through host memory, without gdskit.
+  ``--threads`` threads ``pread`` the cached file in ``--chunk`` pieces into their own
+  pinned buffers (page cache to pinned memory), then 4 streams copy pinned buffers into
+  device memory over and over (host to device), then both at once, independently. A
+  bounce read needs both, so the rate of each while the other runs bounds it.
 * ``engine``: gdskit reads the (cached) file into fresh device memory, again into the
   same memory, then into another fresh allocation; with and without ``gdskit.prepare()``
   before the clock, once for each way of making the pinned ring (``--allocs``,
@@ -110,6 +115,69 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
             f"{tag}_anon_huge_MiB": anon_huge // MiB, "thp_mode": thp_mode}
 
 
+def case_ceiling(size: int, chunk: int, threads: int, path: str, seconds: float = 2.0) -> dict:
+    import threading
+
+    from gdskit import cuda
+
+    bufs = [cuda.RegisteredHostBuffer(chunk) for _ in range(threads)]
+    srcs = [cuda.RegisteredHostBuffer(chunk) for _ in range(4)]
+    dst = cuda.DeviceArray(size)
+    dst.fill(0)
+    streams = [cuda.Stream(0) for _ in range(4)]
+    fd = os.open(path, os.O_RDONLY)
+    moved: dict[str, list[int]] = {"read": [], "h2d": []}
+    stop = threading.Event()
+
+    def reader(t: int) -> None:
+        view = memoryview((__import__("ctypes").c_char * chunk).from_address(bufs[t].ptr)).cast("B")
+        off, n = t * chunk, 0
+        while not stop.is_set():
+            n += os.preadv(fd, [view], off)
+            off += threads * chunk
+            if off + chunk > size:
+                off = t * chunk
+        moved["read"].append(n)
+
+    def copier() -> None:
+        n, i = 0, 0
+        while not stop.is_set():
+            batch = []
+            for k in range(16):  # 16 copies of 8 MiB in flight, then wait
+                off = ((i + k) * chunk) % (size - chunk)
+                streams[k % 4].copy_h2d(dst.ptr + off, srcs[k % 4].ptr, chunk)
+                batch.append(chunk)
+            for st in streams:
+                st.synchronize()
+            n += sum(batch)
+            i += 16
+        moved["h2d"].append(n)
+
+    def run(read: bool, h2d: bool) -> dict:
+        moved.update(read=[], h2d=[])
+        stop.clear()
+        ts = ([threading.Thread(target=reader, args=(t,)) for t in range(threads)] if read else [])
+        ts += [threading.Thread(target=copier)] if h2d else []
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in ts:
+            t.join()
+        dt = time.perf_counter() - t0
+        return {k: round(sum(v) / dt / GB, 1) for k, v in moved.items() if v}
+
+    out = {"read_alone_GBps": run(True, False)["read"], "h2d_alone_GBps": run(False, True)["h2d"]}
+    both = run(True, True)
+    out["read_with_h2d_GBps"], out["h2d_with_read_GBps"] = both["read"], both["h2d"]
+    os.close(fd)
+    for b in bufs + srcs:
+        b.free()
+    dst.free()
+    return out
+
+
 def case_engine(size: int, chunk: int, threads: int, path: str, prepare: bool) -> dict:
     import gdskit
     from gdskit import cuda
@@ -142,6 +210,8 @@ def child(args: argparse.Namespace) -> None:
     cuda.DeviceArray(1).free()  # context outside the clock
     if args.case == "h2d":
         r = case_h2d(args.size, args.chunk, args.threads)
+    elif args.case == "ceiling":
+        r = case_ceiling(args.size, args.chunk, args.threads, args.file)
     elif args.case == "pinned":
         r = case_pinned(args.size, args.chunk, args.threads)
     else:
@@ -172,8 +242,8 @@ def main() -> None:
             for alloc in (args.allocs.split(",") if case.startswith("engine") else [None])]
     for _ in range(args.repeats):
         for case, alloc in runs:
-            if case.startswith("engine"):
-                warm([args.file])  # only the engine cases read the file
+            if case.startswith("engine") or case == "ceiling":
+                warm([args.file])  # only these cases read the file
             env = {**os.environ, "GDSKIT_THREADS": str(args.threads), "GDSKIT_CHUNK_SIZE": str(args.chunk)}
             if alloc:
                 env["GDSKIT_PINNED_ALLOC"] = alloc
@@ -194,6 +264,14 @@ def main() -> None:
         if "fresh_GBps" in r:
             print(f"| {r['case']} | {r.get('pinned_alloc', '')} | {r['fresh_GBps']:.1f} | "
                   f"{r['same_again_GBps']:.1f} | {r['second_fresh_GBps']:.1f} |")
+    ceilings = [r for r in results if "read_alone_GBps" in r]
+    if ceilings:
+        print("\n| ceiling | page cache -> pinned, alone | host -> device, alone | page cache -> pinned, "
+              "during copies | host -> device, during reads |")
+        print("|---|---:|---:|---:|---:|")
+        for r in ceilings:
+            print(f"| {args.threads} threads x {args.chunk >> 20} MiB | {r['read_alone_GBps']} | "
+                  f"{r['h2d_alone_GBps']} | {r['read_with_h2d_GBps']} | {r['h2d_with_read_GBps']} |")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=2)
