@@ -92,3 +92,28 @@ def test_small_read_of_a_partly_cached_range(small_io_file):
     with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
         assert f.read(buf, 16384, 0) == 16384
     assert bytes(buf) == data[:16384]
+
+
+@pytest.mark.parametrize("how", ["read", "read_batch"])
+def test_a_small_unaligned_miss_asks_the_page_cache_once(small_io_file, monkeypatch, how):
+    """The one-call check asks for the range's residency; the general path it hands over to uses
+    that answer instead of asking again."""
+    from gdskit.backends import host
+    from gdskit.residency import Residency
+
+    path, data = small_io_file
+    asked = []
+
+    def not_cached(f, pos, n):
+        asked.append((pos, n))
+        return Residency.NONE
+
+    monkeypatch.setattr(host, "file_residency", not_cached)
+    buf = bytearray(1000)
+    with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
+        if how == "read":
+            assert f.read(buf, 1000, 4097) == 1000
+        else:
+            assert f.read_batch(buf, [4097], 1000, [0]) == [1000]
+    assert bytes(buf) == data[4097:5097]
+    assert asked == [(4097, 1000)]

@@ -47,25 +47,27 @@ def _direct_fd(f: OpenFile, cfg: Settings, size: int) -> int | None:
 
 
 def _one_call_fd(f: OpenFile, policy: ODirectPolicy, dfd: int | None, pos: int, size: int, addr: int,
-                 align: int) -> int | None:
-    """The descriptor one system call can read ``size`` bytes at ``pos`` into ``addr`` from, or None.
+                 align: int) -> tuple[int | None, Residency | None]:
+    """The descriptor one system call can read ``size`` bytes at ``pos`` into ``addr`` from, or None;
+    and the range's residency where it was asked (the general path then need not ask again).
 
     Buffered when the policy is ``never`` or every page is cached (asked with ``cachestat``,
     never probed with RWF_NOWAIT, which would start readahead that races the O_DIRECT read);
     O_DIRECT when the range and the memory are aligned and nothing is cached. None (unaligned
     miss, partly cached range) sends the read the general way.
     """
+    where = None
     if policy is ODirectPolicy.NEVER:
-        return f.fd
+        return f.fd, where
     if policy is ODirectPolicy.AUTO:
         where = file_residency(f, pos, size)
         if where is Residency.ALL:
-            return f.fd
+            return f.fd, where
         if where is not Residency.NONE:
-            return None
+            return None, where
     if dfd is None or pos % align or addr % align:
-        return None
-    return dfd
+        return None, where
+    return dfd, where
 
 
 def _preadv_once(f: OpenFile, fd: int, iov: list[memoryview], pos: int) -> int:
@@ -124,16 +126,18 @@ class HostBackend(Backend):
             cfg = settings.snapshot()
             buf, pos = req.buf, req.file_offset
             view = buf.host_view
-            fd = _one_call_fd(f, cfg.odirect, _direct_fd(f, cfg, req.size), pos, req.size,
-                              buf.ptr + req.buf_offset, cfg.alignment)
+            fd, where = _one_call_fd(f, cfg.odirect, _direct_fd(f, cfg, req.size), pos, req.size,
+                                     buf.ptr + req.buf_offset, cfg.alignment)
             if fd is not None and view is not None:
                 n = _preadv_once(f, fd, [view[req.buf_offset:req.buf_offset + req.size]], pos)
                 if n == req.size:
                     ledger.record(Path.HOST, req.reason, "read", n, 1, time.perf_counter() - t0)
                     return n
+            return self._read_general(f, req, where)
         return self._read_general(f, req)
 
-    def _read_general(self, f: OpenFile, req: Request) -> int:
+    def _read_general(self, f: OpenFile, req: Request, where: Residency | None = None) -> int:
+        """Any read into host memory; ``where``: the request's residency, if already asked."""
         cfg = settings.snapshot()
         view = req.buf.host_view
         if view is None:
@@ -144,7 +148,7 @@ class HostBackend(Backend):
             ch = Chunk(req.file_offset, req.buf_offset, req.size)
             ref = LaneRef(None, cfg.chunk_size + 2 * cfg.alignment, cfg.threads, cfg.pinned_budget)
             try:
-                total = self._read_chunk(f, req, view, cfg, ref, ch).nbytes
+                total = self._read_chunk(f, req, view, cfg, ref, ch, where).nbytes
             finally:
                 ref.release()
             ledger.record(Path.HOST, req.reason, "read", total, 1, time.perf_counter() - t0)
@@ -218,7 +222,7 @@ class HostBackend(Backend):
         t0 = clock()  # one clock read per read: each one's end is the next one's start
         for off, bo in zip(file_offsets[fast_ops:], buf_offsets[fast_ops:]):
             n = -1
-            fd = _one_call_fd(f, policy, dfd, off, size, base + bo, align)
+            fd, where = _one_call_fd(f, policy, dfd, off, size, base + bo, align)
             if fd is not None:
                 try:
                     n = os.preadv(fd, [view[bo:bo + size]], off)
@@ -229,7 +233,7 @@ class HostBackend(Backend):
                 fast_ops += 1
                 fast_ns += t1 - t0
             else:  # short (end of file), refused or not a one-call case: the general path, exactly
-                n = self._read_general(f, Request("read", buf, size, off, bo, reason))
+                n = self._read_general(f, Request("read", buf, size, off, bo, reason), where)
                 t1 = clock()
             if latencies_ns is not None:
                 latencies_ns.append(t1 - t0)
@@ -240,8 +244,9 @@ class HostBackend(Backend):
         return counts
 
     def _read_chunk(self, f: OpenFile, req: Request, view: memoryview, cfg: Settings, ref: LaneRef,
-                    ch: Chunk) -> ChunkResult:
-        """One chunk into host memory: page-cache hits buffered, misses O_DIRECT."""
+                    ch: Chunk, where: Residency | None = None) -> ChunkResult:
+        """One chunk into host memory: page-cache hits buffered, misses O_DIRECT. ``where``: the
+        chunk's residency, if already asked."""
         align = cfg.alignment
         dst = view[ch.buf_offset:ch.buf_offset + ch.size]
         policy = cfg.odirect
@@ -251,7 +256,8 @@ class HostBackend(Backend):
             return ChunkResult(got, got)
         cached = 0
         if policy is ODirectPolicy.AUTO:
-            where = file_residency(f, ch.file_offset, ch.size)
+            if where is None:
+                where = file_residency(f, ch.file_offset, ch.size)
             if where is None and f.nowait_supported:
                 try:
                     cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
