@@ -351,13 +351,11 @@ def stats_delta(before: Stats, after: Stats) -> Stats:
 
 
 def _publish_if_asked() -> None:
-    """``GDSKIT_STATS`` set at start-up: publish from import on, so ``gdskit stats`` sees the process at once."""
-    from gdskit.settings import settings  # noqa: PLC0415 - settings does not import the ledger
+    """``GDSKIT_STATS`` set at start-up: publish from import on, so ``gdskit stats`` sees the process
+    at once (here, not in settings: the publisher needs this module)."""
+    from gdskit.settings import publish_if_on, settings  # noqa: PLC0415 - settings does not import the ledger
 
-    if settings.stats_level > 0:
-        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default
-
-        start_publishing()
+    publish_if_on(settings)
 
 
 _publish_if_asked()

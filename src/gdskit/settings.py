@@ -190,11 +190,8 @@ class Settings:
             for k, v in coerced.items():
                 object.__setattr__(self, k, v)
             self._version += 1
-        if coerced.get("stats_level") and self is globals().get("settings"):
-            # Publication starts when it is switched on; the publisher stops itself when it is switched off.
-            from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default, so lazy
-
-            start_publishing()
+        if "stats_level" in coerced:
+            publish_if_on(self)
         return _Restorer(self, before)
 
     def as_dict(self) -> dict[str, Any]:
@@ -253,11 +250,18 @@ class _Restorer:
             for k, v in self._before.items():
                 object.__setattr__(self._owner, k, v)
             self._owner._version += 1
-        if self._before.get("stats_level") and self._owner is globals().get("settings"):
-            # Publication back on after a `with settings.set(stats_level=0)`: its thread may have stopped.
-            from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415
+        if "stats_level" in self._before:
+            publish_if_on(self._owner)  # back on after `with settings.set(stats_level=0)`
 
-            start_publishing()
+
+def publish_if_on(owner: Settings) -> None:
+    """Start publishing this process's ledger for ``gdskit stats`` if the process-wide settings
+    ask for it. The one place publication starts: when ``stats_level`` is switched on, switched
+    back on, or set at start-up (``GDSKIT_STATS``); the publisher stops itself when it is off."""
+    if owner.stats_level > 0 and owner is globals().get("settings"):
+        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default, so lazy
+
+        start_publishing()
 
 
 ENV_VARS = {env_name(f.name): f.name for f in dataclasses.fields(Settings)}
