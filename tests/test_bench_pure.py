@@ -109,3 +109,17 @@ def test_corrupt_store(tmp_path, monkeypatch):
     assert profile.threshold_for("/mnt/fast/a", mountinfo_text=MOUNTINFO) is None  # never raises
     with pytest.raises(ConfigError):
         profile.save_profile("/mnt/fast/a", _knee(65536), mountinfo_text=MOUNTINFO)
+
+
+def test_machine_gpu_facts_come_from_the_check_nvml_query(monkeypatch):
+    from gdskit.bench import machine
+    from gdskit.probe import gpus
+
+    monkeypatch.setattr(gpus, "query_nvml", lambda: {
+        "available": True, "driver_version": "580.1", "gpus": [
+            {"index": 0, "name": "H200", "pcie_gen": 5, "pcie_width": 16, "bar1_total": 1 << 38}]})
+    assert machine.gpu_facts(0) == {"count": 1, "driver": "580.1", "index": 0, "name": "H200", "pcie_gen": 5,
+                                    "pcie_width": 16, "bar1_total_bytes": 1 << 38}
+    assert machine.gpu_facts(3) == {"count": 1, "driver": "580.1"}  # no such GPU: no per-GPU facts
+    monkeypatch.setattr(gpus, "query_nvml", lambda: {"available": False, "error": "no driver"})
+    assert machine.gpu_facts(0) == {}

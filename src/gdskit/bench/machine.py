@@ -82,43 +82,19 @@ def block_device_facts(dev: str, sys_root: str = "/sys") -> dict[str, Any]:
 
 
 def gpu_facts(index: int) -> dict[str, Any]:
-    """Name, driver and PCIe facts of GPU ``index`` via NVML; empty without one."""
-    try:
-        import pynvml
-    except Exception:
-        return {}
-    facts: dict[str, Any] = {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    try:
-        def text(v: Any) -> str:
-            return v.decode() if isinstance(v, bytes) else str(v)
+    """Name, driver and PCIe facts of GPU ``index`` (NVML, asked the way ``gdskit check`` asks);
+    empty without NVML."""
+    from gdskit.probe.gpus import query_nvml  # noqa: PLC0415 - only a run with a GPU needs it
 
-        facts["count"] = pynvml.nvmlDeviceGetCount()
-        facts["driver"] = text(pynvml.nvmlSystemGetDriverVersion())
-        if index < facts["count"]:
-            h = pynvml.nvmlDeviceGetHandleByIndex(index)
-            facts["index"] = index
-            facts["name"] = text(pynvml.nvmlDeviceGetName(h))
-            for key, fn in (("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
-                            ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth")):
-                try:
-                    facts[key] = int(getattr(pynvml, fn)(h))
-                except Exception:
-                    facts[key] = None
-            try:
-                facts["bar1_total_bytes"] = int(pynvml.nvmlDeviceGetBAR1MemoryInfo(h).bar1Total)
-            except Exception:
-                facts["bar1_total_bytes"] = None
-    except Exception:
-        pass
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    raw = query_nvml()
+    if not raw.get("available"):
+        return {}
+    gpus = raw.get("gpus", [])
+    facts: dict[str, Any] = {"count": len(gpus), "driver": raw.get("driver_version")}
+    if index < len(gpus):
+        g = gpus[index]
+        facts.update(index=index, name=g.get("name"), pcie_gen=g.get("pcie_gen"), pcie_width=g.get("pcie_width"),
+                     bar1_total_bytes=g.get("bar1_total"))
     return facts
 
 
