@@ -350,3 +350,26 @@ def test_roundtrip_where_torch_reader_gives_no_record_sizes(tmp_path: Path, monk
         _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "s")), sd)
     finally:
         _archive.template.cache_clear()
+
+
+def test_small_items_are_served_from_the_bytes_read_to_parse_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item archive small enough to be read whole for parsing is not read a second time."""
+    from gdskit.formats import torch_io
+
+    sd = {"m": torch.randn(8, 12), "i": torch.arange(10), "h": torch.randn(5, 3).half(), "w": torch.randn(512, 1024)}
+    _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    planned: list[int] = []
+    real = torch_io.execute
+
+    def spy(f: Any, plan: Any, device: Any, **kw: Any) -> Any:
+        planned.append(plan.payload_bytes)
+        return real(f, plan, device, **kw)
+
+    monkeypatch.setattr(torch_io, "execute", spy)
+    out = _load({"m": torch.zeros(12, 8).t(), "i": torch.zeros(10, dtype=torch.int64),
+                 "h": torch.zeros(5, 3, dtype=torch.float32), "w": torch.zeros(512, 1024)},
+                gdskit.dcp.StorageReader(tmp_path / "c"))
+    assert torch.equal(out["m"], sd["m"]) and torch.equal(out["i"], sd["i"])
+    assert torch.equal(out["h"], sd["h"].float())      # converted on the way
+    assert torch.equal(out["w"], sd["w"])
+    assert planned == [512 * 1024 * 4]                  # only the large tensor went to the engine

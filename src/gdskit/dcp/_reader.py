@@ -182,8 +182,10 @@ class StorageReader(dcp_storage.StorageReader):
         for r, b in zip(reqs, bufs):
             planner.load_bytes(r, io.BytesIO(b))
 
-    def _parse_archives(self, f: Any, path: str, reqs: list[ReadItem]) -> dict[tuple[int, int], _archive.SavedTensor]:
-        """Parse each distinct item archive once, reading its two ends in parallel."""
+    def _parse_archives(self, f: Any, path: str, reqs: list[ReadItem]
+                        ) -> tuple[dict[tuple[int, int], _archive.SavedTensor], dict[tuple[int, int], bytes]]:
+        """Parse each distinct item archive once, reading its two ends in parallel. Returns the
+        parsed archives and, for those small enough to be read whole, their bytes."""
         spans = sorted({(self._info(r).offset, self._info(r).length) for r in reqs})
         ends: list[tuple[tuple[int, int], bytearray, bytearray | None]] = []
         futs = []
@@ -202,14 +204,16 @@ class StorageReader(dcp_storage.StorageReader):
                 fut.result()
         finally:
             concurrent.futures.wait(futs)
-        out = {}
+        out, wholes = {}, {}
         for (off, n), head, tail in ends:
             out[(off, n)] = _archive.parse(f.fileno(), off, n, bytes(head), bytes(tail if tail is not None else head),
                                            f"{path}@{off}")
-        return out
+            if tail is None:
+                wholes[(off, n)] = bytes(head)
+        return out, wholes
 
     def _read_tensors(self, f: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        saved = self._parse_archives(f, path, reqs)
+        saved, wholes = self._parse_archives(f, path, reqs)
         jobs: list[_Job] = []
         for i, req in enumerate(reqs):
             info = self._info(req)
@@ -229,7 +233,12 @@ class StorageReader(dcp_storage.StorageReader):
         from gdskit.formats.torch_io import execute
         by_device: dict[torch.device, list[_Job]] = {}
         for j in jobs:
-            if j.dest.device.type != "meta":
+            if j.dest.device.type == "meta":
+                continue
+            span = (self._info(j.req).offset, self._info(j.req).length)
+            if span in wholes:  # read whole for parsing: its bytes are here already
+                self._fill_from_bytes(j, wholes[span], span[0], path)
+            else:
                 by_device.setdefault(_engine_device(j.dest.device), []).append(j)
         for dev, group in by_device.items():
             dests = {j.extent.key: j.dest.reshape(-1).view(torch.uint8) for j in group if j.direct}
@@ -244,3 +253,18 @@ class StorageReader(dcp_storage.StorageReader):
                         j.dest.copy_(src)
         for j in jobs:
             planner.commit_tensor(j.req, j.dest)
+
+    @staticmethod
+    def _fill_from_bytes(j: _Job, whole: bytes, archive_offset: int, path: str) -> None:
+        """Fill ``j.dest`` from the item's archive bytes (``whole``, read at ``archive_offset``)."""
+        start = j.extent.file_offset - archive_offset
+        if start < 0 or start + j.extent.nbytes > len(whole):
+            raise FormatError(f"{path}: {j.req.storage_index.fqn}: the tensor's bytes at [{j.extent.file_offset}, "
+                              f"{j.extent.file_offset + j.extent.nbytes}) lie outside its item")
+        if j.extent.nbytes == 0 or j.view.numel() == 0:
+            return
+        src = torch.frombuffer(bytearray(whole[start:start + j.extent.nbytes]), dtype=torch.uint8)
+        if j.direct:
+            j.dest.reshape(-1).view(torch.uint8).copy_(src)
+        else:
+            j.dest.copy_(src.view(j.view.dtype).as_strided(j.view.shape, j.view.stride(), 0))
