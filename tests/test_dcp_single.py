@@ -352,7 +352,8 @@ def test_roundtrip_where_torch_reader_gives_no_record_sizes(tmp_path: Path, monk
         _archive.template.cache_clear()
 
 
-def test_small_items_are_served_from_the_bytes_read_to_parse_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_items_are_served_from_the_bytes_read_to_parse_them(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An item archive small enough to be read whole for parsing is not read a second time."""
     from gdskit.formats import torch_io
 
