@@ -35,6 +35,34 @@ def test_cuda_array_interface_contiguity_checked_without_gpu():
         adapt(Fake())
 
 
+def test_a_version_2_cuda_array_interface_with_dlpack_is_exported_through_dlpack():
+    """A v2 interface names no stream to wait for; DLPack's export (asked for stream 1, the legacy
+    default stream gdskit then waits on) orders the producer's work. A v3 interface is used as is."""
+    backing = np.arange(16, dtype=np.uint8)
+    asked = []
+
+    class V2:
+        __cuda_array_interface__ = {"shape": (16,), "typestr": "|u1", "data": (backing.ctypes.data, False),
+                                    "version": 2}
+
+        def __dlpack_device__(self):
+            return (2, 0)  # CUDA
+
+        def __dlpack__(self, stream=None):
+            asked.append(stream)
+            return backing.__dlpack__()  # (host memory here: no GPU needed to see the route taken)
+
+    v = adapt(V2())
+    assert asked == [1] and v.ptr == backing.ctypes.data and v.nbytes == 16
+
+    class V3(V2):
+        __cuda_array_interface__ = {**V2.__cuda_array_interface__, "version": 3, "stream": None, "data": (0, False)}
+
+    asked.clear()
+    v = adapt(V3())
+    assert asked == [] and v.on_device and not v.producer_sync
+
+
 @pytest.mark.torch
 def test_torch_cpu_tensor_round_trip(tmp_path):
     import torch
@@ -56,6 +84,25 @@ def test_torch_non_contiguous_refused():
 
     with pytest.raises(UnsupportedBufferError):
         adapt(torch.zeros(10, 10).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_torch_tensor_filled_on_a_side_stream_is_written_after_the_fill(tmp_path):
+    """torch's work on its current (non-default) stream is waited for before gdskit reads the
+    tensor's memory, though torch's __cuda_array_interface__ names no stream."""
+    import torch
+
+    p = tmp_path / "side.bin"
+    t = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the stream busy long enough to see a missing wait
+        t.fill_(7)
+        with gdskit.open(str(p), "w") as f:
+            assert f.write(t) == 4 << 20
+    torch.cuda.synchronize()
+    assert p.read_bytes() == b"\x07" * (4 << 20)
 
 
 @pytest.mark.gpu

@@ -182,6 +182,15 @@ def adapt(obj: Any) -> BufferView:
     except Exception as exc:  # torch raises for dtypes CAI cannot describe (bfloat16): try DLPack
         errors.append(f"__cuda_array_interface__: {exc}")
     if cai is not None:
+        if "stream" not in cai and hasattr(obj, "__dlpack__"):
+            # A version-2 interface (torch's) names no stream, so its producer's work cannot be
+            # waited for from it; DLPack's export orders that work before a stream we choose.
+            try:
+                return _from_dlpack(obj)
+            except UnsupportedBufferError:
+                raise
+            except Exception as exc:
+                errors.append(f"DLPack: {exc}")
         return _from_cuda_array_interface(obj, cai)
     try:
         return _from_buffer_protocol(obj)

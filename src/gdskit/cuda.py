@@ -289,7 +289,7 @@ def synchronize_producer(stream: int | None) -> None:
 
     ``stream`` is the ``__cuda_array_interface__`` stream (1 = legacy default,
     2 = per-thread default, otherwise a handle). ``None`` (a producer that names
-    no stream, such as torch's version-2 interface) means the legacy default
+    no stream: a version-2 interface without DLPack) means the legacy default
     stream, as for Numba and CuPy. Never the whole device: that would also wait
     for gdskit's own copies of other requests in flight.
     """
