@@ -35,3 +35,19 @@ def test_zip_directory_gives_the_reader_sizes(tmp_path, as_path: bool) -> None:
     assert sorted(old(n) for n in names) == sorted([4000, 42])
     with pytest.raises(RuntimeError):
         old("data/99")
+
+
+def test_data_sizes_lists_every_storage_record(tmp_path) -> None:
+    from gdskit.formats.torch_zip import StorageRecords
+
+    tensors = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 7, dtype=torch.int16),
+               "view": None}
+    tensors["view"] = tensors["a"][10:20]  # shares a's storage: no record of its own
+    path = tmp_path / "ckpt.pt"
+    torch.save(tensors, path)
+    reader = torch._C.PyTorchFileReader(str(path))
+    for r in (reader, _OldReader(reader)):
+        if r is not reader:
+            r.get_all_records = reader.get_all_records  # type: ignore[attr-defined]
+        records = StorageRecords(torch, r, str(path), path.stat().st_size, str(path))
+        assert sorted(records.data_sizes()) == [42, 4000]

@@ -259,9 +259,10 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
         nbytes = rec.nbytes
         dev = target.device(rec.location)
         if target.single_device and dev.type == "cuda" and nbytes > (1 << 20) and not reserved:
-            # Storages follow the pickle in archive order: what lies past this one bounds the rest.
+            # One allocator block for exactly the large storages (small ones come from torch's
+            # small pool, so a bound taken from the archive's size would reserve them twice).
             from gdskit.formats.torch_io import reserve_device_memory
-            reserve_device_memory(dev, [archive_size - rec.offset])
+            reserve_device_memory(dev, records.data_sizes())
             reserved = True
         storage = torch.UntypedStorage(nbytes, device=dev)
         if target.eager:

@@ -61,6 +61,14 @@ class StorageRecords:
         self._limit = limit
         self._where = where
 
+    def data_sizes(self) -> list[int]:
+        """The sizes of every storage record in the archive (``data/*``), referenced or not."""
+        names = [n for n in self._reader.get_all_records() if n.startswith("data/")]
+        try:
+            return [self._sizes(n) for n in names]
+        except RuntimeError:
+            return []
+
     def resolve(self, saved_id: Any) -> StorageRecord:
         torch, where = self._torch, self._where
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
