@@ -16,12 +16,15 @@ descriptor with no gdskit engine in between: it separates the cost of the engine
 from the cost of driving I/O from Python threads at all.
 
 Fairness. Repetitions run the four in a rotating order (fio, gdskit, gdskit
---processes, plain; then gdskit, ..., fio; ...) so drift hits all alike; medians are reported. Each
-tool reads its own file of the same size, written the same way, and every random run
-draws fresh offsets (its own seed; fio's ``randrepeat`` would otherwise replay the
-same offsets each run). In a VM the virtual disk is often a file cached by the host:
-data read by one tool before would come back faster for the next, which an earlier
-version of this script (one shared file, fio always first) let through. After a
+--processes, plain; then gdskit, ..., fio; ...) so drift hits all alike; medians are reported.
+There are four files of the same size, written the same way; in each repetition every tool
+reads a different one, and the files move on by one from one repetition to the next, so
+over four repetitions every tool reads every file. Every random run draws fresh offsets
+(its own seed; fio's ``randrepeat`` would otherwise replay the same offsets each run).
+In a VM the virtual disk is often a file cached by the host, file by file: data one tool
+had just read would come back faster for the next (an earlier version of this script used
+one shared file with fio always first), and a file the host keeps cached reads faster for
+whichever tool is given it (the next version gave each tool its own file). After a
 gdskit sequential run (threads and processes), ``fincore`` (util-linux) or cachestat(2) shows
 how much of the file sits in the guest's page cache: near zero proves the reads were O_DIRECT.
 
@@ -29,7 +32,8 @@ Usage::
 
     PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
 
-(four files, ``fio-test.bin.fio``, ``.gdskit``, ``.gdskit-processes`` and ``.plain``, each ``--size``).
+(four files, ``fio-test.bin.0`` to ``.3``, each ``--size``; ``--reps`` a multiple of 4 gives
+every tool every file equally often).
 
 fio comes from ``PATH`` (Debian: ``apt-get install fio``). For a machine without a
 package manager or network, a static build travels as one file: ``apt-get source fio``
@@ -150,7 +154,7 @@ def main() -> int:
     ap.add_argument("--size", default="4G")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--runtime", type=float, default=5.0, help="seconds per random-read run")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the test file")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -161,8 +165,8 @@ def main() -> int:
     W = args.workers
     slice_bytes = size // W
     tools = ("fio", "gdskit", "gdskit-processes", "plain")
-    files = {t: f"{args.file}.{t}" for t in tools}
-    made = [p for p in files.values() if not os.path.exists(p) or os.path.getsize(p) < size]
+    files = [f"{args.file}.{i}" for i in range(len(tools))]
+    made = [p for p in files if not os.path.exists(p) or os.path.getsize(p) < size]
     for i, p in enumerate(made):
         runner.fill_file(p, size, i)
     cases = {
@@ -180,7 +184,7 @@ def main() -> int:
             for name, c in cases.items():
                 for tool in order:
                     seed = 1 + rep * 10 + tools.index(tool)  # fresh offsets for every random run
-                    path = files[tool]
+                    path = files[(tools.index(tool) + rep) % len(files)]  # every tool every file
                     if tool == "fio":
                         cmd = fio_cmd(path, c["rw"], c["bs"], W, slice_bytes, c["runtime"], seed)
                         commands[name] = " ".join(cmd)
