@@ -24,6 +24,11 @@ def run_world(phase: str, world: int, workdir: Path, device: str = "cpu", timeou
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if device == "cuda":
+        # NVLink multicast (NVLS) stays off: the machines these tests run on do not allow it.
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     procs = []
     logs = []
     for rank in range(world):

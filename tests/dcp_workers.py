@@ -235,6 +235,14 @@ class Rank:
         }
 
 
+    def phase_gpu_one(self) -> None:
+        """One rank, after ``gpu`` ran on every GPU: its checkpoints resharded onto this rank's GPU."""
+        self.check("gpu_reshard_one_rank", lambda: self.load_and_compare(
+            gdskit.dcp.StorageReader(self.path("gpu")), local=False))
+        self.check("gpu_stock_reshard_one_rank", lambda: self.load_and_compare(
+            gdskit.dcp.StorageReader(self.path("gpu_stock")), local=False))
+
+
 def main() -> None:
     phase, rank, world, workdir, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     if device == "cuda" and world > 1:
