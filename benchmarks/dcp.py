@@ -2,7 +2,9 @@
 """torch.distributed.checkpoint through gdskit against DCP's stock FileSystemWriter/Reader.
 
 One rank with a sharded state dict on the GPU (DTensors on a one-rank mesh, 32 MiB
-bf16 shards, ``--size`` in total). Every run is a fresh process timed from the
+bf16 shards, ``--size`` in total), or ``--ranks N`` processes, one per GPU, each with its
+shards of the same layers (NCCL between the GPUs, NVLink multicast off); every rank
+reports its own rate and ledger. Every run is a fresh process timed from the
 ``dcp.save``/``dcp.load`` call to ``torch.cuda.synchronize()``; CPU time is the
 process's user+system time over the same span. Saves fsync on both sides (the
 stock writer's ``sync_files=True``); the stock writer is run with each
@@ -50,20 +52,23 @@ def parse_size(text: str) -> int:
 
 # -- inside the child ---------------------------------------------------------------
 
-def _init_dist(device: str):
+def _init_dist(device: str, rank: int, world: int, store: str):
     import torch.distributed as dist
     from torch.distributed.tensor import init_device_mesh
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = f"/tmp/gdskit-dcp-bench-store.{os.getpid()}"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    return init_device_mesh(device.split(":")[0], (1,))
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") and world > 1 else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    return init_device_mesh(device.split(":")[0], (world,))
 
 
 def _state_dict(total: int, device: str, mesh, zeros: bool):
+    """This rank's shards: layers of ``world`` x 4096 rows, 4096 columns, bf16, sharded by rows
+    (32 MiB a rank a layer); ``total`` bytes over all ranks. Returns the state dict and this rank's bytes."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
-    n = max(1, total // (SHARD_ELEMS * 2))
-    g = torch.Generator(device=device).manual_seed(0)
+    world, rank = mesh.size(), mesh.get_local_rank()
+    n = max(1, total // (SHARD_ELEMS * 2 * world))
+    g = torch.Generator(device=device).manual_seed(rank)
     sd = {}
     for i in range(n):
         t = torch.empty(4096, 4096, dtype=torch.bfloat16, device=device)
@@ -80,13 +85,20 @@ def child(args: argparse.Namespace) -> None:
     if args.impl == "gdskit":
         os.environ.setdefault("GDSKIT_THREADS", str(args.gdskit_threads))
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import gdskit
     import gdskit.dcp
-    mesh = _init_dist(args.device)
-    sd, nbytes = _state_dict(parse_size(args.size), args.device, mesh, zeros=args.op == "load")
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    device = args.device
+    if device.startswith("cuda") and args.world > 1:  # one GPU a rank
+        device = f"cuda:{args.rank % torch.cuda.device_count()}"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    mesh = _init_dist(device, args.rank, args.world, args.store)
+    sd, nbytes = _state_dict(parse_size(args.size), device, mesh, zeros=args.op == "load")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
+    dist.barrier()  # every rank starts the clock together
     before = gdskit.stats()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
@@ -105,7 +117,8 @@ def child(args: argparse.Namespace) -> None:
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     paths = {k: {"read": v["bytes_read"], "written": v["bytes_written"]}
              for k, v in gdskit.stats_delta(before, gdskit.stats()).to_dict()["paths"].items()}
-    print("RESULT " + json.dumps({"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "paths": paths}))
+    print("RESULT " + json.dumps({"rank": args.rank, "wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "paths": paths}))
+    dist.destroy_process_group()
 
 
 # -- the parent ---------------------------------------------------------------------
@@ -141,21 +154,46 @@ def odirect_rate(paths: list[str], threads: int, block: int = 16 * MiB) -> float
 
 
 def run_child(args: argparse.Namespace, op: str, impl: str, path: str, stock_threads: int = 1) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--op", op, "--impl", impl, "--path", path,
-           "--size", args.size, "--device", args.device, "--gdskit-threads", str(args.gdskit_threads),
-           "--stock-threads", str(stock_threads)]
+    """One timed save or load, by ``--ranks`` processes (one per GPU); the whole and each rank's part."""
+    store = os.path.join(args.dir, f".store.{os.getpid()}.{time.monotonic_ns()}")
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(args.ranks):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--op", op, "--impl", impl, "--path", path,
+               "--size", args.size, "--device", args.device, "--gdskit-threads", str(args.gdskit_threads),
+               "--stock-threads", str(stock_threads), "--rank", str(rank), "--world", str(args.ranks),
+               "--store", store]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    deadline = time.monotonic() + args.timeout
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            r["gb_per_s"] = r["bytes"] / GB / r["wall_s"]
-            r["cpu_s_per_gb"] = r["cpu_s"] / (r["bytes"] / GB)
-            return r
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if os.path.exists(store):
+            os.unlink(store)
+    ranks = []
+    for p, (stdout, stderr) in zip(procs, outs):
+        found = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if not found:
+            tail = (stderr or stdout).strip().splitlines()[-3:]
+            return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+        r = found[-1]
+        r["gb_per_s"] = r["bytes"] / GB / r["wall_s"]
+        ranks.append(r)
+    total, wall, cpu = sum(r["bytes"] for r in ranks), max(r["wall_s"] for r in ranks), sum(r["cpu_s"] for r in ranks)
+    out = {"wall_s": wall, "cpu_s": cpu, "bytes": total, "gb_per_s": total / GB / wall,
+           "cpu_s_per_gb": cpu / (total / GB), "paths": ranks[0]["paths"]}
+    if len(ranks) > 1:
+        out["ranks"] = ranks
+    return out
 
 
 def main() -> None:
@@ -169,6 +207,8 @@ def main() -> None:
     ap.add_argument("--cold-pairs", type=int, default=3,
                     help="raw O_DIRECT read / gdskit cold load pairs for the cold target (median ratio)")
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="processes, one per GPU (rank r on cuda:r), NCCL between them; --size is their total")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", dest="json_out", help="write all results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -176,6 +216,9 @@ def main() -> None:
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--stock-threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -194,8 +237,11 @@ def main() -> None:
         ok = [r for r in runs if "error" not in r]
         pick = max(ok, key=lambda r: r["gb_per_s"]) if ok else runs[0]
         results.append(pick)
+        per_rank = ""
+        if "ranks" in pick:
+            per_rank = "  (" + ", ".join(f"rank {r['rank']} {r['gb_per_s']:.2f}" for r in pick["ranks"]) + " GB/s)"
         print(f"  {op:5} {label:40} {pick.get('cache') or '':12} "
-              + (f"{pick['gb_per_s']:7.2f} GB/s  {pick['cpu_s_per_gb']:6.2f} CPU-s/GB" if "error" not in pick
+              + (f"{pick['gb_per_s']:7.2f} GB/s  {pick['cpu_s_per_gb']:6.2f} CPU-s/GB{per_rank}" if "error" not in pick
                  else pick["error"]), flush=True)
         return pick
 
