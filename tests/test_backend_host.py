@@ -117,3 +117,27 @@ def test_a_small_unaligned_miss_asks_the_page_cache_once(small_io_file, monkeypa
             assert f.read_batch(buf, [4097], 1000, [0]) == [1000]
     assert bytes(buf) == data[4097:5097]
     assert asked == [(4097, 1000)]
+
+
+def test_a_forked_child_reads_through_the_lanes_it_inherited(small_io_file):
+    """Host stages stay mapped in a forked child (a data-loader worker): an unaligned O_DIRECT
+    read there goes through a stage made before the fork."""
+    path, data = small_io_file
+    with gdskit.settings.set(mode="host", odirect="always"), gdskit.open(path) as f:
+        buf = bytearray(5000)
+        assert f.read(buf, 5000, 4097) == 5000  # makes (and keeps) a lane with a stage
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            ok = 0
+            try:
+                out = bytearray(5000)
+                ok = int(f.read(out, 5000, 8193) == 5000 and bytes(out) == data[8193:13193])
+            finally:
+                os.write(w, bytes([ok]))
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and got == b"\x01", (status, got)

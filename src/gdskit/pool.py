@@ -32,13 +32,24 @@ setup_seconds: list[float] = []
 
 
 class _HostStage:
-    """Page-aligned anonymous memory (O_DIRECT needs aligned buffers)."""
+    """Page-aligned anonymous memory (O_DIRECT needs aligned buffers), on transparent huge pages
+    where the system allows: an O_DIRECT read into physically contiguous memory goes to the
+    device as fewer, larger requests (1 MiB reads on the H200 machine's virtio disk: 1.6-1.7
+    GiB/s into a huge page, 1.4-1.6 into 4 KiB pages)."""
 
     def __init__(self, nbytes: int) -> None:
         import ctypes  # noqa: PLC0415
 
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes)
+        # Private: Python's default shared anonymous mapping is shmem, which takes no huge pages.
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        # Advice only (THP off, or a kernel without it). Unlike the pinned stages, a forked child
+        # keeps this one: it may read through the host path with the lanes it inherited.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self.view = memoryview(self._map)
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 

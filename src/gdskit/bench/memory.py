@@ -43,7 +43,9 @@ class HostBuffer:
     on_device = False
 
     def __init__(self, nbytes: int) -> None:
-        self._map: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1))
+        # Private anonymous memory, as malloc's large blocks and fio's are (Python's default,
+        # a shared mapping, is shmem).
+        self._map: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
         self.array = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
         self.array.fill(0)  # touch every page now, not inside the timed window
         self.nbytes = nbytes
