@@ -65,12 +65,25 @@ class WorkloadReport:
     duration_s: float
     stats: Stats
     cufile_counters: dict[str, int] | None
-    direct_bytes: int
-    posix_bytes: int
-    all_direct: bool
-    verdict: str
     processes: int = 0
     partial: bool = False
+
+    @property
+    def direct_bytes(self) -> int:
+        return split(self.stats)[0]
+
+    @property
+    def posix_bytes(self) -> int:
+        return split(self.stats)[1]
+
+    @property
+    def all_direct(self) -> bool:
+        direct, posix = split(self.stats)
+        return direct > 0 and posix == 0
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.stats)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -179,9 +192,7 @@ def make_report(argv: list[str], returncode: int, duration_s: float, snapshots: 
             counters = counters or {}
             for k, v in cu.items():
                 counters[k] = counters.get(k, 0) + v
-    direct, posix = split(stats)
-    return WorkloadReport(list(argv), returncode, duration_s, stats, counters, direct, posix,
-                          direct > 0 and posix == 0, verdict(stats), len(snapshots), partial)
+    return WorkloadReport(list(argv), returncode, duration_s, stats, counters, len(snapshots), partial)
 
 
 def _listdir(path: str) -> list[str]:
