@@ -168,6 +168,19 @@ def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:
     return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner)
 
 
+def _try_dlpack(obj: Any, errors: list[str]) -> BufferView | None:
+    """``obj`` through DLPack if it exports it; None (and why, in ``errors``) if not."""
+    if not hasattr(obj, "__dlpack__"):
+        return None
+    try:
+        return _from_dlpack(obj)
+    except UnsupportedBufferError:
+        raise
+    except Exception as exc:
+        errors.append(f"DLPack: {exc}")
+        return None
+
+
 def adapt(obj: Any) -> BufferView:
     """Describe ``obj``'s memory, or raise :class:`UnsupportedBufferError`."""
     if isinstance(obj, BufferView):
@@ -182,29 +195,19 @@ def adapt(obj: Any) -> BufferView:
     except Exception as exc:  # torch raises for dtypes CAI cannot describe (bfloat16): try DLPack
         errors.append(f"__cuda_array_interface__: {exc}")
     if cai is not None:
-        if "stream" not in cai and hasattr(obj, "__dlpack__"):
-            # A version-2 interface (torch's) names no stream, so its producer's work cannot be
-            # waited for from it; DLPack's export orders that work before a stream we choose.
-            try:
-                return _from_dlpack(obj)
-            except UnsupportedBufferError:
-                raise
-            except Exception as exc:
-                errors.append(f"DLPack: {exc}")
-        return _from_cuda_array_interface(obj, cai)
+        # A version-2 interface (torch's) names no stream, so its producer's work cannot be
+        # waited for from it; DLPack's export orders that work before a stream we choose.
+        view = _try_dlpack(obj, errors) if "stream" not in cai else None
+        return view if view is not None else _from_cuda_array_interface(obj, cai)
     try:
         return _from_buffer_protocol(obj)
     except UnsupportedBufferError:
         raise
     except TypeError as exc:
         errors.append(f"buffer protocol: {exc}")
-    if hasattr(obj, "__dlpack__"):
-        try:
-            return _from_dlpack(obj)
-        except UnsupportedBufferError:
-            raise
-        except Exception as exc:
-            errors.append(f"DLPack: {exc}")
+    view = _try_dlpack(obj, errors)
+    if view is not None:
+        return view
     detail = "; ".join(errors) if errors else "no buffer interface"
     raise UnsupportedBufferError(
         f"cannot use an object of type {type(obj).__name__} as a buffer ({detail}); pass a numpy or CuPy array, "
