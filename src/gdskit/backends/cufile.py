@@ -226,6 +226,15 @@ def cufile_library() -> CufileLibrary:
     return CufileLibrary()
 
 
+def counters_now(device: int) -> dict[str, int] | None:
+    """cuFile's own operation counters of GPU ``device``, or None where cuFile or its
+    statistics are not available. Never raises: for reports taken around some work."""
+    try:
+        return cufile_library().counters(device)
+    except Exception:
+        return None
+
+
 def _classify(op: str, before: dict[str, int] | None, after: dict[str, int] | None) -> dict[Path, int] | None:
     """Operation counts per path from two counter snapshots (``None``: no evidence)."""
     if before is None or after is None:

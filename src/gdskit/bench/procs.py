@@ -94,7 +94,7 @@ class WorkerProcesses:
         return WorkerProcessError(f"bench worker process {child.pid} ended unexpectedly ({how}); "
                                   "its error, if any, is on stderr above")
 
-    def run(self, plan: runner.RunPlan, targets: runner.Targets, deadline_s: float | None) -> runner._Window:
+    def run(self, plan: runner.RunPlan, targets: runner.Targets, deadline_s: float | None) -> runner.RunWindow:
         """One run with every process as one worker; see the module docstring."""
         kids = self._children
         for w, child in enumerate(kids):
@@ -134,7 +134,7 @@ class WorkerProcesses:
             for d in done:
                 for k, v in d[3].items():
                     counters[k] = counters.get(k, 0) + v
-        return runner._Window([d[1] for d in done], t_end - t_start, cost, ledger, counters)
+        return runner.RunWindow([d[1] for d in done], t_end - t_start, cost, ledger, counters)
 
     def close(self) -> None:
         """Ask every process to exit; kill those that do not within a few seconds."""
@@ -192,7 +192,7 @@ def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
         if cmd[0] != "go":
             return
         out = runner.WorkerOut()
-        counters_before = runner._cufile_counters(plan.params.device) if plan.name == "cufile" else None
+        counters_before = runner.cufile_counters(plan.params.device) if plan.name == "cufile" else None
         ledger_before = gdskit.stats()
         user0, sys0 = _cpu_s()
         try:
@@ -203,7 +203,7 @@ def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
             out.error = _portable(exc)
         user1, sys1 = _cpu_s()
         ledger = gdskit.stats() - ledger_before
-        counters_after = runner._cufile_counters(plan.params.device) if plan.name == "cufile" else None
+        counters_after = runner.cufile_counters(plan.params.device) if plan.name == "cufile" else None
     send(("done", out, ledger, runner.counter_delta(counters_before, counters_after), user1 - user0,
           sys1 - sys0))
 

@@ -1,7 +1,8 @@
 """The A/B runner: the same work through each path, interleaved, repeated.
 
 For each I/O size, for each repetition, for each path in order, one *run*:
-``W`` worker threads, each with its own :class:`gdskit.File` and buffer, issue
+``W`` workers (threads of this process, or with ``--processes`` processes of their
+own: :mod:`gdskit.bench.procs`), each with its own :class:`gdskit.File` and buffer, issue
 I/Os of one size over their own slice of the data (sequentially, or at random
 aligned offsets drawn from a seed shared by all paths) through the engine with
 the path forced by ``gdskit.settings.set(mode=...)``. Interleaving (A B A B ...)
@@ -317,12 +318,10 @@ def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tupl
     return True, (told[0][1] if told else "unknown")
 
 
-def _cufile_counters(device: int) -> dict[str, int] | None:
-    try:
-        from gdskit.backends.cufile import cufile_library
-        return cufile_library().counters(device)
-    except Exception:
-        return None
+def cufile_counters(device: int) -> dict[str, int] | None:
+    from gdskit.backends.cufile import counters_now  # noqa: PLC0415 - only cufile runs need it
+
+    return counters_now(device)
 
 
 @dataclass(frozen=True)
@@ -428,7 +427,7 @@ def work(plan: RunPlan, w: int, slice_: tuple[str, int, int], f: gdskit.File, b:
 
 
 @dataclass
-class _Window:
+class RunWindow:
     """What a run measured around its timed window, however its workers ran."""
 
     outs: list[WorkerOut]
@@ -438,7 +437,7 @@ class _Window:
     counters: dict[str, int] | None
 
 
-def _run_threads(plan: RunPlan, targets: Targets) -> _Window:
+def _run_threads(plan: RunPlan, targets: Targets) -> RunWindow:
     """The run's workers as threads of this process."""
     params = plan.params
     W = params.workers
@@ -469,7 +468,7 @@ def _run_threads(plan: RunPlan, targets: Targets) -> _Window:
                    for w in range(W)]
         for t in threads:
             t.start()
-        counters_before = _cufile_counters(params.device) if plan.name == "cufile" else None
+        counters_before = cufile_counters(params.device) if plan.name == "cufile" else None
         ledger_before = gdskit.stats()
         try:
             cpu_before = cpu_mod.sample()
@@ -493,8 +492,8 @@ def _run_threads(plan: RunPlan, targets: Targets) -> _Window:
                 t.join()
             raise
         ledger_after = gdskit.stats()
-        counters_after = _cufile_counters(params.device) if plan.name == "cufile" else None
-    return _Window(outs, t_end - t_start, cpu_mod.cpu_cost(cpu_before, cpu_after), ledger_after - ledger_before,
+        counters_after = cufile_counters(params.device) if plan.name == "cufile" else None
+    return RunWindow(outs, t_end - t_start, cpu_mod.cpu_cost(cpu_before, cpu_after), ledger_after - ledger_before,
                    counter_delta(counters_before, counters_after))
 
 
