@@ -113,3 +113,31 @@ def test_cli_processes_flag(tmp_path, monkeypatch):
     res = CliRunner().invoke(_cli(), ["bench", "-s", "4M", "-i", "1M", "-w", "2", "-x", "host", "--repeat", "1",
                                       "--processes"])
     assert res.exit_code == 0 and "2 worker processes" in res.stdout
+
+
+def test_an_interrupted_run_ends_its_workers_at_once(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of a long time-bound run: the workers are not waited for."""
+    import time
+
+    monkeypatch.setattr(procs, "_EXIT_GRACE_S", 60.0)  # what waiting for them would cost
+
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"\0" * 4 * MiB)
+    p = make_params(file=str(data), size="4M", io_size="4K", workers=2, paths="host", op="randread", cache="hot",
+                    repeat=1, duration=60.0, processes=True)
+    targets = runner.Targets(files=[str(data)], slices=[(str(data), 0, 2 * MiB), (str(data), 2 * MiB, 2 * MiB)])
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with procs.WorkerProcesses(2) as pool:
+            real_recv = pool._recv
+            calls = {"n": 0}
+
+            def recv(child):
+                calls["n"] += 1
+                if calls["n"] > 2:  # both are ready and running: the user presses Ctrl-C
+                    raise KeyboardInterrupt
+                return real_recv(child)
+
+            pool._recv = recv
+            runner.run_once(p, targets, "host", 4096, 0, pool)
+    assert time.monotonic() - t0 < 30 and _children() == []

@@ -63,8 +63,8 @@ class WorkerProcesses:
     def __enter__(self) -> WorkerProcesses:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(now=exc_type is not None)  # interrupted or failed: no waiting for a run to end
 
     @property
     def pids(self) -> list[int]:
@@ -136,10 +136,13 @@ class WorkerProcesses:
                     counters[k] = counters.get(k, 0) + v
         return runner.RunWindow([d[1] for d in done], t_end - t_start, cost, ledger, counters)
 
-    def close(self) -> None:
-        """Ask every process to exit; kill those that do not within a few seconds."""
+    def close(self, now: bool = False) -> None:
+        """Ask every process to exit; kill those that do not within a few seconds (at once
+        with ``now``: a process may be in the middle of a run of many seconds)."""
         for child in self._children:
             with contextlib.suppress(Exception):
+                if now:
+                    child.kill()
                 pickle.dump(("exit",), child.stdin)  # type: ignore[arg-type]
                 child.stdin.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + _EXIT_GRACE_S
