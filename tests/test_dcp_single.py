@@ -352,10 +352,16 @@ def test_roundtrip_where_torch_reader_gives_no_record_sizes(tmp_path: Path, monk
         _archive.template.cache_clear()
 
 
-def test_small_items_are_served_from_the_bytes_read_to_parse_them(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """An item archive small enough to be read whole for parsing is not read a second time."""
+@pytest.mark.parametrize("batch", [None, 100])
+def test_small_items_are_served_from_the_bytes_read_to_parse_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  batch: int | None) -> None:
+    """An item archive small enough to be read whole for parsing is not read a second time;
+    its bytes reach the destinations in batches (here also one or two items a batch)."""
+    from gdskit.dcp import _reader
     from gdskit.formats import torch_io
+
+    if batch is not None:
+        monkeypatch.setattr(_reader, "_SERVED_BATCH", batch)
 
     sd = {"m": torch.randn(8, 12), "i": torch.arange(10), "h": torch.randn(5, 3).half(), "w": torch.randn(512, 1024)}
     _save(sd, gdskit.dcp.StorageWriter(tmp_path / "c"))

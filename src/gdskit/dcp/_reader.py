@@ -232,14 +232,18 @@ class StorageReader(dcp_storage.StorageReader):
             jobs.append(_Job(req, dest, view, extent, direct))
         from gdskit.formats.torch_io import execute
         by_device: dict[torch.device, list[_Job]] = {}
+        served: dict[torch.device, list[tuple[_Job, bytes]]] = {}
         for j in jobs:
             if j.dest.device.type == "meta":
                 continue
-            span = (self._info(j.req).offset, self._info(j.req).length)
-            if span in wholes:  # read whole for parsing: its bytes are here already
-                self._fill_from_bytes(j, wholes[span], span[0], path)
+            info = self._info(j.req)
+            whole = wholes.get((info.offset, info.length))
+            if whole is not None:  # read whole for parsing: its bytes are here already
+                served.setdefault(j.dest.device, []).append((j, _item_bytes(j, whole, info.offset, path)))
             else:
                 by_device.setdefault(_engine_device(j.dest.device), []).append(j)
+        for dev, items in served.items():
+            _fill_from_bytes(dev, items)
         for dev, group in by_device.items():
             dests = {j.extent.key: j.dest.reshape(-1).view(torch.uint8) for j in group if j.direct}
             plan = read_plan.plan([j.extent for j in group], small=SMALL_READ_BYTES, max_group=MAX_GROUP_BYTES,
@@ -254,17 +258,45 @@ class StorageReader(dcp_storage.StorageReader):
         for j in jobs:
             planner.commit_tensor(j.req, j.dest)
 
-    @staticmethod
-    def _fill_from_bytes(j: _Job, whole: bytes, archive_offset: int, path: str) -> None:
-        """Fill ``j.dest`` from the item's archive bytes (``whole``, read at ``archive_offset``)."""
-        start = j.extent.file_offset - archive_offset
-        if start < 0 or start + j.extent.nbytes > len(whole):
-            raise FormatError(f"{path}: {j.req.storage_index.fqn}: the tensor's bytes at [{j.extent.file_offset}, "
-                              f"{j.extent.file_offset + j.extent.nbytes}) lie outside its item")
-        if j.extent.nbytes == 0 or j.view.numel() == 0:
-            return
-        src = torch.frombuffer(bytearray(whole[start:start + j.extent.nbytes]), dtype=torch.uint8)
-        if j.direct:
-            j.dest.reshape(-1).view(torch.uint8).copy_(src)
-        else:
-            j.dest.copy_(src.view(j.view.dtype).as_strided(j.view.shape, j.view.stride(), 0))
+
+def _item_bytes(j: _Job, whole: bytes, archive_offset: int, path: str) -> bytes:
+    """The bytes of ``j``'s tensor, from its item's archive read whole at ``archive_offset``."""
+    start = j.extent.file_offset - archive_offset
+    if start < 0 or start + j.extent.nbytes > len(whole):
+        raise FormatError(f"{path}: {j.req.storage_index.fqn}: the tensor's bytes at [{j.extent.file_offset}, "
+                          f"{j.extent.file_offset + j.extent.nbytes}) lie outside its item")
+    return whole[start:start + j.extent.nbytes]
+
+
+_SERVED_BATCH = 64 << 20  # bytes of small items moved to a GPU in one copy
+_SERVED_ALIGN = 16        # each item's place in a batch: any dtype may view it
+
+
+def _fill_from_bytes(device: torch.device, items: list[tuple[_Job, bytes]]) -> None:
+    """Fill each job's destination on ``device`` from its bytes: one host-to-device copy per batch
+    of items (not one per tensor), then device-side copies into the destinations."""
+    start = 0
+    while start < len(items):
+        batch, places, size = [], [], 0
+        for j, data in items[start:]:
+            if batch and size + len(data) > _SERVED_BATCH:
+                break
+            batch.append((j, data))
+            places.append(size)
+            size += -(-len(data) // _SERVED_ALIGN) * _SERVED_ALIGN
+        start += len(batch)
+        buf = bytearray(size)
+        for (_, data), at in zip(batch, places):
+            buf[at:at + len(data)] = data
+        blob = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        if device.type != "cpu":
+            blob = blob.to(device)
+        for (j, data), at in zip(batch, places):
+            if not data or not j.view.numel():
+                continue
+            src = blob[at:at + len(data)]
+            if j.direct:
+                j.dest.reshape(-1).view(torch.uint8).copy_(src)
+            else:  # as_strided counts from the start of the blob's storage
+                typed = src.view(j.view.dtype)
+                j.dest.copy_(typed.as_strided(j.view.shape, j.view.stride(), typed.storage_offset()))
