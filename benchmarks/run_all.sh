@@ -36,9 +36,15 @@ rm -rf "$work/ld"
 step dcp 300 $PY benchmarks/dcp.py --dir "$work/dcp" --size 8GiB --threads 1,8,16 --cold --cold-pairs 3 \
     --json "$out/dcp.json"
 rm -rf "$work/dcp"
+ngpu=$($PY -c "from gdskit import cuda; print(cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${ngpu:-0}" -ge 2 ]; then  # one rank per GPU
+    step dcp_ranks 400 $PY benchmarks/dcp.py --dir "$work/dcp2" --size 8GiB --ranks "$ngpu" --threads 8,16 --cold \
+        --cold-pairs 1 --json "$out/dcp_ranks.json"
+    rm -rf "$work/dcp2"
+fi
 if command -v fio > /dev/null; then
-    step fio_4 150 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 4G --workers 4 --reps 3 --keep
-    step fio_1 100 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 4G --workers 1 --reps 3 --runtime 4
-    rm -f "$work"/fio.bin.*  # one file per tool, kept by the first step for the second
+    step fio_4 200 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 2G --workers 4 --reps 4 --runtime 3 --keep
+    step fio_1 150 $PY benchmarks/bench_vs_fio.py --file "$work/fio.bin" --size 2G --workers 1 --reps 4 --runtime 3
+    rm -f "$work"/fio.bin.*  # four files, kept by the first step for the second
 fi
 if [ -n "${failed:-}" ]; then echo "failed:$failed" >&2; exit 1; fi
