@@ -141,3 +141,16 @@ def test_an_interrupted_run_ends_its_workers_at_once(tmp_path, monkeypatch):
             pool._recv = recv
             runner.run_once(p, targets, "host", 4096, 0, pool)
     assert time.monotonic() - t0 < 30 and _children() == []
+
+
+def test_small_io_from_threads_points_at_processes(tmp_path):
+    threads = make_params(size="4M", io_size="4K", workers=2, paths="host", op="randread", total="64K", cache="hot",
+                          repeat=1)
+    rep = runner.run_benchmark(threads, workdir=str(tmp_path))
+    assert any("--processes" in w for w in rep.warnings)
+    for p in (make_params(size="4M", io_size="4K", workers=2, paths="host", op="randread", total="64K", cache="hot",
+                          repeat=1, processes=True),
+              make_params(size="4M", io_size="1M", workers=2, paths="host", repeat=1, cache="hot"),
+              make_params(size="4M", io_size="4K", workers=1, paths="host", op="randread", total="64K", repeat=1,
+                          cache="hot")):
+        assert not any("--processes" in w for w in runner.run_benchmark(p, workdir=str(tmp_path)).warnings)

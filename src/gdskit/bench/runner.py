@@ -546,8 +546,16 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
 
 
 # -- the whole benchmark ----------------------------------------------------------------
+#: I/O sizes up to this, from several worker threads, are bound by the interpreter lock.
+SMALL_IO_FOR_THREADS = 64 * 1024
+
+
 def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
     out = []
+    if params.workers > 1 and not params.processes and min(params.io_sizes) <= SMALL_IO_FOR_THREADS:
+        out.append(f"{params.workers} worker threads share Python's interpreter lock between I/Os: at "
+                   f"{min(params.io_sizes) // 1024} KiB that can cap the rate below the storage's; "
+                   "--processes runs each worker in its own process (as fio's jobs) to measure the storage")
     by_path: dict[str, list[RunResult]] = {}
     for r in runs:
         by_path.setdefault(r.path, []).append(r)
