@@ -154,3 +154,11 @@ def test_small_io_from_threads_points_at_processes(tmp_path):
               make_params(size="4M", io_size="4K", workers=1, paths="host", op="randread", total="64K", repeat=1,
                           cache="hot")):
         assert not any("--processes" in w for w in runner.run_benchmark(p, workdir=str(tmp_path)).warnings)
+
+
+def test_a_worker_process_that_cannot_start_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(procs.sys, "executable", str(tmp_path / "no-such-python"))
+    p = make_params(size="4M", io_size="1M", workers=2, paths="host", repeat=1, processes=True)
+    with pytest.raises(WorkerProcessError, match="cannot start"):
+        runner.run_benchmark(p, workdir=str(tmp_path))
+    assert os.listdir(tmp_path) == [] and _children() == []

@@ -53,11 +53,15 @@ class WorkerProcesses:
         self._children: list[subprocess.Popen[bytes]] = []
         try:
             for _ in range(n):
-                self._children.append(subprocess.Popen(
-                    [sys.executable, "-m", "gdskit.bench.procs"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, env=env, close_fds=True))
+                try:
+                    self._children.append(subprocess.Popen(
+                        [sys.executable, "-m", "gdskit.bench.procs"], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, env=env, close_fds=True))
+                except OSError as exc:
+                    raise WorkerProcessError(f"cannot start a bench worker process with {sys.executable!r}: "
+                                             f"{exc}") from exc
         except BaseException:
-            self.close()
+            self.close(now=True)
             raise
 
     def __enter__(self) -> WorkerProcesses:
