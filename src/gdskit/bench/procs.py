@@ -231,7 +231,10 @@ def _child_main() -> None:
         except EOFError:
             return
         if msg[0] == "prepare":
-            _serve_run(*msg[1:], rin, send)
+            try:
+                _serve_run(*msg[1:], rin, send)
+            except (EOFError, BrokenPipeError):
+                return  # the benchmark has gone away: nothing to report to
         elif msg[0] == "exit":
             return
 
