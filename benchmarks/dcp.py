@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+from raw_disk import odirect_io
 
 GB = 1e9
 MiB = 1 << 20
@@ -129,28 +127,8 @@ def data_files(directory: str) -> list[str]:
 
 def odirect_rate(paths: list[str], threads: int, block: int = 16 * MiB) -> float:
     """GB/s of a raw O_DIRECT read of ``paths`` with ``threads`` workers (the disk's own rate)."""
-    local = threading.local()
-    jobs = []
-    fds = []
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        fds.append(fd)
-        jobs += [(fd, off) for off in range(0, os.path.getsize(p), block)]
-
-    def read_block(job: tuple[int, int]) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = mmap.mmap(-1, block)
-        return os.preadv(job[0], [buf], job[1])
-
-    t0 = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(threads) as ex:
-            total = sum(ex.map(read_block, jobs))
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return total / GB / (time.perf_counter() - t0)
+    moved, seconds = odirect_io(paths, threads, block)
+    return moved / GB / seconds
 
 
 def run_child(args: argparse.Namespace, op: str, impl: str, path: str, stock_threads: int = 1) -> dict:

@@ -30,6 +30,7 @@ SRC = os.path.join(os.path.dirname(HERE), "src")
 sys.path.insert(0, SRC)
 
 from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+from raw_disk import odirect_io
 
 GB = 1e9
 # KvikIO's own POSIX path is its fastest where cuFile can only run in compat mode.
@@ -111,36 +112,9 @@ def child_kvikio_read(path: str, size: int, repeats: int, threads: int, task_siz
 def _raw_odirect(path: str, size: int, threads: int, chunk: int, write: bool) -> dict:
     """``threads`` threads moving ``chunk``-byte O_DIRECT I/Os between the file and aligned host memory:
     the disk's own rate, with no GPU and no gdskit in between. Writes end with fsync."""
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-    fd = os.open(path, flags | os.O_DIRECT)
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    nxt = iter(range(0, size, chunk))
-    lock = threading.Lock()
-    total = [0]
-
-    def worker(i: int) -> None:
-        mv = memoryview(bufs[i])
-        while True:
-            with lock:
-                off = next(nxt, None)
-            if off is None:
-                return
-            piece = mv[: min(chunk, size - off)]
-            n = os.pwrite(fd, piece, off) if write else os.preadv(fd, [piece], off)
-            with lock:
-                total[0] += n
-
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if write:
-        os.fsync(fd)
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    assert total[0] == size
+    c0 = cpu_seconds()
+    moved, dt = odirect_io([path], threads, chunk, write=write, size=size)
+    assert moved == size, (moved, size)
     return {"times": [dt], "cpu": [cpu_seconds() - c0]}
 
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+from raw_disk import odirect_io
 
 GB = 1e9
 MiB = 1 << 20
@@ -194,21 +192,7 @@ def _load(loader: str, path: str, device: str, threads: int):
 
 def odirect_read(path: str, threads: int, block: int = 16 * MiB) -> int:
     """Read the whole file with O_DIRECT, ``threads`` workers, into per-thread aligned buffers."""
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    local = threading.local()
-
-    def read_block(off: int) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-        return os.preadv(fd, [buf], off)
-
-    try:
-        with ThreadPoolExecutor(threads) as ex:
-            return sum(ex.map(read_block, range(0, size, block)))
-    finally:
-        os.close(fd)
+    return odirect_io([path], threads, block)[0]
 
 
 def child(args: argparse.Namespace) -> None:
