@@ -2,7 +2,7 @@
 threads between files and aligned host memory, with no GPU and no gdskit in between.
 
 The buffers are private anonymous mappings with huge-page advice. Where a destination's pages
-lie in physical memory changes how the kernel splits an O_DIRECT request into device requests
+lie in physical memory can change how the kernel splits an O_DIRECT request into device requests
 (on the H200 machine's virtio disk, 1 MiB reads ran at 1.0 GiB/s into heap memory and at
 1.4-1.7 into fresh mappings), so the reference gets the layout gdskit's own stages have, not a
 worse one. Python's default anonymous mapping is shared memory, which takes no huge pages.

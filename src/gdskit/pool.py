@@ -33,7 +33,7 @@ setup_seconds: list[float] = []
 
 class _HostStage:
     """Page-aligned anonymous memory (O_DIRECT needs aligned buffers), on transparent huge pages
-    where the system allows: an O_DIRECT read into physically contiguous memory reaches the
+    where the system allows: an O_DIRECT read into physically contiguous memory can reach the
     device as fewer, larger requests (where the destination's pages lay moved 1 MiB reads on
     the H200 machine's virtio disk between 1.0 and 1.7 GiB/s)."""
 
