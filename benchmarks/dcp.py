@@ -167,8 +167,14 @@ def run_child(args: argparse.Namespace, op: str, impl: str, path: str, stock_thr
         r["gb_per_s"] = r["bytes"] / GB / r["wall_s"]
         ranks.append(r)
     total, wall, cpu = sum(r["bytes"] for r in ranks), max(r["wall_s"] for r in ranks), sum(r["cpu_s"] for r in ranks)
+    paths: dict[str, dict[str, int]] = {}  # every rank's ledger, added up
+    for r in ranks:
+        for name, moved in r["paths"].items():
+            acc = paths.setdefault(name, {"read": 0, "written": 0})
+            acc["read"] += moved["read"]
+            acc["written"] += moved["written"]
     out = {"wall_s": wall, "cpu_s": cpu, "bytes": total, "gb_per_s": total / GB / wall,
-           "cpu_s_per_gb": cpu / (total / GB), "paths": ranks[0]["paths"]}
+           "cpu_s_per_gb": cpu / (total / GB), "paths": paths}
     if len(ranks) > 1:
         out["ranks"] = ranks
     return out
