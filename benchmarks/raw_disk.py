@@ -15,15 +15,12 @@ import os
 import threading
 import time
 
+from gdskit.pool import anonymous_memory
+
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Page-aligned private memory, on huge pages where the system allows, touched now."""
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
+    buf = anonymous_memory(nbytes)
     buf.write(bytes(nbytes))
     buf.seek(0)
     return buf

@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 
 import gdskit  # noqa: E402
 import gdskit.safetensors as gs  # noqa: E402
-from gpu_memory import new_large_pool_segments  # noqa: E402
+from gpu_memory import load_from_one_segment, new_large_pool_segments  # noqa: E402
 from gdskit.errors import FormatError, GdskitError, MissingDependencyError  # noqa: E402
 from gdskit.formats import read_plan  # noqa: E402
 from gdskit.formats import safetensors_format as fmt  # noqa: E402
@@ -332,11 +332,8 @@ def test_gpu_peak_memory_close_to_checkpoint_size(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_large_tensors_come_from_one_reserved_segment(tmp_path) -> None:
-    # 24 tensors of 4 MiB: without the reservation each would cost torch's allocator its own cudaMalloc.
-    tensors = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(24)}
-    path = tmp_path / "many.safetensors"
-    gs.save_file(tensors, path)
-    out, segments = new_large_pool_segments(lambda: gs.load_file(path, device="cuda:0"))
+    tensors, out, segments = load_from_one_segment(tmp_path, gs.save_file,
+                                                   lambda p: gs.load_file(p, device="cuda:0"), "many.safetensors")
     assert segments == 1
     for k, v in tensors.items():
         assert same(out[k].cpu(), v), k

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gdskit.torch as gt  # noqa: E402
-from gpu_memory import new_large_pool_segments  # noqa: E402
+from gpu_memory import load_from_one_segment  # noqa: E402
 from gdskit.errors import FormatError, GdskitError  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -276,10 +276,8 @@ def test_gpu_save_and_load_both_ways(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_load_to_one_device_takes_one_segment(tmp_path) -> None:
-    sd = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(24)}
-    path = tmp_path / "many.pt"
-    gt.save(sd, path)
-    out, segments = new_large_pool_segments(lambda: gt.load(path, map_location="cuda:0"))
+    sd, out, segments = load_from_one_segment(tmp_path, gt.save, lambda p: gt.load(p, map_location="cuda:0"),
+                                              "many.pt")
     assert segments == 1
     assert same(out, {k: v.cuda() for k, v in sd.items()})
 

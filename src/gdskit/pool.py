@@ -31,6 +31,21 @@ T = TypeVar("T")
 setup_seconds: list[float] = []
 
 
+def anonymous_memory(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
+    """Page-aligned private anonymous memory, with huge-page advice unless ``huge_pages`` is False.
+
+    Private, not Python's default shared anonymous mapping: that is shmem, which takes no
+    huge pages. The advice is only advice (transparent huge pages off, or an old kernel).
+    """
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mem
+
+
 class _HostStage:
     """Page-aligned anonymous memory (O_DIRECT needs aligned buffers), on transparent huge pages
     where the system allows: an O_DIRECT read into physically contiguous memory can reach the
@@ -41,15 +56,9 @@ class _HostStage:
         import ctypes  # noqa: PLC0415
 
         self.nbytes = nbytes
-        # Private: Python's default shared anonymous mapping is shmem, which takes no huge pages.
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-        # Advice only (THP off, or a kernel without it). Unlike the pinned stages, a forked child
-        # keeps this one: it may read through the host path with the lanes it inherited.
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
+        # Unlike the pinned stages, a forked child keeps this one: it may read through the host
+        # path with the lanes it inherited.
+        self._map = anonymous_memory(nbytes)
         self.view = memoryview(self._map)
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from gdskit import cuda
 from gdskit.errors import CudaError
+from gdskit.pool import anonymous_memory
 
 PAGE = 4096
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct offsets give distinct words
@@ -43,9 +44,8 @@ class HostBuffer:
     on_device = False
 
     def __init__(self, nbytes: int) -> None:
-        # Private anonymous memory, as malloc's large blocks and fio's are (Python's default,
-        # a shared mapping, is shmem).
-        self._map: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+        # Private anonymous memory on ordinary pages, as malloc's large blocks and fio's are.
+        self._map: mmap.mmap | None = anonymous_memory(max(nbytes, 1), huge_pages=False)
         self.array = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
         self.array.fill(0)  # touch every page now, not inside the timed window
         self.nbytes = nbytes
