@@ -31,6 +31,16 @@ whichever tool is given it (the next version gave each tool its own file). After
 gdskit sequential run (threads and processes), ``fincore`` (util-linux) or cachestat(2) shows
 how much of the file sits in the guest's page cache: near zero proves the reads were O_DIRECT.
 
+Buffer memory. By default every runner's buffers are on ordinary 4 KiB pages, and how
+many of a buffer's pages happen to lie next to each other in physical memory is left to
+chance: on the two-GPU H200 machine that alone had gdskit's worker processes read 1 MiB
+sequentially at 1.9x fio's rate. ``--huge-pages`` takes the chance away: fio gets
+``iomem=shmhuge`` (2 MiB hugetlb pages), gdskit bench ``--huge-pages`` (2 MiB transparent
+huge pages) and the plain loop the same, so one 1 MiB I/O lands in one physically contiguous
+range for all of them. hugetlb pages must be reserved: as root the script raises
+``/proc/sys/vm/nr_hugepages`` by what fio needs for the run and puts it back afterwards;
+otherwise it says what to reserve.
+
 Usage::
 
     PYTHONPATH=src python benchmarks/bench_vs_fio.py --file /path/on/disk/fio-test.bin --size 4G
@@ -60,13 +70,15 @@ import time
 import numpy as np
 
 from gdskit.bench import runner
+from gdskit.bench.memory import HostBuffer
 from gdskit.bench.params import make_params, parse_bytes
 
 
 def fio_cmd(path: str, rw: str, bs: str, workers: int, slice_bytes: int, runtime: float | None,
-            seed: int = 0) -> list[str]:
+            seed: int = 0, huge_pages: bool = False) -> list[str]:
+    memory = ["--iomem=shmhuge", "--hugepage-size=2m"] if huge_pages else ["--iomem=mmap"]
     cmd = ["fio", "--name=gdskit-compare", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
-           "--ioengine=psync", "--iomem=mmap", f"--numjobs={workers}", f"--size={slice_bytes}",
+           "--ioengine=psync", *memory, f"--numjobs={workers}", f"--size={slice_bytes}",
            f"--offset_increment={slice_bytes}", "--group_reporting", "--output-format=json",
            "--invalidate=1"]
     if runtime:
@@ -83,16 +95,17 @@ def run_fio(cmd: list[str]) -> float:
 
 
 def run_gdskit(path: str, size: int, io: str, workers: int, op: str, runtime: float | None, seed: int = 0,
-               processes: bool = False) -> float:
+               processes: bool = False, huge_pages: bool = False) -> float:
     p = make_params(file=path, size=size, io_size=io, workers=workers, paths="host", op=op,
-                    duration=runtime, cache="cold", repeat=1, seed=seed, processes=processes)
+                    duration=runtime, cache="cold", repeat=1, seed=seed, processes=processes,
+                    huge_pages=huge_pages)
     (r,) = runner.run_benchmark(p).runs
     assert r.taken == {"host": r.bytes}, r.taken
     return r.gib_per_s
 
 
 def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime: float | None,
-              seed: int = 0) -> float:
+              seed: int = 0, huge_pages: bool = False) -> float:
     """The same work from Python threads with os.preadv on O_DIRECT, no engine."""
     slice_bytes = size // workers
     slots = slice_bytes // io
@@ -103,7 +116,7 @@ def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime
 
     def work(w: int) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        buf = mmap.mmap(-1, io)
+        buf = HostBuffer(io, huge_pages).array if huge_pages else mmap.mmap(-1, io)
         rng = np.random.default_rng([seed, w])
         base = w * slice_bytes
         try:
@@ -151,6 +164,33 @@ def resident_bytes(path: str) -> int | None:
     return None if got is None else got[0] * 4096
 
 
+def reserve_hugetlb_pages(pages: int) -> int | None:
+    """Make sure ``pages`` 2 MiB hugetlb pages are free, raising vm.nr_hugepages as root.
+
+    Returns the setting to put back afterwards (None when nothing was changed)."""
+    def meminfo(key: str) -> int:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        return 0
+
+    if meminfo("Hugepagesize") != 2048:
+        raise SystemExit("--huge-pages needs 2 MiB huge pages (Hugepagesize in /proc/meminfo)")
+    free = meminfo("HugePages_Free")
+    if free >= pages:
+        return None
+    total = meminfo("HugePages_Total")
+    if os.geteuid() != 0:
+        raise SystemExit(f"--huge-pages: fio needs {pages} free 2 MiB hugetlb pages, {free} are; as root: "
+                         f"sysctl vm.nr_hugepages={total + pages - free}")
+    with open("/proc/sys/vm/nr_hugepages", "w", encoding="ascii") as fh:
+        fh.write(str(total + pages - free))
+    if meminfo("HugePages_Free") < pages:
+        raise SystemExit(f"--huge-pages: the kernel found only {meminfo('HugePages_Free')} free 2 MiB pages")
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", default="gdskit-fio-test.bin")
@@ -160,6 +200,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the test file")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="every runner's buffers on 2 MiB pages (fio: iomem=shmhuge, reserved here as root)")
     args = ap.parse_args()
     if shutil.which("fio") is None:
         print("fio is not installed (Debian: apt-get install fio)", file=sys.stderr)
@@ -181,6 +223,8 @@ def main() -> int:
     results: dict[str, dict[str, list[float]]] = {c: {t: [] for t in tools} for c in cases}
     commands = {}
     resident: dict[str, int | None] = {}
+    # fio's shm buffer per job is bs rounded up to whole huge pages, plus slack.
+    restore_hugetlb = reserve_hugetlb_pages(2 * W) if args.huge_pages else None
     try:
         for rep in range(args.reps):
             order = tools[rep % len(tools):] + tools[:rep % len(tools)]
@@ -189,20 +233,24 @@ def main() -> int:
                     seed = 1 + rep * 10 + tools.index(tool)  # fresh offsets for every random run
                     path = files[(tools.index(tool) + rep) % len(files)]  # every tool every file
                     if tool == "fio":
-                        cmd = fio_cmd(path, c["rw"], c["bs"], W, slice_bytes, c["runtime"], seed)
+                        cmd = fio_cmd(path, c["rw"], c["bs"], W, slice_bytes, c["runtime"], seed, args.huge_pages)
                         commands[name] = " ".join(cmd)
                         results[name]["fio"].append(run_fio(cmd))
                     elif tool.startswith("gdskit"):
                         results[name][tool].append(run_gdskit(path, size, c["io"], W, c["op"], c["runtime"],
-                                                              seed, processes=tool == "gdskit-processes"))
+                                                              seed, processes=tool == "gdskit-processes",
+                                                              huge_pages=args.huge_pages))
                         if c["op"] == "read" and tool not in resident:
                             resident[tool] = resident_bytes(path)
                     else:
                         results[name]["plain"].append(run_plain(path, size, c["io_bytes"], W, c["random"],
-                                                                c["runtime"], seed))
+                                                                c["runtime"], seed, args.huge_pages))
                 got = ", ".join(f"{t} {results[name][t][-1]:.3f}" for t in tools)
                 print(f"rep {rep + 1} ({', '.join(order)}): {name}: {got} GiB/s", file=sys.stderr)
     finally:
+        if restore_hugetlb is not None:
+            with open("/proc/sys/vm/nr_hugepages", "w", encoding="ascii") as fh:
+                fh.write(str(restore_hugetlb))
         if not args.keep:
             for p in made:
                 os.unlink(p)
@@ -214,10 +262,11 @@ def main() -> int:
                          "gdskit_processes_vs_fio": med["gdskit-processes"] / med["fio"],
                          "plain_vs_fio": med["plain"] / med["fio"], "fio_command": commands[name]}
     if args.json:
-        print(json.dumps({"workers": W, "size": size, "page_cache_after_gdskit_seq_read": resident,
-                          "cases": summary}, indent=2))
+        print(json.dumps({"workers": W, "size": size, "huge_pages": args.huge_pages,
+                          "page_cache_after_gdskit_seq_read": resident, "cases": summary}, indent=2))
         return 0
-    print(f"| case ({W} workers, O_DIRECT) | fio GiB/s | gdskit bench (threads) GiB/s | / fio | "
+    memory = "2 MiB pages" if args.huge_pages else "4 KiB pages"
+    print(f"| case ({W} workers, O_DIRECT, {memory}) | fio GiB/s | gdskit bench (threads) GiB/s | / fio | "
           f"gdskit bench --processes GiB/s | / fio | plain Python threads GiB/s | / fio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in summary.items():

@@ -18,6 +18,13 @@ import time
 from gdskit.pool import anonymous_memory
 
 
+ALIGN = 4096
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Page-aligned private memory, on huge pages where the system allows, touched now."""
     buf = anonymous_memory(nbytes)
@@ -31,15 +38,19 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
     """Move every byte of ``paths`` (or the first ``size`` bytes of each) in ``block``-byte O_DIRECT
     reads, or writes of ``size`` bytes ending with fsync, on ``threads`` threads.
 
-    Returns (bytes moved, seconds).
+    Returns (bytes moved, seconds). A read's tail past the last whole 4 KiB block is asked for
+    as a whole block (O_DIRECT lengths must be aligned) and the file's end shortens it; writes
+    need a ``size`` that is a multiple of 4 KiB.
     """
+    if write and (size is None or size % ALIGN):
+        raise ValueError(f"O_DIRECT writes need a size that is a multiple of {ALIGN} bytes, not {size}")
     flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
     fds = [os.open(p, flags | getattr(os, "O_DIRECT", 0), 0o644) for p in paths]
     try:
         jobs = []
         for fd, p in zip(fds, paths):
             n = size if size is not None else os.path.getsize(p)
-            jobs += [(fd, off, min(block, n - off)) for off in range(0, n, block)]
+            jobs += [(fd, off, min(block, _round_up(n - off))) for off in range(0, n, block)]
         bufs = [aligned_buffer(block) for _ in range(threads)]
         nxt = iter(jobs)
         lock = threading.Lock()

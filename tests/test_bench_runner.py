@@ -202,7 +202,7 @@ def test_cli_default_run_is_quick_and_tidy(tmp_path, monkeypatch):
 def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkeypatch):
     from gdskit.bench import runner as r
     from gdskit.bench.memory import HostBuffer
-    monkeypatch.setattr(r, "allocate", lambda on_device, n, d: HostBuffer(n))
+    monkeypatch.setattr(r, "allocate", lambda on_device, n, d, huge_pages=False: HostBuffer(n))
 
     def boom(device):
         raise gdskit.errors.CudaError("no device", code="cudaErrorNoDevice")
@@ -229,3 +229,52 @@ def test_offset_batches_cover_a_slice_in_order_or_draw_the_same_random_offsets()
     b = next(runner._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
     assert a == b, "every path must do the very same I/O"
     assert all((2 << 20) <= o < (4 << 20) and o % 4096 == 0 for o in a) and len(set(a)) > 32
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_huge_page_host_buffer_is_aligned_exact_and_backed_where_the_kernel_allows():
+    from gdskit.bench.memory import HUGE_PAGE, HostBuffer, transparent_huge_pages
+    b = HostBuffer(MiB + 4096, huge_pages=True)
+    try:
+        assert b.array.ctypes.data % HUGE_PAGE == 0 and b.array.size == MiB + 4096
+        assert not b.array.any()                   # touched (zeroed) before any timed run
+        if transparent_huge_pages() in ("always", "madvise"):
+            assert _anon_huge_bytes(b.array.ctypes.data) >= HUGE_PAGE
+    finally:
+        b.free()
+    plain = HostBuffer(MiB)
+    try:
+        assert _anon_huge_bytes(plain.array.ctypes.data) == 0    # the default: ordinary pages, as fio's
+    finally:
+        plain.free()
+
+
+def test_huge_pages_option_reads_the_same_bytes_and_is_reported(tmp_path):
+    rep = runner.run_benchmark(make_params(size="8M", io_size="1M", workers=2, paths="host", cache="cold",
+                                           repeat=1, verify=True, huge_pages=True), workdir=str(tmp_path))
+    assert rep.params["huge_pages"] is True
+    assert [r.bytes for r in rep.runs] == [8 * MiB] and rep.verify_ok is True
+    assert rep.runs[0].verify.checked_bytes == 8 * MiB
+    out = _invoke("-s", "4M", "-w", "1", "-x", "host", "--repeat", "1", "--huge-pages", "--json")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["params"]["huge_pages"] is True
+
+
+def test_huge_pages_without_transparent_huge_pages_is_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "transparent_huge_pages", lambda: "never")
+    rep = runner.run_benchmark(make_params(size="4M", io_size="1M", workers=1, paths="host", cache="cold",
+                                           repeat=1, huge_pages=True), workdir=str(tmp_path))
+    assert any("--huge-pages" in w for w in rep.warnings)

@@ -1,6 +1,8 @@
 """The I/O buffers of benchmark workers, and the known data pattern of ``-V``.
 
-Host buffers are numpy arrays over fresh anonymous mappings (page-aligned). Device
+Host buffers are numpy arrays over fresh anonymous mappings (page-aligned; with
+``--huge-pages`` on 2 MiB transparent huge pages, so their physical layout is the same in
+every run and every tool that is given huge pages). Device
 buffers come straight from ``cudaMalloc`` (the only memory the direct path accepts)
 and expose ``__cuda_array_interface__``, so the benchmark needs neither torch nor CuPy.
 """
@@ -17,6 +19,8 @@ from gdskit.errors import CudaError
 from gdskit.pool import anonymous_memory
 
 PAGE = 4096
+HUGE_PAGE = 2 * 1024 * 1024
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct offsets give distinct words
 
 
@@ -43,10 +47,19 @@ class HostBuffer:
 
     on_device = False
 
-    def __init__(self, nbytes: int) -> None:
-        # Private anonymous memory on ordinary pages, as malloc's large blocks and fio's are.
-        self._map: mmap.mmap | None = anonymous_memory(max(nbytes, 1), huge_pages=False)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
+    def __init__(self, nbytes: int, huge_pages: bool = False) -> None:
+        if huge_pages:
+            # Whole 2 MiB pages: the mapping is one page longer so that a 2 MiB-aligned start
+            # lies inside it (a huge page can only back an aligned 2 MiB range).
+            span = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+            self._map: mmap.mmap | None = anonymous_memory(span + HUGE_PAGE, huge_pages=True)
+            whole = np.frombuffer(self._map, dtype=np.uint8)
+            start = -whole.ctypes.data % HUGE_PAGE
+            self.array = whole[start:start + nbytes]
+        else:
+            # Private anonymous memory on ordinary pages, as malloc's large blocks and fio's are.
+            self._map = anonymous_memory(max(nbytes, 1), huge_pages=False)
+            self.array = np.frombuffer(self._map, dtype=np.uint8)[:nbytes]
         self.array.fill(0)  # touch every page now, not inside the timed window
         self.nbytes = nbytes
 
@@ -102,5 +115,16 @@ class DeviceBuffer:
         self._mem.free()
 
 
-def allocate(on_device: bool, nbytes: int, device: int) -> HostBuffer | DeviceBuffer:
-    return DeviceBuffer(nbytes, device) if on_device else HostBuffer(nbytes)
+def allocate(on_device: bool, nbytes: int, device: int, huge_pages: bool = False) -> HostBuffer | DeviceBuffer:
+    return DeviceBuffer(nbytes, device) if on_device else HostBuffer(nbytes, huge_pages)
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent-huge-page mode (always, madvise or never); None where unknown."""
+    try:
+        with open(THP_SETTING, encoding="ascii") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None

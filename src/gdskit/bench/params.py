@@ -116,6 +116,11 @@ class BenchParams:
     processes : bool
         Each worker in its own process (``--processes``), as fio's jobs are, instead of a
         thread of this one: small I/O then measures the storage, not the interpreter lock.
+    huge_pages : bool
+        Host buffers on 2 MiB transparent huge pages (``--huge-pages``). Where a buffer's
+        pages lie in physical memory changes how the kernel splits an O_DIRECT request into
+        device requests; huge pages make that the same for every run (and for fio given
+        huge pages), ordinary pages leave it to chance.
     """
 
     file: str | None
@@ -134,6 +139,7 @@ class BenchParams:
     sweep: bool
     seed: int = 0
     processes: bool = False
+    huge_pages: bool = False
 
     @property
     def paths_explicit(self) -> bool:
@@ -257,6 +263,7 @@ def make_params(
     sweep: bool = False,
     seed: int = 0,
     processes: bool = False,
+    huge_pages: bool = False,
 ) -> BenchParams:
     """Parse and validate; raise :class:`InvalidArgumentError` on anything wrong."""
     if file and directory:
@@ -316,4 +323,5 @@ def make_params(
         duration=None if duration is None else float(duration), total_bytes=total_bytes,
         verify=bool(verify), cache=parse_cache(cache), repeat=int(repeat),
         sweep=bool(sweep or is_range), seed=int(seed), processes=bool(processes),
+        huge_pages=bool(huge_pages),
     )

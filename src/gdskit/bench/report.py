@@ -318,6 +318,8 @@ def render_table(report: BenchReport, console: Any = None) -> None:
         f"libcufile {m['cufile_version']}" if m.get("cufile_version") else None,
     ) if x)
     kind = "worker processes" if p.get("processes") else "workers"
+    if p.get("huge_pages"):
+        kind += ", host buffers on huge pages"
     console.print(f"[bold]gdskit bench[/bold]: {p.get('op')}, {p.get('workers')} {kind}, "
                   f"cache {p.get('cache')}, {p.get('repeat')} repetitions, "
                   f"data set {size_text(int(p.get('size', 0)))} — {where}")

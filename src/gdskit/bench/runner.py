@@ -33,7 +33,7 @@ from gdskit import cuda
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
-from gdskit.bench.memory import allocate, pattern
+from gdskit.bench.memory import THP_SETTING, allocate, pattern, transparent_huge_pages
 from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, InvalidArgumentError, from_os_error
@@ -369,7 +369,7 @@ def open_worker(plan: RunPlan, w: int, slice_: tuple[str, int, int],
     """One worker's buffer and file (released by ``stack``), after one warm-up I/O outside the
     window, so cuFile handle registration and the engine's pinned ring are set up before the clock."""
     params, io = plan.params, plan.io
-    b = allocate(plan.on_device, io, params.device)
+    b = allocate(plan.on_device, io, params.device, params.huge_pages)
     stack.callback(b.free)
     try:
         f = gdskit.open(slice_[0], "r" if params.op.is_read else "r+")
@@ -556,6 +556,9 @@ def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
         out.append(f"{params.workers} worker threads share Python's interpreter lock between I/Os: at "
                    f"{min(params.io_sizes) // 1024} KiB that can cap the rate below the storage's; "
                    "--processes runs each worker in its own process (as fio's jobs) to measure the storage")
+    if params.huge_pages and "host" in {r.path for r in runs} and transparent_huge_pages() in ("never", None):
+        out.append("--huge-pages: transparent huge pages are off here (or unknown), so the host buffers "
+                   f"are on ordinary pages ({THP_SETTING})")
     by_path: dict[str, list[RunResult]] = {}
     for r in runs:
         by_path.setdefault(r.path, []).append(r)

@@ -39,6 +39,7 @@ def bench(
     io_size: Optional[str] = typer.Option(None, "-i", "--io-size", help="I/O size (default 1M), or MIN:MAX to sweep powers of two."),
     workers: int = typer.Option(4, "-w", "--workers", help="Workers issuing I/O (threads; processes with --processes)."),
     processes: bool = typer.Option(False, "--processes", help="Each worker in its own process, as fio's jobs are: small I/O then measures the storage rather than Python's interpreter lock."),
+    huge_pages: bool = typer.Option(False, "--huge-pages", help="Host buffers on 2 MiB transparent huge pages: the same physical layout in every run (ordinary pages leave how O_DIRECT requests are split to chance)."),
     paths: Optional[str] = typer.Option(None, "-x", "--paths", help="Paths to compare, e.g. cufile,bounce,host (default: every path available here)."),
     op: str = typer.Option("read", "-I", "--op", help="read, write, randread or randwrite (gdsio's 0-3 work too)."),
     duration: Optional[float] = typer.Option(None, "-T", "--duration", help="Seconds per run (workers wrap around their slice)."),
@@ -72,6 +73,7 @@ def bench(
             io_size=io_size, workers=workers, paths=paths, op=op, duration=duration, total=total,
             verify=verify, cache=cache if cache is not None else ("hot" if default_run else "cold"),
             repeat=repeat, sweep=sweep, seed=seed, processes=processes,
+            huge_pages=huge_pages,
         )
         with _progress(enabled=not as_json and sys.stderr.isatty()) as progress, _sigterm_as_interrupt():
             report = runner.run_benchmark(params, progress=progress, save_profile=save_profile)
