@@ -120,3 +120,14 @@ def test_library_close_releases_everything(tmp_path, monkeypatch, fake_runtime):
     lib.close()
     assert fake.handles == {} and fake.buffers == {} and not fake.opened
     f.close()
+
+
+@pytest.mark.parametrize("evidence, part, whole, want", [
+    (None, 1, 4, None),
+    ({Path.CUFILE_NVFS: 8}, 4, 4, {Path.CUFILE_NVFS: 8}),                          # the whole job
+    ({Path.CUFILE_NVFS: 8, Path.CUFILE_COMPAT: 4}, 1, 2, {Path.CUFILE_NVFS: 4, Path.CUFILE_COMPAT: 2}),
+    ({Path.CUFILE_NVFS: 9, Path.CUFILE_COMPAT: 1}, 1, 4, {Path.CUFILE_NVFS: 2}),    # too small for a compat op
+    ({Path.CUFILE_NVFS: 1, Path.CUFILE_COMPAT: 3}, 1, 100, {Path.CUFILE_COMPAT: 1}),  # the job's usual path
+])
+def test_a_request_gets_its_share_of_the_jobs_counters(evidence, part, whole, want):
+    assert cufile_backend._share(evidence, part, whole) == want

@@ -67,6 +67,37 @@ def test_write_only_file_refuses(tmp_path):
         f.read_many([(bytearray(4), 4, 0)])
 
 
+def _threads_used(monkeypatch, cls, method):
+    """Record the thread of every call to ``cls.method`` (a backend's per-chunk work)."""
+    import threading
+    seen: set[int] = set()
+    original = getattr(cls, method)
+
+    def spy(*a, **k):
+        seen.add(threading.get_ident())
+        return original(*a, **k)
+
+    monkeypatch.setattr(cls, method, spy)
+    return seen
+
+
+def test_host_items_of_one_job_are_read_side_by_side_and_reported_piece_by_piece(data_file, monkeypatch):
+    """Items that are one chunk each still share the workers (read one after another, each
+    would run in one thread), and ``on_bytes`` adds up to every byte read."""
+    from gdskit.backends.host import HostBackend
+    path, data = data_file
+    seen = _threads_used(monkeypatch, HostBackend, "_read_chunk")
+    offsets = [i * 262_144 + 17 for i in range(8)]
+    bufs = [bytearray(200_000) for _ in offsets]
+    pieces: list[int] = []
+    with gdskit.settings.set(chunk_size="256KiB", threads=4), gdskit.open(path) as f:
+        counts = f.read_many([(b, 200_000, off) for b, off in zip(bufs, offsets)], on_bytes=pieces.append)
+    assert counts == [200_000] * 8
+    assert all(bytes(b) == data[off:off + 200_000] for b, off in zip(bufs, offsets))
+    assert sum(pieces) == 8 * 200_000 and len(pieces) >= 8
+    assert len(seen) > 1
+
+
 class TestOnStandInGpu:
     """Device buffers through the bounce path's single job (tests/fake_cuda.py; CI has no GPU)."""
 
@@ -116,6 +147,32 @@ class TestOnStandInGpu:
             assert b.to_numpy().tobytes()[:got] == data[off:off + got]
 
 
+    def test_on_bytes_adds_up_on_the_bounce_ring(self, data_file):
+        path, data = data_file
+        bufs = [cuda.DeviceArray(1 << 20) for _ in range(3)]
+        pieces: list[int] = []
+        with gdskit.settings.set(mode="bounce", chunk_size="256KiB", threads=3), gdskit.open(path) as f:
+            counts = f.pread_many([(b, 1 << 20, i << 20) for i, b in enumerate(bufs)], on_bytes=pieces.append).result()
+        assert counts == [1 << 20] * 3 and sum(pieces) == 3 << 20 and len(pieces) == 12
+        assert all(b.to_numpy().tobytes() == data[i << 20:(i + 1) << 20] for i, b in enumerate(bufs))
+
+    def test_cufile_items_of_one_job_are_read_side_by_side(self, data_file, compat_cufile, monkeypatch):
+        """cuFile reads of several items share the workers: with one chunk per item, reading
+        them one after another would run each in the calling thread."""
+        path, data = data_file
+        seen = _threads_used(monkeypatch, type(compat_cufile), "read")
+        bufs = [cuda.DeviceArray(1 << 20) for _ in range(3)]
+        pieces: list[int] = []
+        before = gdskit.stats()
+        with gdskit.settings.set(mode="cufile", chunk_size="1MiB", threads=3), gdskit.open(path) as f:
+            counts = f.read_many([(b, 1 << 20, i << 20) for i, b in enumerate(bufs)], on_bytes=pieces.append)
+        assert counts == [1 << 20] * 3 and sum(pieces) == 3 << 20
+        assert all(b.to_numpy().tobytes() == data[i << 20:(i + 1) << 20] for i, b in enumerate(bufs))
+        assert len(seen) > 1
+        delta = gdskit.stats() - before
+        assert set(delta.paths) == {"cufile-compat"} and delta.bytes_read == 3 << 20
+
+
 @pytest.mark.gpu
 def test_gpu_device_reads_match(data_file):
     path, data = data_file
@@ -126,3 +183,26 @@ def test_gpu_device_reads_match(data_file):
     for b, (off, n), got in zip(bufs, spans, counts):
         assert got == len(data[off:off + n])
         assert b.to_numpy().tobytes()[:got] == data[off:off + got]
+
+
+@pytest.mark.gpu
+def test_gpu_cufile_items_as_one_job(data_file):
+    """Several items through cuFile as one job (on a machine without nvidia-fs: compat mode)."""
+    from gdskit.backends.cufile import cufile_library, register
+    if not cufile_library().available():
+        pytest.skip(f"libcufile not usable: {cufile_library().error}")
+    path, data = data_file
+    spans = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1 << 20)]
+    bufs = [cuda.DeviceArray(n) for _, n in spans]
+    pieces: list[int] = []
+    before = gdskit.stats()
+    with gdskit.open(path) as f:
+        if register(f._of).handle is None:
+            pytest.skip("cuFile cannot register files here")
+        with gdskit.settings.set(mode="cufile"):
+            counts = f.read_many([(b, n, off) for b, (off, n) in zip(bufs, spans)], on_bytes=pieces.append)
+    assert counts == [n for _, n in spans] and sum(pieces) == sum(counts)
+    for b, (off, n) in zip(bufs, spans):
+        assert b.to_numpy().tobytes() == data[off:off + n]
+    delta = gdskit.stats() - before
+    assert set(delta.paths) <= {"cufile-nvfs", "cufile-p2pdma", "cufile-compat"} and delta.bytes_read == sum(counts)

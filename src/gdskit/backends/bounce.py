@@ -10,7 +10,7 @@ backwards. The ring is reused across calls: pinned memory is slow to allocate.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
@@ -53,12 +53,14 @@ class BounceBackend(Backend):
     def read(self, f: OpenFile, req: Request) -> int:
         return self.read_many(f, [req])[0]
 
-    def read_many(self, f: OpenFile, reqs: Sequence[Request]) -> list[int]:
+    def read_many(self, f: OpenFile, reqs: Sequence[Request],
+                  on_bytes: Callable[[int], None] | None = None) -> list[int]:
         """Several reads into memory of one device as one job; the byte count of each.
 
         The chunks of all requests share the workers, and each worker keeps its lane
         from one request to the next instead of handing it over and draining it at the
-        end of every request (a checkpoint's hundreds of tensors).
+        end of every request (a checkpoint's hundreds of tensors). ``on_bytes`` is called
+        with each chunk's count once its copy is queued (from worker threads).
         """
         if not reqs:
             return []
@@ -78,6 +80,8 @@ class BounceBackend(Backend):
                 assert lane.stream is not None and event is not None
                 lane.stream.copy_h2d(req.buf.ptr + ch.buf_offset, stage.ptr + ch.file_offset % align, res.nbytes)
                 event.record(lane.stream)
+                if on_bytes is not None:
+                    on_bytes(res.nbytes)
             return res
 
         results = run_chunks(jobs, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,

@@ -14,6 +14,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +247,16 @@ def _classify(op: str, before: dict[str, int] | None, after: dict[str, int] | No
     return delta or None
 
 
+def _share(evidence: dict[Path, int] | None, part: int, whole: int) -> dict[Path, int] | None:
+    """One request's part of a job's per-path operation counts (the counters cover the whole
+    job), in proportion to its bytes; a request too small for any whole count gets the job's
+    most common path."""
+    if evidence is None or part >= whole:
+        return evidence
+    out = {p: round(n * part / whole) for p, n in evidence.items()}
+    return {p: n for p, n in out.items() if n > 0} or {max(evidence, key=lambda p: evidence[p]): 1}
+
+
 class FileRegistration:
     """A cuFile handle for one open file, or why there is none."""
 
@@ -294,50 +305,70 @@ class CufileBackend(Backend):
             raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
         return reg.handle
 
-    def _run(self, f: OpenFile, req: Request) -> int:
+    def _run_many(self, f: OpenFile, reqs: Sequence[Request],
+                  on_bytes: Callable[[int], None] | None = None) -> list[int]:
+        """Requests of one op as one job: the chunks of all of them share the worker threads,
+        so a checkpoint's many tensors are read side by side, not one after another."""
         cfg = settings.snapshot()
         lib = cufile_library()
         mod = lib.module
         handle = self._handle(f)
-        gpu = req.buf.device or 0
-        plan = chunks(req.file_offset, req.buf_offset, req.size, max(cfg.chunk_size, 16 * 2**20), cfg.alignment)
-        call = mod.read if req.op == "read" else mod.write
+        gpus = {req.buf.device or 0 for req in reqs}
+        op = reqs[0].op
+        chunk = max(cfg.chunk_size, 16 * 2**20)
+        plans = [chunks(r.file_offset, r.buf_offset, r.size, chunk, cfg.alignment) for r in reqs]
+        jobs = [(r, ch) for r, plan in zip(reqs, plans) for ch in plan]
+        call = mod.read if op == "read" else mod.write
 
-        def work(_lane: Any, ch: Chunk) -> int:
+        def work(_lane: Any, job: tuple[Request, Chunk]) -> int:
+            req, ch = job
             done = 0
             while done < ch.size:
                 n = call(handle, req.buf.ptr, ch.size - done, ch.file_offset + done, ch.buf_offset + done)
                 if n < 0:
                     raise GdskitIOError(-int(n), os.strerror(-int(n)), f.path)
                 if n == 0:
-                    if req.op == "write":
+                    if op == "write":
                         raise GdskitIOError(5, "cuFileWrite wrote 0 bytes", f.path)
                     break
                 done += int(n)
+            if on_bytes is not None:
+                on_bytes(done)
             return done
 
-        before = lib.counters(gpu)
+        before = {gpu: lib.counters(gpu) for gpu in gpus}
         t0 = time.perf_counter()
         try:
-            sizes = run_chunks(plan, work, device=None, stage_bytes=0, threads=cfg.threads,
+            sizes = run_chunks(jobs, work, device=None, stage_bytes=0, threads=cfg.threads,
                                max_lanes=cfg.threads, budget=cfg.pinned_budget)
         except Exception as exc:
             if isinstance(exc, GdskitIOError):
                 raise
             if exc.__class__.__name__ == "cuFileError":
-                raise GdskitIOError(5, f"cuFile {req.op} failed: {exc}", f.path) from exc
+                raise GdskitIOError(5, f"cuFile {op} failed: {exc}", f.path) from exc
             raise
         elapsed = time.perf_counter() - t0
-        total = 0
-        for got, ch in zip(sizes, plan):
-            total += got
-            if got < ch.size:
-                break
-        evidence = _classify(req.op, before, lib.counters(gpu))
-        if evidence is not None and Path.CUFILE_COMPAT in evidence and req.reason is Reason.DIRECT:
-            f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
-        self._record(req, total, len(plan), elapsed, evidence)
-        return total
+        evidence = {gpu: _classify(op, before[gpu], lib.counters(gpu)) for gpu in gpus}
+        job_bytes = {gpu: sum(r.size for r in reqs if (r.buf.device or 0) == gpu) for gpu in gpus}
+        all_bytes = sum(r.size for r in reqs) or 1
+        totals = []
+        start = 0
+        for req, plan in zip(reqs, plans):
+            mine = sizes[start:start + len(plan)]
+            start += len(plan)
+            total = 0
+            for got, ch in zip(mine, plan):
+                total += got
+                if got < ch.size:
+                    break
+            gpu = req.buf.device or 0
+            seen = evidence[gpu]
+            if seen is not None and Path.CUFILE_COMPAT in seen and req.reason is Reason.DIRECT:
+                f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
+            self._record(req, total, len(plan), elapsed * req.size / all_bytes,
+                         _share(seen, req.size, job_bytes[gpu]))
+            totals.append(total)
+        return totals
 
     @staticmethod
     def _record(req: Request, total: int, ops: int, elapsed: float, evidence: dict[Path, int] | None) -> None:
@@ -359,10 +390,16 @@ class CufileBackend(Backend):
             ledger.record(path, reason, req.op, nbytes, count, elapsed * count / n_ops, device=req.buf.device)
 
     def read(self, f: OpenFile, req: Request) -> int:
-        return self._run(f, req)
+        return self._run_many(f, [req])[0]
+
+    def read_many(self, f: OpenFile, reqs: Sequence[Request],
+                  on_bytes: Callable[[int], None] | None = None) -> list[int]:
+        """Several reads as one job; the byte count of each. ``on_bytes`` is called with each
+        piece's count as it lands (from worker threads)."""
+        return self._run_many(f, reqs, on_bytes) if reqs else []
 
     def write(self, f: OpenFile, req: Request) -> int:
-        return self._run(f, req)
+        return self._run_many(f, [req])[0]
 
 
 class BufferRegistration:

@@ -14,6 +14,7 @@ import functools
 import operator
 import os
 import time
+from collections.abc import Callable, Sequence
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
 from gdskit.buffers import BufferView
@@ -135,6 +136,43 @@ class HostBackend(Backend):
                     return n
             return self._read_general(f, req, where)
         return self._read_general(f, req)
+
+    def read_many(self, f: OpenFile, reqs: Sequence[Request],
+                  on_bytes: Callable[[int], None] | None = None) -> list[int]:
+        """Several reads into host memory as one job; the byte count of each. The chunks of
+        all requests share the worker threads, so many tensors are read side by side."""
+        if len(reqs) <= 1:
+            counts = [self.read(f, r) for r in reqs]  # one request keeps its small-read shortcuts
+            if on_bytes is not None and counts:
+                on_bytes(counts[0])
+            return counts
+        cfg = settings.snapshot()
+        views = [r.buf.host_view for r in reqs]
+        if any(v is None for v in views):
+            raise InvalidArgumentError("the host path needs host memory")
+        plans = [chunks(r.file_offset, r.buf_offset, r.size, cfg.chunk_size, cfg.alignment) for r in reqs]
+        jobs = [(i, ch) for i, plan in enumerate(plans) for ch in plan]
+        t0 = time.perf_counter()
+
+        def work(ref: LaneRef, job: tuple[int, Chunk]) -> ChunkResult:
+            i, ch = job
+            res = self._read_chunk(f, reqs[i], views[i], cfg, ref, ch)  # type: ignore[arg-type]
+            if on_bytes is not None:
+                on_bytes(res.nbytes)
+            return res
+
+        results = run_chunks(jobs, work, device=None, stage_bytes=cfg.chunk_size + 2 * cfg.alignment,
+                             threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
+        elapsed = time.perf_counter() - t0
+        all_bytes = sum(r.size for r in reqs) or 1
+        counts, start = [], 0
+        for req, plan in zip(reqs, plans):
+            mine = results[start:start + len(plan)]
+            start += len(plan)
+            total = contiguous_prefix(mine, plan)
+            ledger.record(Path.HOST, req.reason, "read", total, len(plan), elapsed * req.size / all_bytes)
+            counts.append(total)
+        return counts
 
     def _read_general(self, f: OpenFile, req: Request, where: Residency | None = None) -> int:
         """Any read into host memory; ``where``: the request's residency, if already asked."""

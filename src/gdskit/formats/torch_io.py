@@ -37,8 +37,6 @@ def _engine_buffer(t: torch.Tensor) -> Any:
     return t
 
 
-_FIRST_BATCH_BYTES = 256 << 20  # later batches double
-
 # torch's caching allocator serves requests above 1 MiB from its large pool, rounded up to 512 bytes.
 _SMALL_POOL_MAX = 1 << 20
 _ROUND = 512
@@ -182,27 +180,19 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         nbuf = min(depth, len(plan.groups))
         ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
 
-    batches: list[tuple[list[Extent], concurrent.futures.Future[list[int]]]] = []
     futures: list[concurrent.futures.Future[Any]] = []
     try:
-        # Direct extents go to the engine in a few growing batches (one job each, see
-        # File.pread_many): the first is small so reads start at once, and each
-        # destination is allocated just before its batch, overlapping the reads in flight.
-        batch: list[Extent] = []
-        batch_bytes, target = 0, _FIRST_BATCH_BYTES
-        for i, e in enumerate(plan.direct):
-            batch.append(e)
-            batch_bytes += e.nbytes
-            if batch_bytes >= target or i == len(plan.direct) - 1:
-                fut = f.pread_many([(_engine_buffer(dest_for(x)), x.nbytes, x.file_offset) for x in batch])
-                if progress is not None:
-                    fut.add_done_callback(lambda _f, n=batch_bytes: progress.advance(n))
-                futures.append(fut)
-                batches.append((batch, fut))
-                batch, batch_bytes, target = [], 0, target * 2
+        # Every direct extent in one engine job (File.pread_many): the workers keep their
+        # lanes from tensor to tensor, where separate jobs would hand them over and drain them
+        # at every boundary. The small-tensor groups are read meanwhile.
+        job: concurrent.futures.Future[list[int]] | None = None
+        if plan.direct:
+            reads = [(_engine_buffer(dest_for(e)), e.nbytes, e.file_offset) for e in plan.direct]
+            job = f.pread_many(reads, on_bytes=progress.advance if progress is not None else None)
+            futures.append(job)
         _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
-        for members, fut in batches:
-            for e, n in zip(members, fut.result()):
+        if job is not None:
+            for e, n in zip(plan.direct, job.result()):
                 _check(n, e.nbytes, repr(e.key))
     except BaseException:
         _wait_all(futures)
