@@ -67,26 +67,39 @@ def test_write_only_file_refuses(tmp_path):
         f.read_many([(bytearray(4), 4, 0)])
 
 
-def _threads_used(monkeypatch, cls, method):
-    """Record the thread of every call to ``cls.method`` (a backend's per-chunk work)."""
+def _overlap_meter(monkeypatch, cls, method) -> dict[str, int]:
+    """Wrap ``cls.method`` (a backend's per-piece work) to measure how many calls run at once.
+
+    Each call waits (up to 2 s) for a second one to be running too, so a job that runs its
+    pieces side by side shows 2 however fast the pieces are, and one that runs them one
+    after another shows 1 (after the waits) instead of hanging."""
     import threading
-    seen: set[int] = set()
+    cond = threading.Condition()
+    meter = {"now": 0, "max": 0}
     original = getattr(cls, method)
 
     def spy(*a, **k):
-        seen.add(threading.get_ident())
-        return original(*a, **k)
+        with cond:
+            meter["now"] += 1
+            meter["max"] = max(meter["max"], meter["now"])
+            cond.notify_all()
+            cond.wait_for(lambda: meter["max"] >= 2, timeout=2.0)
+        try:
+            return original(*a, **k)
+        finally:
+            with cond:
+                meter["now"] -= 1
 
     monkeypatch.setattr(cls, method, spy)
-    return seen
+    return meter
 
 
 def test_host_items_of_one_job_are_read_side_by_side_and_reported_piece_by_piece(data_file, monkeypatch):
     """Items that are one chunk each still share the workers (read one after another, each
-    would run in one thread), and ``on_bytes`` adds up to every byte read."""
+    would run alone), and ``on_bytes`` adds up to every byte read."""
     from gdskit.backends.host import HostBackend
     path, data = data_file
-    seen = _threads_used(monkeypatch, HostBackend, "_read_chunk")
+    overlap = _overlap_meter(monkeypatch, HostBackend, "_read_chunk")
     offsets = [i * 262_144 + 17 for i in range(8)]
     bufs = [bytearray(200_000) for _ in offsets]
     pieces: list[int] = []
@@ -95,7 +108,7 @@ def test_host_items_of_one_job_are_read_side_by_side_and_reported_piece_by_piece
     assert counts == [200_000] * 8
     assert all(bytes(b) == data[off:off + 200_000] for b, off in zip(bufs, offsets))
     assert sum(pieces) == 8 * 200_000 and len(pieces) >= 8
-    assert len(seen) > 1
+    assert overlap["max"] >= 2
 
 
 class TestOnStandInGpu:
@@ -158,9 +171,9 @@ class TestOnStandInGpu:
 
     def test_cufile_items_of_one_job_are_read_side_by_side(self, data_file, compat_cufile, monkeypatch):
         """cuFile reads of several items share the workers: with one chunk per item, reading
-        them one after another would run each in the calling thread."""
+        them one after another would run each alone."""
         path, data = data_file
-        seen = _threads_used(monkeypatch, type(compat_cufile), "read")
+        overlap = _overlap_meter(monkeypatch, type(compat_cufile), "read")
         bufs = [cuda.DeviceArray(1 << 20) for _ in range(3)]
         pieces: list[int] = []
         before = gdskit.stats()
@@ -168,7 +181,7 @@ class TestOnStandInGpu:
             counts = f.read_many([(b, 1 << 20, i << 20) for i, b in enumerate(bufs)], on_bytes=pieces.append)
         assert counts == [1 << 20] * 3 and sum(pieces) == 3 << 20
         assert all(b.to_numpy().tobytes() == data[i << 20:(i + 1) << 20] for i, b in enumerate(bufs))
-        assert len(seen) > 1
+        assert overlap["max"] >= 2
         delta = gdskit.stats() - before
         assert set(delta.paths) == {"cufile-compat"} and delta.bytes_read == 3 << 20
 
