@@ -108,6 +108,24 @@ class BackendTests:
         assert got[:100] == data[-100:]
         assert self._read(path, 10, len(data) + 5)[0] == 0
 
+    def test_many_reads_as_one_job(self, data_file):
+        """``File.read_many``: every item gets the bytes a plain read gives, the counts are
+        short only at the end of the file, and ``on_bytes`` adds up to every byte read."""
+        path, data = data_file
+        spans = [(0, 1 << 20), (1 << 20, 700_001), (5, 300_000), (len(data) - 4096, 8192), (2 << 20, 1 << 20)]
+        bufs = [self.make_buffer(n) for _, n in spans]
+        pieces: list[int] = []
+        before = gdskit.stats()
+        with gdskit.open(path) as f:
+            counts = f.read_many([(b, n, off) for b, (off, n) in zip(bufs, spans)], on_bytes=pieces.append)
+        want = [len(data[off:off + n]) for off, n in spans]
+        assert counts == want and sum(pieces) == sum(want)
+        for b, (off, _n), got in zip(bufs, spans, counts):
+            assert self.buffer_bytes(b)[:got] == data[off:off + got]
+        delta = gdskit.stats() - before
+        assert delta.bytes_read == sum(want)
+        assert set(delta.paths) <= self.expected_paths, delta.paths
+
     @pytest.mark.parametrize("policy", ["auto", "always", "never"])
     def test_odirect_policies_cold_and_hot(self, data_file, policy):
         path, data = data_file

@@ -197,25 +197,3 @@ def test_gpu_device_reads_match(data_file):
         assert got == len(data[off:off + n])
         assert b.to_numpy().tobytes()[:got] == data[off:off + got]
 
-
-@pytest.mark.gpu
-def test_gpu_cufile_items_as_one_job(data_file):
-    """Several items through cuFile as one job (on a machine without nvidia-fs: compat mode)."""
-    from gdskit.backends.cufile import cufile_library, register
-    if not cufile_library().available():
-        pytest.skip(f"libcufile not usable: {cufile_library().error}")
-    path, data = data_file
-    spans = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1 << 20)]
-    bufs = [cuda.DeviceArray(n) for _, n in spans]
-    pieces: list[int] = []
-    before = gdskit.stats()
-    with gdskit.open(path) as f:
-        if register(f._of).handle is None:
-            pytest.skip("cuFile cannot register files here")
-        with gdskit.settings.set(mode="cufile"):
-            counts = f.read_many([(b, n, off) for b, (off, n) in zip(bufs, spans)], on_bytes=pieces.append)
-    assert counts == [n for _, n in spans] and sum(pieces) == sum(counts)
-    for b, (off, n) in zip(bufs, spans):
-        assert b.to_numpy().tobytes() == data[off:off + n]
-    delta = gdskit.stats() - before
-    assert set(delta.paths) <= {"cufile-nvfs", "cufile-p2pdma", "cufile-compat"} and delta.bytes_read == sum(counts)

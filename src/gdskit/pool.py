@@ -21,11 +21,12 @@ from typing import Any, TypeVar
 
 from gdskit import cuda
 from gdskit.errors import CudaError
-from gdskit.plan import Chunk, align_down
+from gdskit.plan import Chunk, align_down, chunks
 from gdskit.settings import settings
 from gdskit.vocabulary import PinnedAlloc
 
 T = TypeVar("T")
+C = TypeVar("C")  # a unit of work: a Chunk, or a (request, Chunk) pair
 
 # Seconds each lane took to set up (pinned allocation dominates); for benchmarks and diagnostics.
 setup_seconds: list[float] = []
@@ -351,7 +352,7 @@ class LaneRef:
         lanes.release(lane)
 
 
-def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[LaneRef, Chunk], T], *, device: int | None,
+def run_chunks(chunk_list: Sequence[C], work: Callable[[LaneRef, C], T], *, device: int | None,
                stage_bytes: int, threads: int, max_lanes: int, budget: int) -> list[T]:
     """Run ``work(lane_ref, chunk)`` for every chunk on up to ``threads`` workers; results in chunk order.
 
@@ -406,6 +407,20 @@ def run_chunks(chunk_list: Sequence[Chunk], work: Callable[[LaneRef, Chunk], T],
     if failed:
         raise failed[0]
     return results
+
+
+def run_requests(requests: Sequence[Any], chunk_size: int, alignment: int,
+                 work: Callable[[LaneRef, tuple[Any, Chunk]], T], **run: Any) -> list[tuple[list[Chunk], list[T]]]:
+    """The chunks of several requests (each with ``file_offset``, ``buf_offset``, ``size``) as one
+    job: ``work(lane_ref, (request, chunk))`` on the shared workers (``run``: run_chunks' keywords).
+    Returns, for each request, its chunks and their results in order."""
+    plans = [chunks(r.file_offset, r.buf_offset, r.size, chunk_size, alignment) for r in requests]
+    flat = run_chunks([(r, ch) for r, plan in zip(requests, plans) for ch in plan], work, **run)
+    out, start = [], 0
+    for plan in plans:
+        out.append((plan, flat[start:start + len(plan)]))
+        start += len(plan)
+    return out
 
 
 def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int) -> None:

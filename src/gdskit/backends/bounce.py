@@ -14,11 +14,10 @@ from collections.abc import Callable, Sequence
 
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
-from gdskit.backends.host import contiguous_prefix
-from gdskit.backends.staged import ChunkResult, read_to_stage, write_from_stage
+from gdskit.backends.staged import ChunkResult, contiguous_prefix, read_to_stage, write_from_stage
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks
-from gdskit.pool import LaneRef, lanes, run_chunks
+from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Path
 
@@ -66,9 +65,6 @@ class BounceBackend(Backend):
             return []
         cfg, device, n_lanes, chunk = self._layout(reqs[0])
         align = cfg.alignment
-        stage_bytes = chunk + 2 * align
-        plans = [chunks(r.file_offset, r.buf_offset, r.size, chunk, align) for r in reqs]
-        jobs = [(r, ch) for r, plan in zip(reqs, plans) for ch in plan]
         t0 = time.perf_counter()
 
         def work(ref: LaneRef, job: tuple[Request, Chunk]) -> ChunkResult:
@@ -84,17 +80,14 @@ class BounceBackend(Backend):
                     on_bytes(res.nbytes)
             return res
 
-        results = run_chunks(jobs, work, device=device, stage_bytes=stage_bytes, threads=cfg.threads,
-                             max_lanes=n_lanes, budget=cfg.pinned_budget)
+        done = run_requests(reqs, chunk, align, work, device=device, stage_bytes=chunk + 2 * align,
+                            threads=cfg.threads, max_lanes=n_lanes, budget=cfg.pinned_budget)
         elapsed = time.perf_counter() - t0
         total_bytes = sum(r.size for r in reqs)
         counts = []
-        start = 0
-        for req, plan in zip(reqs, plans):
-            mine = results[start:start + len(plan)]
-            start += len(plan)
-            n = contiguous_prefix(mine, plan)
-            _record(req, "read", mine, n, elapsed * req.size / total_bytes)
+        for req, (plan, results) in zip(reqs, done):
+            n = contiguous_prefix((r.nbytes for r in results), plan)
+            _record(req, "read", results, n, elapsed * req.size / total_bytes)
             counts.append(n)
         return counts
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
 from gdskit.errors import DirectPathUnavailable, GdskitIOError
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, chunks
-from gdskit.pool import run_chunks
+from gdskit.plan import Chunk
+from gdskit.pool import run_requests
 from gdskit.settings import settings
 from gdskit.vocabulary import Path, Reason
 
@@ -315,9 +316,6 @@ class CufileBackend(Backend):
         handle = self._handle(f)
         gpus = {req.buf.device or 0 for req in reqs}
         op = reqs[0].op
-        chunk = max(cfg.chunk_size, 16 * 2**20)
-        plans = [chunks(r.file_offset, r.buf_offset, r.size, chunk, cfg.alignment) for r in reqs]
-        jobs = [(r, ch) for r, plan in zip(reqs, plans) for ch in plan]
         call = mod.read if op == "read" else mod.write
 
         def work(_lane: Any, job: tuple[Request, Chunk]) -> int:
@@ -339,8 +337,8 @@ class CufileBackend(Backend):
         before = {gpu: lib.counters(gpu) for gpu in gpus}
         t0 = time.perf_counter()
         try:
-            sizes = run_chunks(jobs, work, device=None, stage_bytes=0, threads=cfg.threads,
-                               max_lanes=cfg.threads, budget=cfg.pinned_budget)
+            done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
+                                stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         except Exception as exc:
             if isinstance(exc, GdskitIOError):
                 raise
@@ -352,21 +350,13 @@ class CufileBackend(Backend):
         job_bytes = {gpu: sum(r.size for r in reqs if (r.buf.device or 0) == gpu) for gpu in gpus}
         all_bytes = sum(r.size for r in reqs) or 1
         totals = []
-        start = 0
-        for req, plan in zip(reqs, plans):
-            mine = sizes[start:start + len(plan)]
-            start += len(plan)
-            total = 0
-            for got, ch in zip(mine, plan):
-                total += got
-                if got < ch.size:
-                    break
-            gpu = req.buf.device or 0
-            seen = evidence[gpu]
+        for req, (plan, sizes) in zip(reqs, done):
+            total = contiguous_prefix(sizes, plan)
+            seen = evidence[req.buf.device or 0]
             if seen is not None and Path.CUFILE_COMPAT in seen and req.reason is Reason.DIRECT:
                 f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
             self._record(req, total, len(plan), elapsed * req.size / all_bytes,
-                         _share(seen, req.size, job_bytes[gpu]))
+                         _share(seen, req.size, job_bytes[req.buf.device or 0]))
             totals.append(total)
         return totals
 

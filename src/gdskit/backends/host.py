@@ -18,25 +18,15 @@ from collections.abc import Callable, Sequence
 
 from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
 from gdskit.buffers import BufferView
-from gdskit.backends.staged import (ChunkResult, direct_usable, file_residency, read_direct, read_to_stage,
-                                    write_from_stage)
+from gdskit.backends.staged import (ChunkResult, contiguous_prefix, direct_usable, file_residency, read_direct,
+                                    read_to_stage, write_from_stage)
 from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, align_down, chunks
-from gdskit.pool import LaneRef, run_chunks
+from gdskit.pool import LaneRef, run_chunks, run_requests
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import ODirectPolicy, Path, Reason
-
-
-def contiguous_prefix(results: list[ChunkResult], plan: list[Chunk]) -> int:
-    """Bytes read without a gap: stop at the first short chunk, as pread would."""
-    total = 0
-    for res, ch in zip(results, plan):
-        total += res.nbytes
-        if res.nbytes < ch.size:
-            break
-    return total
 
 
 _SMALL_MAX = 64 << 10  # requests up to this size try the one-syscall path first
@@ -146,30 +136,30 @@ class HostBackend(Backend):
             if on_bytes is not None and counts:
                 on_bytes(counts[0])
             return counts
-        cfg = settings.snapshot()
-        views = [r.buf.host_view for r in reqs]
-        if any(v is None for v in views):
+        return self._read_chunked(f, reqs, settings.snapshot(), on_bytes)
+
+    def _read_chunked(self, f: OpenFile, reqs: Sequence[Request], cfg: Settings,
+                      on_bytes: Callable[[int], None] | None = None) -> list[int]:
+        """Requests split into chunks, all run on the worker threads; the byte count of each."""
+        if any(r.buf.host_view is None for r in reqs):
             raise InvalidArgumentError("the host path needs host memory")
-        plans = [chunks(r.file_offset, r.buf_offset, r.size, cfg.chunk_size, cfg.alignment) for r in reqs]
-        jobs = [(i, ch) for i, plan in enumerate(plans) for ch in plan]
         t0 = time.perf_counter()
 
-        def work(ref: LaneRef, job: tuple[int, Chunk]) -> ChunkResult:
-            i, ch = job
-            res = self._read_chunk(f, reqs[i], views[i], cfg, ref, ch)  # type: ignore[arg-type]
+        def work(ref: LaneRef, job: tuple[Request, Chunk]) -> ChunkResult:
+            req, ch = job
+            res = self._read_chunk(f, req, req.buf.host_view, cfg, ref, ch)  # type: ignore[arg-type]
             if on_bytes is not None:
                 on_bytes(res.nbytes)
             return res
 
-        results = run_chunks(jobs, work, device=None, stage_bytes=cfg.chunk_size + 2 * cfg.alignment,
-                             threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
+        done = run_requests(reqs, cfg.chunk_size, cfg.alignment, work, device=None,
+                            stage_bytes=cfg.chunk_size + 2 * cfg.alignment, threads=cfg.threads,
+                            max_lanes=cfg.threads, budget=cfg.pinned_budget)
         elapsed = time.perf_counter() - t0
         all_bytes = sum(r.size for r in reqs) or 1
-        counts, start = [], 0
-        for req, plan in zip(reqs, plans):
-            mine = results[start:start + len(plan)]
-            start += len(plan)
-            total = contiguous_prefix(mine, plan)
+        counts = []
+        for req, (plan, results) in zip(reqs, done):
+            total = contiguous_prefix((r.nbytes for r in results), plan)
             ledger.record(Path.HOST, req.reason, "read", total, len(plan), elapsed * req.size / all_bytes)
             counts.append(total)
         return counts
@@ -191,16 +181,7 @@ class HostBackend(Backend):
                 ref.release()
             ledger.record(Path.HOST, req.reason, "read", total, 1, time.perf_counter() - t0)
             return total
-        plan = chunks(req.file_offset, req.buf_offset, req.size, cfg.chunk_size, cfg.alignment)
-
-        def work(ref: LaneRef, ch: Chunk) -> ChunkResult:
-            return self._read_chunk(f, req, view, cfg, ref, ch)
-
-        results = run_chunks(plan, work, device=None, stage_bytes=cfg.chunk_size + 2 * cfg.alignment,
-                             threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
-        total = contiguous_prefix(results, plan)
-        ledger.record(Path.HOST, req.reason, "read", total, len(plan), time.perf_counter() - t0)
-        return total
+        return self._read_chunked(f, [req], cfg)[0]
 
     def write(self, f: OpenFile, req: Request) -> int:
         cfg = settings.snapshot()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gdskit.backends.base import RWF_NOWAIT, OpenFile, pread_full, pwrite_all
 from gdskit.errors import from_os_error
 from gdskit.residency import Residency, new_mapping, residency
-from gdskit.plan import align_down, align_up
+from gdskit.plan import Chunk, align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
 
@@ -24,6 +25,16 @@ class ChunkResult:
 
     nbytes: int
     cached: int  # through the page cache (the rest: O_DIRECT)
+
+
+def contiguous_prefix(counts: Iterable[int], plan: Iterable[Chunk]) -> int:
+    """Bytes read without a gap: stop at the first short chunk, as pread would."""
+    total = 0
+    for n, ch in zip(counts, plan):
+        total += n
+        if n < ch.size:
+            break
+    return total
 
 
 def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
