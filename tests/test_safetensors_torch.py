@@ -111,6 +111,22 @@ def test_many_small_tensors_go_through_coalesced_reads(tmp_path) -> None:
         assert torch.equal(out[k], v), k
 
 
+def test_groups_larger_than_a_chunk_give_exact_bytes(tmp_path) -> None:
+    # ~12 MB of small tensors: one group, which the engine reads as several chunks whose
+    # edges fall inside tensors.
+    tensors = {f"b.{i}": torch.randn(7000 + 13 * i) for i in range(300)}
+    path = tmp_path / "pieces.safetensors"
+    gs.save_file(tensors, path)
+    h = fmt.read_header_file(path)
+    p = read_plan.plan(fmt.extents(h, h.entries), small=gs.SMALL_TENSOR_BYTES, max_group=gs.MAX_GROUP_BYTES)
+    assert max(g.nbytes for g in p.groups) > gdskit.settings.chunk_size
+    out = gs.load_file(path, device="cpu")
+    ref = st_torch.load_file(str(path))
+    assert out.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(out[k], v), k
+
+
 def test_keys_subset_reads_only_those_bytes(tmp_path) -> None:
     tensors = {"a": torch.randn(1000), "b": torch.randn(5000), "c": torch.randn(300_000), "d": torch.randn(7)}
     path = tmp_path / "sub.safetensors"
@@ -235,6 +251,13 @@ def test_short_read_in_the_executor_is_detected(tmp_path) -> None:
         p = read_plan.plan(extents, small=1024, max_group=1 << 20, max_gap=1 << 20)
         with gdskit.open(path) as f, pytest.raises(fmt.TruncatedFileError):
             execute(f, p, torch.device("cpu"))
+    # A group of several engine chunks whose later chunks find no bytes.
+    path.write_bytes(bytes(5 << 20))
+    extents = [read_plan.Extent(f"t{i}", i * (512 << 10), 512 << 10) for i in range(24)]
+    p = read_plan.plan(extents, small=1 << 20, max_group=16 << 20)
+    assert len(p.groups) == 1
+    with gdskit.open(path) as f, pytest.raises(fmt.TruncatedFileError):
+        execute(f, p, torch.device("cpu"))
 
 
 def test_unsupported_dtype_in_file(tmp_path) -> None:
