@@ -241,6 +241,65 @@ def test_missing_file_is_file_not_found(tmp_path) -> None:
     assert isinstance(info.value, GdskitError)
 
 
+# -- storages read while the pickle is unpickled ------------------------------------
+
+@pytest.fixture
+def read_ahead_on_cpu(monkeypatch):
+    """The read-ahead path (used for one CUDA device) made to serve host loads too; counts its uses."""
+    monkeypatch.setattr(gt, "_READ_AHEAD_DEVICES", ("cuda", "cpu"))
+    started = []
+    real = gt._ReadAhead.start.__func__
+
+    def start(cls, *a, **k):
+        r = real(cls, *a, **k)
+        started.append(r)
+        return r
+    monkeypatch.setattr(gt._ReadAhead, "start", classmethod(start))
+    return started
+
+
+def _load_threads() -> list[str]:
+    import threading
+    return [t.name for t in threading.enumerate() if t.name.startswith("gdskit-load")]
+
+
+def test_read_ahead_loads_like_torch_load(tmp_path, read_ahead_on_cpu) -> None:
+    sd = checkpoint()
+    ours, plain = tmp_path / "a.pt", tmp_path / "p.pt"
+    gt.save(sd, ours)
+    torch.save(sd, plain)  # unaligned records
+    for path in (ours, plain):
+        out = gt.load(path, map_location="cpu")
+        assert same(out, sd) and same(out, torch.load(path, weights_only=True))
+        assert out["w_t"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    assert len(read_ahead_on_cpu) == 2 and all(r is not None for r in read_ahead_on_cpu)
+    assert not _load_threads()
+
+
+def test_read_ahead_waits_for_its_reads_when_unpickling_is_refused(tmp_path, read_ahead_on_cpu) -> None:
+    path = tmp_path / "u.pt"
+    torch.save({"obj": Unsafe(), "t": torch.randn(300_000)}, path)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(gt.UnsafeCheckpointError):
+        gt.load(path, map_location="cpu")
+    assert read_ahead_on_cpu and read_ahead_on_cpu[0]._job.done()
+    assert len(os.listdir("/proc/self/fd")) == before and not _load_threads()
+
+
+def test_read_ahead_error_surfaces_after_unpickling(tmp_path, read_ahead_on_cpu, monkeypatch) -> None:
+    from gdskit.formats import torch_io
+
+    def failing_execute(*a, **k):
+        raise gt.TruncatedFileError("storage bytes went missing")
+    monkeypatch.setattr(torch_io, "execute", failing_execute)
+    path = tmp_path / "e.pt"
+    gt.save(checkpoint(), path)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(gt.TruncatedFileError, match="went missing"):
+        gt.load(path, map_location="cpu")
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 # -- GPU ------------------------------------------------------------------------
 
 def to_cuda(x):
@@ -272,6 +331,32 @@ def test_gpu_save_and_load_both_ways(tmp_path) -> None:
     assert same(gt.load(plain, map_location="cuda:0"), sd)
     cpu = gt.load(path, map_location="cpu")
     assert cpu["w"].device.type == "cpu" and torch.equal(cpu["w"], sd["w"].cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_load_on_a_side_stream(tmp_path) -> None:
+    """Storages read while unpickling, small ones copied out of staging: done when the caller's
+    stream says so, whichever stream that is."""
+    sd = checkpoint()
+    path = tmp_path / "s.pt"
+    gt.save(sd, path)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = gt.load(path, map_location="cuda:0")
+        host = to_cpu(out)  # ordered after the load on the side stream
+    assert same(host, sd)
+
+
+def to_cpu(x):
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(x.detach().cpu(), requires_grad=x.requires_grad)
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return type(x)((k, to_cpu(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    return x
 
 
 @pytest.mark.gpu

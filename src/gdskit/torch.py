@@ -16,6 +16,8 @@ TorchScript archives are handed to ``torch.load``. Needs torch
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import io
 import os
 import pickle
@@ -134,7 +136,6 @@ def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: Pro
     del reader
     for d in {s.device for _o, _n, s in jobs if s.device.type == "cuda"}:
         torch.cuda.synchronize(d)  # the engine reads device memory outside torch's streams
-    import concurrent.futures
     futures: list[tuple[Any, int]] = []
     with open_file(tmp, "r+") as f, Progress(sum(n for _o, n, _s in jobs), progress, "saving") as prog:
         try:
@@ -246,6 +247,7 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     target = _Target(torch, map_location)
     archive_size = os.path.getsize(path)
     records = StorageRecords(torch, reader, path, archive_size, path)
+    ahead = _ReadAhead.start(torch, path, records, target, progress) if target.single_device else None
     reserved = False  # the allocator block for the storages has been set aside
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None
@@ -257,6 +259,11 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
         if rec.key in slots:
             return slots[rec.key][0]
         nbytes = rec.nbytes
+        if ahead is not None:  # every record of the archive is being read already
+            storage = ahead.storages[rec.key]
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
+            slots[rec.key] = (typed, rec.offset, nbytes, storage.device)
+            return typed
         dev = target.device(rec.location)
         if target.single_device and dev.type == "cuda" and nbytes > (1 << 20) and not reserved:
             # One allocator block for exactly the large storages (small ones come from torch's
@@ -285,8 +292,12 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     finally:
         for f in eager_file:
             f.close()
+        if ahead is not None:
+            ahead.finish()  # no I/O may outlive the call, whatever the unpickler did
     reader = records = None  # close the archive before the storages are read
-    if not target.eager:
+    if ahead is not None:
+        ahead.result()
+    elif not target.eager:
         _read_storages(torch, path, slots, progress)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
@@ -294,6 +305,66 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     if return_stats:
         return result, stats_delta(before, stats())
     return result
+
+
+# Not into host memory: there the small storages are copied out of staging one by one in
+# Python, contending with the unpickler (20,000 of them loaded slower so on a 2-core machine).
+_READ_AHEAD_DEVICES = ("cuda",)
+
+
+class _ReadAhead:
+    """Every storage record of the archive, read on one device while the pickle is unpickled.
+
+    When ``map_location`` names one device, each storage's place is known before the
+    pickle says which storages there are, so the reads need not wait for it. On the H200
+    machine the unpickle of a 256-tensor checkpoint took 16-34 ms of a 330 ms hot load.
+    torch.save writes only records the pickle refers to; any other is read for nothing.
+    """
+
+    def __init__(self, storages: dict[str, Any], job: concurrent.futures.Future[None], prog: Progress) -> None:
+        self.storages = storages
+        self._job = job
+        self._prog = prog
+
+    @classmethod
+    def start(cls, torch: Any, path: str, records: StorageRecords, target: _Target,
+              progress: ProgressArg) -> _ReadAhead | None:
+        spans = records.spans()
+        if not spans:
+            return None  # nothing to read, or a record the lazy path will report by name
+        dev = target.device("cpu")  # the saved location does not matter: map_location names the device
+        if dev.type not in _READ_AHEAD_DEVICES:
+            return None
+        from gdskit.formats.torch_io import execute, reserve_device_memory
+        reserve_device_memory(dev, [n for _k, _o, n in spans])
+        storages = {k: torch.UntypedStorage(n, device=dev) for k, _o, n in spans}
+        dests = {k: _bytes_of(torch, storages[k], n) for k, _o, n in spans}
+        plan = read_plan.plan([read_plan.Extent(k, o, n) for k, o, n in spans], small=SMALL_STORAGE_BYTES,
+                              max_group=MAX_GROUP_BYTES, max_gap=MAX_GAP_BYTES)
+        prog = Progress(plan.payload_bytes, progress, "loading")
+        # The copies out of the staging ring go on the caller's stream, as they would in its thread.
+        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+
+        def read_all() -> None:
+            with open_file(path, "r") as f, (torch.cuda.stream(stream) if stream is not None
+                                             else contextlib.nullcontext()):
+                execute(f, plan, dev, dests=dests, progress=prog)
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-load")
+        try:
+            job = pool.submit(read_all)
+        finally:
+            pool.shutdown(wait=False)
+        return cls(storages, job, prog)
+
+    def finish(self) -> None:
+        """Wait for the reads to end (raising nothing: an unpickling error comes first)."""
+        concurrent.futures.wait([self._job])
+        self._prog.close()
+
+    def result(self) -> None:
+        """Raise what the reads raised, if anything."""
+        self._job.result()
 
 
 def _bytes_of(torch: Any, storage: Any, nbytes: int) -> Any:

@@ -69,6 +69,21 @@ class StorageRecords:
         except RuntimeError:
             return []
 
+    def spans(self) -> list[tuple[str, int, int]] | None:
+        """``(key, offset, nbytes)`` of every storage record in the archive, or None when
+        one of them cannot be placed (missing size, or bytes past the end of the archive)."""
+        out = []
+        try:
+            for name in self._reader.get_all_records():
+                if name.startswith("data/"):
+                    offset, size = self._reader.get_record_offset(name), self._sizes(name)
+                    if offset + size > self._limit:
+                        return None
+                    out.append((name[len("data/"):], offset, size))
+        except RuntimeError:
+            return None
+        return out
+
     def resolve(self, saved_id: Any) -> StorageRecord:
         torch, where = self._torch, self._where
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
