@@ -126,6 +126,28 @@ class BackendTests:
         assert delta.bytes_read == sum(want)
         assert set(delta.paths) <= self.expected_paths, delta.paths
 
+    def test_many_reads_stop_when_on_bytes_raises(self, data_file):
+        """An exception from ``on_bytes`` abandons the job: no piece is started after it, the
+        pieces under way finish, and the exception reaches the caller. The file stays usable."""
+        path, data = data_file
+
+        class Abandon(Exception):
+            pass
+        calls: list[int] = []
+
+        def on_bytes(n: int) -> None:
+            calls.append(n)
+            raise Abandon
+
+        size = 64 << 10
+        spans = [(i * size, size) for i in range(len(data) // size)]  # 48 pieces of one chunk each
+        bufs = [self.make_buffer(size) for _ in spans]
+        with gdskit.settings.set(chunk_size=size), gdskit.open(path) as f:
+            with pytest.raises(Abandon):
+                f.read_many([(b, n, off) for b, (off, n) in zip(bufs, spans)], on_bytes=on_bytes)
+            assert 1 <= len(calls) <= min(gdskit.settings.threads, len(spans) - 1)
+            assert self._read(path, 1000, 5)[1][:1000] == data[5:1005]
+
     @pytest.mark.parametrize("policy", ["auto", "always", "never"])
     def test_odirect_policies_cold_and_hot(self, data_file, policy):
         path, data = data_file

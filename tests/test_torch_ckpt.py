@@ -285,6 +285,37 @@ def test_read_ahead_waits_for_its_reads_when_unpickling_is_refused(tmp_path, rea
     assert len(os.listdir("/proc/self/fd")) == before and not _load_threads()
 
 
+def test_read_ahead_stops_when_unpickling_is_refused(tmp_path, read_ahead, monkeypatch) -> None:
+    import threading
+    import time
+
+    import gdskit
+    path = tmp_path / "big.pt"
+    torch.save({f"t{i}": torch.randn(300_000) for i in range(40)}, path)  # 40 large storages, 48 MB
+    first = threading.Event()
+    real_advance = gt._AbandonableProgress.advance
+    pieces: list[int] = []
+
+    def advance(self, n):
+        pieces.append(n)
+        if len(pieces) == 1:  # the first piece read holds the one worker until the load is given up
+            first.set()
+            deadline = time.monotonic() + 5
+            while not self.abandoned and time.monotonic() < deadline:
+                time.sleep(0.001)
+        real_advance(self, n)
+
+    def refuse(*a, **k):
+        assert first.wait(10)
+        raise gt.UnsafeCheckpointError("refused for the test")
+    monkeypatch.setattr(gt._AbandonableProgress, "advance", advance)
+    monkeypatch.setattr(gt, "_unpickle", refuse)
+    with gdskit.settings.set(threads=1, chunk_size=64 << 10), pytest.raises(gt.UnsafeCheckpointError):
+        gt.load(path, map_location="cpu")
+    assert len(pieces) == 1  # of 40 x 19 pieces: the job stopped after the one under way
+    assert not _load_threads()
+
+
 def test_read_ahead_error_surfaces_after_unpickling(tmp_path, read_ahead, monkeypatch) -> None:
     from gdskit.formats import torch_io
 

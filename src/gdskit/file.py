@@ -230,7 +230,9 @@ class File:
         anything is read.
 
         ``on_bytes``, if given, is called with the byte count of each piece as it is read
-        (from the I/O threads: keep it quick), for progress reporting.
+        (from the I/O threads: keep it quick), for progress reporting. An exception it raises
+        abandons the job: no further piece starts, those under way finish, and the exception
+        is raised here.
         """
         return self._execute_many(self._validate_many(reads), None, on_bytes)
 

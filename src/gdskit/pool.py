@@ -128,6 +128,13 @@ class Lane:
             self.stream.synchronize()
 
     def free(self) -> None:
+        # A worker that failed mid-chunk hands its lane back undrained: copies still queued on
+        # its stream read the stages (and write the caller's buffer), so they end first.
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:  # noqa: BLE001 - a stream in error runs nothing more
+                pass
         for ev in self.events:
             ev.destroy()
         for st in self.stages:

@@ -309,6 +309,22 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     return result
 
 
+class _Abandoned(Exception):
+    """Stops the read-ahead job from inside its progress callback; never reaches the caller."""
+
+
+class _AbandonableProgress(Progress):
+    """Progress whose next report stops the job that reports it, once ``abandoned`` is set
+    (the engine stops a job whose ``on_bytes`` raises, after the pieces under way)."""
+
+    abandoned = False
+
+    def advance(self, nbytes: int) -> None:
+        if self.abandoned:
+            raise _Abandoned
+        super().advance(nbytes)
+
+
 class _ReadAhead:
     """The large storages of the archive, read on one device while the pickle is unpickled.
 
@@ -322,7 +338,8 @@ class _ReadAhead:
     """
 
     def __init__(self, path: str, device: Any, storages: dict[str, Any], dests: dict[str, Any],
-                 small: read_plan.ReadPlan, job: concurrent.futures.Future[None], prog: Progress) -> None:
+                 small: read_plan.ReadPlan, job: concurrent.futures.Future[None],
+                 prog: _AbandonableProgress) -> None:
         self.storages = storages
         self._path, self._device, self._dests, self._small = path, device, dests, small
         self._job = job
@@ -344,7 +361,7 @@ class _ReadAhead:
         plan = read_plan.plan([read_plan.Extent(k, o, n) for k, o, n in spans], small=SMALL_STORAGE_BYTES,
                               max_group=MAX_GROUP_BYTES, max_gap=MAX_GAP_BYTES)
         large = dataclasses.replace(plan, groups=())
-        prog = Progress(plan.payload_bytes, progress, "loading")
+        prog = _AbandonableProgress(plan.payload_bytes, progress, "loading")
 
         def read_large() -> None:
             if large.direct or large.empty:
@@ -359,7 +376,9 @@ class _ReadAhead:
         return cls(path, dev, storages, dests, dataclasses.replace(plan, direct=(), empty=()), job, prog)
 
     def abandon(self) -> None:
-        """Wait for the reads under way (raising nothing: the unpickling error comes first)."""
+        """Stop the reads and wait for those under way (raising nothing: the unpickling error
+        comes first). A refused checkpoint is not read to its end."""
+        self._prog.abandoned = True
         concurrent.futures.wait([self._job])
         self._prog.close()
 
