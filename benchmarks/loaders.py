@@ -238,6 +238,8 @@ def child(args: argparse.Namespace) -> None:
             out["pinned_budget"] = gdskit.settings.pinned_budget
         except AttributeError:
             pass
+        # Which path the bytes took (a fresh process: the whole ledger is this load's).
+        out["paths"] = {name: p.bytes_read for name, p in gdskit.stats().paths.items() if p.bytes_read}
     if not args.save:
         del result
     print("RESULT " + json.dumps(out))
@@ -438,6 +440,10 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         note = ""
         if "pinned_bytes" in r:
             note = f"pinned {r['pinned_bytes'] / MiB:.0f} MiB of {r['pinned_budget'] / MiB:.0f} MiB"
+        if r.get("paths"):
+            total = sum(r["paths"].values())
+            note += (", " if note else "") + " ".join(
+                f"{name} {n / total:.0%}" for name, n in sorted(r["paths"].items(), key=lambda kv: -kv[1]))
         spread = ""
         if several:
             seen = [x for x in r.get("rounds", []) if x is not None]
@@ -445,13 +451,45 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         lines.append(f"{r['loader']:24} {r['file']:6} {r['mode']:5} {r['gb_per_s']:7.2f} {spread}{ratio:>9} "
                      f"{r['cpu_s_per_gb']:9.3f} {r['peak_gpu_ratio']:13.3f}  {note}")
     targets = evaluate(results)
+    facts = machine_facts()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     print("\n".join(lines))
     for k, v in targets.items():
         print(f"target {k}: {v}")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "results": results, "targets": targets}, fh, indent=2)
+                       "machine": facts, "results": results, "targets": targets}, fh, indent=2)
+
+
+def machine_facts() -> dict[str, str]:
+    """What differs between machines of one kind and moves hot rates: CPU model, cores, NUMA
+    nodes, transparent huge pages, kernel, memory."""
+    facts: dict[str, str] = {}
+
+    def read(path: str) -> str:
+        try:
+            with open(path) as fh:
+                return fh.read()
+        except OSError:
+            return ""
+    model = next((line.split(":", 1)[1].strip() for line in read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), "")
+    if model:
+        facts["cpu"] = model
+    facts["cores"] = str(os.cpu_count())
+    nodes = [d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")] \
+        if os.path.isdir("/sys/devices/system/node") else []
+    if nodes:
+        facts["numa nodes"] = str(len(nodes))
+    thp = read("/sys/kernel/mm/transparent_hugepage/enabled").strip()
+    if thp:
+        facts["thp"] = thp
+    facts["kernel"] = os.uname().release
+    mem = next((line.split()[1] for line in read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), "")
+    if mem:
+        facts["memory"] = f"{int(mem) / (1 << 20):.0f} GiB"
+    return facts
 
 
 def evaluate(results: list[dict]) -> dict[str, str]:
