@@ -241,9 +241,23 @@ def child(args: argparse.Namespace) -> None:
         # Which path the bytes took (a fresh process: the whole ledger is this load's).
         moved = {name: p.bytes_written if args.save else p.bytes_read for name, p in gdskit.stats().paths.items()}
         out["paths"] = {name: n for name, n in moved.items() if n}
+        # Whether the pinned ring got its 2 MiB pages: the process's anonymous huge pages
+        # (the ring is most of them), for telling a slow machine from a fast one.
+        out["anon_huge_bytes"] = _anon_huge_bytes()
     if not args.save:
         del result
     print("RESULT " + json.dumps(out))
+
+
+def _anon_huge_bytes() -> int | None:
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -453,6 +467,8 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         note = ""
         if "pinned_bytes" in r:
             note = f"pinned {r['pinned_bytes'] / MiB:.0f} MiB of {r['pinned_budget'] / MiB:.0f} MiB"
+            if r.get("anon_huge_bytes") is not None:
+                note += f" (process huge pages {r['anon_huge_bytes'] / MiB:.0f} MiB)"
         if r.get("paths"):
             total = sum(r["paths"].values())
             note += (", " if note else "") + " ".join(
