@@ -544,7 +544,7 @@ def evaluate(results: list[dict]) -> dict[str, str]:
 
     out: dict[str, str] = {}
     # Every other loader the issue names is a peer, KvikIO's raw read included; odirect is the disk.
-    peers = [l for l in LOADERS if l not in ("gdskit", "gdskit-torch", "odirect")]
+    peers = [name for name in LOADERS if name not in ("gdskit", "gdskit-torch", "odirect")]
     for mode in ("hot", "cold"):
         g = rate("gdskit", "large", mode)
         if g is None:
@@ -561,7 +561,8 @@ def evaluate(results: list[dict]) -> dict[str, str]:
             out["hot >= 45 GB/s"] = f"{'met' if g >= 45 else 'NOT met'} ({g:.2f} GB/s)"
         raw = rate("odirect", "large", "cold")
         if mode == "cold" and raw:
-            out["cold >= 0.97x raw O_DIRECT"] = f"{'met' if g >= 0.97 * raw else 'NOT met'} ({g / raw:.3f}x of {raw:.2f} GB/s)"
+            out["cold >= 0.97x raw O_DIRECT"] = (f"{'met' if g >= 0.97 * raw else 'NOT met'} "
+                                                 f"({g / raw:.3f}x of {raw:.2f} GB/s)")
         s = rate("gdskit", "small", mode)
         if s is not None:
             out[f"{mode} small >= 0.8x large"] = f"{'met' if s >= 0.8 * g else 'NOT met'} ({s / g:.2f}x)"
