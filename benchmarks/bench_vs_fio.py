@@ -116,7 +116,7 @@ def run_plain(path: str, size: int, io: int, workers: int, random: bool, runtime
 
     def work(w: int) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        buf = HostBuffer(io, huge_pages).array if huge_pages else mmap.mmap(-1, io)
+        buf = HostBuffer(io, huge_pages).array  # the kind of memory gdskit bench gives its workers
         rng = np.random.default_rng([seed, w])
         base = w * slice_bytes
         try:
@@ -161,7 +161,7 @@ def resident_bytes(path: str) -> int | None:
         got = _cachestat(fd, 0, os.fstat(fd).st_size)
     finally:
         os.close(fd)
-    return None if got is None else got[0] * 4096
+    return None if got is None else got[0] * mmap.PAGESIZE
 
 
 def reserve_hugetlb_pages(pages: int) -> int | None:
@@ -212,8 +212,8 @@ def main() -> int:
     tools = ("fio", "gdskit", "gdskit-processes", "plain")
     files = [f"{args.file}.{i}" for i in range(len(tools))]
     made = [p for p in files if not os.path.exists(p) or os.path.getsize(p) < size]
-    for i, p in enumerate(made):
-        runner.fill_file(p, size, i)
+    for p in made:
+        runner.fill_file(p, size, files.index(p))  # each file its own contents, whichever were missing
     cases = {
         "sequential read 1 MiB": dict(rw="read", bs="1M", io="1M", op="read", runtime=None, random=False,
                                       io_bytes=2**20),

@@ -127,8 +127,8 @@ def data_files(directory: str) -> list[str]:
 
 def odirect_rate(paths: list[str], threads: int, block: int = 16 * MiB) -> float:
     """GB/s of a raw O_DIRECT read of ``paths`` with ``threads`` workers (the disk's own rate)."""
-    moved, seconds = odirect_io(paths, threads, block)
-    return moved / GB / seconds
+    got = odirect_io(paths, threads, block)
+    return got.bytes / GB / got.seconds
 
 
 def run_child(args: argparse.Namespace, op: str, impl: str, path: str, stock_threads: int = 1) -> dict:

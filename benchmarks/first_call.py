@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from page_cache import warm  # benchmarks/ is on sys.path when run as a script
 
+from gdskit.bench.memory import anon_huge_bytes, transparent_huge_pages
 from gdskit.bench.runner import fill_file
 from gdskit.settings import parse_size
 
@@ -101,16 +102,9 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
     t1 = time.perf_counter()
     cuda.check(rt.cudaHostRegister(start, nbytes, rt.cudaHostRegisterPortable), "cudaHostRegister")
     t2 = time.perf_counter()
-    anon_huge = 0
-    with open("/proc/self/smaps_rollup") as fh:
-        for line in fh:
-            if line.startswith("AnonHugePages:"):
-                anon_huge = int(line.split()[1]) * 1024
+    anon_huge = anon_huge_bytes() or 0
     cuda.check(rt.cudaHostUnregister(start), "cudaHostUnregister")
-    try:
-        thp_mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
-    except OSError:
-        thp_mode = "unknown"
+    thp_mode = transparent_huge_pages() or "unknown"
     return {f"{tag}_touch_ms": (t1 - t0) * 1e3, f"{tag}_register_ms": (t2 - t1) * 1e3,
             f"{tag}_anon_huge_MiB": anon_huge // MiB, "thp_mode": thp_mode}
 
@@ -130,7 +124,7 @@ def case_ceiling(size: int, chunk: int, threads: int, path: str, seconds: float 
     stop = threading.Event()
 
     def reader(t: int) -> None:
-        view = memoryview((__import__("ctypes").c_char * chunk).from_address(bufs[t].ptr)).cast("B")
+        view = bufs[t].view
         off, n = t * chunk, 0
         while not stop.is_set():
             n += os.preadv(fd, [view], off)
@@ -142,14 +136,12 @@ def case_ceiling(size: int, chunk: int, threads: int, path: str, seconds: float 
     def copier() -> None:
         n, i = 0, 0
         while not stop.is_set():
-            batch = []
             for k in range(16):  # 16 copies of 8 MiB in flight, then wait
                 off = ((i + k) * chunk) % (size - chunk)
                 streams[k % 4].copy_h2d(dst.ptr + off, srcs[k % 4].ptr, chunk)
-                batch.append(chunk)
             for st in streams:
                 st.synchronize()
-            n += sum(batch)
+            n += 16 * chunk
             i += 16
         moved["h2d"].append(n)
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import contextlib
 import resource
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
 from raw_disk import odirect_io
@@ -193,7 +194,7 @@ def _load(loader: str, path: str, device: str, threads: int):
 
 def odirect_read(path: str, threads: int, block: int = 16 * MiB) -> int:
     """Read the whole file with O_DIRECT, ``threads`` workers, into per-thread aligned buffers."""
-    return odirect_io([path], threads, block)[0]
+    return odirect_io([path], threads, block).bytes
 
 
 def child(args: argparse.Namespace) -> None:
@@ -243,21 +244,11 @@ def child(args: argparse.Namespace) -> None:
         out["paths"] = {name: n for name, n in moved.items() if n}
         # Whether the pinned ring got its 2 MiB pages: the process's anonymous huge pages
         # (the ring is most of them), for telling a slow machine from a fast one.
-        out["anon_huge_bytes"] = _anon_huge_bytes()
+        from gdskit.bench.memory import anon_huge_bytes
+        out["anon_huge_bytes"] = anon_huge_bytes()
     if not args.save:
         del result
     print("RESULT " + json.dumps(out))
-
-
-def _anon_huge_bytes() -> int | None:
-    try:
-        with open("/proc/self/smaps_rollup") as fh:
-            for line in fh:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -362,18 +353,36 @@ def main() -> None:
     common = ["--device", args.device, "--threads", str(args.threads)] + (["--breakdown"] if args.breakdown else [])
     if args.save:
         names = args.loaders.split(",") if args.loaders != ",".join(LOADERS) else SAVERS
-        rounds = [_save_round(args, files, names if i % 2 == 0 else names[::-1], common, i)
-                  for i in range(args.rounds)]
-        results = combine(rounds, names)
+        rounds = _rounds(args, names, lambda order, i: _save_round(args, files, order, common, i))
     else:
         modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
-        loaders = args.loaders.split(",")
-        # Rounds alternate the loaders' order, so that none always runs first after the files
-        # were made or last after the others have churned the page cache.
-        rounds = [_one_round(args, files, loaders if i % 2 == 0 else loaders[::-1], modes, common, i)
-                  for i in range(args.rounds)]
-        results = combine(rounds, loaders)
-    report(results, args)
+        names = args.loaders.split(",")
+        rounds = _rounds(args, names, lambda order, i: _one_round(args, files, order, modes, common, i))
+    report(combine(rounds, names), args)
+
+
+def _rounds(args: argparse.Namespace, names: list[str],
+            one_round: Callable[[list[str], int], list[dict]]) -> list[list[dict]]:
+    """``--rounds`` rounds, alternating the order of ``names``: none always runs first after the
+    files were made, or last after the others have churned the page cache."""
+    return [one_round(names if i % 2 == 0 else names[::-1], i) for i in range(args.rounds)]
+
+
+def _best_of(args: argparse.Namespace, run: Callable[[], dict]) -> dict:
+    """The fastest of ``--repeats`` runs (a failed run counts as 0 GB/s)."""
+    best: dict | None = None
+    for _ in range(args.repeats):
+        r = run()
+        if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
+            best = r
+    assert best is not None
+    return best
+
+
+def _landed(index: int, what: str, best: dict) -> None:
+    """One line as each result lands, so a run cut short still says what it measured."""
+    print(f"# round {index + 1} {what}: {best.get('gb_per_s', best.get('error'))} GB/s"
+          + (f" {best['breakdown']}" if "breakdown" in best else ""), file=sys.stderr, flush=True)
 
 
 def _save_round(args: argparse.Namespace, files: dict, savers: list[str], common: list[str],
@@ -386,19 +395,17 @@ def _save_round(args: argparse.Namespace, files: dict, savers: list[str], common
             continue
         ext = "pt" if saver in ("torch", "gdskit-torch") else "safetensors"
         out = os.path.join(args.dir, f"saved-{saver}.{ext}")
-        best = None
-        for _ in range(args.repeats):
-            r = summarize(run_child(["--child", saver, "--save", "--path", out,
-                                     "--source", files["large"]["safetensors"], *common], args.timeout))
-            if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
-                best = r
+
+        def save_once() -> dict:
             try:
-                os.unlink(out)
-            except FileNotFoundError:
-                pass
+                return summarize(run_child(["--child", saver, "--save", "--path", out,
+                                            "--source", files["large"]["safetensors"], *common], args.timeout))
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(out)
+        best = _best_of(args, save_once)
         results.append({**best, "loader": saver, "mode": "save", "file": "large", "round": index})
-        print(f"# round {index + 1} {saver} save: {best.get('gb_per_s', best.get('error'))} GB/s",
-              file=sys.stderr, flush=True)
+        _landed(index, f"{saver} save", best)
     return results
 
 
@@ -416,23 +423,21 @@ def _one_round(args: argparse.Namespace, files: dict, loaders: list[str], modes:
                 if not installed(loader):
                     results.append({"loader": loader, "file": kind, "mode": mode, "error": "not installed"})
                     continue
-                best = None
-                for _ in range(args.repeats):
+
+                def load_once() -> dict:
                     how = drop_caches(all_paths) if mode == "cold" else (warm([path]) or "warmed")
-                    r = summarize(run_child(["--child", loader, "--path", path, *common], args.timeout))
-                    r["cache"] = how
-                    if best is None or r.get("gb_per_s", 0) > best.get("gb_per_s", 0):
-                        best = r
+                    return {**summarize(run_child(["--child", loader, "--path", path, *common], args.timeout)),
+                            "cache": how}
+                best = _best_of(args, load_once)
                 results.append({**best, "loader": loader, "file": kind, "mode": mode, "round": index})
-                # One line as each result lands, so a run cut short still says what it measured.
-                print(f"# round {index + 1} {loader} {kind} {mode}: {best.get('gb_per_s', best.get('error'))} GB/s"
-                      + (f" {best['breakdown']}" if "breakdown" in best else ""), file=sys.stderr, flush=True)
+                _landed(index, f"{loader} {kind} {mode}", best)
     return results
 
 
 def combine(rounds: list[list[dict]], loaders: list[str]) -> list[dict]:
-    """One record per loader, file and mode: the median run's figures, with every round's GB/s
-    (None where a round failed) under ``rounds``."""
+    """One record per loader, file and mode: the median run, whole (for an even count the lower
+    of the two middle ones, so that every figure comes from the same run), with every round's
+    GB/s (None where a round failed) under ``rounds``."""
     groups: dict[tuple, list[dict]] = {}
     for results in rounds:
         for r in results:
@@ -447,8 +452,7 @@ def combine(rounds: list[list[dict]], loaders: list[str]) -> list[dict]:
         by_round = [None] * len(rounds)
         for r in runs:
             by_round[r["round"]] = r.get("gb_per_s")
-        median = statistics.median(r["gb_per_s"] for r in ok)
-        out.append({**ok[(len(ok) - 1) // 2], "gb_per_s": median, "rounds": by_round})
+        out.append({**ok[(len(ok) - 1) // 2], "rounds": by_round})
     return out
 
 
@@ -480,7 +484,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         lines.append(f"{r['loader']:24} {r['file']:6} {r['mode']:5} {r['gb_per_s']:7.2f} {spread}{ratio:>9} "
                      f"{r['cpu_s_per_gb']:9.3f} {r['peak_gpu_ratio']:13.3f}  {note}")
     targets = evaluate(results)
-    facts = machine_facts()
+    facts = machine_facts(args.dir)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     print("\n".join(lines))
     for k, v in targets.items():
@@ -491,34 +495,22 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
                        "machine": facts, "results": results, "targets": targets}, fh, indent=2)
 
 
-def machine_facts() -> dict[str, str]:
+def machine_facts(directory: str) -> dict[str, str]:
     """What differs between machines of one kind and moves hot rates: CPU model, cores, NUMA
-    nodes, transparent huge pages, kernel, memory."""
-    facts: dict[str, str] = {}
+    nodes, transparent huge pages, kernel, memory, and the filesystem the checkpoints are on
+    (``gdskit bench``'s facts)."""
+    from gdskit.bench.machine import collect
+    from gdskit.bench.memory import transparent_huge_pages
+    from gdskit.settings import format_size
 
-    def read(path: str) -> str:
-        try:
-            with open(path) as fh:
-                return fh.read()
-        except OSError:
-            return ""
-    model = next((line.split(":", 1)[1].strip() for line in read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), "")
-    if model:
-        facts["cpu"] = model
-    facts["cores"] = str(os.cpu_count())
-    nodes = [d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")] \
-        if os.path.isdir("/sys/devices/system/node") else []
-    if nodes:
-        facts["numa nodes"] = str(len(nodes))
-    thp = read("/sys/kernel/mm/transparent_hugepage/enabled").strip()
-    if thp:
-        facts["thp"] = thp
-    facts["kernel"] = os.uname().release
-    mem = next((line.split()[1] for line in read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), "")
-    if mem:
-        facts["memory"] = f"{int(mem) / (1 << 20):.0f} GiB"
-    return facts
+    m = collect(directory, gpu_index=None)
+    node_dir = "/sys/devices/system/node"
+    nodes = [d for d in os.listdir(node_dir) if d.startswith("node")] if os.path.isdir(node_dir) else []
+    facts = {"cpu": m.cpu_model, "cores": m.cpu_count, "numa nodes": len(nodes) or None,
+             "thp": transparent_huge_pages(), "kernel": m.kernel,
+             "memory": format_size(m.memory_bytes) if m.memory_bytes else None,
+             "filesystem": f"{m.filesystem} on {m.mount_source}" if m.filesystem else None}
+    return {k: str(v) for k, v in facts.items() if v is not None}
 
 
 def evaluate(results: list[dict]) -> dict[str, str]:

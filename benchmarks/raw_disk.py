@@ -10,12 +10,13 @@ worse one. Python's default anonymous mapping is shared memory, which takes no h
 
 from __future__ import annotations
 
-import mmap
 import os
+import resource
 import threading
 import time
+from typing import NamedTuple
 
-from gdskit.pool import anonymous_memory
+from gdskit.bench.memory import HostBuffer
 
 
 ALIGN = 4096
@@ -25,20 +26,26 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Page-aligned private memory, on huge pages where the system allows, touched now."""
-    buf = anonymous_memory(nbytes)
-    buf.write(bytes(nbytes))
-    buf.seek(0)
-    return buf
+class Moved(NamedTuple):
+    """What :func:`odirect_io` did: bytes, wall seconds and CPU seconds of the same window."""
+
+    bytes: int
+    seconds: float
+    cpu_s: float
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = False,
-               size: int | None = None) -> tuple[int, float]:
+               size: int | None = None) -> Moved:
     """Move every byte of ``paths`` (or the first ``size`` bytes of each) in ``block``-byte O_DIRECT
     reads, or writes of ``size`` bytes ending with fsync, on ``threads`` threads.
 
-    Returns (bytes moved, seconds). A read's tail past the last whole 4 KiB block is asked for
+    The buffers (``gdskit bench --huge-pages``'s: 2 MiB-aligned, on huge pages where the
+    system allows, touched) are made before the clock starts. A read's tail past the last whole 4 KiB block is asked for
     as a whole block (O_DIRECT lengths must be aligned) and the file's end shortens it; writes
     need a ``size`` that is a multiple of 4 KiB.
     """
@@ -51,7 +58,7 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
         for fd, p in zip(fds, paths):
             n = size if size is not None else os.path.getsize(p)
             jobs += [(fd, off, min(block, _round_up(n - off))) for off in range(0, n, block)]
-        bufs = [aligned_buffer(block) for _ in range(threads)]
+        bufs = [HostBuffer(block, huge_pages=True) for _ in range(threads)]
         nxt = iter(jobs)
         lock = threading.Lock()
         moved = [0] * threads
@@ -59,7 +66,7 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
         errors: list[BaseException] = []
 
         def worker(i: int) -> None:
-            mv = memoryview(bufs[i])
+            mv = memoryview(bufs[i].array)
             try:
                 while not errors:
                     with lock:
@@ -71,7 +78,7 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
             except BaseException as exc:  # noqa: BLE001 - raised below, after every thread stopped
                 errors.append(exc)
 
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
         for t in ts:
             t.start()
@@ -82,7 +89,7 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
         if write:
             for fd in fds:
                 os.fsync(fd)
-        return sum(moved), time.perf_counter() - t0
+        return Moved(sum(moved), time.perf_counter() - t0, _cpu_s() - c0)
     finally:
         for fd in fds:
             os.close(fd)

@@ -37,7 +37,7 @@ def test_zip_directory_gives_the_reader_sizes(tmp_path, as_path: bool) -> None:
         old("data/99")
 
 
-def test_data_sizes_lists_every_storage_record(tmp_path) -> None:
+def test_spans_list_every_storage_record(tmp_path) -> None:
     from gdskit.formats.torch_zip import StorageRecords
 
     tensors = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 7, dtype=torch.int16),
@@ -50,4 +50,4 @@ def test_data_sizes_lists_every_storage_record(tmp_path) -> None:
         if r is not reader:
             r.get_all_records = reader.get_all_records  # type: ignore[attr-defined]
         records = StorageRecords(torch, r, str(path), path.stat().st_size, str(path))
-        assert sorted(records.data_sizes()) == [42, 4000]
+        assert sorted(n for _key, _offset, n in records.spans()) == [42, 4000]

@@ -248,41 +248,30 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     archive_size = os.path.getsize(path)
     records = StorageRecords(torch, reader, path, archive_size, path)
     ahead = _ReadAhead.start(torch, path, records, target, progress) if target.single_device else None
-    reserved = False  # the allocator block for the storages has been set aside
     slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
     before = stats() if return_stats else None
     eager_file: list[Any] = []
 
     def persistent_load(saved_id: Any) -> Any:
-        nonlocal reserved
         rec = records.resolve(saved_id)
         if rec.key in slots:
             return slots[rec.key][0]
         nbytes = rec.nbytes
         if ahead is not None:  # every record of the archive has its storage, read during or after the unpickle
             storage = ahead.storages[rec.key]
-            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-            slots[rec.key] = (typed, rec.offset, nbytes, storage.device)
-            return typed
-        dev = target.device(rec.location)
-        if target.single_device and dev.type == "cuda" and nbytes > (1 << 20) and not reserved:
-            # One allocator block for exactly the large storages (small ones come from torch's
-            # small pool, so a bound taken from the archive's size would reserve them twice).
-            from gdskit.formats.torch_io import reserve_device_memory
-            reserve_device_memory(dev, records.data_sizes())
-            reserved = True
-        storage = torch.UntypedStorage(nbytes, device=dev)
-        if target.eager:
-            if nbytes:
-                if not eager_file:
-                    eager_file.append(open_file(path, "r"))
-                n = eager_file[0].read(_bytes_of(torch, storage, nbytes), size=nbytes, file_offset=rec.offset)
-                if n != nbytes:
-                    raise TruncatedFileError(f"{path}: short read of storage {rec.key}")
-            mapped = target.map_location(storage, rec.location)
-            if mapped is None:
-                mapped = torch.serialization.default_restore_location(storage, rec.location)
-            storage = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
+        else:
+            storage = torch.UntypedStorage(nbytes, device=target.device(rec.location))
+            if target.eager:
+                if nbytes:
+                    if not eager_file:
+                        eager_file.append(open_file(path, "r"))
+                    n = eager_file[0].read(_bytes_of(torch, storage, nbytes), size=nbytes, file_offset=rec.offset)
+                    if n != nbytes:
+                        raise TruncatedFileError(f"{path}: short read of storage {rec.key}")
+                mapped = target.map_location(storage, rec.location)
+                if mapped is None:
+                    mapped = torch.serialization.default_restore_location(storage, rec.location)
+                storage = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
         slots[rec.key] = (typed, rec.offset, nbytes, storage.device)
         return typed

@@ -340,8 +340,6 @@ def item_faults(ctx: AcceptContext) -> ItemResult:
                   evidence=c.lines(), data={"cases": cases}, artifacts=art)
 
 
-
-
 ITEMS: dict[int, Callable[[AcceptContext], ItemResult]] = {
     1: item_platform, 2: item_mounts, 3: item_ab, 4: item_sweep, 5: item_workload, 6: item_checkpoint,
     7: item_faults,

@@ -119,17 +119,12 @@ class Backend(ABC):
     def write(self, f: OpenFile, req: Request) -> int:
         """Write exactly ``req.size`` bytes or raise."""
 
+    @abstractmethod
     def read_many(self, f: OpenFile, reqs: Sequence[Request],
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:
-        """Several reads as one job; the byte count of each. ``on_bytes`` is called with the
-        count of each piece as it lands (from worker threads). Here one after another;
-        backends with worker threads share them among all the requests."""
-        counts = []
-        for req in reqs:
-            counts.append(self.read(f, req))
-            if on_bytes is not None:
-                on_bytes(counts[-1])
-        return counts
+        """Several reads as one job, their chunks shared among the worker threads; the byte count
+        of each. ``on_bytes`` is called with the count of each piece as it lands (from worker
+        threads); an exception it raises stops the job from starting further pieces."""
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str | None = None) -> int:

@@ -128,3 +128,16 @@ def transparent_huge_pages() -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else None
+
+
+def anon_huge_bytes() -> int | None:
+    """Bytes of this process's anonymous memory on transparent huge pages (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``); None where the kernel does not say."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -61,14 +61,6 @@ class StorageRecords:
         self._limit = limit
         self._where = where
 
-    def data_sizes(self) -> list[int]:
-        """The sizes of every storage record in the archive (``data/*``), referenced or not."""
-        names = [n for n in self._reader.get_all_records() if n.startswith("data/")]
-        try:
-            return [self._sizes(n) for n in names]
-        except RuntimeError:
-            return []
-
     def spans(self) -> list[tuple[str, int, int]] | None:
         """``(key, offset, nbytes)`` of every storage record in the archive, or None when
         one of them cannot be placed (missing size, or bytes past the end of the archive)."""
