@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda
+from gdskit import cuda, pool
 from gdskit.errors import CudaError
 
 from backend_conformance import BackendTests
@@ -23,9 +23,24 @@ pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is p
 
 
 @pytest.fixture(autouse=True)
-def _fake(fake_runtime):
+def _fake(fake_runtime, monkeypatch):
     fake_runtime.fail.clear()
+    # A refused registration is remembered for the process: each test starts from none.
+    monkeypatch.setattr(pool.lanes, "_register_error", None)
     yield fake_runtime
+
+
+def _spy_libc(monkeypatch, **calls):
+    """gdskit.cuda's C library with ``calls`` (name -> function taking the real one first) in
+    front of it."""
+    real = cuda._libc()
+
+    class Libc:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            return (lambda *a: calls[name](fn, *a)) if name in calls else fn
+
+    monkeypatch.setattr(cuda, "_libc", lambda: Libc())
 
 
 class TestBounceOnFakeGpu(BackendTests):
@@ -219,23 +234,19 @@ def _mapped_in_a_forked_child(addr: int) -> bool:
 def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
     """The stage is page-aligned, writable and registered; without MADV_POPULATE_WRITE (kernels
     before 5.14) its pages are faulted in by writing them; free unregisters and unmaps once."""
-    real = cuda._libc()
     seen: list[int] = []
 
-    class Libc:
-        def __getattr__(self, name):
-            return getattr(real, name)
+    def madvise(real, addr, n, advice):
+        seen.append(advice)
+        return -1 if advice == cuda._MADV_POPULATE_WRITE and not populate else real(addr, n, advice)
 
-        def madvise(self, addr, n, advice):
-            seen.append(advice)
-            return -1 if advice == 23 and not populate else real.madvise(addr, n, advice)
-
-    monkeypatch.setattr(cuda, "_libc", lambda: Libc())
+    _spy_libc(monkeypatch, madvise=madvise)
     before = fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost)
     n = (3 << 20) + 8192
     stage = cuda.RegisteredHostBuffer(n)
     assert stage.ptr % 4096 == 0 and len(stage.view) == n
-    assert 23 in seen and 10 in seen  # populated, and kept out of forked children
+    # Populated, and kept out of forked children.
+    assert cuda._MADV_POPULATE_WRITE in seen and cuda._MADV_DONTFORK in seen
     if populate:
         assert not _mapped_in_a_forked_child(stage.ptr)
     assert cuda.pointer_info(stage.ptr).kind is cuda.MemoryKind.PINNED
@@ -247,18 +258,13 @@ def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
 
 
 def test_refused_registration_unmaps_the_memory(fake_runtime, monkeypatch):
-    real = cuda._libc()
     unmapped: list[int] = []
 
-    class Libc:
-        def __getattr__(self, name):
-            return getattr(real, name)
+    def munmap(real, addr, n):
+        unmapped.append(n)
+        return real(addr, n)
 
-        def munmap(self, addr, n):
-            unmapped.append(n)
-            return real.munmap(addr, n)
-
-    monkeypatch.setattr(cuda, "_libc", lambda: Libc())
+    _spy_libc(monkeypatch, munmap=munmap)
     fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
     with pytest.raises(CudaError):
         cuda.RegisteredHostBuffer(1 << 20)

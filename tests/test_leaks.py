@@ -9,10 +9,9 @@ import pytest
 
 import gdskit
 from gdskit import errors
+from leak_helpers import fd_count
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def test_no_fd_leak_on_success_and_error(tmp_path):
@@ -21,7 +20,7 @@ def test_no_fd_leak_on_success_and_error(tmp_path):
     buf = np.empty(2 << 20, np.uint8)
     with gdskit.open(str(p)) as f:  # warm up the worker threads and lanes
         f.read(buf)
-    before = _fds()
+    before = fd_count()
     for policy in ("auto", "always", "never"):
         with gdskit.settings.set(odirect=policy):
             for _ in range(20):
@@ -37,21 +36,21 @@ def test_no_fd_leak_on_success_and_error(tmp_path):
                     with gdskit.open(str(tmp_path / "a.bin"), "w", atomic=True) as f:
                         f.write(buf)
                         raise RuntimeError
-    assert _fds() == before
+    assert fd_count() == before
     assert gdskit.resources().lanes_busy == 0
 
 
 def test_unclosed_file_is_closed_by_gc(tmp_path):
     p = tmp_path / "g.bin"
     p.write_bytes(b"x" * 100)
-    before = _fds()
+    before = fd_count()
     f = gdskit.open(str(p))
     f.read(bytearray(100))
     del f
     import gc
 
     gc.collect()
-    assert _fds() == before
+    assert fd_count() == before
 
 
 def test_close_waits_for_background_requests(tmp_path):

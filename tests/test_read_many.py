@@ -159,7 +159,6 @@ class TestOnStandInGpu:
             assert got == len(data[off:off + n])
             assert b.to_numpy().tobytes()[:got] == data[off:off + got]
 
-
     def test_on_bytes_adds_up_on_the_bounce_ring(self, data_file):
         path, data = data_file
         bufs = [cuda.DeviceArray(1 << 20) for _ in range(3)]

@@ -16,6 +16,7 @@ from safetensors import safe_open  # noqa: E402
 import gdskit  # noqa: E402
 import gdskit.safetensors as gs  # noqa: E402
 from gpu_memory import load_from_one_segment, new_large_pool_segments  # noqa: E402
+from leak_helpers import fd_count  # noqa: E402
 from gdskit.errors import FormatError, GdskitError, MissingDependencyError  # noqa: E402
 from gdskit.formats import read_plan  # noqa: E402
 from gdskit.formats import safetensors_format as fmt  # noqa: E402
@@ -46,8 +47,6 @@ def every_dtype() -> dict[str, torch.Tensor]:
     return out
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 # -- round trips with the reference library -------------------------------------

@@ -12,6 +12,7 @@ import sys
 import time
 import textwrap
 
+import psutil
 import pytest
 
 from gdskit.errors import (
@@ -148,12 +149,20 @@ def test_timeout_also_stops_what_the_workload_started(tmp_path, stats_dir):
     pid_file = tmp_path / "child.pid"
     script = f"sleep 60 & echo $! > {pid_file}; wait"
     with pytest.raises(WorkloadTimeoutError):
-        run_workload(["bash", "-c", script], timeout=0.5)
+        run_workload(["bash", "-c", script], timeout=3)  # time enough for bash to write the pid
     child = int(pid_file.read_text())
+
+    def gone() -> bool:  # dead; a zombie counts (where nothing reaps orphans, e.g. pytest as PID 1)
+        if start_ticks(child) is None:
+            return True
+        try:
+            return psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
     deadline = time.monotonic() + 5
-    while start_ticks(child) is not None and time.monotonic() < deadline:  # reaped by init shortly
+    while not gone() and time.monotonic() < deadline:  # reaped by init shortly
         time.sleep(0.05)
-    assert start_ticks(child) is None, "the workload's own child survived the timeout"
+    assert gone(), "the workload's own child survived the timeout"
 
 
 def test_an_unwritable_report_file_exits_2(files, stats_dir, tmp_path):

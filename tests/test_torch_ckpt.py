@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import gdskit.torch as gt  # noqa: E402
 from gpu_memory import load_from_one_segment  # noqa: E402
+from leak_helpers import fd_count  # noqa: E402
 from gdskit.errors import FormatError, GdskitError  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -229,10 +230,10 @@ def test_bad_files_raise_format_error_and_leak_no_fd(tmp_path, case) -> None:
     gt.save(checkpoint(), good)
     bad = tmp_path / "bad.pt"
     bad.write_bytes(bad_variants(good.read_bytes())[case])
-    before = len(os.listdir("/proc/self/fd"))
+    before = fd_count()
     with pytest.raises(FormatError):
         gt.load(bad)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert fd_count() == before
 
 
 def test_missing_file_is_file_not_found(tmp_path) -> None:
@@ -278,11 +279,11 @@ def test_read_ahead_loads_like_torch_load(tmp_path, read_ahead) -> None:
 def test_read_ahead_waits_for_its_reads_when_unpickling_is_refused(tmp_path, read_ahead) -> None:
     path = tmp_path / "u.pt"
     torch.save({"obj": Unsafe(), "t": torch.randn(300_000)}, path)
-    before = len(os.listdir("/proc/self/fd"))
+    before = fd_count()
     with pytest.raises(gt.UnsafeCheckpointError):
         gt.load(path, map_location="cpu")
     assert read_ahead and read_ahead[0]._job.done()
-    assert len(os.listdir("/proc/self/fd")) == before and not _load_threads()
+    assert fd_count() == before and not _load_threads()
 
 
 def test_read_ahead_stops_when_unpickling_is_refused(tmp_path, read_ahead, monkeypatch) -> None:
@@ -324,10 +325,11 @@ def test_read_ahead_error_surfaces_after_unpickling(tmp_path, read_ahead, monkey
     monkeypatch.setattr(torch_io, "execute", failing_execute)
     path = tmp_path / "e.pt"
     gt.save(checkpoint(), path)
-    before = len(os.listdir("/proc/self/fd"))
+    before = fd_count()
     with pytest.raises(gt.TruncatedFileError, match="went missing"):
         gt.load(path, map_location="cpu")
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert read_ahead and read_ahead[0] is not None  # the error came from the read-ahead's job
+    assert fd_count() == before
 
 
 # -- GPU ------------------------------------------------------------------------
