@@ -164,6 +164,12 @@ def resident_bytes(path: str) -> int | None:
     return None if got is None else got[0] * mmap.PAGESIZE
 
 
+def set_nr_hugepages(n: int) -> None:
+    """The kernel's pool of 2 MiB hugetlb pages (root only)."""
+    with open("/proc/sys/vm/nr_hugepages", "w", encoding="ascii") as fh:
+        fh.write(str(n))
+
+
 def reserve_hugetlb_pages(pages: int) -> int | None:
     """Make sure ``pages`` 2 MiB hugetlb pages are free, raising vm.nr_hugepages as root.
 
@@ -184,8 +190,7 @@ def reserve_hugetlb_pages(pages: int) -> int | None:
     if os.geteuid() != 0:
         raise SystemExit(f"--huge-pages: fio needs {pages} free 2 MiB hugetlb pages, {free} are; as root: "
                          f"sysctl vm.nr_hugepages={total + pages - free}")
-    with open("/proc/sys/vm/nr_hugepages", "w", encoding="ascii") as fh:
-        fh.write(str(total + pages - free))
+    set_nr_hugepages(total + pages - free)
     if meminfo("HugePages_Free") < pages:
         raise SystemExit(f"--huge-pages: the kernel found only {meminfo('HugePages_Free')} free 2 MiB pages")
     return total
@@ -249,8 +254,7 @@ def main() -> int:
                 print(f"rep {rep + 1} ({', '.join(order)}): {name}: {got} GiB/s", file=sys.stderr)
     finally:
         if restore_hugetlb is not None:
-            with open("/proc/sys/vm/nr_hugepages", "w", encoding="ascii") as fh:
-                fh.write(str(restore_hugetlb))
+            set_nr_hugepages(restore_hugetlb)
         if not args.keep:
             for p in made:
                 os.unlink(p)
