@@ -28,7 +28,7 @@ from typing import Any
 
 from gdskit.durable import fsync_dir, remove_if_present, temp_name
 from gdskit.errors import FormatError, GdskitError
-from gdskit.formats import read_plan, require_torch
+from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -395,6 +395,10 @@ def _unpickle(torch: Any, data: bytes, persistent_load: Callable[[Any], Any], we
         tls.map_location = map_location  # used by tensors rebuilt outside a storage (numpy, subclasses)
     try:
         if weights_only:
+            try:  # at C speed when the pickle is a plain state dict (gdskit.formats.weights_pickle)
+                return weights_pickle.load(data, persistent_load)
+            except weights_pickle.NotPlain:
+                pass
             from torch import _weights_only_unpickler
             up = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
             up.persistent_load = persistent_load

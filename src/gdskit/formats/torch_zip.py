@@ -60,6 +60,7 @@ class StorageRecords:
         self._sizes = RecordSizes(reader, source)
         self._limit = limit
         self._where = where
+        self._located: dict[str, tuple[int, int]] = {}  # record name -> (offset, size), from spans()
 
     def spans(self) -> list[tuple[str, int, int]] | None:
         """``(key, offset, nbytes)`` of every storage record in the archive, or None when
@@ -71,6 +72,7 @@ class StorageRecords:
                     offset, size = self._reader.get_record_offset(name), self._sizes(name)
                     if offset + size > self._limit:
                         return None
+                    self._located[name] = (offset, size)
                     out.append((name[len("data/"):], offset, size))
         except RuntimeError:
             return None
@@ -90,11 +92,15 @@ class StorageRecords:
             raise FormatError(f"{where}: storage {key!r} has invalid size {numel!r}")
         nbytes = numel * torch._utils._element_size(dtype)
         name = f"data/{key}"
-        try:
-            offset = self._reader.get_record_offset(name)
-            size = self._sizes(name)
-        except RuntimeError:
-            raise FormatError(f"{where}: storage record {name} is missing") from None
+        located = self._located.get(name)
+        if located is not None:  # spans() has placed it already: asking the reader again costs 8 us a record
+            offset, size = located
+        else:
+            try:
+                offset = self._reader.get_record_offset(name)
+                size = self._sizes(name)
+            except RuntimeError:
+                raise FormatError(f"{where}: storage record {name} is missing") from None
         if size != nbytes:
             raise FormatError(f"{where}: record {name} holds {size} bytes, the pickle says {nbytes}")
         if offset + nbytes > self._limit:
