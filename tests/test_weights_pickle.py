@@ -141,6 +141,22 @@ def test_refused_checkpoint_calls_nothing(tmp_path) -> None:
     assert CALLED == []
 
 
+class BadTensor:
+    """Pickles as a call of an allowed rebuild function with values that do not fit it."""
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, (123, 0, (2,), (1,), False, collections.OrderedDict()))
+
+
+def test_damaged_pickle_is_a_format_error(tmp_path) -> None:
+    path = tmp_path / "d.pt"
+    torch.save({"t": BadTensor()}, path)
+    with pytest.raises(AttributeError):
+        torch.load(path, weights_only=True)  # what torch itself raises
+    with pytest.raises(FormatError, match="damaged"):
+        gt.load(path)
+
+
 # -- the unpickler itself ------------------------------------------------------------
 
 def test_unknown_global_stops_before_it_is_called() -> None:

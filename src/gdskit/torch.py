@@ -409,6 +409,10 @@ def _unpickle(torch: Any, data: bytes, persistent_load: Callable[[Any], Any], we
                     f"weights_only load refused the checkpoint: {exc}. Load it with weights_only=False "
                     "only if you trust its source, or allow its classes with "
                     "torch.serialization.add_safe_globals.") from None
+            except (GdskitError, MemoryError):
+                raise
+            except Exception as exc:  # allowed objects built from values that do not fit them
+                raise FormatError(f"the checkpoint's pickle is damaged: {type(exc).__name__}: {exc}") from None
         up = _FullUnpickler(torch, io.BytesIO(data), encoding="utf-8")
         up.persistent_load = persistent_load
         return up.load()
