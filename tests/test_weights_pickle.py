@@ -207,3 +207,17 @@ def test_damaged_pickles_fail_cleanly(data) -> None:
     except (weights_pickle.NotPlain, GdskitError):
         pass
     assert CALLED == []
+
+
+def test_a_torch_without_the_allowed_list_uses_its_own_unpickler(tmp_path, monkeypatch) -> None:
+    from torch import _weights_only_unpickler as wo
+
+    weights_pickle._plain_globals.cache_clear()
+    monkeypatch.delattr(wo, "_get_allowed_globals")
+    try:
+        with pytest.raises(weights_pickle.NotPlain):
+            weights_pickle.load(_dumps({"t": torch.ones(2)}), _storage_loader())
+    finally:
+        monkeypatch.undo()
+        weights_pickle._plain_globals.cache_clear()
+    assert weights_pickle._plain_globals()

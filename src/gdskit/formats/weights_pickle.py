@@ -40,9 +40,11 @@ def _plain_globals() -> dict[tuple[str, str], Any]:
     """(module, name) -> object, for the globals plain state dicts name; each one checked
     against torch's own weights-only list (a name torch does not allow is left out)."""
     import torch
-    from torch import _weights_only_unpickler as wo
-
-    allowed = wo._get_allowed_globals()
+    try:
+        from torch import _weights_only_unpickler as wo
+        allowed = wo._get_allowed_globals()
+    except (ImportError, AttributeError):  # a torch without the list: always use its unpickler
+        return {}
     wanted = {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
               "torch._utils._rebuild_parameter", "torch.Size", "torch.storage.UntypedStorage"}
     wanted.update(key for key, obj in allowed.items() if isinstance(obj, torch.dtype))  # torch.float32, ...
