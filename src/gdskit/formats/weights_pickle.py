@@ -2,12 +2,11 @@
 
 torch's weights-only unpickler (``torch._weights_only_unpickler``) is written in
 Python and interprets every opcode itself; for a checkpoint of 20,000 small tensors
-that took most of a load (1.4 of 1.6 s on the development VM). Plain state dicts
+that took most of a load (1.4 of 1.8 s on the development VM). Plain state dicts
 only ever name a handful of globals: ``OrderedDict``, the tensor and parameter
 rebuild functions, ``torch.Size``, dtypes, ``UntypedStorage`` and the legacy storage
-type names. This
-module runs Python's C unpickler with ``find_class`` limited to exactly those
-objects, each one also allowed by torch's own weights-only list.
+type names. This module runs Python's C unpickler with ``find_class`` limited to
+exactly those objects, each one also allowed by torch's own weights-only list.
 
 Why that is as safe: a pickle can only create objects and call functions that a
 global lookup handed it, and every lookup here answers from the short list above or
