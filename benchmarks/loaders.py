@@ -19,9 +19,9 @@ Peers whose package is missing are reported as "not installed".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import contextlib
 import resource
 import subprocess
 import sys

@@ -199,7 +199,7 @@ def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
         if cmd[0] != "go":
             return
         out = runner.WorkerOut()
-        counters_before = runner.cufile_counters(plan.params.device) if plan.name == "cufile" else None
+        counters_before = runner.run_counters(plan)
         ledger_before = gdskit.stats()
         user0, sys0 = _cpu_s()
         try:
@@ -210,7 +210,7 @@ def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
             out.error = _portable(exc)
         user1, sys1 = _cpu_s()
         ledger = gdskit.stats() - ledger_before
-        counters_after = runner.cufile_counters(plan.params.device) if plan.name == "cufile" else None
+        counters_after = runner.run_counters(plan)
     send(("done", out, ledger, runner.counter_delta(counters_before, counters_after), user1 - user0,
           sys1 - sys0))
 

@@ -318,10 +318,13 @@ def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tupl
     return True, (told[0][1] if told else "unknown")
 
 
-def cufile_counters(device: int) -> dict[str, int] | None:
+def run_counters(plan: RunPlan) -> dict[str, int] | None:
+    """cuFile's counters for a cufile run's device (None for other paths, or where cuFile has none)."""
+    if plan.name != "cufile":
+        return None
     from gdskit.backends.cufile import counters_now  # noqa: PLC0415 - only cufile runs need it
 
-    return counters_now(device)
+    return counters_now(plan.params.device)
 
 
 @dataclass(frozen=True)
@@ -468,7 +471,7 @@ def _run_threads(plan: RunPlan, targets: Targets) -> RunWindow:
                    for w in range(W)]
         for t in threads:
             t.start()
-        counters_before = cufile_counters(params.device) if plan.name == "cufile" else None
+        counters_before = run_counters(plan)
         ledger_before = gdskit.stats()
         try:
             cpu_before = cpu_mod.sample()
@@ -492,7 +495,7 @@ def _run_threads(plan: RunPlan, targets: Targets) -> RunWindow:
                 t.join()
             raise
         ledger_after = gdskit.stats()
-        counters_after = cufile_counters(params.device) if plan.name == "cufile" else None
+        counters_after = run_counters(plan)
     return RunWindow(outs, t_end - t_start, cpu_mod.cpu_cost(cpu_before, cpu_after), ledger_after - ledger_before,
                    counter_delta(counters_before, counters_after))
 

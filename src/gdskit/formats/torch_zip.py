@@ -60,7 +60,15 @@ class StorageRecords:
         self._sizes = RecordSizes(reader, source)
         self._limit = limit
         self._where = where
-        self._located: dict[str, tuple[int, int]] = {}  # record name -> (offset, size), from spans()
+        self._located: dict[str, tuple[int, int]] = {}  # record name -> (offset, size)
+
+    def _locate(self, name: str) -> tuple[int, int]:
+        """(offset, size) of record ``name``, asked of the archive once (8 us a record);
+        RuntimeError where it is missing."""
+        found = self._located.get(name)
+        if found is None:
+            found = self._located[name] = (self._reader.get_record_offset(name), self._sizes(name))
+        return found
 
     def spans(self) -> list[tuple[str, int, int]] | None:
         """``(key, offset, nbytes)`` of every storage record in the archive, or None when
@@ -69,10 +77,9 @@ class StorageRecords:
         try:
             for name in self._reader.get_all_records():
                 if name.startswith("data/"):
-                    offset, size = self._reader.get_record_offset(name), self._sizes(name)
+                    offset, size = self._locate(name)
                     if offset + size > self._limit:
                         return None
-                    self._located[name] = (offset, size)
                     out.append((name[len("data/"):], offset, size))
         except RuntimeError:
             return None
@@ -92,15 +99,10 @@ class StorageRecords:
             raise FormatError(f"{where}: storage {key!r} has invalid size {numel!r}")
         nbytes = numel * torch._utils._element_size(dtype)
         name = f"data/{key}"
-        located = self._located.get(name)
-        if located is not None:  # spans() has placed it already: asking the reader again costs 8 us a record
-            offset, size = located
-        else:
-            try:
-                offset = self._reader.get_record_offset(name)
-                size = self._sizes(name)
-            except RuntimeError:
-                raise FormatError(f"{where}: storage record {name} is missing") from None
+        try:
+            offset, size = self._locate(name)
+        except RuntimeError:
+            raise FormatError(f"{where}: storage record {name} is missing") from None
         if size != nbytes:
             raise FormatError(f"{where}: record {name} holds {size} bytes, the pickle says {nbytes}")
         if offset + nbytes > self._limit:

@@ -252,9 +252,11 @@ def relate(root: SystemRoot, gpu_index: int, gpu_place: PciPlace | None, gpu_bdf
     else:
         relation = "same-root-complex"
     cross_numa = gpu_numa is not None and peer.numa_node is not None and gpu_numa != peer.numa_node
+    for bdf in between:
+        if bdf not in bridges:
+            bridges[bdf] = read_bridge(root, bdf)
     return Link(gpu_index, gpu_bdf, peer.name, peer.kind, relation, a[common - 1] if common else None,
-                [bridges[bdf] if bdf in bridges else bridges.setdefault(bdf, read_bridge(root, bdf))
-                 for bdf in between], cross_numa)
+                [bridges[bdf] for bdf in between], cross_numa)
 
 
 @dataclass(frozen=True)
