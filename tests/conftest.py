@@ -41,12 +41,14 @@ def fake_runtime():
     import gdskit
     from gdskit import cuda, pool
 
-    from fake_cuda import FakeRuntime
+    from fake_cuda import FakeDriver, FakeRuntime
 
     fake = FakeRuntime()
+    driver = FakeDriver(fake)
     mp = pytest.MonkeyPatch()
     gdskit.release_resources()
     mp.setattr(cuda, "_runtime", lambda: fake)
+    mp.setattr(cuda, "_driver", lambda: driver)
     mp.setattr(cuda, "_device_count", None)
     mp.setattr(pool.lanes, "_register_error", None)
     yield fake

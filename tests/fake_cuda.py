@@ -220,3 +220,16 @@ class FakeRuntime:
 
     def cudaDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802
         return (OK, b"0000:00:06.0\0")
+
+
+class FakeDriver:
+    """The driver-API calls gdskit makes, on top of a :class:`FakeRuntime` (same memory and streams)."""
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
+        return self.runtime.cudaMemcpyAsync(dst, src, n, cudaMemcpyKind.cudaMemcpyHostToDevice, stream)
+
+    def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
+        return self.runtime.cudaMemcpyAsync(dst, src, n, cudaMemcpyKind.cudaMemcpyDeviceToHost, stream)

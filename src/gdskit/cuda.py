@@ -36,6 +36,13 @@ def _runtime() -> Any:
     return runtime
 
 
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+
+    return driver
+
+
 def runtime_or_none() -> Any | None:
     """The bindings' runtime module, or ``None`` when it cannot be imported."""
     try:
@@ -222,15 +229,13 @@ class Stream:
         self.device = device
         self.handle = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
 
+    # Copies go through the driver API. cuda-bindings links its own CUDA runtime, so in a
+    # process with torch the memory usually comes from another runtime (torch's allocator).
     def copy_h2d(self, dst: int, src: int, nbytes: int) -> None:
-        rt = _runtime()
-        check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.handle),
-              "cudaMemcpyAsync(H2D)")
+        check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, int(self.handle)), "cuMemcpyHtoDAsync")
 
     def copy_d2h(self, dst: int, src: int, nbytes: int) -> None:
-        rt = _runtime()
-        check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.handle),
-              "cudaMemcpyAsync(D2H)")
+        check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, int(self.handle)), "cuMemcpyDtoHAsync")
 
     def synchronize(self) -> None:
         check(_runtime().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
