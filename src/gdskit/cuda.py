@@ -232,10 +232,10 @@ class Stream:
     # Copies go through the driver API. cuda-bindings links its own CUDA runtime, so in a
     # process with torch the memory usually comes from another runtime (torch's allocator).
     def copy_h2d(self, dst: int, src: int, nbytes: int) -> None:
-        check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, int(self.handle)), "cuMemcpyHtoDAsync")
+        check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, self.handle), "cuMemcpyHtoDAsync")
 
     def copy_d2h(self, dst: int, src: int, nbytes: int) -> None:
-        check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, int(self.handle)), "cuMemcpyDtoHAsync")
+        check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, self.handle), "cuMemcpyDtoHAsync")
 
     def synchronize(self) -> None:
         check(_runtime().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
