@@ -141,7 +141,7 @@ def child_pinned_alloc() -> dict:
     """How long pinned allocations take, serial vs in parallel (informs the ring design)."""
     from gdskit import cuda
 
-    cuda.check(cuda._runtime().cudaFree(0), "init")
+    cuda.set_device(0)  # initialise CUDA before the clock
     out = {}
     t0 = time.perf_counter()
     b = cuda.PinnedBuffer(256 << 20)
@@ -170,8 +170,8 @@ def child_pinned_variants() -> dict:
 
     from gdskit import cuda
 
-    rt = cuda._runtime()
-    cuda.check(rt.cudaFree(0), "init")
+    drv = cuda._driver()
+    cuda.set_device(0)
     out = {}
     for mib in (64, 256):
         n = mib << 20
@@ -188,9 +188,9 @@ def child_pinned_variants() -> dict:
                 m.madvise(advice, start - addr, n)
             ctypes.memset(start, 0, n)
             t1 = time.perf_counter()
-            cuda.check(rt.cudaHostRegister(start, n, rt.cudaHostRegisterPortable), "cudaHostRegister")
+            cuda.check(drv.cuMemHostRegister(start, n, drv.CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
             t2 = time.perf_counter()
-            rt.cudaHostUnregister(start)
+            drv.cuMemHostUnregister(start)
             out[f"{label}_{mib}MiB_touch_ms"] = (t1 - t0) * 1e3
             out[f"{label}_{mib}MiB_register_ms"] = (t2 - t1) * 1e3
     try:

@@ -90,7 +90,8 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
 
     from gdskit import cuda
 
-    rt = cuda._runtime()
+    drv = cuda._driver()
+    cuda.set_device(0)
     tag = "thp" if huge else "4k"
     t0 = time.perf_counter()
     m = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -100,10 +101,10 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
         m.madvise(mmap.MADV_HUGEPAGE, start - base, nbytes)
     ctypes.memset(start, 0, nbytes)
     t1 = time.perf_counter()
-    cuda.check(rt.cudaHostRegister(start, nbytes, rt.cudaHostRegisterPortable), "cudaHostRegister")
+    cuda.check(drv.cuMemHostRegister(start, nbytes, drv.CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
     t2 = time.perf_counter()
     anon_huge = anon_huge_bytes() or 0
-    cuda.check(rt.cudaHostUnregister(start), "cudaHostUnregister")
+    cuda.check(drv.cuMemHostUnregister(start), "cuMemHostUnregister")
     thp_mode = transparent_huge_pages() or "unknown"
     return {f"{tag}_touch_ms": (t1 - t0) * 1e3, f"{tag}_register_ms": (t2 - t1) * 1e3,
             f"{tag}_anon_huge_MiB": anon_huge // MiB, "thp_mode": thp_mode}

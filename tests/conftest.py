@@ -33,22 +33,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_torch)
 
 
-# -- the stand-in CUDA runtime and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
+# -- the stand-in CUDA driver and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
 
 @pytest.fixture(scope="module")
-def fake_runtime():
-    """gdskit on a stand-in CUDA runtime with one device, for every test of the module."""
+def fake_cuda():
+    """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
     import gdskit
     from gdskit import cuda, pool
 
-    from fake_cuda import FakeDriver, FakeRuntime
+    from fake_cuda import FakeDriver
 
-    fake = FakeRuntime()
-    driver = FakeDriver(fake)
+    fake = FakeDriver()
     mp = pytest.MonkeyPatch()
     gdskit.release_resources()
-    mp.setattr(cuda, "_runtime", lambda: fake)
-    mp.setattr(cuda, "_driver", lambda: driver)
+    mp.setattr(cuda, "_driver", lambda: fake)
+    mp.setattr(cuda, "_contexts", {})
     mp.setattr(cuda, "_device_count", None)
     mp.setattr(pool.lanes, "_register_error", None)
     yield fake
@@ -58,7 +57,7 @@ def fake_runtime():
 
 
 @pytest.fixture
-def compat_cufile(monkeypatch, fake_runtime):
+def compat_cufile(monkeypatch, fake_cuda):
     """cuFile that works only in compat mode, as on a machine without nvidia-fs or P2PDMA."""
     from fake_cufile import FakeCufile
     from fake_stack import use_cufile

@@ -1,10 +1,11 @@
-"""A stand-in for ``cuda.bindings.runtime`` so the GPU paths' logic runs in CI, which has no GPU.
+"""A stand-in for ``cuda.bindings.driver`` so the GPU paths' logic runs in CI, which has no GPU.
 
 "Device" memory is host memory the fake remembers as device memory; asynchronous copies
 are recorded on their stream and carried out only when the stream or an event is
 synchronised, so a missing wait shows up as wrong data, as on a real GPU. Errors can be
 injected per function name. Only what gdskit calls is implemented, with the bindings'
-calling convention (every call returns ``(error, *values)``).
+calling convention (every call returns ``(error, *values)``). Contexts are per thread,
+as in the driver: a thread must make one current before it allocates.
 """
 
 from __future__ import annotations
@@ -16,73 +17,73 @@ from types import SimpleNamespace
 from typing import Any
 
 
-class cudaError_t(enum.IntEnum):  # noqa: N801 - the bindings' names
-    cudaSuccess = 0
-    cudaErrorInvalidValue = 1
-    cudaErrorMemoryAllocation = 2
-    cudaErrorHostMemoryAlreadyRegistered = 712
-    cudaErrorHostMemoryNotRegistered = 713
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 
 
-class cudaMemcpyKind(enum.IntEnum):  # noqa: N801
-    cudaMemcpyHostToHost = 0
-    cudaMemcpyHostToDevice = 1
-    cudaMemcpyDeviceToHost = 2
-    cudaMemcpyDeviceToDevice = 3
-    cudaMemcpyDefault = 4
+class CUmemorytype(enum.IntEnum):
+    CU_MEMORYTYPE_UNREGISTERED = 0  # what the driver reports for memory it does not know
+    CU_MEMORYTYPE_HOST = 1
+    CU_MEMORYTYPE_DEVICE = 2
+    CU_MEMORYTYPE_MANAGED = 99  # not a driver value: the fake's tag; the driver reports DEVICE + IS_MANAGED
 
 
-class cudaMemoryType(enum.IntEnum):  # noqa: N801
-    cudaMemoryTypeUnregistered = 0
-    cudaMemoryTypeHost = 1
-    cudaMemoryTypeDevice = 2
-    cudaMemoryTypeManaged = 3
+class CUpointer_attribute(enum.IntEnum):  # noqa: N801 - the bindings' names
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+    CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
+    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
-OK = cudaError_t.cudaSuccess
+OK = CUresult.CUDA_SUCCESS
 
 
-class FakeRuntime:
-    cudaError_t = cudaError_t
-    cudaMemcpyKind = cudaMemcpyKind
-    cudaMemoryType = cudaMemoryType
-    cudaStreamNonBlocking = 1
-    cudaHostAllocPortable = 1
-    cudaHostRegisterPortable = 1
-    cudaEventDisableTiming = 2
-    cudaEventBlockingSync = 1
-    cudaStreamPerThread = 2
-    cudaMemAttachGlobal = 1
+class FakeDriver:
+    CUresult = CUresult
+    CUmemorytype = CUmemorytype
+    CUpointer_attribute = CUpointer_attribute
+    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUevent_flags = SimpleNamespace(CU_EVENT_BLOCKING_SYNC=1, CU_EVENT_DISABLE_TIMING=2)
+    CUmemAttach_flags = SimpleNamespace(CU_MEM_ATTACH_GLOBAL=1)
+    CU_MEMHOSTALLOC_PORTABLE = 1
+    CU_MEMHOSTREGISTER_PORTABLE = 1
 
     def __init__(self, devices: int = 1) -> None:
         self.devices = devices
         self._lock = threading.Lock()
-        self._allocs: dict[int, tuple[Any, int, cudaMemoryType, int]] = {}  # ptr -> (buffer, size, kind, device)
+        self._allocs: dict[int, tuple[Any, int, CUmemorytype, int]] = {}  # ptr -> (buffer, size, kind, device)
         self._streams: dict[int, list[tuple[int, int, int]]] = {}
         self._events: dict[int, int | None] = {}
         self._next_handle = 100
         self._tls = threading.local()
-        self.fail: dict[str, cudaError_t] = {}  # function name -> error to return (once set, every call)
+        self.fail: dict[str, CUresult] = {}  # function name -> error to return (once set, every call)
         self.calls: dict[str, int] = {}
 
     # -- helpers ------------------------------------------------------------------------------
-    def _count(self, name: str) -> cudaError_t | None:
+    def _count(self, name: str) -> CUresult | None:
         self.calls[name] = self.calls.get(name, 0) + 1
         return self.fail.get(name)
 
-    def _alloc(self, n: int, kind: cudaMemoryType) -> int:
+    def _context(self) -> int | None:
+        return getattr(self._tls, "ctx", None)
+
+    def _alloc(self, n: int, kind: CUmemorytype) -> tuple[CUresult, int]:
+        ctx = self._context()
+        if ctx is None:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
         raw = ctypes.create_string_buffer(n + 4096)
         ptr = (ctypes.addressof(raw) + 4095) & ~4095
         with self._lock:
-            self._allocs[ptr] = (raw, n, kind, self._device())
-        return ptr
+            self._allocs[ptr] = (raw, n, kind, ctx)
+        return (OK, ptr)
 
-    def _free(self, ptr: int) -> cudaError_t:
+    def _free(self, ptr: int) -> CUresult:
         with self._lock:
-            return OK if self._allocs.pop(ptr, None) is not None else cudaError_t.cudaErrorInvalidValue
-
-    def _device(self) -> int:
-        return getattr(self._tls, "device", 0)
+            return OK if self._allocs.pop(ptr, None) is not None else CUresult.CUDA_ERROR_INVALID_VALUE
 
     def _handle(self) -> int:
         with self._lock:
@@ -95,141 +96,153 @@ class FakeRuntime:
         for dst, src, n in pending:
             ctypes.memmove(dst, src, n)
 
-    def live_allocations(self, kind: cudaMemoryType | None = None) -> int:
-        with self._lock:
-            return sum(1 for _b, _n, k, _d in self._allocs.values() if kind is None or k == kind)
-
-    # -- the API gdskit uses --------------------------------------------------------------------
-    def cudaGetDeviceCount(self):  # noqa: N802
-        return (self._count("cudaGetDeviceCount") or OK, self.devices)
-
-    def cudaGetLastError(self):  # noqa: N802
-        return (OK,)
-
-    def cudaSetDevice(self, device: int):  # noqa: N802
-        err = self._count("cudaSetDevice")
-        if err:
-            return (err,)
-        self._tls.device = device
-        return (OK,)
-
-    def cudaGetDevice(self):  # noqa: N802
-        return (OK, self._device())
-
-    def cudaFree(self, ptr: int):  # noqa: N802
-        return (self._free(int(ptr)),)
-
-    cudaFreeHost = cudaFree
-
-    def cudaMalloc(self, n: int):  # noqa: N802
-        err = self._count("cudaMalloc")
-        return (err, 0) if err else (OK, self._alloc(n, cudaMemoryType.cudaMemoryTypeDevice))
-
-    def cudaMallocManaged(self, n: int, flags: int):  # noqa: N802
-        return (OK, self._alloc(n, cudaMemoryType.cudaMemoryTypeManaged))
-
-    def cudaHostAlloc(self, n: int, flags: int):  # noqa: N802
-        err = self._count("cudaHostAlloc")
-        return (err, 0) if err else (OK, self._alloc(n, cudaMemoryType.cudaMemoryTypeHost))
-
-    def cudaHostRegister(self, ptr: int, n: int, flags: int):  # noqa: N802
-        err = self._count("cudaHostRegister")
-        if err:
-            return (err,)
-        with self._lock:
-            if ptr in self._allocs:
-                return (cudaError_t.cudaErrorHostMemoryAlreadyRegistered,)
-            self._allocs[ptr] = (None, n, cudaMemoryType.cudaMemoryTypeHost, self._device())
-        return (OK,)
-
-    def cudaHostUnregister(self, ptr: int):  # noqa: N802
-        err = self._count("cudaHostUnregister")
-        if err:
-            return (err,)
-        with self._lock:
-            found = self._allocs.get(ptr)
-            if found is None or found[0] is not None:
-                return (cudaError_t.cudaErrorHostMemoryNotRegistered,)
-            del self._allocs[ptr]
-        return (OK,)
-
-    def cudaPointerGetAttributes(self, ptr: int):  # noqa: N802
-        with self._lock:
-            for base, (_raw, n, kind, dev) in self._allocs.items():
-                if base <= ptr < base + max(n, 1):
-                    return (OK, SimpleNamespace(type=kind, device=dev))
-        return (OK, SimpleNamespace(type=cudaMemoryType.cudaMemoryTypeUnregistered, device=-2))
-
-    def cudaMemcpy(self, dst: int, src: int, n: int, kind: Any):  # noqa: N802
-        ctypes.memmove(int(dst), int(src), n)
-        return (OK,)
-
-    def cudaMemset(self, ptr: int, value: int, n: int):  # noqa: N802
-        ctypes.memset(int(ptr), value, n)
-        return (OK,)
-
-    def cudaDeviceSynchronize(self):  # noqa: N802
-        for s in list(self._streams):
-            self._run(s)
-        return (OK,)
-
-    def cudaStreamCreateWithFlags(self, flags: int):  # noqa: N802
-        h = self._handle()
-        self._streams[h] = []
-        return (OK, h)
-
-    def cudaStreamDestroy(self, stream: int):  # noqa: N802
-        self._run(stream)
-        self._streams.pop(stream, None)
-        return (OK,)
-
-    def cudaStreamSynchronize(self, stream: int):  # noqa: N802
-        err = self._count("cudaStreamSynchronize")
-        if err:
-            return (err,)
-        if stream in self._streams:
-            self._run(stream)
-        return (OK,)
-
-    def cudaMemcpyAsync(self, dst: int, src: int, n: int, kind: Any, stream: int):  # noqa: N802
-        err = self._count("cudaMemcpyAsync")
+    def _enqueue(self, name: str, dst: int, src: int, n: int, stream: int) -> tuple[CUresult]:
+        err = self._count(name)
         if err:
             return (err,)
         with self._lock:
             self._streams.setdefault(stream, []).append((int(dst), int(src), n))
         return (OK,)
 
-    def cudaEventCreateWithFlags(self, flags: int):  # noqa: N802
+    def live_allocations(self, kind: CUmemorytype | None = None) -> int:
+        with self._lock:
+            return sum(1 for _b, _n, k, _d in self._allocs.values() if kind is None or k == kind)
+
+    # -- the API gdskit uses --------------------------------------------------------------------
+    def cuInit(self, flags: int):  # noqa: N802
+        return (OK,)
+
+    def cuDeviceGetCount(self):  # noqa: N802
+        return (self._count("cuDeviceGetCount") or OK, self.devices)
+
+    def cuDeviceGet(self, ordinal: int):  # noqa: N802
+        return (OK, ordinal) if 0 <= ordinal < self.devices else (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
+
+    def cuDevicePrimaryCtxRetain(self, dev: int):  # noqa: N802
+        return (OK, 1000 + dev)  # the context of device d is 1000 + d
+
+    def cuCtxSetCurrent(self, ctx: int):  # noqa: N802
+        err = self._count("cuCtxSetCurrent")
+        if err:
+            return (err,)
+        self._tls.ctx = int(ctx) - 1000
+        return (OK,)
+
+    def cuCtxGetCurrent(self):  # noqa: N802
+        ctx = self._context()
+        return (OK, 0 if ctx is None else 1000 + ctx)
+
+    def cuCtxGetDevice(self):  # noqa: N802
+        ctx = self._context()
+        return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0) if ctx is None else (OK, ctx)
+
+    def cuCtxSynchronize(self):  # noqa: N802
+        for s in list(self._streams):
+            self._run(s)
+        return (OK,)
+
+    def cuMemFree(self, ptr: int):  # noqa: N802
+        return (self._free(int(ptr)),)
+
+    cuMemFreeHost = cuMemFree
+
+    def cuMemAlloc(self, n: int):  # noqa: N802
+        return self._count("cuMemAlloc") or self._alloc(n, CUmemorytype.CU_MEMORYTYPE_DEVICE)
+
+    def cuMemAllocManaged(self, n: int, flags: int):  # noqa: N802
+        return self._alloc(n, CUmemorytype.CU_MEMORYTYPE_MANAGED)
+
+    def cuMemHostAlloc(self, n: int, flags: int):  # noqa: N802
+        err = self._count("cuMemHostAlloc")
+        return (err, 0) if err else self._alloc(n, CUmemorytype.CU_MEMORYTYPE_HOST)
+
+    def cuMemHostRegister(self, ptr: int, n: int, flags: int):  # noqa: N802
+        err = self._count("cuMemHostRegister")
+        if err:
+            return (err,)
+        if self._context() is None:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        with self._lock:
+            if ptr in self._allocs:
+                return (CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,)
+            self._allocs[ptr] = (None, n, CUmemorytype.CU_MEMORYTYPE_HOST, self._context())
+        return (OK,)
+
+    def cuMemHostUnregister(self, ptr: int):  # noqa: N802
+        err = self._count("cuMemHostUnregister")
+        if err:
+            return (err,)
+        with self._lock:
+            found = self._allocs.get(ptr)
+            if found is None or found[0] is not None:
+                return (CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,)
+            del self._allocs[ptr]
+        return (OK,)
+
+    def cuPointerGetAttributes(self, count: int, attributes: list, ptr: int):  # noqa: N802
+        kind, managed, device = CUmemorytype.CU_MEMORYTYPE_UNREGISTERED, False, -2
+        with self._lock:
+            for base, (_raw, n, k, dev) in self._allocs.items():
+                if base <= ptr < base + max(n, 1):
+                    managed = k == CUmemorytype.CU_MEMORYTYPE_MANAGED
+                    kind = CUmemorytype.CU_MEMORYTYPE_DEVICE if managed else k
+                    device = dev
+                    break
+        by_name = {CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE: int(kind),
+                   CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED: managed,
+                   CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: device}
+        return (OK, [by_name[a] for a in attributes[:count]])
+
+    def cuMemcpy(self, dst: int, src: int, n: int):  # noqa: N802
+        ctypes.memmove(int(dst), int(src), n)
+        return (OK,)
+
+    def cuMemsetD8(self, ptr: int, value: int, n: int):  # noqa: N802
+        ctypes.memset(int(ptr), value, n)
+        return (OK,)
+
+    def cuStreamCreate(self, flags: int):  # noqa: N802
+        h = self._handle()
+        self._streams[h] = []
+        return (OK, h)
+
+    def cuStreamDestroy(self, stream: int):  # noqa: N802
+        self._run(stream)
+        self._streams.pop(stream, None)
+        return (OK,)
+
+    def cuStreamSynchronize(self, stream: int):  # noqa: N802
+        err = self._count("cuStreamSynchronize")
+        if err:
+            return (err,)
+        if stream in self._streams:
+            self._run(stream)
+        return (OK,)
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
+        return self._enqueue("cuMemcpyHtoDAsync", dst, src, n, stream)
+
+    def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
+        return self._enqueue("cuMemcpyDtoHAsync", dst, src, n, stream)
+
+    def cuEventCreate(self, flags: int):  # noqa: N802
         h = self._handle()
         self._events[h] = None
         return (OK, h)
 
-    def cudaEventRecord(self, event: int, stream: int):  # noqa: N802
+    def cuEventRecord(self, event: int, stream: int):  # noqa: N802
         self._events[event] = stream
         return (OK,)
 
-    def cudaEventSynchronize(self, event: int):  # noqa: N802
+    def cuEventSynchronize(self, event: int):  # noqa: N802
         stream = self._events.get(event)
         if stream is not None:
             self._run(stream)
         return (OK,)
 
-    def cudaEventDestroy(self, event: int):  # noqa: N802
+    def cuEventDestroy(self, event: int):  # noqa: N802
         self._events.pop(event, None)
         return (OK,)
 
-    def cudaDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802
+    def cuDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802
         return (OK, b"0000:00:06.0\0")
-
-
-class FakeDriver:
-    """The driver-API calls gdskit makes, on top of a :class:`FakeRuntime` (same memory and streams)."""
-
-    def __init__(self, runtime: FakeRuntime) -> None:
-        self.runtime = runtime
-
-    def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
-        return self.runtime.cudaMemcpyAsync(dst, src, n, cudaMemcpyKind.cudaMemcpyHostToDevice, stream)
-
-    def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
-        return self.runtime.cudaMemcpyAsync(dst, src, n, cudaMemcpyKind.cudaMemcpyDeviceToHost, stream)

@@ -1,5 +1,5 @@
 """Helpers that put gdskit on the stand-in libcufile (tests/fake_cufile.py); the fixtures
-``fake_runtime`` and ``compat_cufile`` live in conftest.py."""
+``fake_cuda`` and ``compat_cufile`` live in conftest.py."""
 
 from __future__ import annotations
 

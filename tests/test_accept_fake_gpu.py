@@ -57,7 +57,7 @@ def test_ab_and_sweep_run_archive_and_plot(tmp_path, compat_cufile):
     assert list((tmp_path / "t").iterdir()) == []   # bench's temporary file removed
 
 
-def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypatch, fake_runtime):
+def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypatch, fake_cuda):
     lib = use_cufile(monkeypatch, FakeCufile(route="posix", register_fails=True))
     try:
         r = items.item_ab(_ctx(tmp_path))
@@ -66,7 +66,7 @@ def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypa
     assert r.status == "fail" and "cufile path cannot run" in r.summary and r.fix
 
 
-def test_registration_fault_sends_auto_mode_to_the_bounce_path(tmp_path, monkeypatch, fake_runtime):
+def test_registration_fault_sends_auto_mode_to_the_bounce_path(tmp_path, monkeypatch, fake_cuda):
     fake = FakeCufile(route="nvfs")          # a machine where cuFile would go direct
     lib = use_cufile(monkeypatch, fake)
     monkeypatch.setattr(router, "direct_route", router.direct_route)  # restored after the test

@@ -66,7 +66,7 @@ def test_compat_is_named_by_the_counters_and_auto_then_uses_the_ring(tmp_path, c
     assert set(second.reasons) == {"cufile_compat_observed"}
 
 
-def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_runtime):
+def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_cuda):
     fake = FakeCufile(route="nvfs")
     lib = use_cufile(monkeypatch, fake)
     monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
@@ -82,7 +82,7 @@ def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_runtime)
     lib.close()
 
 
-def test_registration_failure_falls_back_with_its_reason(tmp_path, monkeypatch, fake_runtime):
+def test_registration_failure_falls_back_with_its_reason(tmp_path, monkeypatch, fake_cuda):
     use_cufile(monkeypatch, FakeCufile(register_fails=True))
     monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
     monkeypatch.setattr(cufile_backend, "udev_database_present", lambda: False)
@@ -108,7 +108,7 @@ def test_buffer_registration(compat_cufile):
     assert not managed.registered and managed.reason is Reason.MANAGED_MEMORY
 
 
-def test_library_close_releases_everything(tmp_path, monkeypatch, fake_runtime):
+def test_library_close_releases_everything(tmp_path, monkeypatch, fake_cuda):
     fake = FakeCufile()
     lib = use_cufile(monkeypatch, fake)
     path, _ = _file(tmp_path, 8192)

@@ -17,17 +17,17 @@ from gdskit import cuda, pool
 from gdskit.errors import CudaError
 
 from backend_conformance import BackendTests
-from fake_cuda import cudaError_t, cudaMemoryType
+from fake_cuda import CUmemorytype, CUresult
 
 pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: tests/test_backend_gpu.py covers this")
 
 
 @pytest.fixture(autouse=True)
-def _fake(fake_runtime, monkeypatch):
-    fake_runtime.fail.clear()
+def _fake(fake_cuda, monkeypatch):
+    fake_cuda.fail.clear()
     # A refused registration is remembered for the process: each test starts from none.
     monkeypatch.setattr(pool.lanes, "_register_error", None)
-    yield fake_runtime
+    yield fake_cuda
 
 
 def _spy_libc(monkeypatch, **calls):
@@ -88,7 +88,7 @@ def test_managed_memory(tmp_path):
     assert set((gdskit.stats() - before).reasons) == {"managed_memory"}
 
 
-def test_pinned_memory_stays_within_budget(tmp_path, fake_runtime):
+def test_pinned_memory_stays_within_budget(tmp_path, fake_cuda):
     p = tmp_path / "b.bin"
     p.write_bytes(os.urandom(4 << 20))
     buf = cuda.DeviceArray(4 << 20)
@@ -98,65 +98,65 @@ def test_pinned_memory_stays_within_budget(tmp_path, fake_runtime):
                 f.read(buf)
             assert gdskit.resources().pinned_bytes <= gdskit.settings.pinned_budget
     gdskit.release_resources()
-    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned buffers leaked"
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0, "pinned buffers leaked"
 
 
-@pytest.mark.parametrize("alloc, call", [("register", "cudaHostRegister"), ("hostalloc", "cudaHostAlloc")])
-def test_prepare_creates_the_ring_once(tmp_path, fake_runtime, alloc, call):
+@pytest.mark.parametrize("alloc, call", [("register", "cuMemHostRegister"), ("hostalloc", "cuMemHostAlloc")])
+def test_prepare_creates_the_ring_once(tmp_path, fake_cuda, alloc, call):
     gdskit.release_resources()
-    before = fake_runtime.calls.get(call, 0)
+    before = fake_cuda.calls.get(call, 0)
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc=alloc):
         usage = gdskit.prepare()
         assert usage.lanes == 4 and usage.pinned_bytes > 0 and usage.pinned_alloc == alloc
-        assert fake_runtime.calls.get(call, 0) == before + 4
-        assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 4
+        assert fake_cuda.calls.get(call, 0) == before + 4
+        assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 4
         p = tmp_path / "p.bin"
         p.write_bytes(os.urandom(4 << 20))
         with gdskit.open(str(p)) as f:
             f.read(cuda.DeviceArray(4 << 20))
-        assert fake_runtime.calls.get(call, 0) == before + 4, "the first read allocated pinned memory again"
+        assert fake_cuda.calls.get(call, 0) == before + 4, "the first read allocated pinned memory again"
     gdskit.release_resources()
-    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0, "pinned stages leaked"
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0, "pinned stages leaked"
     assert gdskit.resources().pinned_alloc == "none"
 
 
-def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_runtime):
+def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_cuda):
     data = os.urandom(3 << 20)
     p = tmp_path / "r.bin"
     p.write_bytes(data)
     buf = cuda.DeviceArray(len(data))
     gdskit.release_resources()
-    registers, allocs = fake_runtime.calls.get("cudaHostRegister", 0), fake_runtime.calls.get("cudaHostAlloc", 0)
+    registers, allocs = fake_cuda.calls.get("cuMemHostRegister", 0), fake_cuda.calls.get("cuMemHostAlloc", 0)
     assert gdskit.resources().register_error is None
-    fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
+    fake_cuda.fail["cuMemHostRegister"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"), gdskit.open(str(p)) as f:
         with pytest.warns(RuntimeWarning, match="falls back to cudaHostAlloc"):
             assert f.read(buf) == len(data)
     assert buf.to_numpy().tobytes() == data
-    assert fake_runtime.calls["cudaHostRegister"] > registers and fake_runtime.calls["cudaHostAlloc"] > allocs
+    assert fake_cuda.calls["cuMemHostRegister"] > registers and fake_cuda.calls["cuMemHostAlloc"] > allocs
     usage = gdskit.resources()
-    assert usage.pinned_alloc == "hostalloc" and "cudaErrorMemoryAllocation" in usage.register_error
+    assert usage.pinned_alloc == "hostalloc" and "CUDA_ERROR_OUT_OF_MEMORY" in usage.register_error
     gdskit.release_resources()
-    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0
 
 
-@pytest.mark.parametrize("failing", ["cudaMemcpyAsync", "cudaHostAlloc", "cudaStreamSynchronize"])
-def test_cuda_errors_surface_and_release_everything(tmp_path, fake_runtime, failing):
+@pytest.mark.parametrize("failing", ["cuMemcpyHtoDAsync", "cuMemHostAlloc", "cuStreamSynchronize"])
+def test_cuda_errors_surface_and_release_everything(tmp_path, fake_cuda, failing):
     p = tmp_path / "e.bin"
     p.write_bytes(os.urandom(2 << 20))
     buf = cuda.DeviceArray(2 << 20)
     gdskit.release_resources()
-    fake_runtime.fail[failing] = cudaError_t.cudaErrorMemoryAllocation
-    op = "write" if failing == "cudaStreamSynchronize" else "read"
+    fake_cuda.fail[failing] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    op = "write" if failing == "cuStreamSynchronize" else "read"
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB", pinned_alloc="hostalloc"):
         with gdskit.open(str(p), "r+") as f:
             with pytest.raises(CudaError) as ei:
                 f.read(buf) if op == "read" else f.write(buf)
-    assert ei.value.code == "cudaErrorMemoryAllocation"
-    fake_runtime.fail.clear()
+    assert ei.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
+    fake_cuda.fail.clear()
     assert gdskit.resources().lanes_busy == 0
     gdskit.release_resources()
-    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == 0
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0
 
 
 def test_write_from_device_memory(tmp_path):
@@ -231,7 +231,7 @@ def _mapped_in_a_forked_child(addr: int) -> bool:
 
 
 @pytest.mark.parametrize("populate", [True, False])
-def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
+def test_registered_stage_memory(fake_cuda, monkeypatch, populate):
     """The stage is page-aligned, writable and registered; without MADV_POPULATE_WRITE (kernels
     before 5.14) its pages are faulted in by writing them; free unregisters and unmaps once."""
     seen: list[int] = []
@@ -241,7 +241,7 @@ def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
         return -1 if advice == cuda._MADV_POPULATE_WRITE and not populate else real(addr, n, advice)
 
     _spy_libc(monkeypatch, madvise=madvise)
-    before = fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost)
+    before = fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST)
     n = (3 << 20) + 8192
     stage = cuda.RegisteredHostBuffer(n)
     assert stage.ptr % 4096 == 0 and len(stage.view) == n
@@ -254,10 +254,10 @@ def test_registered_stage_memory(fake_runtime, monkeypatch, populate):
     assert bytes(stage.view[-5:]) == b"hello" and bytes(stage.view[:4]) == b"\0\0\0\0"
     stage.free()
     stage.free()
-    assert fake_runtime.live_allocations(cudaMemoryType.cudaMemoryTypeHost) == before
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == before
 
 
-def test_refused_registration_unmaps_the_memory(fake_runtime, monkeypatch):
+def test_refused_registration_unmaps_the_memory(fake_cuda, monkeypatch):
     unmapped: list[int] = []
 
     def munmap(real, addr, n):
@@ -265,7 +265,7 @@ def test_refused_registration_unmaps_the_memory(fake_runtime, monkeypatch):
         return real(addr, n)
 
     _spy_libc(monkeypatch, munmap=munmap)
-    fake_runtime.fail["cudaHostRegister"] = cudaError_t.cudaErrorMemoryAllocation
+    fake_cuda.fail["cuMemHostRegister"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
     with pytest.raises(CudaError):
         cuda.RegisteredHostBuffer(1 << 20)
     assert unmapped == [(1 << 20) + (2 << 20)]

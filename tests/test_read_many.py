@@ -117,8 +117,8 @@ class TestOnStandInGpu:
     pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: test_gpu_* cover it")
 
     @pytest.fixture(autouse=True)
-    def _fake(self, fake_runtime):
-        yield fake_runtime
+    def _fake(self, fake_cuda):
+        yield fake_cuda
 
     @pytest.mark.parametrize("mode", ["bounce", "auto"])
     def test_device_reads_match_plain_reads_and_are_recorded_per_request(self, data_file, mode):

@@ -1,8 +1,13 @@
-"""A thin, lazy layer over ``cuda.bindings.runtime``.
+"""A thin, lazy layer over ``cuda.bindings.driver`` (the CUDA driver API).
 
 Nothing here imports CUDA at module import time: ``import gdskit`` must work on a
 machine with no GPU, no driver and no bindings. Every call checks the CUDA error
 code and raises :class:`gdskit.errors.CudaError` on failure.
+
+Why the driver API and not the runtime: a process with torch already has a runtime
+and a context; importing the bindings' runtime module costs 62-75 ms on the H200
+machine (the driver module 18-25 ms), paid inside the first load. gdskit works in
+each device's primary context, the one every runtime in the process shares.
 """
 
 from __future__ import annotations
@@ -30,23 +35,17 @@ class MemoryKind(str, enum.Enum):
 
 
 @functools.lru_cache(maxsize=1)
-def _runtime() -> Any:
-    from cuda.bindings import runtime  # noqa: PLC0415 - lazy on purpose
-
-    return runtime
-
-
-@functools.lru_cache(maxsize=1)
 def _driver() -> Any:
     from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
 
+    check(driver.cuInit(0), "cuInit")
     return driver
 
 
-def runtime_or_none() -> Any | None:
-    """The bindings' runtime module, or ``None`` when it cannot be imported."""
+def driver_or_none() -> Any | None:
+    """The bindings' driver module (initialised), or ``None`` when CUDA cannot be used."""
     try:
-        return _runtime()
+        return _driver()
     except Exception:
         return None
 
@@ -76,20 +75,56 @@ def device_count() -> int:
         return _device_count
     with _count_lock:
         if _device_count is None:
-            rt = runtime_or_none()
-            if rt is None:
+            try:
+                _device_count = int(check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
+            except Exception:
                 _device_count = 0
-            else:
-                try:
-                    err, n = rt.cudaGetDeviceCount()
-                    _device_count = int(n) if int(err) == 0 else 0
-                except Exception:
-                    _device_count = 0
         return _device_count
 
 
 def available() -> bool:
     return device_count() > 0
+
+
+_contexts: dict[int, Any] = {}
+_context_lock = threading.Lock()
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _primary_context(device: int) -> Any:
+    """The device's primary context, retained once for the life of the process (as a runtime does)."""
+    ctx = _contexts.get(device)
+    if ctx is None:
+        drv = _driver()
+        with _context_lock:
+            ctx = _contexts.get(device)
+            if ctx is None:
+                dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+                ctx = _contexts[device] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+def set_device(device: int) -> None:
+    """Make ``device``'s primary context current in the calling thread."""
+    check(_driver().cuCtxSetCurrent(_primary_context(device)), "cuCtxSetCurrent")
+
+
+def current_device() -> int:
+    """The calling thread's device; a thread with no context yet gets device 0, as with the runtime."""
+    drv = _driver()
+    result = drv.cuCtxGetDevice()
+    if int(result[0]) == _CUDA_ERROR_INVALID_CONTEXT:
+        set_device(0)
+        return 0
+    return int(check(result, "cuCtxGetDevice"))
+
+
+def _in_context() -> Any:
+    """The driver module, with a context current in the calling thread (allocations need one)."""
+    drv = _driver()
+    if not int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+        set_device(0)
+    return drv
 
 
 @dataclass(frozen=True)
@@ -102,44 +137,37 @@ def pointer_info(ptr: int) -> PointerInfo:
     """Ask CUDA what kind of memory ``ptr`` points into (host if CUDA does not know it)."""
     if not available():
         return PointerInfo(MemoryKind.HOST, None)
-    rt = _runtime()
-    err, attrs = rt.cudaPointerGetAttributes(ptr)
-    if int(err) != 0:
-        # An unknown host pointer is reported as an error by some drivers: it is pageable memory.
-        rt.cudaGetLastError()
+    drv = _in_context()
+    attr = drv.CUpointer_attribute
+    wanted = [attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, attr.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+              attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL]
+    err, values = drv.cuPointerGetAttributes(len(wanted), wanted, ptr)
+    if int(err) != 0:  # memory no context knows: pageable host memory
         return PointerInfo(MemoryKind.HOST, None)
-    t = int(attrs.type)
-    if t == int(rt.cudaMemoryType.cudaMemoryTypeDevice):
-        return PointerInfo(MemoryKind.DEVICE, int(attrs.device))
-    if t == int(rt.cudaMemoryType.cudaMemoryTypeManaged):
-        return PointerInfo(MemoryKind.MANAGED, int(attrs.device))
-    if t == int(rt.cudaMemoryType.cudaMemoryTypeHost):
+    memory_type, managed, device = (int(v) for v in values)
+    if managed:
+        return PointerInfo(MemoryKind.MANAGED, device)
+    if memory_type == int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+        return PointerInfo(MemoryKind.DEVICE, device)
+    if memory_type == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST):
         return PointerInfo(MemoryKind.PINNED, None)
     return PointerInfo(MemoryKind.HOST, None)
 
 
-def set_device(device: int) -> None:
-    check(_runtime().cudaSetDevice(device), "cudaSetDevice")
-
-
-def current_device() -> int:
-    return int(check(_runtime().cudaGetDevice(), "cudaGetDevice"))
-
-
 class PinnedBuffer:
-    """Page-locked host memory from ``cudaHostAlloc``, freed exactly once."""
+    """Page-locked host memory from ``cuMemHostAlloc`` (``cudaHostAlloc``), freed exactly once."""
 
     def __init__(self, nbytes: int) -> None:
-        rt = _runtime()
+        drv = _in_context()
         self.nbytes = nbytes
-        self.ptr = int(check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc"))
+        self.ptr = int(check(drv.cuMemHostAlloc(nbytes, drv.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         # A writable view over the whole buffer, for os.preadv / os.pwrite.
         self.view = memoryview((ctypes.c_char * nbytes).from_address(self.ptr)).cast("B")
 
     def free(self) -> None:
         if self.ptr:
             self.view.release()
-            check(_runtime().cudaFreeHost(self.ptr), "cudaFreeHost")
+            check(_driver().cuMemFreeHost(self.ptr), "cuMemFreeHost")
             self.ptr = 0
 
     def __del__(self) -> None:  # last resort; pools free explicitly
@@ -159,9 +187,9 @@ def _libc() -> Any:
 
 class RegisteredHostBuffer:
     """Page-locked host memory made by hand: anonymous memory on transparent huge pages,
-    faulted in by the calling thread, then ``cudaHostRegister``-ed. Freed exactly once.
+    faulted in by the calling thread, then ``cuMemHostRegister``-ed. Freed exactly once.
 
-    Why not ``cudaHostAlloc``: on the H200 machine (a VM, where the first touch of guest
+    Why not ``cuMemHostAlloc``: on the H200 machine (a VM, where the first touch of guest
     memory is slow) 128 MiB from ``cudaHostAlloc`` took 54-114 ms, and allocations from
     several threads serialise; the same memory made this way by 16 threads at once took
     10-13 ms. Each worker makes its own stage, so the faults run in parallel.
@@ -194,8 +222,8 @@ class RegisteredHostBuffer:
             # Fault every page in now, in this thread (Linux 5.14+; else by writing it).
             if libc.madvise(start, span, _MADV_POPULATE_WRITE) != 0:
                 ctypes.memset(start, 0, span)
-            rt = _runtime()
-            check(rt.cudaHostRegister(start, span, rt.cudaHostRegisterPortable), "cudaHostRegister")
+            drv = _in_context()
+            check(drv.cuMemHostRegister(start, span, drv.CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
         except BaseException:
             libc.munmap(base, self._map_len)
             raise
@@ -206,12 +234,12 @@ class RegisteredHostBuffer:
         if self.ptr:
             self.view.release()
             ptr, self.ptr = self.ptr, 0
-            rt = runtime_or_none()
-            err = rt.cudaHostUnregister(ptr)[0] if rt is not None else 1
+            drv = driver_or_none()
+            err = drv.cuMemHostUnregister(ptr)[0] if drv is not None else 1
             # Unmap only what CUDA no longer holds; otherwise the exiting process takes it back.
             if int(err) == 0:
                 _libc().munmap(self._base, self._map_len)
-            check(err, "cudaHostUnregister")
+            check(err, "cuMemHostUnregister")
 
     def __del__(self) -> None:  # last resort; pools free explicitly
         try:
@@ -221,16 +249,14 @@ class RegisteredHostBuffer:
 
 
 class Stream:
-    """A non-blocking CUDA stream on one device, with one event for cheap waits."""
+    """A non-blocking CUDA stream on one device."""
 
     def __init__(self, device: int) -> None:
-        rt = _runtime()
+        drv = _driver()
         set_device(device)
         self.device = device
-        self.handle = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+        self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
 
-    # Copies go through the driver API. cuda-bindings links its own CUDA runtime, so in a
-    # process with torch the memory usually comes from another runtime (torch's allocator).
     def copy_h2d(self, dst: int, src: int, nbytes: int) -> None:
         check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, self.handle), "cuMemcpyHtoDAsync")
 
@@ -238,25 +264,25 @@ class Stream:
         check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, self.handle), "cuMemcpyDtoHAsync")
 
     def synchronize(self) -> None:
-        check(_runtime().cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
+        check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
     def destroy(self) -> None:
         if self.handle is not None:
             try:
-                _runtime().cudaStreamDestroy(self.handle)
+                _driver().cuStreamDestroy(self.handle)
             finally:
                 self.handle = None
 
 
 def memcpy(dst: int, src: int, nbytes: int) -> None:
     """A blocking copy in any direction (unified addressing)."""
-    rt = _runtime()
-    check(rt.cudaMemcpy(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault), "cudaMemcpy")
+    check(_in_context().cuMemcpy(dst, src, nbytes), "cuMemcpy")
 
 
 def device_pci_bus_id(device: int) -> str:
-    rt = _runtime()
-    raw = check(rt.cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    raw = check(drv.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
     if isinstance(raw, (bytes, bytearray)):
         raw = raw.split(b"\0", 1)[0].decode()
     return str(raw).lower()
@@ -266,27 +292,31 @@ class Event:
     """A timing-free CUDA event used to know when an async copy has finished."""
 
     def __init__(self) -> None:
-        rt = _runtime()
+        drv = _in_context()
         # Blocking sync: a waiting worker sleeps instead of spinning a core the other workers need.
-        flags = rt.cudaEventDisableTiming | rt.cudaEventBlockingSync
-        self.handle = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreate")
+        flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+        self.handle = check(drv.cuEventCreate(flags), "cuEventCreate")
         self.pending = False
 
     def record(self, stream: Stream) -> None:
-        check(_runtime().cudaEventRecord(self.handle, stream.handle), "cudaEventRecord")
+        check(_driver().cuEventRecord(self.handle, stream.handle), "cuEventRecord")
         self.pending = True
 
     def wait(self) -> None:
         if self.pending:
-            check(_runtime().cudaEventSynchronize(self.handle), "cudaEventSynchronize")
+            check(_driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
             self.pending = False
 
     def destroy(self) -> None:
         if self.handle is not None:
             try:
-                _runtime().cudaEventDestroy(self.handle)
+                _driver().cuEventDestroy(self.handle)
             finally:
                 self.handle = None
+
+
+# The driver's names for the two default streams a producer may name.
+_STREAM_LEGACY, _STREAM_PER_THREAD = 1, 2
 
 
 def synchronize_producer(stream: int | None) -> None:
@@ -298,42 +328,38 @@ def synchronize_producer(stream: int | None) -> None:
     stream, as for Numba and CuPy. Never the whole device: that would also wait
     for gdskit's own copies of other requests in flight.
     """
-    rt = _runtime()
-    if stream is None or stream == 1:
-        check(rt.cudaStreamSynchronize(0), "cudaStreamSynchronize")
-    elif stream == 2:
-        check(rt.cudaStreamSynchronize(rt.cudaStreamPerThread), "cudaStreamSynchronize")
-    else:
-        check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+    handle = _STREAM_LEGACY if stream is None else stream
+    check(_in_context().cuStreamSynchronize(handle), "cuStreamSynchronize")
 
 
 class DeviceArray:
-    """Plain ``cudaMalloc`` (or managed) memory exposing ``__cuda_array_interface__``.
+    """Plain ``cuMemAlloc`` (``cudaMalloc``) or managed memory exposing ``__cuda_array_interface__``.
 
     For programs (and gdskit's own benchmarks and tests) that need GPU buffers
     without torch or CuPy. Freed exactly once, by :meth:`free` or the GC.
     """
 
     def __init__(self, nbytes: int, device: int | None = None, managed: bool = False) -> None:
-        rt = _runtime()
+        drv = _driver()
         if device is not None:
             set_device(device)
         self.device = current_device()
         self.nbytes = nbytes
         self.managed = managed
         if managed:
-            self.ptr = int(check(rt.cudaMallocManaged(max(nbytes, 1), rt.cudaMemAttachGlobal), "cudaMallocManaged"))
+            attach = int(drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+            self.ptr = int(check(drv.cuMemAllocManaged(max(nbytes, 1), attach), "cuMemAllocManaged"))
         else:
-            self.ptr = int(check(rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+            self.ptr = int(check(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
         # "stream": None: the memory has no producer work pending (we synchronise after our own writes).
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3, "strides": None, "stream": None}
 
     def fill(self, value: int) -> None:
         """Set every byte to ``value``."""
-        rt = _runtime()
-        check(rt.cudaMemset(self.ptr, value, max(self.nbytes, 1)), "cudaMemset")
-        check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        drv = _in_context()
+        check(drv.cuMemsetD8(self.ptr, value, max(self.nbytes, 1)), "cuMemsetD8")
+        check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def copy_from_host(self, data: Any, offset: int = 0) -> None:
         """Copy ``data`` (bytes-like or a numpy array) to ``offset`` (blocking)."""
@@ -355,9 +381,9 @@ class DeviceArray:
 
     def free(self) -> None:
         if self.ptr:
-            rt = runtime_or_none()
-            if rt is not None:
-                rt.cudaFree(self.ptr)
+            drv = driver_or_none()
+            if drv is not None:
+                drv.cuMemFree(self.ptr)
             self.ptr = 0
 
     def __del__(self) -> None:

@@ -80,7 +80,7 @@ class DirectPathUnavailable(GdskitError, RuntimeError):
 
 
 class CudaError(GdskitError, RuntimeError):
-    """A CUDA runtime call failed; ``code`` is the CUDA error name."""
+    """A CUDA call failed; ``code`` is the CUDA error name."""
 
     def __init__(self, message: str, code: str = "") -> None:
         super().__init__(message)

@@ -90,7 +90,7 @@ class DeviceBuffer:
     on_device = True
 
     def __init__(self, nbytes: int, device: int) -> None:
-        if cuda.runtime_or_none() is None:
+        if cuda.driver_or_none() is None:
             raise CudaError("cuda.bindings is not importable; cannot allocate GPU memory")
         self.device = device
         self.nbytes = nbytes
