@@ -269,3 +269,24 @@ def test_refused_registration_unmaps_the_memory(fake_cuda, monkeypatch):
     with pytest.raises(CudaError):
         cuda.RegisteredHostBuffer(1 << 20)
     assert unmapped == [(1 << 20) + (2 << 20)]
+
+
+def test_warm_up_builds_the_ring_in_the_background_once(fake_cuda):
+    from gdskit.formats._engine import start_warm_up
+
+    gdskit.release_resources()
+    assert not pool.lanes.holds(0)
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc="hostalloc"):
+        before = fake_cuda.calls.get("cuMemHostAlloc", 0)
+        start_warm_up(0)()
+        assert pool.lanes.holds(0) and gdskit.resources().lanes == 4
+        assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
+        start_warm_up(0)()  # the ring exists: nothing more is made
+        assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
+        # A refused set-up is left for the read to report, never raised from the warm-up thread.
+        gdskit.release_resources()
+        fake_cuda.fail["cuMemHostAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        start_warm_up(0)()
+        assert not pool.lanes.holds(0) and gdskit.resources().lanes_busy == 0
+    gdskit.release_resources()
+    assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0

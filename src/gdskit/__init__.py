@@ -31,7 +31,8 @@ def resources() -> ResourceUsage:
 
 
 def prepare(device: int | None = None) -> ResourceUsage:
-    """Set up the bounce ring for ``device`` now (pinned buffers, streams, worker threads).
+    """Set up the bounce ring for ``device`` now (pinned buffers, streams, worker threads), and
+    work out whether this machine has a direct route at all (``auto`` mode asks once per process).
 
     The first large read otherwise pays for this set-up; call it early, e.g. while a
     model is being built, so that loading its weights runs at full speed at once.
@@ -42,7 +43,10 @@ def prepare(device: int | None = None) -> ResourceUsage:
     cfg = settings.snapshot()
     dev = None
     if cuda.available():
+        from gdskit.direct_route import direct_route  # noqa: PLC0415
+
         dev = cuda.current_device() if device is None else device
+        direct_route()
     pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
     return pool.lanes.usage(settings.threads)
 

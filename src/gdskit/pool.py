@@ -282,6 +282,11 @@ class LanePool:
                     return True
         return False
 
+    def holds(self, device: int | None) -> bool:
+        """Whether any lane for ``device`` exists now (idle or busy)."""
+        with self._cond:
+            return any(ln.device == device for ln in self._all)
+
     def usage(self, threads: int) -> ResourceUsage:
         with self._cond:
             made = {"register" if isinstance(st, cuda.RegisteredHostBuffer) else "hostalloc"
@@ -450,17 +455,17 @@ def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alig
         return lane
 
     futures = [ex.submit(make) for _ in range(n_lanes)] if n_lanes <= threads else []
-    made = []
-    for fut in futures:
+    made, errors = [], []
+    for fut in futures:  # every one, even after a failure: a straggler would keep its lane busy
         try:
             made.append(fut.result())
-        except BaseException:
+        except BaseException as exc:
             barrier.abort()
-            for lane in made:
-                lanes.release(lane)
-            raise
+            errors.append(exc)
     for lane in made:
         lanes.release(lane)
+    if errors:
+        raise errors[0]
 
 
 def shutdown() -> None:

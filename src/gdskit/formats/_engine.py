@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,3 +24,27 @@ def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
     from gdskit.ledger import stats_delta as delta
     return delta(before, after)
+
+
+def start_warm_up(device: int) -> Callable[[], None]:
+    """Set the engine up for a large read onto GPU ``device`` in the background (``gdskit.prepare``:
+    pinned stages, streams, worker threads, the direct-route facts) while the caller allocates
+    the destinations; returns the function that waits for it. Nothing starts once the ring exists.
+
+    Measured on the H200 machine, this set-up is 40-70 ms of a fresh process's first 8 GiB read.
+    A failure here is left for the read itself to report.
+    """
+    from gdskit import pool, prepare
+
+    if pool.lanes.holds(device):
+        return lambda: None
+
+    def run() -> None:
+        try:
+            prepare(device)
+        except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
+            pass
+
+    worker = threading.Thread(target=run, name="gdskit-warm-up", daemon=True)
+    worker.start()
+    return worker.join

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gdskit.buffers import synchronized_device_view
+from gdskit.formats._engine import start_warm_up
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -163,22 +164,27 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         out[e.key] = t
         return t
 
-    if on_cuda:
-        # Blocks torch's caching allocator hands out, and given destinations, may still be in use
-        # by queued work; the engine writes from its own streams or threads. One wait here, for
-        # the whole device, covers every request below (which then skip their own waits).
-        torch.cuda.synchronize(device)
-        # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
-        # only the direct tensors and the staging ring count.
-        fresh = [e.nbytes for e in plan.direct if e.key not in dests]
-        fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
-        reserve_device_memory(device, fresh)
-    for e in plan.empty:
-        dest_for(e)
-    ring: list[torch.Tensor] = []
-    if plan.groups:
-        nbuf = min(depth, len(plan.groups))
-        ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+    wait_for_warm_up = _warm_up(plan, device) if on_cuda else (lambda: None)
+    try:
+        if on_cuda:
+            # Blocks torch's caching allocator hands out, and given destinations, may still be in use
+            # by queued work; the engine writes from its own streams or threads. One wait here, for
+            # the whole device, covers every request below (which then skip their own waits).
+            torch.cuda.synchronize(device)
+            # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
+            # only the direct tensors and the staging ring count.
+            fresh = [e.nbytes for e in plan.direct if e.key not in dests]
+            fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
+            reserve_device_memory(device, fresh)
+        for e in plan.empty:
+            dest_for(e)
+        ring: list[torch.Tensor] = []
+        if plan.groups:
+            nbuf = min(depth, len(plan.groups))
+            ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+        reads = [(_engine_buffer(dest_for(e)), e.nbytes, e.file_offset) for e in plan.direct]
+    finally:
+        wait_for_warm_up()
 
     futures: list[concurrent.futures.Future[Any]] = []
     try:
@@ -186,8 +192,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # lanes from tensor to tensor, where separate jobs would hand them over and drain them
         # at every boundary. The small-tensor groups are read meanwhile.
         job: concurrent.futures.Future[list[int]] | None = None
-        if plan.direct:
-            reads = [(_engine_buffer(dest_for(e)), e.nbytes, e.file_offset) for e in plan.direct]
+        if reads:
             job = f.pread_many(reads, on_bytes=progress.advance if progress is not None else None)
             futures.append(job)
         _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
@@ -200,6 +205,17 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             torch.cuda.current_stream(device).synchronize()
         raise
     return out
+
+
+def _warm_up(plan: ReadPlan, device: torch.device) -> Any:
+    """Start the engine's set-up while the destinations are allocated, where the direct reads
+    are large enough to use every worker's lane."""
+    from gdskit.settings import settings  # noqa: PLC0415
+
+    if sum(e.nbytes for e in plan.direct) < settings.threads * settings.chunk_size:
+        return lambda: None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return start_warm_up(index)
 
 
 def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
