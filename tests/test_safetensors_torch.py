@@ -337,6 +337,30 @@ def test_gpu_round_trip_with_reference(tmp_path) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_first_load_sets_the_engine_up_in_the_background(tmp_path, monkeypatch) -> None:
+    from gdskit import pool
+    from gdskit.formats import torch_io
+
+    tensors = {f"w{i}": torch.randn(1 << 20) for i in range(8)}  # 8 x 4 MiB
+    path = tmp_path / "warm.safetensors"
+    gs.save_file(tensors, path)
+    started: list[int] = []
+    real = torch_io.start_warm_up
+    monkeypatch.setattr(torch_io, "start_warm_up", lambda device: started.append(device) or real(device))
+    gdskit.release_resources()
+    with gdskit.settings.set(threads=4, chunk_size="1MiB"):
+        first = gs.load_file(path, device="cuda:0")
+        assert started == [0] and pool.lanes.holds(0)
+        lanes = gdskit.resources().lanes
+        again = gs.load_file(path, device="cuda:0")  # the ring exists: nothing more is made
+        assert gdskit.resources().lanes == lanes and gdskit.resources().lanes_busy == 0
+    torch.cuda.synchronize()
+    for k, v in tensors.items():
+        assert same(first[k].cpu(), v) and same(again[k].cpu(), v), k
+    gdskit.release_resources()
+
+
+@pytest.mark.gpu
 def test_gpu_peak_memory_close_to_checkpoint_size(tmp_path) -> None:
     tensors = {f"t{i}": torch.randn(25_000) for i in range(400)}
     tensors.update({f"big{i}": torch.randn(1 << 21) for i in range(4)})
