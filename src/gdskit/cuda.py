@@ -5,7 +5,7 @@ machine with no GPU, no driver and no bindings. Every call checks the CUDA error
 code and raises :class:`gdskit.errors.CudaError` on failure.
 
 Why the driver API and not the runtime: a process with torch already has a runtime
-and a context; importing the bindings' runtime module costs 62-75 ms on the H200
+and a context; importing the bindings' runtime module took 62-119 ms on the H200
 machine (the driver module 18-25 ms), paid inside the first load. gdskit works in
 each device's primary context, the one every runtime in the process shares.
 """
@@ -315,8 +315,9 @@ class Event:
                 self.handle = None
 
 
-# The driver's names for the two default streams a producer may name.
-_STREAM_LEGACY, _STREAM_PER_THREAD = 1, 2
+# CU_STREAM_LEGACY. The interface's 1 and 2 are the driver's own handles for the legacy and
+# per-thread default streams, so they pass through as they are.
+_STREAM_LEGACY = 1
 
 
 def synchronize_producer(stream: int | None) -> None:
