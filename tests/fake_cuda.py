@@ -147,7 +147,8 @@ class FakeDriver:
     cuMemFreeHost = cuMemFree
 
     def cuMemAlloc(self, n: int):  # noqa: N802
-        return self._count("cuMemAlloc") or self._alloc(n, CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        err = self._count("cuMemAlloc")
+        return (err, 0) if err else self._alloc(n, CUmemorytype.CU_MEMORYTYPE_DEVICE)
 
     def cuMemAllocManaged(self, n: int, flags: int):  # noqa: N802
         return self._alloc(n, CUmemorytype.CU_MEMORYTYPE_MANAGED)

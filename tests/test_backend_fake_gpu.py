@@ -278,15 +278,17 @@ def test_warm_up_builds_the_ring_in_the_background_once(fake_cuda):
     assert not pool.lanes.holds(0)
     with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc="hostalloc"):
         before = fake_cuda.calls.get("cuMemHostAlloc", 0)
-        start_warm_up(0)()
+        start_warm_up(0, (4 << 20) - 1)()  # too small to use every lane: nothing is set up
+        assert not pool.lanes.holds(0)
+        start_warm_up(0, 4 << 20)()
         assert pool.lanes.holds(0) and gdskit.resources().lanes == 4
         assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
-        start_warm_up(0)()  # the ring exists: nothing more is made
+        start_warm_up(0, 4 << 20)()  # the ring exists: nothing more is made
         assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
         # A refused set-up is left for the read to report, never raised from the warm-up thread.
         gdskit.release_resources()
         fake_cuda.fail["cuMemHostAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
-        start_warm_up(0)()
+        start_warm_up(0, 4 << 20)()
         assert not pool.lanes.holds(0) and gdskit.resources().lanes_busy == 0
     gdskit.release_resources()
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0

@@ -314,7 +314,10 @@ class CufileBackend(Backend):
         lib = cufile_library()
         mod = lib.module
         handle = self._handle(f)
-        gpus = {req.buf.device or 0 for req in reqs}
+        def gpu_of(req: Request) -> int:
+            return req.buf.device or 0
+
+        gpus = {gpu_of(req) for req in reqs}
         op = reqs[0].op
         call = mod.read if op == "read" else mod.write
 
@@ -347,16 +350,16 @@ class CufileBackend(Backend):
             raise
         elapsed = time.perf_counter() - t0
         evidence = {gpu: _classify(op, before[gpu], lib.counters(gpu)) for gpu in gpus}
-        job_bytes = {gpu: sum(r.size for r in reqs if (r.buf.device or 0) == gpu) for gpu in gpus}
+        job_bytes = {gpu: sum(r.size for r in reqs if gpu_of(r) == gpu) for gpu in gpus}
         all_bytes = sum(r.size for r in reqs) or 1
         totals = []
         for req, (plan, sizes) in zip(reqs, done):
             total = contiguous_prefix(sizes, plan)
-            seen = evidence[req.buf.device or 0]
+            seen = evidence[gpu_of(req)]
             if seen is not None and Path.CUFILE_COMPAT in seen and req.reason is Reason.DIRECT:
                 f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
             self._record(req, total, len(plan), elapsed * req.size / all_bytes,
-                         _share(seen, req.size, job_bytes[req.buf.device or 0]))
+                         _share(seen, req.size, job_bytes[gpu_of(req)]))
             totals.append(total)
         return totals
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gdskit.buffers import synchronized_device_view
-from gdskit.formats._engine import start_warm_up
+from gdskit.formats._engine import no_wait, start_warm_up
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -164,7 +164,10 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         out[e.key] = t
         return t
 
-    wait_for_warm_up = _warm_up(plan, device) if on_cuda else (lambda: None)
+    wait_for_warm_up = no_wait
+    if on_cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        wait_for_warm_up = start_warm_up(index, sum(e.nbytes for e in plan.direct))
     try:
         if on_cuda:
             # Blocks torch's caching allocator hands out, and given destinations, may still be in use
@@ -205,17 +208,6 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             torch.cuda.current_stream(device).synchronize()
         raise
     return out
-
-
-def _warm_up(plan: ReadPlan, device: torch.device) -> Any:
-    """Start the engine's set-up while the destinations are allocated, where the direct reads
-    are large enough to use every worker's lane."""
-    from gdskit.settings import settings  # noqa: PLC0415
-
-    if sum(e.nbytes for e in plan.direct) < settings.threads * settings.chunk_size:
-        return lambda: None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return start_warm_up(index)
 
 
 def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],

@@ -29,18 +29,12 @@ def _ledger_view(delta: Any) -> dict[str, Any]:
     return {"paths": paths, "reasons": reasons}
 
 
-def _cufile_counters() -> dict[str, int] | None:
-    """cuFile's own operation counters for GPU 0, where the engine has them switched on."""
-    from gdskit.backends.cufile import counters_now  # noqa: PLC0415 - only a probe on a GPU needs it
-
-    return counters_now(0)
-
-
 def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]:
     """Write then read ``nbytes`` through ``gdskit.open`` in a temp file in ``directory``."""
     import numpy as np
 
     import gdskit
+    from gdskit.backends.cufile import counters_now  # cuFile's own counters of GPU 0, where switched on
 
     pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
     tmp: str | None = None
@@ -60,7 +54,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
             src.copy_from_host(pattern)
         else:
             src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
-        counters0 = _cufile_counters()
+        counters0 = counters_now(0)
         s0 = gdskit.stats()
         with gdskit.open(tmp, "w") as f:
             written = f.write(src)
@@ -69,7 +63,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
         with gdskit.open(tmp, "r") as f:
             read = f.read(dst)
         s2 = gdskit.stats()
-        counters1 = _cufile_counters()
+        counters1 = counters_now(0)
         if on_gpu:
             back = dst.to_numpy()
         else:
