@@ -13,6 +13,7 @@ scanned when cufile.json turns P2PDMA on, so a first read does not pay for it.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +38,24 @@ def udev_database_present() -> bool:
     return udev(SystemRoot("/")).database
 
 
+_route_lock = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
-def direct_route() -> DirectRoute:
-    """The direct route of this machine, worked out once per process."""
+def _route_once() -> DirectRoute:
     from gdskit.probe.root import SystemRoot  # noqa: PLC0415
 
     return route_of(SystemRoot("/"))
+
+
+def direct_route() -> DirectRoute:
+    """The direct route of this machine, worked out once per process.
+
+    Threads that ask while it is being worked out wait for that answer (the loaders' warm-up
+    works it out beside the pinned ring's set-up) instead of each reading the facts again.
+    """
+    with _route_lock:
+        return _route_once()
 
 
 def route_of(root: Any) -> DirectRoute:

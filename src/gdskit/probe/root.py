@@ -95,6 +95,7 @@ class SystemRoot:
         return text.strip()
 
     def read_bytes(self, path: str, limit: int = 4096) -> bytes | None:
+        """Up to ``limit`` bytes of ``path`` (-1: all of it); None when it cannot be read."""
         try:
             with open(self.host_path(path), "rb") as fh:
                 return fh.read(limit)
