@@ -8,9 +8,11 @@ and CuPy users never need torch.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,8 @@ class BufferView:
     # reading device memory out (None with producer_sync: unknown stream, sync the device).
     producer_stream: int | None = None
     producer_sync: bool = False
+    # Device memory in several separate allocations (see scattered_device_view); ``ptr`` is then 0.
+    scatter: ScatterList | None = None
 
     @property
     def on_device(self) -> bool:
@@ -153,6 +157,54 @@ def _from_dlpack(obj: Any) -> BufferView:
         return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner, 1, True)
     raise UnsupportedBufferError(f"DLPack device type {int(t.device.device_type)} is not supported "
                                  "(only CPU, CUDA, CUDA host and CUDA managed memory)")
+
+
+class ScatterList:
+    """Where the bytes of one read go when they land in several separate device allocations.
+
+    ``targets`` are ``(offset, ptr, nbytes)``: bytes ``[offset, offset + nbytes)`` of the read
+    go to ``ptr``. Targets do not overlap; bytes that no target covers are read and dropped
+    (the headers between a torch archive's storages). A checkpoint's small tensors are read
+    this way, a whole run of neighbours in one request, each straight into its own memory.
+    """
+
+    __slots__ = ("_offsets", "_targets")
+
+    def __init__(self, targets: Iterable[tuple[int, int, int]]) -> None:
+        self._targets = sorted(t for t in targets if t[2] > 0)
+        self._offsets = [t[0] for t in self._targets]
+        end = 0
+        for offset, _ptr, nbytes in self._targets:
+            if offset < end:
+                raise UnsupportedBufferError(f"scatter targets overlap at byte {offset}")
+            end = offset + nbytes
+
+    @property
+    def end(self) -> int:
+        """One past the last byte any target takes."""
+        return self._targets[-1][0] + self._targets[-1][2] if self._targets else 0
+
+    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """``(ptr, skip, n)`` for the read's bytes ``[offset, offset + nbytes)``: ``n`` bytes,
+        ``skip`` bytes into that range, go to ``ptr``."""
+        stop = offset + nbytes
+        out = []
+        i = max(bisect.bisect_right(self._offsets, offset) - 1, 0)
+        for t_off, ptr, n in self._targets[i:]:
+            if t_off >= stop:
+                break
+            lo, hi = max(t_off, offset), min(t_off + n, stop)
+            if lo < hi:
+                out.append((ptr + lo - t_off, lo - offset, hi - lo))
+        return out
+
+
+def scattered_device_view(targets: ScatterList, nbytes: int, device: int, owner: Any) -> BufferView:
+    """A read of ``nbytes`` whose bytes land in ``targets`` (memory of GPU ``device``), whose
+    producer work the caller has already waited for (as :func:`synchronized_device_view`)."""
+    if targets.end > nbytes:
+        raise UnsupportedBufferError(f"scatter targets reach byte {targets.end} of a {nbytes}-byte read")
+    return BufferView(0, nbytes, MemoryKind.DEVICE, device, False, None, owner, scatter=targets)
 
 
 def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:

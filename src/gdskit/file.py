@@ -341,6 +341,8 @@ class File:
         if op == "write" and self.mode == "r":
             raise UnsupportedOperationError(9, "file opened with mode 'r' is not writable", self.path)
         view = adapt(buf)
+        if op == "write" and view.scatter is not None:
+            raise InvalidArgumentError("a scattered view is a read's destination; write from one buffer")
         if op == "read" and view.readonly:
             raise ReadOnlyBufferError("cannot read into a read-only buffer")
         buf_offset = _check_int("buf_offset", buf_offset)

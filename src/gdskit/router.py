@@ -62,6 +62,14 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
         return [Route("bounce", Reason.MANAGED_MEMORY, *whole)]
     if cfg.mode is Mode.BOUNCE:
         return [Route("bounce", Reason.FORCED_BY_SETTING, *whole)]
+    if buf.scatter is not None:
+        # Separate small allocations: cuFile takes one buffer per request, and each of these would
+        # be a request below the direct cut-off; the bounce ring's copies can scatter.
+        if cfg.mode is Mode.CUFILE:
+            raise DirectPathUnavailable("a scattered destination cannot take the cuFile path", Reason.BELOW_THRESHOLD)
+        route = direct_route()
+        reason = (route.reason or Reason.NVIDIA_FS_MISSING) if route.route is None else Reason.BELOW_THRESHOLD
+        return [Route("bounce", reason, *whole)]
     if cfg.mode is Mode.CUFILE:
         from gdskit.backends.cufile import register  # noqa: PLC0415
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gdskit.errors import GdskitError, InvalidArgumentError
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats._gc import collector_paused
-from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats._engine import open_file, start_warm_up, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import (HeaderError, LayoutError, MissingTensorError,
                                                TruncatedFileError, UnknownDtypeError)
@@ -100,6 +100,13 @@ def _device(torch: Any, device: Any) -> Any:
     return dev
 
 
+def _size_or_zero(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # the header read reports it
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
     """The ``__metadata__`` strings of a safetensors file (None when it has none)."""
     return fmt.read_header_file(path).metadata
@@ -144,6 +151,8 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     torch = _torch()
     dev = _device(torch, device)
     shards = fmt.resolve_checkpoint(path_or_paths)
+    if dev.type == "cuda":  # the engine's set-up runs while the headers are parsed
+        start_warm_up(dev.index, sum(_size_or_zero(p) for p in shards.files))
     headers = [(p, fmt.read_header_file(p)) for p in shards.files]
 
     where: dict[str, tuple[str, fmt.Header, fmt.TensorEntry]] = {}
@@ -173,6 +182,11 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     total = sum(where[n][2].nbytes for n in names)
 
     from gdskit.formats.torch_io import execute
+
+    def alloc(e: read_plan.Extent) -> Any:  # each tensor made once, in its final dtype and shape
+        dt, shape = types[e.key]
+        return torch.empty(shape, dtype=dt, device=dev)
+
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
     with Progress(total, progress, "loading") as prog:
@@ -186,10 +200,12 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                 if f.size != h.file_size:
                     raise TruncatedFileError(f"{p} changed size after its header was read "
                                              f"({h.file_size} -> {f.size} bytes)")
-                raw.update(execute(f, plan, dev, progress=prog))
+                raw.update(execute(f, plan, dev, alloc=alloc, progress=prog))
     out = {}
     for n, (dt, shape) in types.items():
-        t = raw.pop(n).view(dt)
+        t = raw.pop(n)
+        if t.dtype is not dt:  # bytes read into host memory
+            t = t.view(dt)
         out[n] = t if t.shape == shape else t.reshape(shape)
     if return_stats:
         return out, stats_delta(before, stats())

@@ -74,7 +74,12 @@ class BounceBackend(Backend):
             res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
             if res.nbytes:
                 assert lane.stream is not None and event is not None
-                lane.stream.copy_h2d(req.buf.ptr + ch.buf_offset, stage.ptr + ch.file_offset % align, res.nbytes)
+                src = stage.ptr + ch.file_offset % align
+                if req.buf.scatter is None:
+                    lane.stream.copy_h2d(req.buf.ptr + ch.buf_offset, src, res.nbytes)
+                else:
+                    for dst, skip, n in req.buf.scatter.pieces(ch.buf_offset, res.nbytes):
+                        lane.stream.copy_h2d(dst, src + skip, n)
                 event.record(lane.stream)
                 if on_bytes is not None:
                     on_bytes(res.nbytes)

@@ -26,18 +26,33 @@ def stats_delta(before: Any, after: Any) -> Any:
     return delta(before, after)
 
 
+def can_scatter() -> bool:
+    """Whether a read's bytes may be scattered into several device allocations: on every
+    path but ``mode="cufile"``, which reads into one buffer per request."""
+    from gdskit.settings import settings
+    from gdskit.vocabulary import Mode
+
+    return settings.mode is not Mode.CUFILE
+
+
 def no_wait() -> None:
     """What waiting for a warm-up that never started does: nothing."""
+
+
+_warm_ups: dict[int, threading.Thread] = {}
+_warm_ups_lock = threading.Lock()
 
 
 def start_warm_up(device: int, nbytes: int) -> Callable[[], None]:
     """Set the engine up for a read of ``nbytes`` onto GPU ``device`` in the background
     (``gdskit.prepare``: pinned stages, streams, worker threads, the direct-route facts) while
-    the caller allocates the destinations; returns the function that waits for it.
+    the caller parses headers and allocates the destinations; returns the function that waits
+    for it.
 
-    Nothing starts once the ring exists, or for a read too small to use every worker's lane.
-    Measured on the H200 machine, this set-up is 40-70 ms of a fresh process's first 8 GiB read.
-    A failure here is left for the read itself to report.
+    Nothing starts once the ring exists, or for a read too small to use every worker's lane;
+    a loader may call this early and again before its reads: the second call waits for the
+    warm-up the first started. Measured on the H200 machine, this set-up is 40-70 ms of a
+    fresh process's first 8 GiB read. A failure here is left for the read itself to report.
     """
     from gdskit import pool, prepare
     from gdskit.settings import settings
@@ -51,6 +66,10 @@ def start_warm_up(device: int, nbytes: int) -> Callable[[], None]:
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 
-    worker = threading.Thread(target=run, name="gdskit-warm-up", daemon=True)
-    worker.start()
+    with _warm_ups_lock:
+        worker = _warm_ups.get(device)
+        if worker is None or not worker.is_alive():
+            worker = threading.Thread(target=run, name="gdskit-warm-up", daemon=True)
+            _warm_ups[device] = worker
+            worker.start()
     return worker.join

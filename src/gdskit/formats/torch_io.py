@@ -6,11 +6,15 @@ only those modules import it.
 - Direct extents are read by the engine straight into their destination's own
   memory, all submitted at once (the engine spreads each large read over its
   worker pool).
-- Groups of small extents are read into a ring of ``depth`` staging buffers on the
-  destination device and split with one batched copy per group
-  (``torch._foreach_copy_`` / ``torch._foreach_clone``): a few launches per
-  group instead of an engine request per tensor. The ring bounds the extra device
-  memory to ``depth * plan.staging_bytes``.
+- Groups of small extents on a GPU are read as one engine request each whose bytes the
+  engine's CPU path scatters straight into every member's own memory (a
+  :class:`~gdskit.buffers.ScatterList`): no staging memory on the device and no copy out of
+  it. Groups are submitted a few at a time, so the reads run while the next destinations are
+  made.
+- Elsewhere (host memory; ``mode="cufile"``, which needs one buffer per request) groups are
+  read into a ring of ``depth`` staging buffers on the destination device and split with one
+  batched copy per group (``torch._foreach_copy_`` / ``torch._foreach_clone``). The ring
+  bounds the extra memory to ``depth * plan.staging_bytes``.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from gdskit.buffers import synchronized_device_view
-from gdskit.formats._engine import no_wait, start_warm_up
+from gdskit.buffers import ScatterList, scattered_device_view, synchronized_device_view
+from gdskit.formats._engine import can_scatter, no_wait, start_warm_up
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -137,37 +141,53 @@ class _Split:
         self.keep = keep
 
 
+#: Groups submitted to the engine as one job when their reads scatter: enough bytes to keep
+#: every worker busy while the main thread makes the next groups' tensors.
+SCATTER_BATCH_BYTES = 128 << 20
+
+
+def _uint8_alloc(device: torch.device) -> Callable[[Extent], torch.Tensor]:
+    return lambda e: torch.empty(e.nbytes, dtype=torch.uint8, device=device)
+
+
 def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             dests: Mapping[Hashable, torch.Tensor] | None = None,
+            alloc: Callable[[Extent], torch.Tensor] | None = None,
             progress: Progress | None = None, depth: int = 4) -> dict[Hashable, torch.Tensor]:
     """Read every extent of ``plan`` from the open engine file ``f``.
 
     Parameters
     ----------
     dests : mapping, optional
-        Preallocated 1-D uint8 destinations by key (each exactly the extent's size).
-        Keys without one get a new tensor on ``device`` that owns its memory.
+        Preallocated contiguous destinations by key (each exactly the extent's size).
+    alloc : callable, optional
+        ``alloc(extent)`` makes the destination of an extent without one in ``dests`` on a GPU:
+        a new contiguous tensor on ``device`` of exactly ``extent.nbytes`` bytes, of any dtype
+        and shape (a loader makes the final tensor at once). Default, and always in host
+        memory: a 1-D uint8 tensor.
 
     Returns
     -------
     dict
-        key -> 1-D uint8 tensor holding the extent's bytes.
+        key -> the tensor holding the extent's bytes (the caller views a uint8 one as it needs).
     """
     dests = dests or {}
     out: dict[Hashable, torch.Tensor] = {}
     on_cuda = device.type == "cuda"
+    make = alloc if (alloc is not None and on_cuda) else _uint8_alloc(device)
+    scatter = on_cuda and bool(plan.groups) and can_scatter()
 
     def dest_for(e: Extent) -> torch.Tensor:
         t = dests.get(e.key)
         if t is None:
-            t = torch.empty(e.nbytes, dtype=torch.uint8, device=device)
+            t = make(e)
         out[e.key] = t
         return t
 
     wait_for_warm_up = no_wait
     if on_cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        wait_for_warm_up = start_warm_up(index, sum(e.nbytes for e in plan.direct))
+        wait_for_warm_up = start_warm_up(index, plan.read_bytes)
     try:
         if on_cuda:
             # Blocks torch's caching allocator hands out, and given destinations, may still be in use
@@ -177,12 +197,13 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
             # only the direct tensors and the staging ring count.
             fresh = [e.nbytes for e in plan.direct if e.key not in dests]
-            fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
+            if not scatter:
+                fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
             reserve_device_memory(device, fresh)
         for e in plan.empty:
             dest_for(e)
         ring: list[torch.Tensor] = []
-        if plan.groups:
+        if plan.groups and not scatter:
             nbuf = min(depth, len(plan.groups))
             ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
         reads = [(_engine_buffer(dest_for(e)), e.nbytes, e.file_offset) for e in plan.direct]
@@ -195,10 +216,14 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # lanes from tensor to tensor, where separate jobs would hand them over and drain them
         # at every boundary. The small-tensor groups are read meanwhile.
         job: concurrent.futures.Future[list[int]] | None = None
+        on_bytes = progress.advance if progress is not None else None
         if reads:
-            job = f.pread_many(reads, on_bytes=progress.advance if progress is not None else None)
+            job = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(job)
-        _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
+        if scatter:
+            _scatter_groups(f, plan.groups, dest_for, device, on_bytes, futures)
+        else:
+            _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
             for e, n in zip(plan.direct, job.result()):
                 _check(n, e.nbytes, repr(e.key))
@@ -208,6 +233,36 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             torch.cuda.current_stream(device).synchronize()
         raise
     return out
+
+
+def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
+                    device: torch.device, on_bytes: Callable[[int], None] | None,
+                    futures: list[concurrent.futures.Future[Any]]) -> None:
+    """Read each group in one request whose bytes land straight in its members' tensors."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    batches: list[tuple[list[Group], concurrent.futures.Future[list[int]]]] = []
+    batch: list[Group] = []
+    reads: list[tuple[Any, int, int]] = []
+    pending = 0
+    for i, g in enumerate(groups):
+        base = g.file_offset
+        targets = []
+        owners = []
+        for m in g.members:
+            t = dest_for(m)
+            owners.append(t)
+            targets.append((m.file_offset - base, t.data_ptr(), m.nbytes))
+        reads.append((scattered_device_view(ScatterList(targets), g.nbytes, index, owners), g.nbytes, base))
+        batch.append(g)
+        pending += g.nbytes
+        if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:
+            fut = f.pread_many(reads, on_bytes=on_bytes)
+            futures.append(fut)
+            batches.append((batch, fut))
+            batch, reads, pending = [], [], 0
+    for batch, fut in batches:
+        for g, n in zip(batch, fut.result()):
+            _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
 
 
 def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],

@@ -1,0 +1,151 @@
+"""Scattered reads: one read whose bytes land in several separate device allocations."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+import gdskit
+from gdskit import cuda
+from gdskit.buffers import ScatterList, scattered_device_view
+from gdskit.errors import DirectPathUnavailable, InvalidArgumentError, UnsupportedBufferError
+
+SIZE = (2 << 20) + 777
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scatter") / "data.bin"
+    data = os.urandom(SIZE)
+    path.write_bytes(data)
+    return str(path), data
+
+
+# -- ScatterList on its own -------------------------------------------------------------------
+
+def test_pieces_split_at_target_edges_and_drop_gaps():
+    s = ScatterList([(100, 5000, 50), (0, 1000, 10), (20, 3000, 30)])
+    assert s.end == 150
+    # Bytes 5..125 of the read: the tail of the first target, a 10-byte gap, all of the
+    # second, a 50-byte gap, then the head of the third.
+    assert s.pieces(5, 120) == [(1005, 0, 5), (3000, 15, 30), (5000, 95, 25)]
+    assert s.pieces(10, 10) == []  # inside a gap
+    assert s.pieces(149, 100) == [(5049, 0, 1)]
+    assert s.pieces(150, 10) == []
+
+
+def test_empty_targets_are_ignored_and_overlaps_refused():
+    assert ScatterList([(0, 1, 0), (0, 2, 4)]).pieces(0, 4) == [(2, 0, 4)]
+    assert ScatterList([]).end == 0
+    with pytest.raises(UnsupportedBufferError):
+        ScatterList([(0, 1000, 10), (9, 2000, 5)])
+
+
+@given(sizes=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 60)), min_size=1, max_size=12),
+       chunk=st.integers(1, 100))
+def test_any_chunking_delivers_every_target_byte_once(sizes, chunk):
+    """Read in chunks of any size, the pieces cover each target exactly, in place."""
+    targets, pos = [], 0
+    for i, (gap, n) in enumerate(sizes):
+        pos += gap
+        targets.append((pos, (i + 1) * 10_000, n))
+        pos += n
+    s = ScatterList(targets)
+    landed: dict[int, int] = {}  # destination address -> read offset it came from
+    for start in range(0, pos, chunk):
+        for ptr, skip, n in s.pieces(start, min(chunk, pos - start)):
+            for k in range(n):
+                assert ptr + k not in landed
+                landed[ptr + k] = start + skip + k
+    want = {ptr + k: off + k for off, ptr, n in targets for k in range(n)}
+    assert landed == want
+
+
+# -- through the engine, on the stand-in GPU --------------------------------------------------
+
+def _targets(arrays, layout):
+    """(offset, array) pairs -> a ScatterList over the arrays' device memory."""
+    return ScatterList([(off, a.ptr, a.nbytes) for off, a in zip(layout, arrays)])
+
+
+def _device_bytes(a) -> bytes:
+    return ctypes.string_at(a.ptr, a.nbytes)
+
+
+class TestOnStandInGpu:
+    pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: test_gpu_* cover it")
+
+    @pytest.fixture(autouse=True)
+    def _fake(self, fake_cuda):
+        yield fake_cuda
+
+    @pytest.mark.parametrize("mode", ["bounce", "auto"])
+    def test_every_target_gets_its_bytes_across_chunk_edges(self, data_file, mode):
+        path, data = data_file
+        sizes = [70_000, 1, 300_000, 4096, 99_999, 250_000]
+        gaps = [0, 13, 0, 5000, 1, 0]
+        arrays = [cuda.DeviceArray(n) for n in sizes]
+        layout, pos = [], 0
+        for g, n in zip(gaps, sizes):
+            pos += g
+            layout.append(pos)
+            pos += n
+        base = 12_345
+        view = scattered_device_view(_targets(arrays, layout), pos, 0, arrays)
+        before = gdskit.stats()
+        with gdskit.settings.set(mode=mode, chunk_size="64KiB", threads=3, pinned_budget="1MiB"), \
+                gdskit.open(path) as f:
+            assert f.read(view, pos, file_offset=base) == pos
+        for a, off in zip(arrays, layout):
+            assert _device_bytes(a) == data[base + off:base + off + a.nbytes]
+        delta = gdskit.stats() - before
+        assert set(delta.paths) <= {"bounce-cached", "bounce-direct"} and delta.bytes_read == pos
+
+    def test_short_at_end_of_file_and_later_targets_untouched(self, data_file):
+        path, data = data_file
+        arrays = [cuda.DeviceArray(1000), cuda.DeviceArray(1000)]
+        for a in arrays:
+            ctypes.memset(a.ptr, 0xAB, a.nbytes)
+        view = scattered_device_view(_targets(arrays, [0, 1500]), 2500, 0, arrays)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB"), gdskit.open(path) as f:
+            assert f.pread(view, 2500, file_offset=SIZE - 1200).result() == 1200
+        assert _device_bytes(arrays[0]) == data[SIZE - 1200:SIZE - 200]
+        assert _device_bytes(arrays[1]) == b"\xab" * 1000
+
+    def test_misuse_is_refused(self, data_file):
+        path, _ = data_file
+        arrays = [cuda.DeviceArray(100)]
+        with pytest.raises(UnsupportedBufferError):
+            scattered_device_view(_targets(arrays, [50]), 100, 0, arrays)  # runs past the read
+        view = scattered_device_view(_targets(arrays, [0]), 100, 0, arrays)
+        with gdskit.settings.set(mode="cufile"), gdskit.open(path) as f:
+            with pytest.raises(DirectPathUnavailable):
+                f.read(view, 100)
+        with gdskit.open(os.path.join(os.path.dirname(path), "out.bin"), "w") as f:
+            with pytest.raises(InvalidArgumentError):
+                f.write(view, 100)
+
+
+# -- on a real GPU ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@hsettings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 200_000)), min_size=1, max_size=20))
+def test_gpu_scattered_reads_match_plain_reads(data_file, sizes):
+    path, data = data_file
+    arrays, layout, pos = [], [], 0
+    for gap, n in sizes:
+        pos += gap
+        layout.append(pos)
+        arrays.append(cuda.DeviceArray(n))
+        pos += n
+    pos = min(pos, SIZE)
+    keep = [(a, off) for a, off in zip(arrays, layout) if off + a.nbytes <= pos]
+    view = scattered_device_view(ScatterList([(off, a.ptr, a.nbytes) for a, off in keep]), pos, 0, arrays)
+    with gdskit.settings.set(mode="bounce", chunk_size="128KiB"), gdskit.open(path) as f:
+        assert f.read(view, pos) == pos
+    for a, off in keep:
+        assert a.to_numpy().tobytes() == data[off:off + a.nbytes]
