@@ -50,7 +50,10 @@ def fake_cuda():
     mp.setattr(cuda, "_contexts", {})
     mp.setattr(cuda, "_device_count", None)
     mp.setattr(pool.lanes, "_register_error", None)
+    mp.setattr(cuda, "_batched_copies", None)
+    cuda._stream_ordered_copy.cache_clear()
     yield fake
+    cuda._stream_ordered_copy.cache_clear()
     gdskit.release_resources()
     mp.undo()
     cuda._device_count = None

@@ -24,6 +24,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+    CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 class CUmemorytype(enum.IntEnum):
@@ -42,6 +43,10 @@ class CUpointer_attribute(enum.IntEnum):  # noqa: N801 - the bindings' names
 OK = CUresult.CUDA_SUCCESS
 
 
+class CUmemcpyAttributes:
+    srcAccessOrder = 0  # noqa: N815 - the bindings' name
+
+
 class FakeDriver:
     CUresult = CUresult
     CUmemorytype = CUmemorytype
@@ -51,6 +56,9 @@ class FakeDriver:
     CUmemAttach_flags = SimpleNamespace(CU_MEM_ATTACH_GLOBAL=1)
     CU_MEMHOSTALLOC_PORTABLE = 1
     CU_MEMHOSTREGISTER_PORTABLE = 1
+    CUdeviceptr = int
+    CUmemcpyAttributes = CUmemcpyAttributes
+    CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=1)
 
     def __init__(self, devices: int = 1) -> None:
         self.devices = devices
@@ -222,6 +230,16 @@ class FakeDriver:
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
         return self._enqueue("cuMemcpyHtoDAsync", dst, src, n, stream)
+
+    def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):  # noqa: N802
+        err = self._count("cuMemcpyBatchAsync")
+        if err:
+            return (err,)
+        assert len(dsts) == len(srcs) == len(sizes) == count and num_attrs == len(attrs) == len(attr_idxs) == 1
+        with self._lock:
+            self._streams.setdefault(stream, []).extend(
+                (int(d), int(s), n) for d, s, n in zip(dsts, srcs, sizes))
+        return (OK,)
 
     def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
         return self._enqueue("cuMemcpyDtoHAsync", dst, src, n, stream)

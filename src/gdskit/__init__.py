@@ -18,8 +18,6 @@ from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gdskit.backends.cufile import BufferRegistration
 
 __version__ = "0.1.0"
@@ -40,34 +38,19 @@ def prepare(device: int | None = None) -> ResourceUsage:
     model is being built, so that loading its weights runs at full speed at once.
     Returns what is held afterwards. Without a GPU it only starts the worker threads.
     """
-    import threading  # noqa: PLC0415
-
     from gdskit import pool  # noqa: PLC0415
 
     cfg = settings.snapshot()
-    if not cuda.available():
-        pool.prepare(None, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
-        return pool.lanes.usage(settings.threads)
-    from gdskit.direct_route import direct_route  # noqa: PLC0415
+    dev = None
+    if cuda.available():
+        from gdskit.direct_route import direct_route  # noqa: PLC0415
 
-    dev = cuda.current_device() if device is None else device
-    # The route's facts are mostly interpreter work, the ring's set-up mostly driver calls that
-    # let the interpreter go: side by side, the set-up takes about as long as the longer one.
-    route = threading.Thread(target=_quietly, args=(direct_route,), name="gdskit-route", daemon=True)
-    route.start()
-    try:
-        pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
-    finally:
-        route.join()
-    direct_route()  # worked out once above; raises here if it failed there
+        dev = cuda.current_device() if device is None else device
+        # Worked out here, before the ring: side by side with the ring's set-up (another thread)
+        # it made that set-up slower by as much as it saved on the H200 machine.
+        direct_route()
+    pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
     return pool.lanes.usage(settings.threads)
-
-
-def _quietly(fn: "Callable[[], object]") -> None:
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - the caller asks again and meets the error itself
-        pass
 
 
 def register_buffer(buf: object) -> "BufferRegistration":

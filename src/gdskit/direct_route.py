@@ -51,8 +51,8 @@ def _route_once() -> DirectRoute:
 def direct_route() -> DirectRoute:
     """The direct route of this machine, worked out once per process.
 
-    Threads that ask while it is being worked out wait for that answer (the loaders' warm-up
-    works it out beside the pinned ring's set-up) instead of each reading the facts again.
+    Threads that ask while it is being worked out (a loader's background warm-up and its
+    first reads) wait for that answer instead of each reading the facts again.
     """
     with _route_lock:
         return _route_once()

@@ -78,8 +78,8 @@ class BounceBackend(Backend):
                 if req.buf.scatter is None:
                     lane.stream.copy_h2d(req.buf.ptr + ch.buf_offset, src, res.nbytes)
                 else:
-                    for dst, skip, n in req.buf.scatter.pieces(ch.buf_offset, res.nbytes):
-                        lane.stream.copy_h2d(dst, src + skip, n)
+                    lane.stream.copy_h2d_many([(dst, src + skip, n) for dst, skip, n
+                                               in req.buf.scatter.pieces(ch.buf_offset, res.nbytes)])
                 event.record(lane.stream)
                 if on_bytes is not None:
                     on_bytes(res.nbytes)
