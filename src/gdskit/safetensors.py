@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gdskit.errors import GdskitError, InvalidArgumentError
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats._gc import collector_paused
-from gdskit.formats._engine import open_file, start_warm_up, stats, stats_delta
+from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import (HeaderError, LayoutError, MissingTensorError,
                                                TruncatedFileError, UnknownDtypeError)
@@ -100,13 +100,6 @@ def _device(torch: Any, device: Any) -> Any:
     return dev
 
 
-def _size_or_zero(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0  # the header read reports it
-
-
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
     """The ``__metadata__`` strings of a safetensors file (None when it has none)."""
     return fmt.read_header_file(path).metadata
@@ -151,8 +144,6 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     torch = _torch()
     dev = _device(torch, device)
     shards = fmt.resolve_checkpoint(path_or_paths)
-    if dev.type == "cuda":  # the engine's set-up runs while the headers are parsed
-        start_warm_up(dev.index, sum(_size_or_zero(p) for p in shards.files))
     headers = [(p, fmt.read_header_file(p)) for p in shards.files]
 
     where: dict[str, tuple[str, fmt.Header, fmt.TensorEntry]] = {}

@@ -30,7 +30,7 @@ from gdskit.durable import fsync_dir, remove_if_present, temp_name
 from gdskit.errors import FormatError, GdskitError
 from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats._gc import collector_paused
-from gdskit.formats._engine import open_file, start_warm_up, stats, stats_delta
+from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.torch_zip import RecordSizes, StorageRecords
@@ -345,9 +345,6 @@ class _ReadAhead:
         if dev.type not in ("cpu", "cuda"):
             return None
         from gdskit.formats.torch_io import execute, reserve_device_memory
-        if dev.type == "cuda":  # the engine's set-up runs while the storages are made
-            start_warm_up(dev.index if dev.index is not None else torch.cuda.current_device(),
-                          sum(n for _k, _o, n in spans))
         reserve_device_memory(dev, [n for _k, _o, n in spans])
         storages = {k: torch.UntypedStorage(n, device=dev) for k, _o, n in spans}
         dests = {k: _bytes_of(torch, storages[k], n) for k, _o, n in spans}
