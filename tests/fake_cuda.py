@@ -62,7 +62,9 @@ class FakeDriver:
 
     def __init__(self, devices: int = 1) -> None:
         self.devices = devices
-        self._lock = threading.Lock()
+        # Re-entrant: a collection that runs inside a locked block may finalise a DeviceArray,
+        # whose cuMemFree takes the lock again on the same thread.
+        self._lock = threading.RLock()
         self._allocs: dict[int, tuple[Any, int, CUmemorytype, int]] = {}  # ptr -> (buffer, size, kind, device)
         self._streams: dict[int, list[tuple[int, int, int]]] = {}
         self._events: dict[int, int | None] = {}
@@ -114,7 +116,8 @@ class FakeDriver:
 
     def live_allocations(self, kind: CUmemorytype | None = None) -> int:
         with self._lock:
-            return sum(1 for _b, _n, k, _d in self._allocs.values() if kind is None or k == kind)
+            allocs = list(self._allocs.values())
+        return sum(1 for _b, _n, k, _d in allocs if kind is None or k == kind)
 
     # -- the API gdskit uses --------------------------------------------------------------------
     def cuInit(self, flags: int):  # noqa: N802
@@ -191,12 +194,13 @@ class FakeDriver:
     def cuPointerGetAttributes(self, count: int, attributes: list, ptr: int):  # noqa: N802
         kind, managed, device = CUmemorytype.CU_MEMORYTYPE_UNREGISTERED, False, -2
         with self._lock:
-            for base, (_raw, n, k, dev) in self._allocs.items():
-                if base <= ptr < base + max(n, 1):
-                    managed = k == CUmemorytype.CU_MEMORYTYPE_MANAGED
-                    kind = CUmemorytype.CU_MEMORYTYPE_DEVICE if managed else k
-                    device = dev
-                    break
+            allocs = dict(self._allocs)  # a finaliser run here may free (and so change) the original
+        for base, (_raw, n, k, dev) in allocs.items():
+            if base <= ptr < base + max(n, 1):
+                managed = k == CUmemorytype.CU_MEMORYTYPE_MANAGED
+                kind = CUmemorytype.CU_MEMORYTYPE_DEVICE if managed else k
+                device = dev
+                break
         by_name = {CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE: int(kind),
                    CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED: managed,
                    CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: device}
