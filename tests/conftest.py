@@ -26,9 +26,15 @@ HAS_TORCH = _torch_present()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_torch = pytest.mark.skip(reason="needs torch")
+    skip_stand_in = pytest.mark.skip(reason="a real GPU is present: the test_gpu_* tests cover it")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+        if "stand_in_gpu" in item.keywords:
+            if HAS_GPU:
+                item.add_marker(skip_stand_in)
+            else:
+                item.fixturenames.insert(0, "fake_cuda")  # every such test runs on the stand-in driver
         if "torch" in item.keywords and not HAS_TORCH:
             item.add_marker(skip_torch)
 

@@ -111,14 +111,9 @@ def test_host_items_of_one_job_are_read_side_by_side_and_reported_piece_by_piece
     assert overlap["max"] >= 2
 
 
+@pytest.mark.stand_in_gpu
 class TestOnStandInGpu:
     """Device buffers through the bounce path's single job (tests/fake_cuda.py; CI has no GPU)."""
-
-    pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: test_gpu_* cover it")
-
-    @pytest.fixture(autouse=True)
-    def _fake(self, fake_cuda):
-        yield fake_cuda
 
     @pytest.mark.parametrize("mode", ["bounce", "auto"])
     def test_device_reads_match_plain_reads_and_are_recorded_per_request(self, data_file, mode):
