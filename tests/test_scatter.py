@@ -107,7 +107,7 @@ class TestOnStandInGpu:
         path, data = data_file
         monkeypatch.setattr(cuda, "_batched_copies", None)  # not yet tried
         if not batches:  # a driver older than CUDA 12.8
-            fake_cuda.fail["cuMemcpyBatchAsync"] = fake_cuda.CUresult.CUDA_ERROR_NOT_SUPPORTED
+            monkeypatch.setitem(fake_cuda.fail, "cuMemcpyBatchAsync", fake_cuda.CUresult.CUDA_ERROR_NOT_SUPPORTED)
         arrays = [cuda.DeviceArray(1000) for _ in range(40)]
         view = scattered_device_view(_targets(arrays, range(0, 80_000, 2000)), 80_000, 0, arrays)
         before = dict(fake_cuda.calls)
@@ -167,3 +167,68 @@ def test_gpu_scattered_reads_match_plain_reads(data_file, sizes):
         assert f.read(view, pos) == pos
     for a, off in keep:
         assert a.to_numpy().tobytes() == data[off:off + a.nbytes]
+
+
+# -- the loaders' group reads (gdskit.formats.torch_io), on the stand-in GPU --------------------
+
+class _StandInTensor:
+    """What _scatter_groups needs of a destination tensor: its device address."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = cuda.DeviceArray(max(nbytes, 1))
+
+    def data_ptr(self) -> int:
+        return self.array.ptr
+
+
+@pytest.mark.stand_in_gpu
+@pytest.mark.torch
+class TestLoaderGroupsOnStandInGpu:
+    """torch_io's scattered group reads, batch by batch, with the engine on the stand-in driver."""
+
+    def _groups(self, spans):
+        from gdskit.formats import read_plan
+        extents = [read_plan.Extent(f"t{i}", off, n) for i, (off, n) in enumerate(spans)]
+        return read_plan.plan(extents, small=1 << 20, max_group=256 << 10, max_gap=64).groups
+
+    def _run(self, path, groups, monkeypatch, batch_bytes):
+        torch = pytest.importorskip("torch")
+        from gdskit.formats import torch_io
+        monkeypatch.setattr(torch_io, "SCATTER_BATCH_BYTES", batch_bytes)
+        made: dict[str, _StandInTensor] = {}
+        pieces: list[int] = []
+
+        def dest_for(e):
+            made[e.key] = _StandInTensor(e.nbytes)
+            return made[e.key]
+
+        futures: list = []
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=3), gdskit.open(path) as f:
+            try:
+                torch_io._scatter_groups(f, groups, dest_for, torch.device("cuda", 0), pieces.append, futures)
+            finally:
+                for fut in futures:
+                    fut.exception()  # every read ends before the destinations may go
+        return made, pieces
+
+    @pytest.mark.parametrize("batch_bytes", [1, 300_000, 1 << 30])
+    def test_every_tensor_gets_its_bytes_whatever_the_batching(self, data_file, monkeypatch, batch_bytes):
+        path, data = data_file
+        spans, pos = [], 100
+        for i in range(60):
+            n = 1000 + 997 * i
+            spans.append((pos, n))
+            pos += n + (i % 3) * 17  # small gaps, read and dropped
+        groups = self._groups(spans)
+        assert len(groups) > 3
+        made, pieces = self._run(path, groups, monkeypatch, batch_bytes)
+        for i, (off, n) in enumerate(spans):
+            assert _device_bytes(made[f"t{i}"].array)[:n] == data[off:off + n], i
+        assert sum(pieces) == sum(g.nbytes for g in groups)
+
+    def test_a_group_past_the_end_of_the_file_is_a_truncated_file(self, data_file, monkeypatch):
+        from gdskit.formats.safetensors_format import TruncatedFileError
+        path, _ = data_file
+        groups = self._groups([(SIZE - 5000, 3000), (SIZE - 2000, 3000)])  # the second runs 1000 bytes past the end
+        with pytest.raises(TruncatedFileError, match="short read"):
+            self._run(path, groups, monkeypatch, 1 << 30)
