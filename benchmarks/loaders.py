@@ -8,7 +8,8 @@ Reports GB/s (1 GB = 1e9 bytes), CPU-seconds per GB, peak GPU memory against the
 checkpoint size, and ratios against gdskit. Cold runs drop the page cache before
 each run (root: ``/proc/sys/vm/drop_caches``; otherwise ``posix_fadvise(DONTNEED)``
 on the files). A raw multi-threaded O_DIRECT read of the large file gives the
-disk's own rate for the cold target.
+disk's own rate for the cold target: ``odirect`` hands 16 MiB blocks out in file order,
+``odirect-ranges`` gives each thread its own contiguous run; the target uses the faster.
 
     python benchmarks/loaders.py --dir /data/bench --size 8 --cold --json out.json
     python benchmarks/loaders.py --save --dir /data/bench --size 8      # saving GB/s
@@ -35,11 +36,12 @@ GB = 1e9
 MiB = 1 << 20
 
 LOADERS = ["gdskit", "gdskit-torch", "safetensors", "fastsafetensors-nogds", "fastsafetensors-gds",
-           "runai", "kvikio", "torch-mmap", "odirect"]
+           "runai", "kvikio", "torch-mmap", "odirect", "odirect-ranges"]
 SAVERS = ["gdskit", "gdskit-torch", "safetensors", "torch"]
 PACKAGE = {"gdskit": "gdskit", "gdskit-torch": "gdskit", "safetensors": "safetensors",
            "fastsafetensors-nogds": "fastsafetensors", "fastsafetensors-gds": "fastsafetensors",
            "runai": "runai_model_streamer", "kvikio": "kvikio", "torch-mmap": "torch", "odirect": "os",
+           "odirect-ranges": "os",
            "torch": "torch"}
 TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
 
@@ -187,14 +189,14 @@ def _load(loader: str, path: str, device: str, threads: int):
         return buf
     if loader == "torch-mmap":
         return torch.load(path, mmap=True, map_location=device, weights_only=True)
-    if loader == "odirect":
-        return odirect_read(path, threads)
+    if loader in ("odirect", "odirect-ranges"):
+        return odirect_read(path, threads, ranges=loader == "odirect-ranges")
     raise SystemExit(f"unknown loader {loader}")
 
 
-def odirect_read(path: str, threads: int, block: int = 16 * MiB) -> int:
+def odirect_read(path: str, threads: int, block: int = 16 * MiB, *, ranges: bool = False) -> int:
     """Read the whole file with O_DIRECT, ``threads`` workers, into per-thread aligned buffers."""
-    return odirect_io([path], threads, block).bytes
+    return odirect_io([path], threads, block, ranges=ranges).bytes
 
 
 def child(args: argparse.Namespace) -> None:
@@ -208,7 +210,7 @@ def child(args: argparse.Namespace) -> None:
     if args.loader.startswith("gdskit"):
         os.environ.setdefault("GDSKIT_THREADS", str(args.threads))
     import torch
-    use_cuda = args.device.startswith("cuda") and args.loader != "odirect"
+    use_cuda = args.device.startswith("cuda") and not args.loader.startswith("odirect")
     if use_cuda:
         torch.cuda.init()
         torch.empty(1, device=args.device)  # CUDA context outside the clock, for every loader alike
@@ -417,7 +419,7 @@ def _one_round(args: argparse.Namespace, files: dict, loaders: list[str], modes:
     for kind in args.files.split(","):
         for loader in loaders:
             path = files[kind]["torch" if loader in TORCH_FORMAT else "safetensors"]
-            if loader == "odirect" and kind != "large":
+            if loader.startswith("odirect") and kind != "large":
                 continue
             for mode in modes:
                 if not installed(loader):
@@ -536,7 +538,7 @@ def evaluate(results: list[dict]) -> dict[str, str]:
 
     out: dict[str, str] = {}
     # Every other loader the issue names is a peer, KvikIO's raw read included; odirect is the disk.
-    peers = [name for name in LOADERS if name not in ("gdskit", "gdskit-torch", "odirect")]
+    peers = [name for name in LOADERS if name not in ("gdskit", "gdskit-torch", "odirect", "odirect-ranges")]
     for mode in ("hot", "cold"):
         g = rate("gdskit", "large", mode)
         if g is None:
@@ -551,10 +553,13 @@ def evaluate(results: list[dict]) -> dict[str, str]:
             out[f"{mode} faster than every peer"] = "not measured (no peer ran)"
         if mode == "hot":
             out["hot >= 45 GB/s"] = f"{'met' if g >= 45 else 'NOT met'} ({g:.2f} GB/s)"
-        raw = rate("odirect", "large", "cold")
-        if mode == "cold" and raw:
+        # The disk's rate: the better of its two read orders, where both ran.
+        raws = {r: x for r in ("odirect", "odirect-ranges") if (x := rate(r, "large", "cold"))}
+        if mode == "cold" and raws:
+            ref = max(raws, key=raws.get)
+            raw = raws[ref]
             out["cold >= 0.97x raw O_DIRECT"] = (f"{'met' if g >= 0.97 * raw else 'NOT met'} "
-                                                 f"({g / raw:.3f}x of {raw:.2f} GB/s)")
+                                                 f"({g / raw:.3f}x of {ref} {raw:.2f} GB/s)")
         s = rate("gdskit", "small", mode)
         if s is not None:
             out[f"{mode} small >= 0.8x large"] = f"{'met' if s >= 0.8 * g else 'NOT met'} ({s / g:.2f}x)"

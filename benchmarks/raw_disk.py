@@ -40,7 +40,7 @@ def _cpu_s() -> float:
 
 
 def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = False,
-               size: int | None = None) -> Moved:
+               size: int | None = None, ranges: bool = False) -> Moved:
     """Move every byte of ``paths`` (or the first ``size`` bytes of each) in ``block``-byte O_DIRECT
     reads, or writes of ``size`` bytes ending with fsync, on ``threads`` threads.
 
@@ -48,6 +48,10 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
     system allows, touched) are made before the clock starts. A read's tail past the last whole 4 KiB block is asked for
     as a whole block (O_DIRECT lengths must be aligned) and the file's end shortens it; writes
     need a ``size`` that is a multiple of 4 KiB.
+
+    Blocks are handed out in file order to whichever thread is free (``ranges=False``, as
+    gdskit's workers take chunks), or each thread moves its own contiguous run of blocks
+    (``ranges=True``): on a disk that rewards sequential streams, the two can differ.
     """
     if write and (size is None or size % ALIGN):
         raise ValueError(f"O_DIRECT writes need a size that is a multiple of {ALIGN} bytes, not {size}")
@@ -59,6 +63,8 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
             n = size if size is not None else os.path.getsize(p)
             jobs += [(fd, off, min(block, _round_up(n - off))) for off in range(0, n, block)]
         bufs = [HostBuffer(block, huge_pages=True) for _ in range(threads)]
+        per = -(-len(jobs) // threads)
+        queues = [iter(jobs[i * per:(i + 1) * per]) for i in range(threads)] if ranges else None
         nxt = iter(jobs)
         lock = threading.Lock()
         moved = [0] * threads
@@ -69,8 +75,11 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
             mv = memoryview(bufs[i].array)
             try:
                 while not errors:
-                    with lock:
-                        job = next(nxt, None)
+                    if queues is not None:
+                        job = next(queues[i], None)
+                    else:
+                        with lock:
+                            job = next(nxt, None)
                     if job is None:
                         return
                     fd, off, n = job
