@@ -63,7 +63,7 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
             n = size if size is not None else os.path.getsize(p)
             jobs += [(fd, off, min(block, _round_up(n - off))) for off in range(0, n, block)]
         bufs = [HostBuffer(block, huge_pages=True) for _ in range(threads)]
-        per = -(-len(jobs) // threads)
+        per = -(-len(jobs) // threads)  # each thread's run of blocks, with ranges=True
         queues = [iter(jobs[i * per:(i + 1) * per]) for i in range(threads)] if ranges else None
         nxt = iter(jobs)
         lock = threading.Lock()

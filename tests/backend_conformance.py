@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from data_files import random_file
+
 import gdskit
 
 _HSET = hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors])
@@ -60,11 +62,7 @@ class BackendTests:
     @pytest.fixture(scope="class")
     @classmethod
     def data_file(cls, tmp_path_factory):
-        rng = np.random.default_rng(1234)
-        data = rng.integers(0, 256, size=3 * 2**20 + 12345, dtype=np.uint8).tobytes()
-        p = tmp_path_factory.mktemp("conf") / "data.bin"
-        p.write_bytes(data)
-        return str(p), data
+        return random_file(tmp_path_factory, "conf", 3 * 2**20 + 12345, seed=1234)
 
     def _read(self, path: str, size: int, file_offset: int, buf_offset: int = 0, extra: int = 0) -> tuple[int, bytes]:
         buf = self.make_buffer(buf_offset + size + extra)

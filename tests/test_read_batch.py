@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from backend_conformance import aligned_array, drop_cache
+from data_files import random_file
 
 import gdskit
 from gdskit.errors import (
@@ -23,10 +24,7 @@ SIZE = (1 << 20) + 3000
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-    path = tmp_path_factory.mktemp("batch") / "data.bin"
-    path.write_bytes(data)
-    return str(path), data
+    return random_file(tmp_path_factory, "batch", SIZE, seed=3)
 
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from data_files import random_file
 
 import gdskit
 from gdskit import cuda
@@ -18,10 +18,7 @@ SIZE = (3 << 20) + 1234
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("many") / "data.bin"
-    data = os.urandom(SIZE)
-    path.write_bytes(data)
-    return str(path), data
+    return random_file(tmp_path_factory, "many", SIZE, seed=1)
 
 
 def test_host_buffers_get_the_bytes_and_counts_are_short_only_at_the_end(data_file):

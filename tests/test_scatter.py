@@ -8,6 +8,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from data_files import random_file
+
 import gdskit
 from gdskit import cuda
 from gdskit.buffers import ScatterList, scattered_device_view
@@ -18,10 +20,7 @@ SIZE = (2 << 20) + 777
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("scatter") / "data.bin"
-    data = os.urandom(SIZE)
-    path.write_bytes(data)
-    return str(path), data
+    return random_file(tmp_path_factory, "scatter", SIZE, seed=2)
 
 
 # -- ScatterList on its own -------------------------------------------------------------------
@@ -192,7 +191,7 @@ class TestLoaderGroupsOnStandInGpu:
         return read_plan.plan(extents, small=1 << 20, max_group=256 << 10, max_gap=64).groups
 
     def _run(self, path, groups, monkeypatch, batch_bytes):
-        torch = pytest.importorskip("torch")
+        pytest.importorskip("torch")
         from gdskit.formats import torch_io
         monkeypatch.setattr(torch_io, "SCATTER_BATCH_BYTES", batch_bytes)
         made: dict[str, _StandInTensor] = {}
@@ -205,7 +204,7 @@ class TestLoaderGroupsOnStandInGpu:
         futures: list = []
         with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=3), gdskit.open(path) as f:
             try:
-                torch_io._scatter_groups(f, groups, dest_for, torch.device("cuda", 0), pieces.append, futures)
+                torch_io._scatter_groups(f, groups, dest_for, 0, pieces.append, futures)
             finally:
                 for fut in futures:
                     fut.exception()  # every read ends before the destinations may go

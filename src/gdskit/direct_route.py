@@ -12,7 +12,6 @@ scanned when cufile.json turns P2PDMA on, so a first read does not pay for it.
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,13 +38,7 @@ def udev_database_present() -> bool:
 
 
 _route_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=1)
-def _route_once() -> DirectRoute:
-    from gdskit.probe.root import SystemRoot  # noqa: PLC0415
-
-    return route_of(SystemRoot("/"))
+_route: DirectRoute | None = None
 
 
 def direct_route() -> DirectRoute:
@@ -54,8 +47,13 @@ def direct_route() -> DirectRoute:
     Threads that ask while it is being worked out (a loader's background warm-up and its
     first reads) wait for that answer instead of each reading the facts again.
     """
+    global _route
     with _route_lock:
-        return _route_once()
+        if _route is None:
+            from gdskit.probe.root import SystemRoot  # noqa: PLC0415
+
+            _route = route_of(SystemRoot("/"))
+        return _route
 
 
 def route_of(root: Any) -> DirectRoute:

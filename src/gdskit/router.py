@@ -62,14 +62,10 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
         return [Route("bounce", Reason.MANAGED_MEMORY, *whole)]
     if cfg.mode is Mode.BOUNCE:
         return [Route("bounce", Reason.FORCED_BY_SETTING, *whole)]
-    if buf.scatter is not None:
-        # Separate small allocations: cuFile takes one buffer per request, and each of these would
-        # be a request below the direct cut-off; the bounce ring's copies can scatter.
-        if cfg.mode is Mode.CUFILE:
-            raise DirectPathUnavailable("a scattered destination cannot take the cuFile path", Reason.BELOW_THRESHOLD)
-        route = direct_route()
-        reason = (route.reason or Reason.NVIDIA_FS_MISSING) if route.route is None else Reason.BELOW_THRESHOLD
-        return [Route("bounce", reason, *whole)]
+    # A scattered destination is several separate small allocations: cuFile takes one buffer per
+    # request, and each of these would be a request below the direct cut-off.
+    if cfg.mode is Mode.CUFILE and buf.scatter is not None:
+        raise DirectPathUnavailable("a scattered destination cannot take the cuFile path", Reason.BELOW_THRESHOLD)
     if cfg.mode is Mode.CUFILE:
         from gdskit.backends.cufile import register  # noqa: PLC0415
 
@@ -82,7 +78,7 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     route = direct_route()
     if route.route is None:
         return [Route("bounce", route.reason or Reason.NVIDIA_FS_MISSING, *whole)]
-    if size < _direct_threshold(f, cfg):
+    if buf.scatter is not None or size < _direct_threshold(f, cfg):
         return [Route("bounce", Reason.BELOW_THRESHOLD, *whole)]
     from gdskit.backends.cufile import register  # noqa: PLC0415
 

@@ -320,9 +320,9 @@ class _ReadAhead:
     When ``map_location`` names one device, each storage's place is known before the
     pickle says which storages there are, so their reads need not wait for it. On the
     H200 machine the unpickle of a 256-tensor checkpoint took 16-34 ms of a 330 ms hot
-    load. The small storages are read after the unpickle, as before: their copies out of
-    staging run Python, which would contend with the unpickler (20,000 of them loaded
-    about 10 % slower when read alongside it). torch.save writes only records the pickle refers
+    load. The small storages are read after the unpickle: making their read requests runs
+    Python, which would contend with the unpickler (20,000 of them loaded about 10 % slower
+    when read alongside it). torch.save writes only records the pickle refers
     to; any other is read for nothing.
     """
 

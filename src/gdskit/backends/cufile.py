@@ -314,6 +314,7 @@ class CufileBackend(Backend):
         lib = cufile_library()
         mod = lib.module
         handle = self._handle(f)
+
         def gpu_of(req: Request) -> int:
             return req.buf.device or 0
 

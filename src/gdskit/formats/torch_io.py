@@ -185,6 +185,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         return t
 
     wait_for_warm_up = no_wait
+    index = 0
     if on_cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
         wait_for_warm_up = start_warm_up(index, plan.read_bytes)
@@ -221,7 +222,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             job = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(job)
         if scatter:
-            _scatter_groups(f, plan.groups, dest_for, device, on_bytes, futures)
+            _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures)
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
@@ -236,31 +237,27 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
 
 
 def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
-                    device: torch.device, on_bytes: Callable[[int], None] | None,
+                    device: int, on_bytes: Callable[[int], None] | None,
                     futures: list[concurrent.futures.Future[Any]]) -> None:
-    """Read each group in one request whose bytes land straight in its members' tensors."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    batches: list[tuple[list[Group], concurrent.futures.Future[list[int]]]] = []
+    """Read each group of GPU ``device`` in one request whose bytes land straight in its
+    members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job."""
+    jobs: list[tuple[list[Group], concurrent.futures.Future[list[int]]]] = []
     batch: list[Group] = []
     reads: list[tuple[Any, int, int]] = []
     pending = 0
     for i, g in enumerate(groups):
-        base = g.file_offset
-        targets = []
-        owners = []
-        for m in g.members:
-            t = dest_for(m)
-            owners.append(t)
-            targets.append((m.file_offset - base, t.data_ptr(), m.nbytes))
-        reads.append((scattered_device_view(ScatterList(targets), g.nbytes, index, owners), g.nbytes, base))
+        members = [dest_for(m) for m in g.members]
+        targets = ScatterList((m.file_offset - g.file_offset, t.data_ptr(), m.nbytes)
+                              for m, t in zip(g.members, members))
+        reads.append((scattered_device_view(targets, g.nbytes, device, members), g.nbytes, g.file_offset))
         batch.append(g)
         pending += g.nbytes
         if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:
             fut = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(fut)
-            batches.append((batch, fut))
+            jobs.append((batch, fut))
             batch, reads, pending = [], [], 0
-    for batch, fut in batches:
+    for batch, fut in jobs:
         for g, n in zip(batch, fut.result()):
             _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
 
