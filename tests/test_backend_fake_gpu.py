@@ -14,7 +14,7 @@ import pytest
 
 import gdskit
 from gdskit import cuda, pool
-from gdskit.errors import CudaError
+from gdskit.errors import CudaError, InvalidArgumentError
 
 from backend_conformance import BackendTests
 from fake_cuda import CUmemorytype, CUresult
@@ -118,6 +118,17 @@ def test_prepare_creates_the_ring_once(tmp_path, fake_cuda, alloc, call):
     gdskit.release_resources()
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0, "pinned stages leaked"
     assert gdskit.resources().pinned_alloc == "none"
+
+
+def test_prepare_for_fewer_workers(fake_cuda):
+    gdskit.release_resources()
+    with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc="hostalloc"):
+        assert gdskit.prepare(workers=2).lanes == 2
+        assert gdskit.prepare(workers=99).lanes == 4  # never more than the threads
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(InvalidArgumentError):
+                gdskit.prepare(workers=bad)
+    gdskit.release_resources()
 
 
 def test_refused_registration_falls_back_to_host_alloc(tmp_path, fake_cuda):
@@ -285,6 +296,11 @@ def test_warm_up_builds_the_ring_in_the_background_once(fake_cuda):
         assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
         start_warm_up(0, 4 << 20)()  # the ring exists: nothing more is made
         assert fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 4
+        gdskit.release_resources()
+        start_warm_up(0, (2 << 20) - 1, workers=2)()  # too small for two lanes
+        assert not pool.lanes.holds(0)
+        start_warm_up(0, 2 << 20, workers=2)()  # the staging of two workers only
+        assert gdskit.resources().lanes == 2 and fake_cuda.calls.get("cuMemHostAlloc", 0) == before + 6
         # A refused set-up is left for the read to report, never raised from the warm-up thread.
         gdskit.release_resources()
         fake_cuda.fail["cuMemHostAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY

@@ -141,3 +141,33 @@ def test_a_forked_child_reads_through_the_lanes_it_inherited(small_io_file):
         os.close(r)
         _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and got == b"\x01", (status, got)
+
+
+def test_cached_says_whether_the_page_cache_holds_a_range(small_io_file):
+    from gdskit.errors import ClosedFileError, InvalidArgumentError
+    from gdskit.residency import Residency, residency
+
+    path, data = small_io_file
+    drop_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if residency(fd, 0, len(data)) is None:
+            pytest.skip("page-cache residency cannot be asked here")
+        evictable = residency(fd, 0, len(data)) is Residency.NONE
+    finally:
+        os.close(fd)
+    with gdskit.open(path) as f:
+        if evictable:
+            assert not f.cached() and not f.cached(8192, 4096)
+        with open(path, "rb") as fh:  # the first 64 KiB only
+            fh.read(65536)
+        assert f.cached(0, 65536) and f.cached(4096, 100)
+        if evictable:
+            assert not f.cached(), "the rest of the file was never read"
+        with open(path, "rb") as fh:
+            fh.read()
+        assert f.cached() and f.cached(len(data) - 10) and f.cached(0, 0)
+        with pytest.raises(InvalidArgumentError):
+            f.cached(-1)
+    with pytest.raises(ClosedFileError):
+        f.cached()

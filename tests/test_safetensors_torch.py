@@ -347,7 +347,7 @@ def test_gpu_first_load_sets_the_engine_up_in_the_background(tmp_path, monkeypat
     started: list[int] = []
     real = torch_io.start_warm_up
     monkeypatch.setattr(torch_io, "start_warm_up",
-                        lambda device, nbytes: started.append(device) or real(device, nbytes))
+                        lambda device, nbytes, workers=None: started.append(device) or real(device, nbytes, workers))
     gdskit.release_resources()
     with gdskit.settings.set(threads=4, chunk_size="1MiB"):
         first = gs.load_file(path, device="cuda:0")

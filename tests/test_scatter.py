@@ -121,6 +121,24 @@ class TestOnStandInGpu:
         else:
             assert calls["cuMemcpyBatchAsync"] == 1 and calls["cuMemcpyHtoDAsync"] == 40
 
+    @pytest.mark.parametrize("held", [True, False])
+    def test_a_hot_scattered_job_takes_few_workers_and_a_cold_one_all(self, data_file, monkeypatch, held):
+        from gdskit.backends import bounce
+        from gdskit.residency import Residency
+
+        path, data = data_file
+        monkeypatch.setattr(bounce, "file_residency", lambda *a: Residency.ALL if held else Residency.SOME)
+        asked: list[int] = []
+        real = bounce.run_requests
+        monkeypatch.setattr(bounce, "run_requests", lambda *a, **k: asked.append(k["max_lanes"]) or real(*a, **k))
+        arrays = [cuda.DeviceArray(4000) for _ in range(100)]
+        view = scattered_device_view(_targets(arrays, range(0, 1_000_000, 10_000)), 1_000_000, 0, arrays)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=8), gdskit.open(path) as f:
+            assert f.read(view, 1_000_000) == 1_000_000
+            assert f.read(cuda.DeviceArray(1_000_000), 1_000_000) == 1_000_000  # not scattered: every worker
+        assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
+        assert asked == [bounce.SCATTERED_HOT_WORKERS if held else 8, 8]
+
     def test_short_at_end_of_file_and_later_targets_untouched(self, data_file):
         path, data = data_file
         arrays = [cuda.DeviceArray(1000), cuda.DeviceArray(1000)]
@@ -190,7 +208,7 @@ class TestLoaderGroupsOnStandInGpu:
         extents = [read_plan.Extent(f"t{i}", off, n) for i, (off, n) in enumerate(spans)]
         return read_plan.plan(extents, small=1 << 20, max_group=256 << 10, max_gap=64).groups
 
-    def _run(self, path, groups, monkeypatch, batch_bytes):
+    def _run(self, path, groups, monkeypatch, batch_bytes, jobs_at_once=1 << 20):
         pytest.importorskip("torch")
         from gdskit.formats import torch_io
         monkeypatch.setattr(torch_io, "SCATTER_BATCH_BYTES", batch_bytes)
@@ -204,14 +222,16 @@ class TestLoaderGroupsOnStandInGpu:
         futures: list = []
         with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=3), gdskit.open(path) as f:
             try:
-                torch_io._scatter_groups(f, groups, dest_for, 0, pieces.append, futures)
+                torch_io._scatter_groups(f, groups, dest_for, 0, pieces.append, futures, jobs_at_once)
             finally:
                 for fut in futures:
                     fut.exception()  # every read ends before the destinations may go
         return made, pieces
 
     @pytest.mark.parametrize("batch_bytes", [1, 300_000, 1 << 30])
-    def test_every_tensor_gets_its_bytes_whatever_the_batching(self, data_file, monkeypatch, batch_bytes):
+    @pytest.mark.parametrize("jobs_at_once", [1, 2, 1 << 20])
+    def test_every_tensor_gets_its_bytes_whatever_the_batching(self, data_file, monkeypatch, batch_bytes,
+                                                               jobs_at_once):
         path, data = data_file
         spans, pos = [], 100
         for i in range(60):
@@ -220,7 +240,7 @@ class TestLoaderGroupsOnStandInGpu:
             pos += n + (i % 3) * 17  # small gaps, read and dropped
         groups = self._groups(spans)
         assert len(groups) > 3
-        made, pieces = self._run(path, groups, monkeypatch, batch_bytes)
+        made, pieces = self._run(path, groups, monkeypatch, batch_bytes, jobs_at_once)
         for i, (off, n) in enumerate(spans):
             assert _device_bytes(made[f"t{i}"].array)[:n] == data[off:off + n], i
         assert sum(pieces) == sum(g.nbytes for g in groups)

@@ -30,16 +30,20 @@ def resources() -> ResourceUsage:
     return pool.lanes.usage(settings.threads)
 
 
-def prepare(device: int | None = None) -> ResourceUsage:
+def prepare(device: int | None = None, *, workers: int | None = None) -> ResourceUsage:
     """Set up the bounce ring for ``device`` now (pinned buffers, streams, worker threads), and
     work out whether this machine has a direct route at all (``auto`` mode asks once per process).
 
     The first large read otherwise pays for this set-up; call it early, e.g. while a
     model is being built, so that loading its weights runs at full speed at once.
-    Returns what is held afterwards. Without a GPU it only starts the worker threads.
+    ``workers`` sets up the staging of only that many workers (default: all
+    ``settings.threads``), for work that will use fewer. Returns what is held afterwards.
+    Without a GPU it only starts the worker threads.
     """
     from gdskit import pool  # noqa: PLC0415
 
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise errors.InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
     cfg = settings.snapshot()
     dev = None
     if cuda.available():
@@ -49,7 +53,7 @@ def prepare(device: int | None = None) -> ResourceUsage:
         # Worked out here, before the ring: side by side with the ring's set-up (another thread)
         # it made that set-up slower by as much as it saved on the H200 machine.
         direct_route()
-    pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
+    pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment, workers)
     return pool.lanes.usage(settings.threads)
 
 

@@ -251,6 +251,18 @@ class File:
         """Like :meth:`write`, in the background: returns a ``Future`` of the byte count."""
         return self._submit("write", buf, size, file_offset, buf_offset)
 
+    def cached(self, file_offset: int = 0, size: int | None = None) -> bool:
+        """Whether the page cache holds every byte of ``[file_offset, file_offset + size)``
+        (default: to the end of the file), asked without causing any I/O. False where the
+        kernel cannot say (neither ``cachestat`` nor ``mincore`` works)."""
+        self._check_open()
+        file_offset = _check_int("file_offset", file_offset)
+        size = self.size - file_offset if size is None else _check_int("size", size)
+        from gdskit.backends.staged import file_residency  # noqa: PLC0415
+        from gdskit.residency import Residency  # noqa: PLC0415
+
+        return file_residency(self._of, file_offset, max(size, 0)) is Residency.ALL
+
     def fsync(self) -> None:
         """Make written data durable."""
         self._check_open()

@@ -435,9 +435,13 @@ def run_requests(requests: Sequence[Any], chunk_size: int, alignment: int,
     return out
 
 
-def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int) -> None:
-    """Create every lane a large request on ``device`` will use, in parallel on the worker threads."""
+def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int,
+            workers: int | None = None) -> None:
+    """Create every lane a large request on ``device`` will use (or the first ``workers``
+    of them), in parallel on the worker threads."""
     n_lanes, chunk = lanes.stage_layout(device, threads, chunk_size, budget, alignment)
+    if workers is not None:
+        n_lanes = max(1, min(n_lanes, workers))
     stage_bytes = chunk + 2 * alignment
     ex = io_executor(threads)
     barrier = threading.Barrier(n_lanes)

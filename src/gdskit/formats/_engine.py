@@ -52,6 +52,12 @@ def can_scatter() -> bool:
     return settings.mode is not Mode.CUFILE
 
 
+def scattered_hot_workers() -> int:
+    """How many workers the engine gives a job of scattered reads the page cache holds."""
+    from gdskit.backends.bounce import SCATTERED_HOT_WORKERS
+    return SCATTERED_HOT_WORKERS
+
+
 def no_wait() -> None:
     """What waiting for a warm-up that never started does: nothing."""
 
@@ -60,10 +66,11 @@ _warm_ups: dict[int, threading.Thread] = {}
 _warm_ups_lock = threading.Lock()
 
 
-def start_warm_up(device: int, nbytes: int) -> Callable[[], None]:
-    """Set the engine up for a read of ``nbytes`` onto GPU ``device`` in the background
-    (``gdskit.prepare``: pinned stages, streams, worker threads, the direct-route facts) while
-    the caller allocates the destinations; returns the function that waits for it.
+def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Callable[[], None]:
+    """Set the engine up for a read of ``nbytes`` onto GPU ``device`` by ``workers`` workers
+    (default: all) in the background (``gdskit.prepare``: pinned stages, streams, worker
+    threads, the direct-route facts) while the caller allocates the destinations; returns the
+    function that waits for it.
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
     a call while a warm-up of the device is under way waits for that one. Measured on the
@@ -74,12 +81,13 @@ def start_warm_up(device: int, nbytes: int) -> Callable[[], None]:
     from gdskit import pool, prepare
     from gdskit.settings import settings
 
-    if nbytes < settings.threads * settings.chunk_size or pool.lanes.holds(device):
+    workers = settings.threads if workers is None else min(workers, settings.threads)
+    if nbytes < workers * settings.chunk_size or pool.lanes.holds(device):
         return no_wait
 
     def run() -> None:
         try:
-            prepare(device)
+            prepare(device, workers=workers)
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gdskit.buffers import ScatterList, scattered_device_view, synchronized_device_view
-from gdskit.formats._engine import can_scatter, no_wait, start_warm_up
+from gdskit.formats._engine import can_scatter, no_wait, scattered_hot_workers, start_warm_up
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -144,6 +144,11 @@ class _Split:
 #: Groups submitted to the engine as one job when their reads scatter: enough bytes to keep
 #: every worker busy while the main thread makes the next groups' tensors.
 SCATTER_BATCH_BYTES = 128 << 20
+#: Scattered jobs under way at once when the page cache holds the groups: the engine gives
+#: each such job a few workers (its per-copy Python shares the interpreter with the thread
+#: making the tensors), and more jobs at once would bring back the crowd. From the disk,
+#: every job is submitted as soon as its tensors exist, to keep the disk busy.
+SCATTER_JOBS_HOT = 1
 
 
 def _uint8_alloc(device: torch.device) -> Callable[[Extent], torch.Tensor]:
@@ -186,9 +191,14 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
 
     wait_for_warm_up = no_wait
     index = 0
+    groups_hot = scatter and _held_in_page_cache(f, plan.groups)
     if on_cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        wait_for_warm_up = start_warm_up(index, plan.read_bytes)
+        # Hot small tensors use few workers: set up only their staging, unless the large
+        # tensors' reads need every worker's.
+        direct_bytes = sum(e.nbytes for e in plan.direct)
+        few = groups_hot and direct_bytes < plan.read_bytes // 2
+        wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
     try:
         if on_cuda:
             # Blocks torch's caching allocator hands out, and given destinations, may still be in use
@@ -222,7 +232,8 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             job = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(job)
         if scatter:
-            _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures)
+            _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures,
+                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups))
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
@@ -236,12 +247,26 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
     return out
 
 
+def _held_in_page_cache(f: Any, groups: tuple[Group, ...]) -> bool:
+    if not groups:
+        return False
+    lo = min(g.file_offset for g in groups)
+    return bool(f.cached(lo, max(g.file_offset + g.nbytes for g in groups) - lo))
+
+
 def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
                     device: int, on_bytes: Callable[[int], None] | None,
-                    futures: list[concurrent.futures.Future[Any]]) -> None:
+                    futures: list[concurrent.futures.Future[Any]], jobs_at_once: int) -> None:
     """Read each group of GPU ``device`` in one request whose bytes land straight in its
-    members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job."""
-    jobs: list[tuple[list[Group], concurrent.futures.Future[list[int]]]] = []
+    members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job, at
+    most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile)."""
+    jobs: deque[tuple[list[Group], concurrent.futures.Future[list[int]]]] = deque()
+
+    def finish_oldest() -> None:
+        batch, fut = jobs.popleft()
+        for g, n in zip(batch, fut.result()):
+            _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
+
     batch: list[Group] = []
     reads: list[tuple[Any, int, int]] = []
     pending = 0
@@ -253,13 +278,14 @@ def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Exten
         batch.append(g)
         pending += g.nbytes
         if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:
+            while len(jobs) >= jobs_at_once:
+                finish_oldest()
             fut = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(fut)
             jobs.append((batch, fut))
             batch, reads, pending = [], [], 0
-    for batch, fut in jobs:
-        for g, n in zip(batch, fut.result()):
-            _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
+    while jobs:
+        finish_oldest()
 
 
 def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
