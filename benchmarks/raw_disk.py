@@ -6,6 +6,10 @@ lie in physical memory can change how the kernel splits an O_DIRECT request into
 (on the H200 machine's virtio disk, 1 MiB reads ran at 1.0 GiB/s into heap memory and at
 1.4-1.7 into fresh mappings), so the reference gets the layout gdskit's own stages have, not a
 worse one. Python's default anonymous mapping is shared memory, which takes no huge pages.
+
+Run as a script, it sweeps cold reads of a file over block sizes, thread counts and orders:
+
+    python benchmarks/raw_disk.py /data/big.bin --blocks 8MiB,16MiB,64MiB --threads 16,32 --rounds 2
 """
 
 from __future__ import annotations
@@ -102,3 +106,36 @@ def odirect_io(paths: list[str], threads: int, block: int, *, write: bool = Fals
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def main() -> None:
+    """Cold O_DIRECT reads of the given files for each block size, thread count and order,
+    the page cache dropped before every run; one line per run."""
+    import argparse
+    import itertools
+
+    from gdskit.settings import parse_size
+    from page_cache import drop_caches  # benchmarks/ is on sys.path when run as a script
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--blocks", default="16MiB", help="comma-separated read sizes (default 16MiB)")
+    ap.add_argument("--threads", default="16", help="comma-separated thread counts (default 16)")
+    ap.add_argument("--orders", default="file,ranges",
+                    help="'file' (blocks handed out in file order), 'ranges' (each thread its own run), or both")
+    ap.add_argument("--rounds", type=int, default=1, help="run the whole sweep this many times")
+    args = ap.parse_args()
+    blocks = [parse_size(b) for b in args.blocks.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    orders = args.orders.split(",")
+    if not set(orders) <= {"file", "ranges"}:
+        ap.error(f"--orders takes 'file' and 'ranges', got {args.orders!r}")
+    for rnd, block, n, order in itertools.product(range(1, args.rounds + 1), blocks, threads, orders):
+        how = drop_caches(args.files)
+        m = odirect_io(args.files, n, block, ranges=order == "ranges")
+        print(f"round {rnd}  block {block / 2**20:>4g} MiB  threads {n:>3}  order {order:<6}  "
+              f"{m.bytes / m.seconds / 1e9:6.2f} GB/s  {m.cpu_s / (m.bytes / 1e9):.3f} CPU-s/GB  ({how})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
