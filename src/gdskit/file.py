@@ -253,8 +253,9 @@ class File:
 
     def cached(self, file_offset: int = 0, size: int | None = None) -> bool:
         """Whether the page cache holds every byte of ``[file_offset, file_offset + size)``
-        (default: to the end of the file), asked without causing any I/O. False where the
-        kernel cannot say (neither ``cachestat`` nor ``mincore`` works)."""
+        (default: to the end of the file), asked without causing any I/O. Bytes past the end
+        of the file are not held; False also where the kernel cannot say (neither
+        ``cachestat`` nor ``mincore`` works)."""
         self._check_open()
         file_offset = _check_int("file_offset", file_offset)
         size = self.size - file_offset if size is None else _check_int("size", size)
