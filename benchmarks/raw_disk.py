@@ -125,8 +125,13 @@ def main() -> None:
                     help="'file' (blocks handed out in file order), 'ranges' (each thread its own run), or both")
     ap.add_argument("--rounds", type=int, default=1, help="run the whole sweep this many times")
     args = ap.parse_args()
-    blocks = [parse_size(b) for b in args.blocks.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
+    try:
+        blocks = [parse_size(b) for b in args.blocks.split(",")]
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError as exc:  # gdskit's ConfigError is a ValueError too
+        ap.error(str(exc))
+    if min(threads) < 1 or min(blocks) < ALIGN or any(b % ALIGN for b in blocks):
+        ap.error(f"threads must be >= 1 and blocks multiples of {ALIGN} bytes")
     orders = args.orders.split(",")
     if not set(orders) <= {"file", "ranges"}:
         ap.error(f"--orders takes 'file' and 'ranges', got {args.orders!r}")

@@ -194,8 +194,8 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
     groups_hot = scatter and _held_in_page_cache(f, plan.groups)
     if on_cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # Hot small tensors use few workers: set up only their staging, unless the large
-        # tensors' reads need every worker's.
+        # Where hot small tensors hold most of the bytes, set up only the staging of the few
+        # workers their reads get; reads of the large tensors make any other lanes they need.
         direct_bytes = sum(e.nbytes for e in plan.direct)
         few = groups_hot and direct_bytes < plan.read_bytes // 2
         wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
