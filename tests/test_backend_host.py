@@ -62,38 +62,41 @@ def test_small_aligned_reads_cold_hot_and_at_the_end(small_io_file, policy, size
             assert n == len(want) and bytes(buf[:n]) == want, (policy, size, off)
 
 
-def _dropped(path: str, nbytes: int) -> bool:
-    """Drop the file from the page cache; whether it left (some filesystems keep files cached).
-    Skips the test where residency cannot be asked."""
-    from gdskit.residency import Residency, residency
+def _residency(path: str, nbytes: int):
+    """The file's page-cache residency, by ``cachestat`` or else ``mincore`` (which every Linux has)."""
+    from gdskit.residency import new_mapping, residency
 
-    drop_cache(path)
+    mapping = new_mapping()
     fd = os.open(path, os.O_RDONLY)
     try:
-        where = residency(fd, 0, nbytes)
+        where = residency(fd, 0, nbytes, mapping)
     finally:
+        mapping.close()
         os.close(fd)
-    if where is None:
-        pytest.skip("page-cache residency cannot be asked here")
-    return where is Residency.NONE
+    assert where is not None, "neither cachestat nor mincore answered"
+    return where
+
+
+def _dropped(path: str, nbytes: int) -> bool:
+    """Drop the file from the page cache; whether it left (tmpfs, for one, keeps every file cached)."""
+    from gdskit.residency import Residency
+
+    drop_cache(path)
+    return _residency(path, nbytes) is Residency.NONE
 
 
 def test_small_cold_read_under_auto_leaves_the_page_cache_alone(small_io_file):
-    from gdskit.residency import Residency, residency
+    from gdskit.residency import Residency
 
     path, data = small_io_file
     if not _dropped(path, len(data)):
-        pytest.skip("this filesystem keeps the file cached")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = aligned_array(4096)
-        with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
-            assert f.read(buf, 4096, 256 << 10) == 4096
-        assert bytes(buf) == data[256 << 10:(256 << 10) + 4096]
-        # O_DIRECT, and no readahead started around it.
-        assert residency(fd, 0, len(data)) is Residency.NONE
-    finally:
-        os.close(fd)
+        pytest.skip("this filesystem keeps the file cached")  # nothing to leave alone
+    buf = aligned_array(4096)
+    with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
+        assert f.read(buf, 4096, 256 << 10) == 4096
+    assert bytes(buf) == data[256 << 10:(256 << 10) + 4096]
+    # O_DIRECT, and no readahead started around it.
+    assert _residency(path, len(data)) is Residency.NONE
 
 
 def test_small_read_of_a_partly_cached_range(small_io_file):

@@ -240,6 +240,8 @@ def test_plan_covers_every_extent_once(raw: list, small: int, max_group: int, ma
             assert 0 <= b.file_offset - a.end <= max_gap
         assert all(0 < m.nbytes < small for m in g.members)
     assert p.payload_bytes == sum(e.nbytes for e in extents)
+    assert p.direct_bytes == sum(e.nbytes for e in p.direct)
+    assert p.read_bytes == p.direct_bytes + p.group_bytes >= p.payload_bytes
     assert p.read_bytes >= p.payload_bytes
 
 

@@ -60,9 +60,19 @@ class ReadPlan:
         return sum(e.nbytes for e in self.direct) + sum(m.nbytes for g in self.groups for m in g.members)
 
     @property
+    def direct_bytes(self) -> int:
+        """Bytes read straight into their own memory."""
+        return sum(e.nbytes for e in self.direct)
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes read as groups (their members plus the small gaps between them)."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
     def read_bytes(self) -> int:
         """Bytes actually read (payload plus the small gaps inside groups)."""
-        return sum(e.nbytes for e in self.direct) + sum(g.nbytes for g in self.groups)
+        return self.direct_bytes + self.group_bytes
 
     @property
     def staging_bytes(self) -> int:

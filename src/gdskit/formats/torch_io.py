@@ -196,8 +196,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         index = device.index if device.index is not None else torch.cuda.current_device()
         # Where hot small tensors hold most of the bytes, set up only the staging of the few
         # workers their reads get; reads of the large tensors make any other lanes they need.
-        direct_bytes = sum(e.nbytes for e in plan.direct)
-        few = groups_hot and direct_bytes < plan.read_bytes // 2
+        few = groups_hot and plan.group_bytes > plan.direct_bytes
         wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
     try:
         if on_cuda:
