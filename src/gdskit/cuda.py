@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from gdskit import shutdown as exit_order
 from gdskit.errors import CudaError
 from gdskit.residency import MAP_FAILED, libc
 
@@ -171,6 +172,8 @@ class PinnedBuffer:
             self.ptr = 0
 
     def __del__(self) -> None:  # last resort; pools free explicitly
+        if exit_order.exiting():
+            return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()
         except Exception:
@@ -242,6 +245,8 @@ class RegisteredHostBuffer:
             check(err, "cuMemHostUnregister")
 
     def __del__(self) -> None:  # last resort; pools free explicitly
+        if exit_order.exiting():
+            return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()
         except Exception:
@@ -433,6 +438,8 @@ class DeviceArray:
             self.ptr = 0
 
     def __del__(self) -> None:
+        if exit_order.exiting():
+            return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()
         except Exception:

@@ -9,7 +9,6 @@ memory never exceeds ``settings.pinned_budget``.
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import threading
 import time
@@ -19,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gdskit import cuda
+from gdskit import cuda, shutdown as exit_order
 from gdskit.errors import CudaError
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.settings import settings
@@ -472,14 +471,21 @@ def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alig
         raise errors[0]
 
 
-def shutdown() -> None:
-    """Stop worker threads and free all lanes (called at exit)."""
+def stop_workers() -> None:
+    """Stop the worker threads, letting the work they hold finish."""
     with _exec_lock:
         found = [_executors.pop(kind, None) for kind in ("req", "io")]
     for item in found:
         if item is not None:
             item[0].shutdown(wait=True)
+
+
+def shutdown() -> None:
+    """Stop worker threads and free all lanes."""
+    stop_workers()
     lanes.release_idle()
 
 
-atexit.register(shutdown)
+# Workers stop before the cuFile driver closes; the pinned stages go after it, CUDA still running.
+exit_order.at_exit(exit_order.STOP_WORK, stop_workers)
+exit_order.at_exit(exit_order.FREE_MEMORY, lambda: lanes.release_idle())

@@ -8,7 +8,6 @@ after the request, and, where counters are off, the driver properties.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
 import os
@@ -18,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gdskit import shutdown as exit_order
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
@@ -91,8 +91,9 @@ class CufileLibrary:
                     cufile.driver_open()
                     self._opened = True
                     self._mod = cufile
-                    # Close in order at exit: libcufile crashes the interpreter's exit if left open.
-                    atexit.register(self.close)
+                    # Close in order at exit (after the workers stop, before pinned memory goes):
+                    # libcufile crashes the interpreter's exit if left open.
+                    exit_order.at_exit(exit_order.CLOSE_DRIVERS, self.close)
                     if settings.cufile_stats:
                         try:
                             cufile.set_stats_level(3)

@@ -66,6 +66,14 @@ _warm_ups: dict[int, threading.Thread] = {}
 _warm_ups_lock = threading.Lock()
 
 
+def _join_warm_ups() -> None:
+    # A warm-up still making pinned stages at exit would call CUDA while it is torn down.
+    with _warm_ups_lock:
+        running = list(_warm_ups.values())
+    for worker in running:
+        worker.join(timeout=30)
+
+
 def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Callable[[], None]:
     """Set the engine up for a read of ``nbytes`` onto GPU ``device`` by ``workers`` workers
     (default: all) in the background (``gdskit.prepare``: pinned stages, streams, worker
@@ -91,6 +99,9 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 
+    from gdskit import shutdown as exit_order
+
+    exit_order.at_exit(exit_order.STOP_WORK, _join_warm_ups)
     with _warm_ups_lock:
         worker = _warm_ups.get(device)
         if worker is None or not worker.is_alive():

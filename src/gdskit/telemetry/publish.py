@@ -269,5 +269,10 @@ def _install_hooks() -> None:
     if not _hooks_installed:
         _hooks_installed = True
         atexit.register(_at_exit)
+        # Also in the ordered exit, before the workers stop and cuFile closes: the thread
+        # must not be inside a cuFile counter query when the driver goes.
+        from gdskit import shutdown as exit_order  # noqa: PLC0415
+
+        exit_order.at_exit(exit_order.STOP_WORK, _at_exit)
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
                             after_in_child=_after_fork_child)

@@ -1,0 +1,136 @@
+"""The process exits cleanly, every time: the ordered exit (gdskit.shutdown), and fresh processes
+that use gdskit and leave without cleaning up, whose exit codes must be exactly what they return."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _run(code: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_stages_run_in_order_whatever_the_registration_order(tmp_path: Path) -> None:
+    out = _run("""
+        from gdskit import shutdown as s
+        s.at_exit(s.FREE_MEMORY, lambda: print("free"))
+        s.at_exit(s.CLOSE_DRIVERS, lambda: print("close"))
+        s.at_exit(s.STOP_WORK, lambda: print("stop-1"))
+        s.at_exit(s.STOP_WORK, lambda: print("stop-2"))
+        def boom():
+            raise RuntimeError("one part failing must not keep the rest from closing")
+        s.at_exit(s.CLOSE_DRIVERS, boom)
+        assert not s.exiting()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["stop-2", "stop-1", "close", "free"]
+
+
+def test_unknown_stage_is_refused() -> None:
+    from gdskit import shutdown
+
+    with pytest.raises(ValueError):
+        shutdown.at_exit(7, lambda: None)
+
+
+def test_cufile_driver_closes_after_workers_and_before_pinned_memory(tmp_path: Path) -> None:
+    # The cuFile library registers its close in the ordered exit, not with atexit directly:
+    # an atexit hook registered after it would otherwise run the workers past the driver.
+    out = _run("""
+        from gdskit import shutdown as s
+        from gdskit.backends.cufile import CufileLibrary
+        class Mod:
+            def driver_open(self): pass
+            def driver_close(self): print("driver_close")
+            def set_stats_level(self, n): raise RuntimeError("no stats")
+        lib = CufileLibrary(loader=Mod)
+        assert lib.available()
+        s.at_exit(s.STOP_WORK, lambda: print("workers"))
+        s.at_exit(s.FREE_MEMORY, lambda: print("pinned"))
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["workers", "driver_close", "pinned"]
+
+
+def test_library_exit_without_cleanup_keeps_the_exit_code(tmp_path: Path) -> None:
+    # Open files, a background read still pending, threads and lanes alive at exit; the
+    # process must leave with the status it asked for, every time.
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(3 << 20))
+    for code in (0, 3):
+        for _ in range(5):
+            out = _run(f"""
+                import sys, numpy as np, gdskit
+                f = gdskit.open({str(data)!r})
+                buf = np.empty(3 << 20, dtype=np.uint8)
+                assert f.read(buf) == 3 << 20
+                fut = f.pread(buf, 1 << 20, 0)   # left running
+                sys.exit({code})
+            """, tmp_path)
+            assert out.returncode == code, out.stderr
+
+
+@pytest.mark.torch
+def test_checkpoint_load_then_exit_without_cleanup(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(256, 256) for i in range(8)}, str(path))
+    for _ in range(5):
+        out = _run(f"""
+            import gdskit.safetensors as st
+            d = st.load_file({str(path)!r}, device="cpu")
+            assert len(d) == 8
+        """, tmp_path)
+        assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_processes_exit_with_their_status(tmp_path: Path) -> None:
+    """On a GPU machine: the CLI and a library load to the GPU, in fresh processes, exit with
+    their own status each time (a signal shows as a negative return code)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(1024, 1024) for i in range(64)}, str(path))  # 256 MiB
+    runs = int(os.environ.get("GDSKIT_EXIT_RUNS", "10"))
+    seen: list[tuple[str, int]] = []
+    for _ in range(runs):
+        out = _run(f"""
+            import torch, gdskit.safetensors as st
+            d = st.load_file({str(path)!r}, device="cuda:0")
+            assert len(d) == 64
+        """, tmp_path)
+        seen.append(("load", out.returncode))
+        assert out.returncode == 0, out.stderr
+    cli = [["check", "--probe", str(tmp_path)],
+           ["bench", "-s", "64M", "-D", str(tmp_path)]]
+    for args in cli:
+        for _ in range(max(2, runs // 3)):
+            out = _run(f"import sys; from gdskit.cli.main import main; sys.argv = ['gdskit'] + {args!r}; main()",
+                       tmp_path, timeout=300)
+            seen.append((args[0], out.returncode))
+            assert out.returncode in (0, 1), (args, out.returncode, out.stderr[-2000:])
+    for i in range(2):
+        report = tmp_path / f"report{i}"
+        out = _run(f"import sys; from gdskit.cli.main import main; "
+                   f"sys.argv = ['gdskit', 'accept', '--quick', '--report', {str(report)!r}, {str(tmp_path)!r}]; main()",
+                   tmp_path, timeout=600)
+        seen.append(("accept", out.returncode))
+        assert out.returncode in (0, 1), (out.returncode, out.stderr[-2000:])
+        assert (report / "report.json").exists()
