@@ -235,14 +235,16 @@ def test_the_file_mode_keeps_other_users_out(tmp_path, data_file):
         _finish(proc)
 
 
-def test_a_directory_others_can_write_into_is_refused(tmp_path):
+def test_a_named_directory_others_can_write_into_is_refused(tmp_path, monkeypatch):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, 0o777)
-    with pytest.raises(GdskitPermissionError, match="writable by other users"):
-        location.ensure_private_dir(str(d))
+    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
+    with pytest.raises(GdskitPermissionError):
+        publish.publication_dir()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o777  # never taken over
     os.chmod(d, 0o755)  # readable by others but not writable: accepted, mode left alone
-    assert location.ensure_private_dir(str(d)) == str(d)
+    assert publish.publication_dir().path == str(d)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
 
 
