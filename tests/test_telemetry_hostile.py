@@ -571,6 +571,29 @@ def test_no_usable_location_leaves_publication_off_with_a_warning(tmp_path, plac
         _end(proc)
 
 
+READER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import gdskit
+
+    with gdskit.open(sys.argv[1]) as f:
+        f.read(np.empty(4096, dtype=np.uint8))
+""")
+
+
+def test_gdskit_run_collects_from_the_default_locations(tmp_path, places):
+    from gdskit.telemetry import run_workload
+
+    _, order = places
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(4096))
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    report = run_workload([sys.executable, str(script), str(data)], level=1)
+    assert (report.returncode, report.processes, report.stats.total_bytes, report.partial) == (0, 1, 4096, False)
+    assert os.listdir(order[0]) == []  # the run directory is gone, and the live snapshot withdrawn
+
+
 # -- writing -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("plant", ["symlink", "hardlink"])
@@ -587,6 +610,23 @@ def test_a_link_planted_at_the_temporary_name_is_not_written_through(tmp_path, p
     assert stat.S_ISREG(st_.st_mode) and stat.S_IMODE(st_.st_mode) == 0o600 and st_.st_nlink == 1
     assert (d / "7.json").read_bytes() == b"snapshot"
     assert sorted(os.listdir(d)) == ["7.json"]
+
+
+def test_the_temporary_file_is_opened_exclusive_without_following_links_and_close_on_exec(tmp_path, monkeypatch):
+    d = tmp_path / "stats"
+    d.mkdir(mode=0o700)
+    real_open, seen = os.open, []
+
+    def spy(path, flags, mode=0o777, *, dir_fd=None):
+        seen.append((os.fspath(path), flags, mode))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", spy)
+    publish.write_private(str(d / "7.json"), b"x")
+    monkeypatch.undo()
+    (flags, mode), = [(f, m) for p, f, m in seen if p.endswith(".tmp")]
+    want = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    assert flags & want == want and not flags & os.O_TRUNC and mode == 0o600
 
 
 def test_the_temporary_file_is_fresh_and_private_whatever_the_umask(tmp_path):
