@@ -235,14 +235,16 @@ def test_the_file_mode_keeps_other_users_out(tmp_path, data_file):
         _finish(proc)
 
 
-def test_a_directory_others_can_write_into_is_refused(tmp_path):
+def test_a_named_directory_others_can_write_into_is_refused(tmp_path, monkeypatch):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, 0o777)
-    with pytest.raises(GdskitPermissionError, match="writable by other users"):
-        location.ensure_private_dir(str(d))
+    monkeypatch.setenv("GDSKIT_STATS_DIR", str(d))
+    with pytest.raises(GdskitPermissionError):
+        publish.publication_dir()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o777  # never taken over
     os.chmod(d, 0o755)  # readable by others but not writable: accepted, mode left alone
-    assert location.ensure_private_dir(str(d)) == str(d)
+    assert publish.publication_dir().path == str(d)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
 
 
@@ -318,3 +320,48 @@ def test_a_forked_child_publishes_only_its_own_io(tmp_path, data_file, stats_dir
     assert json.loads(out.stdout) == {"child": 4096, "parent": 1 << 20}
     assert os.listdir(stats_dir) == []  # both withdrew their snapshots at exit
     shutil.rmtree(stats_dir)
+
+
+RESETTER = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    import gdskit
+    from gdskit.telemetry import publish_now, read_snapshot
+
+    buf = np.empty(1 << 20, dtype=np.uint8)
+    with gdskit.open(sys.argv[1]) as f:
+        f.read(buf)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)  # so that the parent's end, however it comes, ends the child too
+        gdskit.stats_reset()  # the child's ledger now holds less than what it inherited
+        with gdskit.open(sys.argv[1]) as f:
+            f.read(buf[:4096])
+        publish_now()
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    while True:
+        try:
+            child = read_snapshot(pid)
+            if child.stats.total_bytes:
+                break
+        except gdskit.errors.NotPublishingError:
+            pass
+        time.sleep(0.01)
+    print(json.dumps(child.doc["ledger"]["entries"]))
+    os.write(w, b"y")
+    os.waitpid(pid, 0)
+""")
+
+
+def test_a_forked_child_that_resets_its_ledger_publishes_what_it_did(tmp_path, data_file, stats_dir):
+    script = tmp_path / "resetter.py"
+    script.write_text(RESETTER)
+    env = {**os.environ, "GDSKIT_STATS": "2", "GDSKIT_STATS_DIR": str(stats_dir)}
+    out = subprocess.run([sys.executable, str(script), str(data_file)], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    (entry,) = json.loads(out.stdout)
+    assert (entry["bytes"], entry["ops"], entry["requests"], entry["size_hist"]) == (4096, 1, 1, {"4096": 1})

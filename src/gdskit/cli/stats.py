@@ -1,8 +1,10 @@
 """`gdskit stats`: the live figures of a process that publishes its ledger (``GDSKIT_STATS=1``).
 
 Exit status: 0 figures shown (or the watched process ended); 1 no such process,
-it publishes nothing, or it belongs to another user; 2 bad arguments or a
-missing optional package.
+it publishes nothing, it belongs to another user, or its snapshot is refused
+(malformed, too large, not a regular file of that user in a directory only that
+user can write); 2 bad arguments or a missing optional package. Errors are one
+line on stderr, whatever the output format.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ def register(app: typer.Typer) -> None:
     app.command("stats", help=_HELP, no_args_is_help=False)(stats)
 
 
+def _one_line(message: str) -> str:
+    """``message`` as one printable line: it may quote paths and names taken from files."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message)
+
+
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"gdskit stats: error: {message}", err=True)
+    typer.echo(f"gdskit stats: error: {_one_line(message)}", err=True)
     return typer.Exit(code)
 
 
@@ -88,7 +95,7 @@ def _show(pid: int, level: int | None, as_json: bool, prometheus: bool) -> None:
     snap = read_snapshot(pid)
     lvl = _level_for(snap, level)
     if as_json:
-        sys.stdout.write(json.dumps(restrict(snap.doc, lvl), indent=2) + "\n")
+        sys.stdout.write(json.dumps(restrict(snap.doc, lvl), indent=2, allow_nan=False) + "\n")
     elif prometheus:
         sys.stdout.write(to_prometheus([snap], level=lvl))
     else:
@@ -105,10 +112,13 @@ def _list(as_json: bool, prometheus: bool, level: int | None) -> None:
     from gdskit.telemetry import SCHEMA, list_snapshots, to_prometheus
     from gdskit.telemetry.snapshot import restrict
 
-    snaps = [s for s in list_snapshots() if s.pid != os.getpid()]
+    refused: list[tuple[str, Any]] = []
+    snaps = [s for s in list_snapshots(refused=refused) if s.pid != os.getpid()]
+    for path, exc in refused:
+        typer.echo(f"gdskit stats: note: skipped {_one_line(_message(exc))}", err=True)
     if as_json:
         docs = [restrict(s.doc, level or 3) for s in snaps]
-        sys.stdout.write(json.dumps({"schema": SCHEMA, "processes": docs}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"schema": SCHEMA, "processes": docs}, indent=2, allow_nan=False) + "\n")
     elif prometheus:
         sys.stdout.write(to_prometheus(snaps, level=level))
     elif not snaps:
@@ -162,7 +172,7 @@ def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
             live.start()
         while True:
             if as_json:
-                sys.stdout.write(json.dumps(restrict(snap.doc, lvl), separators=(",", ":")) + "\n")
+                sys.stdout.write(json.dumps(restrict(snap.doc, lvl), separators=(",", ":"), allow_nan=False) + "\n")
                 sys.stdout.flush()
             elif live is not None:
                 live.update(snapshot_view(snap, lvl, rates), refresh=True)

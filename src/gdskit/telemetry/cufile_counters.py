@@ -81,7 +81,8 @@ def subtract(now: dict[int, dict[str, int]], before: dict[int, dict[str, int]] |
     out = {}
     for gpu, row in now.items():
         base = before.get(gpu, {})
-        diff = {k: v - base.get(k, 0) for k, v in row.items()}
+        # A counter below its baseline was reset since (cuFile opened again): all of it is new.
+        diff = {k: v - base.get(k, 0) if v >= base.get(k, 0) else v for k, v in row.items()}
         if any(diff.values()):
             out[gpu] = diff
     return out

@@ -3,8 +3,13 @@
 With ``GDSKIT_STATS`` >= 1 (or ``settings.set(stats_level=...)``) a daemon thread
 writes a snapshot of the ledger every ``settings.stats_interval`` seconds, when
 the ledger changed, to ``<stats dir>/<pid>.json`` (mode 0600, written to a
-temporary file and renamed, so readers never see half a file). The I/O hot path
-is untouched: the thread takes the ledger's own lock once per tick.
+temporary file created afresh, never through a link, and renamed, so readers
+never see half a file). The I/O hot path is untouched: the thread takes the
+ledger's own lock once per tick.
+
+The stats directory is the first usable of :func:`location.candidate_dirs`: a
+default location someone else created first (or left open to others) is passed
+over for the next, so publication does not stop because of it.
 
 At exit the file is removed. A process started by ``gdskit run`` (its
 environment names a session and a run directory) first leaves its final
@@ -15,23 +20,27 @@ under their own pid, only what they did after the fork.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 
+from gdskit.errors import GdskitPermissionError
 from gdskit.ledger import Stats, ledger
 from gdskit.settings import settings
 from gdskit.telemetry import cufile_counters
 from gdskit.telemetry.location import (
     RUN_DIR_ENV,
     SESSION_ENV,
-    ensure_private_dir,
+    StatsDir,
+    candidate_dirs,
+    open_dir,
     snapshot_name,
     start_ticks,
-    stats_dir,
 )
 from gdskit.telemetry.snapshot import build
 
@@ -40,20 +49,104 @@ _publisher: Publisher | None = None
 _hooks_installed = False
 _warned = False
 
+# A fresh file only, never through a link; not inherited by programs this process starts.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-def write_private(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, readable by this user only (0600)."""
+
+def write_private(path: str, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically, readable by this user only (0600).
+
+    The directory must be this user's and closed to others (``private``: mode 0700);
+    the temporary file is created afresh next to ``path`` and renamed over it.
+    """
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    dir_fd = open_dir(StatsDir(directory or ".", private=private), os.geteuid())
     try:
-        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its old mode through O_TRUNC
+        write_at(dir_fd, name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``data`` to ``name`` in the directory open as ``dir_fd``: temporary file, then rename."""
+    tmp = f".{name}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        # Left by an earlier process with this pid (or put there): remove the name itself,
+        # never what it may point to, and start afresh.
+        os.unlink(tmp, dir_fd=dir_fd)
+        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have taken bits off
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-    finally:
+    except BaseException:
         os.close(fd)
-    os.replace(tmp, path)
+        _unlink_at(tmp, dir_fd)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        _unlink_at(tmp, dir_fd)
+        raise
+
+
+def _unlink_at(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def prepare_dir(place: StatsDir, uid: int | None = None) -> None:
+    """Make ``place`` (mode 0700) or check the one there; :class:`GdskitPermissionError` when it will not do.
+
+    An existing directory's mode is never changed: a default one someone else made,
+    or made open to others, is passed over rather than taken over.
+    """
+    uid = os.geteuid() if uid is None else uid
+    created = False
+    try:
+        os.mkdir(place.path, 0o700)
+        created = True
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        if not place.make_parents:
+            raise
+        os.makedirs(os.path.dirname(place.path), 0o700, exist_ok=True)
+        try:
+            os.mkdir(place.path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+    if created:  # mkdir's mode passes through the umask; fix it through a descriptor of what we made
+        fd = os.open(place.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_uid == uid:
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    os.close(open_dir(place, uid))
+
+
+def publication_dir(environ: Mapping[str, str] | None = None) -> StatsDir:
+    """The directory this process publishes in: the first of :func:`candidate_dirs` it can use.
+
+    :class:`GdskitPermissionError`, saying what was wrong with each, when none will do.
+    """
+    problems = []
+    for place in candidate_dirs(os.geteuid(), environ):
+        try:
+            prepare_dir(place)
+            return place
+        except OSError as exc:
+            problems.append(f"{place.path}: {exc.strerror or exc}")
+    raise GdskitPermissionError(errno.EPERM, "no usable gdskit stats directory (" + "; ".join(problems)
+                                + "); set GDSKIT_STATS_DIR to a directory of yours that others cannot write", None)
 
 
 def final_name(pid: int, ticks: int | None) -> str:
@@ -85,18 +178,32 @@ class Publisher:
         self.closed = False
 
     def locate(self) -> None:
-        """Where to publish, from the environment as it is now (read again at each start)."""
+        """Whom to publish for, from the environment as it is now (read again at each start);
+        where is chosen as publication starts."""
         self.session = os.environ.get(SESSION_ENV) or None
         self.run_dir = os.environ.get(RUN_DIR_ENV) or None
-        self.directory = stats_dir()
-        self.file = os.path.join(self.directory, snapshot_name(self.pid))
+        self.place: StatsDir | None = None
+
+    @property
+    def directory(self) -> str | None:
+        return None if self.place is None else self.place.path
+
+    @property
+    def file(self) -> str | None:
+        return None if self.place is None else os.path.join(self.place.path, snapshot_name(self.pid))
+
+    def _choose_place(self) -> None:
+        old = self.file
+        self.place = publication_dir()
+        if old is not None and old != self.file:
+            _remove(old)  # its old directory would not do any more: leave nothing behind there
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        ensure_private_dir(self.directory)
+        self._choose_place()
         self.publish(force=True)  # at once: `gdskit stats -p` finds the process as soon as it publishes
         self.started = True
         self._stop = threading.Event()
@@ -142,24 +249,23 @@ class Publisher:
                         baseline=self.baseline, gpus=ledger.device_snapshot() if level >= 3 else None,
                         cufile=self._cufile() if level >= 3 else None)
             data = json.dumps(doc, separators=(",", ":")).encode()
-            path = target or self.file
+            if target is not None:
+                write_private(target, data)
+                return
+            if self.place is None:
+                self._choose_place()
             try:
-                write_private(path, data)
-            except FileNotFoundError:
-                if target is not None:
-                    raise
-                ensure_private_dir(self.directory)
-                write_private(path, data)
-            if target is None:
-                self._published = state
+                write_private(self.file, data, private=self.place.private)
+            except (FileNotFoundError, GdskitPermissionError):
+                self._choose_place()  # the directory was removed, or no longer fit: choose again
+                write_private(self.file, data, private=self.place.private)
+            self._published = state
 
     def remove_live(self) -> None:
         with self._write_lock:
             self._published = None
-            try:
-                os.unlink(self.file)
-            except OSError:
-                pass
+            if self.file is not None:
+                _remove(self.file)
 
     def close(self) -> None:
         """At exit: stop the thread, leave the final snapshot for `gdskit run`, withdraw the live one."""
@@ -179,11 +285,19 @@ class Publisher:
             self.remove_live()
 
 
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def start_publishing() -> bool:
     """Publish this process's ledger from now on (``settings.stats_level`` must be >= 1).
 
     Idempotent. Returns False when publication is off or cannot start (the reason
-    is warned once: e.g. a stats directory that other users can write into).
+    is warned once: e.g. a ``GDSKIT_STATS_DIR`` that other users can write into, or
+    no default location this user can use).
     """
     global _publisher, _warned
     with _start_lock:

@@ -16,6 +16,12 @@ from gdskit.telemetry.verdict import ALL_DIRECT, NO_IO, verdict
 from gdskit.vocabulary import is_direct_path
 
 
+def shown(text: str) -> Text:
+    """A string from a snapshot as a table cell: never read as markup, control characters escaped
+    (a command line may hold escape sequences that would drive the terminal)."""
+    return Text("".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text))
+
+
 def human_bytes(n: float) -> str:
     return format_size(n, 1)
 
@@ -45,7 +51,7 @@ def paths_table(stats: Stats, rates: dict[str, float] | None = None, title: str 
         t.add_column("now", justify="right", no_wrap=True)
     total = stats.total_bytes or 1
     for path, ps in sorted(stats.paths.items(), key=lambda kv: -kv[1].bytes):
-        row = [path + (" (direct)" if is_direct_path(path) else ""), human_bytes(ps.bytes_read),
+        row = [shown(path + (" (direct)" if is_direct_path(path) else "")), human_bytes(ps.bytes_read),
                human_bytes(ps.bytes_written), str(ps.requests), human_seconds(ps.busy_s),
                human_seconds(ps.mean_latency_s), f"{human_bytes(ps.bytes / ps.busy_s)}/s" if ps.busy_s > 0 else "-"]
         if rates is not None:
@@ -63,7 +69,7 @@ def reasons_table(stats: Stats) -> Table:
         t.add_column(col, justify="left" if col == "reason" else "right")
     total = stats.total_bytes or 1
     for reason, ps in sorted(stats.reasons.items(), key=lambda kv: -kv[1].bytes):
-        t.add_row(reason, human_bytes(ps.bytes), f"{100.0 * ps.bytes / total:.1f}%", str(ps.requests),
+        t.add_row(shown(reason), human_bytes(ps.bytes), f"{100.0 * ps.bytes / total:.1f}%", str(ps.requests),
                   human_seconds(ps.mean_latency_s))
     return t
 
@@ -81,7 +87,7 @@ def sizes_table(stats: Stats) -> Table | None:
     t.add_column("size up to", justify="right")
     keys = sorted(columns)
     for path, op in keys:
-        t.add_column(f"{path} {op}", justify="right")
+        t.add_column(shown(f"{path} {op}"), justify="right")
     buckets = sorted({k for col in columns.values() for k in col})
     for k in buckets:
         t.add_row(human_bytes(1 << k), *[str(columns[key].get(k, 0) or "") for key in keys])
@@ -97,7 +103,7 @@ def gpus_table(doc: dict[str, Any]) -> Table | None:
         t.add_column(col, justify="left" if col in ("GPU", "path") else "right")
     for gpu, paths in sorted(gpus.items(), key=lambda kv: int(kv[0])):
         for path, ps in sorted(paths.items()):
-            t.add_row(gpu, path, human_bytes(ps.get("bytes_read", 0)), human_bytes(ps.get("bytes_written", 0)),
+            t.add_row(gpu, shown(path), human_bytes(ps.get("bytes_read", 0)), human_bytes(ps.get("bytes_written", 0)),
                       str(ps.get("requests", 0)), human_seconds(ps.get("mean_latency_s")))
     return t
 
@@ -128,8 +134,8 @@ def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = N
     stats = snap.stats
     age = max(0.0, time.time() - snap.updated_at)
     head = Text.assemble((f"pid {snap.pid}", "bold"), f"  level {snap.level}",
-                         f"  session {snap.session}" if snap.session else "",
-                         f"  updated {age:.1f} s ago", f"\n{snap.command[:200]}" if snap.command else "")
+                         shown(f"  session {snap.session}") if snap.session else "",
+                         f"  updated {age:.1f} s ago", "\n" if snap.command else "", shown(snap.command[:200]))
     parts: list[Any] = [head, paths_table(stats, rates), reasons_table(stats)]
     if level >= 2:
         sizes = sizes_table(stats)
@@ -157,7 +163,8 @@ def processes_table(snaps: list[Snapshot]) -> Table:
     now = time.time()
     for s in snaps:
         led = s.doc["ledger"]
-        row = [str(s.pid), str(s.level)] + ([s.session or ""] if sessions else [])
+        row = [str(s.pid), str(s.level)] + ([shown(s.session or "")] if sessions else [])
         t.add_row(*row, human_bytes(led.get("total_bytes", 0)), human_bytes(led.get("direct_bytes", 0)),
-                  human_bytes(led.get("posix_bytes", 0)), f"{max(0.0, now - s.updated_at):.1f}s ago", s.command)
+                  human_bytes(led.get("posix_bytes", 0)), f"{max(0.0, now - s.updated_at):.1f}s ago",
+                  shown(s.command))
     return t

@@ -3,7 +3,8 @@
 Schema ``gdskit.stats/1`` (docs/stats.md). Level 1: bytes, ops, requests, busy
 time and mean latency per path, per reason and per (path, reason, op) entry;
 level 2 adds each entry's size histogram; level 3 adds per-GPU figures and
-cuFile's own counters. Readers keep working when later versions add keys.
+cuFile's own counters. Readers keep working when later versions add keys;
+:mod:`gdskit.telemetry.schema` checks a snapshot read from a file.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 
 from gdskit.errors import FormatError
 from gdskit.ledger import PathStats, Stats, ledger
+from gdskit.telemetry.schema import MAX_ARGV, MAX_COUNT, SCHEMA, valid_session, validate  # noqa: F401 - validate: re-exported
 
-SCHEMA = "gdskit.stats/1"
+#: The command line a snapshot carries is cut to this many characters (it is only shown).
+MAX_ARGV_CHARS = 64 << 10
 
 
 def _path_dict(ps: PathStats) -> dict[str, Any]:
@@ -55,16 +58,16 @@ def build(*, level: int, pid: int, ticks: int | None, started_at: float, interva
 
     stats = ledger.snapshot()
     if baseline is not None and baseline.entries:
-        stats = stats - baseline
+        stats = _since(stats, baseline)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "pid": pid,
         "start_ticks": ticks,
         "uid": os.geteuid(),
-        "argv": list(getattr(sys, "orig_argv", sys.argv)),
+        "argv": command_line(getattr(sys, "orig_argv", sys.argv)),
         "level": level,
         "interval_s": interval_s,
-        "session": session,
+        "session": session if valid_session(session) else None,
         "final": final,
         "seq": seq,
         "started_at": round(started_at, 3),
@@ -74,8 +77,13 @@ def build(*, level: int, pid: int, ticks: int | None, started_at: float, interva
     if level >= 3:
         doc["gpus"] = {str(g): {p: _path_dict(ps) for p, ps in sorted(per.items())}
                        for g, per in sorted((gpus or {}).items())}
+        if cufile is not None:
+            # A counter out of range (a libcufile that wrapped or reset) is left out rather than make readers
+            # refuse the whole snapshot.
+            cufile = {g: {k: v for k, v in row.items() if 0 <= v <= MAX_COUNT} for g, row in cufile.items()}
         doc["cufile"] = (None if cufile is None else
-                         {"per_gpu": {str(g): row for g, row in sorted(cufile.items())}, "totals": totals(cufile)})
+                         {"per_gpu": {str(g): row for g, row in sorted(cufile.items())},
+                          "totals": {k: v for k, v in totals(cufile).items() if v <= MAX_COUNT}})
     return doc
 
 
@@ -93,20 +101,36 @@ def restrict(doc: dict[str, Any], level: int) -> dict[str, Any]:
     return out
 
 
-def validate(doc: Any, source: str) -> dict[str, Any]:
-    """Check that ``doc`` is a snapshot this version can read; :class:`FormatError` otherwise."""
-    schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
-    if not schema.startswith("gdskit.stats/"):
-        raise FormatError(f"{source}: not a gdskit stats snapshot")
-    if schema.split("/", 1)[1].split(".")[0] != SCHEMA.split("/", 1)[1]:
-        # Minor versions (gdskit.stats/1.x) only add keys; another major version is another format.
-        raise FormatError(f"{source}: snapshot schema {schema!r} is not one this gdskit reads ({SCHEMA})")
-    for key in ("pid", "level", "ledger"):
-        if key not in doc:
-            raise FormatError(f"{source}: snapshot lacks {key!r}")
-    if not isinstance(doc["ledger"], dict) or not isinstance(doc["ledger"].get("entries", []), list):
-        raise FormatError(f"{source}: snapshot ledger is malformed")
-    return doc
+def _since(stats: Stats, baseline: Stats) -> Stats:
+    """``stats - baseline`` (what a forked child did itself); a row the child reset since counts whole."""
+    before = {e.key: e for e in baseline.entries}
+    out = []
+    for e in stats.entries:
+        b = before.get(e.key)
+        d = e if b is None else e - b
+        if min(d.bytes, d.ops, d.requests, d.busy_s, *(n for _, n in d.size_hist)) < 0:
+            d = e  # gdskit.stats_reset() in the child: what is there is all its own
+        out.append(d)
+    return Stats.from_entries(out)
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """The command line as a snapshot carries it: UTF-8 text (undecodable bytes replaced), cut to
+    MAX_ARGV_CHARS characters and MAX_ARGV arguments in all."""
+    out: list[str] = []
+    left = MAX_ARGV_CHARS
+    for arg in argv[:MAX_ARGV]:
+        try:
+            raw = arg.encode("utf-8", "surrogateescape")  # the bytes the process was given
+        except UnicodeEncodeError:
+            raw = arg.encode("utf-8", "surrogatepass")
+        arg = raw.decode("utf-8", "replace")
+        if len(arg) > left:
+            out.append(arg[:left] + "...")
+            break
+        out.append(arg)
+        left -= len(arg)
+    return out
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.errors import (
-    FormatError,
     GdskitFileNotFoundError,
     InvalidArgumentError,
     WorkloadTimeoutError,
@@ -35,14 +34,14 @@ from gdskit.settings import env_name
 from gdskit.telemetry.location import (
     RUN_DIR_ENV,
     SESSION_ENV,
+    StatsDir,
     descendants,
-    ensure_private_dir,
     is_running,
     pid_of,
     start_ticks,
-    stats_dir,
 )
-from gdskit.telemetry.read import load_file, run_dir_name
+from gdskit.telemetry.publish import publication_dir
+from gdskit.telemetry.read import load_dir, run_dir_name
 from gdskit.telemetry.snapshot import Snapshot
 from gdskit.telemetry.verdict import split, verdict
 
@@ -120,10 +119,11 @@ def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None 
         raise InvalidArgumentError(f"level must be 1, 2 or 3, got {level!r}")
     child_env = dict(os.environ)
     child_env.update(env or {})
-    live_dir = ensure_private_dir(stats_dir(environ=child_env))
+    live = publication_dir(child_env)  # where the workload's processes will publish: they choose alike
     token = secrets.token_hex(8)
-    run_dir = os.path.join(live_dir, run_dir_name(os.getpid(), start_ticks(os.getpid()), token))
+    run_dir = os.path.join(live.path, run_dir_name(os.getpid(), start_ticks(os.getpid()), token))
     os.mkdir(run_dir, 0o700)
+    os.chmod(run_dir, 0o700)  # mkdir's mode passes through the umask
     child_env.update({env_name("stats_level"): str(level), SESSION_ENV: token, RUN_DIR_ENV: run_dir})
     timed_out = False
     try:
@@ -141,7 +141,7 @@ def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None 
                 timed_out = True
                 returncode = _stop(proc)
         duration = time.monotonic() - t0
-        snapshots, partial = collect(token, run_dir, live_dir)
+        snapshots, partial = collect(token, run_dir, live)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     report = make_report(argv, returncode, duration, snapshots, partial)
@@ -150,26 +150,22 @@ def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None 
     return report
 
 
-def collect(token: str, run_dir: str, live_dir: str) -> tuple[list[Snapshot], bool]:
+def collect(token: str, run_dir: str, live: StatsDir | str) -> tuple[list[Snapshot], bool]:
     """Every snapshot of the session ``token``: final ones, else the last live one. Also: any not final?"""
     me = os.geteuid()
+    live = live if isinstance(live, StatsDir) else StatsDir(live, private=False)
     found: dict[tuple[int, Any], Snapshot] = {}
     # Live snapshots first: a process leaves its final snapshot before it withdraws its live one,
     # so reading in this order cannot miss a process that ends meanwhile.
-    live = []
-    for name in _listdir(live_dir):
-        pid = pid_of(name)
-        if pid is None:
-            continue
-        snap = _load(os.path.join(live_dir, name), me)
-        if snap is not None and snap.session == token:
-            live.append(snap)
-    for name in _listdir(run_dir):
-        snap = _load(os.path.join(run_dir, name), me)
-        if snap is not None and snap.session == token:
+    live_snaps = [Snapshot(doc, os.path.join(live.path, name))
+                  for name, doc in load_dir(live, me, lambda n: pid_of(n) is not None)]
+    live_snaps = [snap for snap in live_snaps if snap.session == token]
+    for name, doc in load_dir(StatsDir(run_dir, private=False), me, lambda n: n.endswith(".json")):
+        snap = Snapshot(doc, os.path.join(run_dir, name))
+        if snap.session == token:
             found[(snap.pid, snap.doc.get("start_ticks"))] = snap
     partial = False
-    for snap in live:
+    for snap in live_snaps:
         key = (snap.pid, snap.doc.get("start_ticks"))
         if key in found:
             continue
@@ -193,20 +189,6 @@ def make_report(argv: list[str], returncode: int, duration_s: float, snapshots: 
             for k, v in cu.items():
                 counters[k] = counters.get(k, 0) + v
     return WorkloadReport(list(argv), returncode, duration_s, stats, counters, len(snapshots), partial)
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
-
-
-def _load(path: str, owner: int) -> Snapshot | None:
-    try:
-        return Snapshot(load_file(path, owner), path)
-    except (OSError, FormatError):
-        return None
 
 
 def _stop(proc: subprocess.Popen) -> int:
