@@ -129,8 +129,6 @@ def parse_header(data: bytes) -> NpyHeader:
         raise NpyHeaderError(f"shape is not a tuple of integers: {shape!r:.40}")
     if len(shape) > MAX_DIMS:
         raise NpyHeaderError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
-    if isinstance(descr, _Structured):
-        raise UnsupportedDtypeError("a structured dtype (fields) has no tensor type")
     if not isinstance(descr, str):
         raise NpyHeaderError(f"descr is not a dtype string: {descr!r:.40}")
     dtype = numeric_dtype(descr)
@@ -151,11 +149,7 @@ def numeric_dtype(descr: str) -> np.dtype:
     return np.dtype(descr)  # a validated typestr: numpy only looks it up
 
 
-class _Structured:
-    """A ``descr`` that is a list: a structured dtype (refused; never parsed further)."""
-
-
-_WS = " \t\n\r\f"
+_WS = " \t\n\r\f"  # inside the braces (Python joins the lines there)
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _STRING_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F)) - {"\\", "'", '"'}
 _MAX_DIGITS = 19  # dimensions are below 2**63
@@ -177,6 +171,10 @@ class _Parser:
             i += 1
         self.i = i
 
+    def blanks(self) -> None:
+        while self.peek() in (" ", "\t") and self.peek():
+            self.i += 1
+
     def peek(self) -> str:
         return self.s[self.i] if self.i < len(self.s) else ""
 
@@ -186,7 +184,9 @@ class _Parser:
         self.i += 1
 
     def header(self) -> dict[str, object]:
-        self.ws()
+        # Outside the braces Python's line rules hold (an indented line is an error): spaces and
+        # tabs before the dictionary; after it spaces and tabs, then only blank lines.
+        self.blanks()
         self.expect("{")
         out: dict[str, object] = {}
         self.ws()
@@ -199,7 +199,7 @@ class _Parser:
             self.ws()
             self.expect(":")
             self.ws()
-            out[key] = self.value()
+            out[key] = self.value(key)
             self.ws()
             if self.peek() == ",":
                 self.i += 1
@@ -207,7 +207,14 @@ class _Parser:
             elif self.peek() != "}":
                 raise self.fail("expected ',' or '}'")
         self.i += 1
-        self.ws()
+        self.blanks()
+        while self.peek() == "\n":  # blank lines; the last one ends with its newline
+            self.i += 1
+            if self.i == len(self.s):
+                break
+            self.blanks()
+            if self.peek() != "\n":
+                raise self.fail("an indented line after the dictionary")
         if self.i != len(self.s):
             raise self.fail("text after the dictionary")
         return out
@@ -225,14 +232,14 @@ class _Parser:
         self.i = end + 1
         return body
 
-    def value(self) -> object:
+    def value(self, key: str) -> object:
         ch = self.peek()
         if ch in ("'", '"'):
             return self.string()
         if ch == "(":
             return self.int_tuple()
-        if ch == "[":
-            return _Structured()
+        if ch == "[" and key == "descr":  # a list of fields: nothing in it is needed to refuse it
+            raise UnsupportedDtypeError("a structured dtype (a list of fields) has no tensor type")
         for word, val in (("True", True), ("False", False)):
             if self.s.startswith(word, self.i):
                 after = self.i + len(word)
