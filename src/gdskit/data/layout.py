@@ -76,9 +76,9 @@ def batch_view(raw: torch.Tensor, n: int, layout: Layout) -> torch.Tensor:
     """``n`` samples of ``layout`` from the flat uint8 tensor ``raw`` that holds their bytes back
     to back: ``[n, *shape]``, each sample in the order its file stores it (a Fortran-order
     sample has Fortran strides, as numpy gives it). A byte-swapped layout costs one copy."""
-    isz = layout.itemsize
-    if layout.byteswap:
-        raw = raw.view(-1, isz).flip(-1).contiguous().view(-1)
+    if layout.byteswap:  # each number's bytes reversed: a complex number's two parts one by one
+        unit = layout.itemsize // 2 if layout.dtype.is_complex else layout.itemsize
+        raw = raw.view(-1, unit).flip(-1).contiguous().view(-1)
     typed = raw.view(layout.dtype)
     if not layout.fortran:
         return typed.view((n, *layout.shape))
