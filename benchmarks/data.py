@@ -9,8 +9,8 @@ Workloads (``--quick``: small sizes for a smoke run, on the CPU too):
   step            the tokens workload with a fixed-duration GPU kernel per batch (a sleep on the
                   CPU), the loader reading ahead; compared with the step alone
 
-Peers: gdskit (``gdskit.data``); ``engine`` (gdskit.open reads of the same bytes into
-preallocated memory: the engine's own ceiling); ``odirect`` (raw O_DIRECT reads into host
+Peers: gdskit (``gdskit.data``); ``engine`` (preload: gdskit.open reads of the same bytes into
+preallocated memory, the engine's own ceiling; tokens: the loader's reads with no read-ahead); ``odirect`` (raw O_DIRECT reads into host
 memory, the disk's ceiling; preload only); ``kvikio`` (KvikIO reads of each file into
 preallocated device memory, 16 threads; when importable); ``numpy`` (np.load, then .to(device));
 ``dataloader-N`` (torch DataLoader, N workers, pin_memory=True, .to(device, non_blocking=True)).

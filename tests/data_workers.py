@@ -1,7 +1,8 @@
 """Files for the gdskit.data tests, and the ranks of their multi-process runs.
 
-As a script, ``python data_workers.py RANK WORLD WORKDIR`` joins a gloo process group of
-``WORLD`` ranks and runs every scenario in order, writing ``WORKDIR/data.RANK.json``:
+As a script, ``python data_workers.py WORLDS WORKDIR`` (``WORLDS``: e.g. ``1,2,4``) forks every
+rank of every world; each joins its world's gloo process group, runs every scenario in order
+and writes ``WORKDIR/data.WORLD.RANK.json``:
 ``{scenario: what this rank saw}`` (the first token of each window it was handed, per epoch;
 whether a wrong state was refused...). The test compares the ranks' reports with each other
 and with the files. Kept outside ``test_*`` so pytest does not collect it.
@@ -53,55 +54,87 @@ SEQ_LEN = 512
 
 
 def run_worlds(worlds: tuple[int, ...], workdir: Path, timeout_s: float = 240) -> dict[int, dict[int, Any]]:
-    """Run every scenario on each of ``worlds`` (all at once, each its own gloo group);
-    {world: {rank: report}}. Fails (AssertionError) if a rank exits non-zero, hangs past
-    ``timeout_s`` or reports nothing; every process is ended before returning."""
+    """Run every scenario on each of ``worlds`` at once, each its own gloo group; {world: {rank:
+    report}}. One launcher process imports torch and gdskit once and forks every rank (on a small
+    machine torch's import is most of the cost). Fails (AssertionError) if a rank fails, the run
+    hangs past ``timeout_s`` or a rank reports nothing; every process is ended before returning."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["GDSKIT_THREADS"] = "2"
-    procs: list[tuple[int, int, subprocess.Popen[bytes]]] = []
-    logs = []
+    cmd = [sys.executable, str(HERE / "data_workers.py"), ",".join(map(str, worlds)), str(workdir)]
+    with open(workdir / "launcher.log", "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    out: dict[int, dict[int, Any]] = {w: {} for w in worlds}
+    problems = [] if p.returncode == 0 else [f"launcher exited with {p.returncode}"]
     for world in worlds:
         for rank in range(world):
-            log = open(workdir / f"data.{world}.{rank}.log", "w")
-            logs.append(log)
-            procs.append((world, rank, subprocess.Popen(
-                [sys.executable, str(HERE / "data_workers.py"), str(rank), str(world), str(workdir)],
-                env=env, stdout=log, stderr=subprocess.STDOUT)))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for _w, _r, p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for _w, _r, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    out: dict[int, dict[int, Any]] = {w: {} for w in worlds}
-    problems = []
-    for world, rank, p in procs:
-        path = workdir / f"data.{world}.{rank}.json"
-        if p.returncode != 0 or not path.exists():
-            tail = (workdir / f"data.{world}.{rank}.log").read_text()[-3000:]
-            problems.append(f"rank {rank} of {world} exited with {p.returncode}:\n{tail}")
-            continue
-        out[world][rank] = json.loads(path.read_text())
-    assert not problems, "\n".join(problems)
+            path = workdir / f"data.{world}.{rank}.json"
+            if path.exists():
+                out[world][rank] = json.loads(path.read_text())
+            else:
+                problems.append(f"rank {rank} of {world} reported nothing")
+    if problems:
+        logs = "".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(workdir.glob("*.log")))
+        raise AssertionError("\n".join(problems) + "\n" + logs)
     return out
+
+
+def launch(worlds: list[int], workdir: Path) -> int:
+    """Fork a process per rank of every world (torch and gdskit already imported), wait for all;
+    the exit status is 0 only if every rank's was. Ranks still running after 200 s are killed."""
+    import signal
+
+    import torch.distributed  # noqa: F401 - imported once, before the forks
+    import gdskit.data  # noqa: F401
+
+    children = {}
+    for world in worlds:
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:  # a rank: its output to its own log, then out without the parent's exit handlers
+                code = 1
+                try:
+                    fd = os.open(workdir / f"data.{world}.{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    rank_main(rank, world, workdir)
+                    code = 0
+                except BaseException:  # noqa: BLE001 - reported in the rank's log
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[pid] = (world, rank)
+    failed = 0
+    deadline = time.monotonic() + 200
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for p in children:
+                    os.kill(p, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.05)
+            continue
+        children.pop(pid, None)
+        failed += os.waitstatus_to_exitcode(status) != 0
+    return 1 if failed else 0
 
 
 def _firsts(batches: list[Any]) -> list[int]:
     return [int(x) for b in batches for x in b[:, 0].tolist()]
 
 
-def main() -> None:
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+def rank_main(rank: int, world: int, workdir: Path) -> None:
     import torch.distributed as dist
 
     import gdskit.data as gd
@@ -163,4 +196,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(launch([int(w) for w in sys.argv[1].split(",")], Path(sys.argv[2])))

@@ -37,6 +37,15 @@ def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "gdskit-data-prefetch"]
 
 
+def threads_not_the_engines() -> set[int]:
+    """Every live thread but the engine's worker pools (which grow on demand up to settings.threads each)."""
+    return {t.ident for t in threading.enumerate() if not t.name.startswith(("gdskit-req", "gdskit-io"))}
+
+
+def engine_threads() -> int:
+    return sum(t.name.startswith(("gdskit-req", "gdskit-io")) for t in threading.enumerate())
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_batches_equal_numpys_windows(tokens, prefetch):
     paths, want = tokens
@@ -173,7 +182,7 @@ def test_a_file_that_shrinks_mid_epoch_fails_the_batch_that_reads_it(tmp_path):
     rec[:32].tofile(tmp_path / "a.bin")
     rec[32:].tofile(tmp_path / "b.bin")
     ds = gd.RecordDataset([tmp_path / "a.bin", tmp_path / "b.bin"], dtype="int64", shape=(10,))
-    threads, fds = len(threading.enumerate()), fd_count()
+    threads, fds = threads_not_the_engines(), fd_count()
     loader = gd.Loader(ds, 4, device="cpu", prefetch=2)
     it = iter(loader)
     got = [next(it) for _ in range(3)]
@@ -189,7 +198,8 @@ def test_a_file_that_shrinks_mid_epoch_fails_the_batch_that_reads_it(tmp_path):
     assert loader.state_dict()["batches_done"] == 10  # resuming retries the failed batch
     assert not prefetch_threads()
     loader.close()
-    assert fd_count() == fds and len(threading.enumerate()) <= threads + gdskit.settings.threads * 2
+    assert fd_count() == fds and threads_not_the_engines() == threads
+    assert engine_threads() <= 2 * gdskit.settings.threads
 
 
 def test_a_file_removed_after_the_dataset_was_made_is_named(tmp_path):
@@ -208,7 +218,7 @@ def test_no_leaks_after_many_epochs_errors_and_abandoned_passes(tokens, tmp_path
     with gd.Loader(ds, 7, device="cpu") as warm:  # the engine's workers exist from here on
         list(warm)
     gc.collect()
-    fds, threads, pinned = fd_count(), {t.ident for t in threading.enumerate()}, gdskit.resources().pinned_bytes
+    fds, threads, pinned = fd_count(), threads_not_the_engines(), gdskit.resources().pinned_bytes
     loader = gd.Loader(ds, 7, device="cpu", shuffle=True, prefetch=2)
     for epoch in range(25):
         for i, b in enumerate(loader):
@@ -232,7 +242,7 @@ def test_no_leaks_after_many_epochs_errors_and_abandoned_passes(tokens, tmp_path
         shrinking.write_bytes(b"\1" * 4000)
     gc.collect()
     assert fd_count() == fds
-    assert {t.ident for t in threading.enumerate()} <= threads
+    assert threads_not_the_engines() == threads and engine_threads() <= 2 * gdskit.settings.threads
     assert gdskit.resources().pinned_bytes == pinned
 
 
