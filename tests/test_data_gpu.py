@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
 from data_workers import token_files  # noqa: E402
 
@@ -32,6 +33,7 @@ def test_batches_equal_the_cpu_targets_and_the_ledger_counts_them(tokens):
     delivered = sum(g.numel() * g.element_size() for g in got)
     assert delta.bytes_read == delivered
     assert "host" not in delta.paths  # device memory never takes the host path
+    assert gdskit.resources().pinned_bytes <= gdskit.settings.pinned_budget
 
 
 def test_npy_samples_in_both_orders_and_byte_orders(tmp_path):

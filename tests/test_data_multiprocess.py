@@ -4,7 +4,6 @@ epoch with equal counts, orders by seed and epoch, resume mid-prefetch, refused 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
