@@ -228,7 +228,8 @@ def child(args: argparse.Namespace) -> None:
     os.environ.setdefault("GDSKIT_THREADS", str(args.threads))
     import torch
     sz = json.loads(args.sizes)
-    paths = json.loads(args.paths)
+    with open(args.paths) as f:
+        paths = json.load(f)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.empty(1, device=args.device)  # the CUDA context outside the clock, for every peer alike
@@ -314,9 +315,12 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
                     else:
                         warm(paths)
                         how = "warmed"
+                    listing = os.path.join(args.dir, f"{w}.paths.json")  # 100,000 paths outgrow argv
+                    with open(listing, "w") as f:
+                        json.dump(paths, f)
                     r = summarize(run_child(["--child", peer, "--workload", w, "--device", args.device,
                                              "--threads", str(args.threads), "--sizes", json.dumps(sz),
-                                             "--paths", json.dumps(paths)], args.timeout), sz)
+                                             "--paths", listing], args.timeout), sz)
                     r.update(workload=w, peer=peer, mode=mode, round=rnd, cache=how)
                     results.append(r)
                     print(f"# round {rnd + 1} {w} {peer} {mode}: "
