@@ -91,6 +91,21 @@ class ConfigError(InvalidArgumentError):
     """A setting or ``GDSKIT_*`` environment variable holds an invalid value."""
 
 
+class EnvironmentVariableError(ConfigError):
+    """A ``GDSKIT_*`` environment variable holds a value its setting does not take.
+
+    ``variable`` names it, ``value`` is what it holds, ``accepts`` says in words what it takes.
+    """
+
+    def __init__(self, variable: str, value: str, accepts: str) -> None:
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        super().__init__(f"{variable}={shown!r} is not valid; it takes {accepts}")
+        self.variable, self.value, self.accepts = variable, value, accepts
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return type(self), (self.variable, self.value, self.accepts)
+
+
 class FormatError(GdskitError, ValueError):
     """A file does not follow the format it claims (safetensors, torch checkpoint...)."""
 
