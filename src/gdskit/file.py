@@ -59,11 +59,15 @@ def backend(name: str) -> Backend:
 
 
 def _check_int(name: str, value: Any) -> int:
+    """A non-negative offset or size: an ``int`` or anything with ``__index__`` (numpy integers),
+    never a ``bool`` (``file_offset=True`` is a mistake, not offset 1)."""
     if type(value) is int and value >= 0:
         return value
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, not a boolean")
+    if not isinstance(value, int):
         try:
-            value = int(value.__index__())
+            value = operator.index(value)
         except Exception:
             raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
     if value < 0:
