@@ -137,6 +137,7 @@ def test_error_classes_subclass_builtins():
         (errors.GdskitFileNotFoundError, FileNotFoundError), (errors.NoSpaceError, OSError),
         (errors.DirectPathUnavailable, RuntimeError), (errors.ConfigError, ValueError),
         (errors.FormatError, ValueError), (errors.MissingDependencyError, ImportError),
+        (errors.DeviceUnavailableError, RuntimeError),
     ]
     for cls, builtin in pairs:
         assert issubclass(cls, errors.GdskitError) and issubclass(cls, builtin), cls
