@@ -79,7 +79,36 @@ def _expect_equal(a: object, b: object) -> None:
         raise AssertionError(f"{a!r} != {b!r}")
 
 
-def _round(tmp_path, rng: random.Random, other: str) -> list[str]:
+def _device_operations(f: gdskit.File, rng: random.Random) -> list[Callable[[], object]]:
+    """Reads into and writes from GPU memory (torch CUDA tensors)."""
+    import torch
+
+    n = rng.choice([1, 4096, 20_000])
+    off = rng.randrange(0, SIZE - n)
+    out = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    src = torch.full((n,), A_BYTE, dtype=torch.uint8, device="cuda")
+
+    def check() -> None:
+        _expect_a(out.cpu().numpy())
+
+    def read() -> None:
+        assert f.read(out, n, off) == n
+        check()
+
+    def pread() -> None:
+        assert f.pread(out, n, off).result() == n
+        check()
+
+    def read_many() -> None:
+        assert f.read_many([(out, n, off)]) == [n]
+        check()
+
+    return [read, pread, read_many, lambda: f.write(src, n, off), lambda: f.pwrite(src, n, off).result(),
+            lambda: f.read_batch(out, [off], n)]
+
+
+def _round(tmp_path, rng: random.Random, other: str,
+           operations: Callable[[gdskit.File, random.Random], list[Callable[[], object]]] = _operations) -> list[str]:
     """One round: WORKERS threads use the file, one more closes it and opens ``other`` at once."""
     path = str(tmp_path / "a.bin")
     with open(path, "wb") as fh:
@@ -93,7 +122,7 @@ def _round(tmp_path, rng: random.Random, other: str) -> list[str]:
         started = False
         closed_calls = 0
         for _ in range(10_000):
-            op = r.choice(_operations(f, r))
+            op = r.choice(operations(f, r))
             try:
                 op()
             except errors.ClosedFileError:
@@ -139,6 +168,21 @@ def test_close_while_threads_read_and_write_never_touches_a_reused_descriptor(tm
         assert fh.read() == bytes([B_BYTE]) * SIZE, "a write landed in an unrelated file"
     assert not problems, problems[:5]
     assert fd_count() == fds
+
+
+@pytest.mark.gpu
+def test_gpu_close_while_threads_move_device_memory(tmp_path):
+    pytest.importorskip("torch")
+    other = str(tmp_path / "other.bin")
+    with open(other, "wb") as fh:
+        fh.write(bytes([B_BYTE]) * SIZE)
+    rng = random.Random(4321)
+    problems: list[str] = []
+    for _ in range(60):
+        problems += _round(tmp_path, rng, other, _device_operations)
+    with open(other, "rb") as fh:
+        assert fh.read() == bytes([B_BYTE]) * SIZE, "a write landed in an unrelated file"
+    assert not problems, problems[:5]
 
 
 def test_atomic_close_publishes_every_write_that_returned(tmp_path):

@@ -353,6 +353,26 @@ def test_devices_the_engine_cannot_fill_are_refused(tmp_path, device) -> None:
         gs.load_file(path, device=device)
 
 
+@pytest.mark.gpu
+def test_gpu_zero_size_tensors_load_like_the_reference(tmp_path) -> None:
+    path = tmp_path / "z.safetensors"
+    path.write_bytes(mk({"a": {"dtype": "F32", "shape": [0, I64, I64], "data_offsets": [0, 0]},
+                         "e": tensor("BF16", [3, 0], [0, 0]), "b": tensor("U8", [2], [0, 2])}, b"hi"))
+    got = gs.load_file(path, device="cuda:0")
+    assert all(t.device == torch.device("cuda", 0) for t in got.values())
+    assert same_tensors({k: t.cpu() for k, t in got.items()}, st_torch.load_file(str(path)))
+
+
+@pytest.mark.gpu
+def test_gpu_index_past_the_last_gpu_is_device_unavailable(tmp_path) -> None:
+    path = tmp_path / "a.safetensors"
+    _good(path)
+    with pytest.raises(DeviceUnavailableError):
+        gs.load_file(path, device=torch.cuda.device_count())
+    with pytest.raises(DeviceUnavailableError):
+        gs.load_file(path, device=f"cuda:{torch.cuda.device_count()}")
+
+
 # -- hypothesis: the header's offset and size arithmetic against the Rust parser --------
 
 _DIMS = st.one_of(st.integers(0, 6), st.sampled_from([0, 1, 2, 2**31, 2**32, 2**32 - 1, 2**62, I64, 2**63,
