@@ -167,6 +167,7 @@ class FakeDriver:
         self.fail: dict[str, CUresult] = {}  # function name -> error to return (once set, every call)
         self.calls: dict[str, int] = {}
         self.violations: list[str] = []
+        self.ran: collections.deque[tuple[int, int]] = collections.deque(maxlen=10_000)  # (stream, position) run
 
     # -- bookkeeping ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -352,6 +353,7 @@ class FakeDriver:
             s = self._rng.choice(ready)
             op = s.queue.popleft()
             s.done += 1
+            self.ran.append((s.handle, op.seq))
             if op.wait_for is None and not op.cancelled:
                 self._execute(op)
 
