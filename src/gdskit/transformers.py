@@ -109,18 +109,20 @@ def _build_on_meta(transformers: Any, torch: Any, cls: Any, config: Any, dtype: 
         return cls._from_config(config, dtype=dtype)
 
 
-def _checkpoint_names(model: Any, names: set[str], params: dict[str, Any]) -> dict[str, Any]:
-    """The model's tensors under the checkpoint's names: a base model loaded from a checkpoint
-    of a model with a head has its names prefixed there (``bert.``), and the other way round."""
+def _checkpoint_names(model: Any, names: set[str], params: dict[str, Any]) -> dict[str, str]:
+    """The checkpoint's name for each of the model's tensors: a base model loaded from a
+    checkpoint of a model with a head finds its tensors prefixed there (``bert.``), and a
+    model with a head loaded from a base model's checkpoint the other way round."""
+    same = {k: k for k in params}
     prefix = getattr(model, "base_model_prefix", "") or ""
     if not prefix or any(k in names for k in params):
-        return params
+        return same
     lead = prefix + "."
     if any(n.startswith(lead) for n in names) and not any(k.startswith(lead) for k in params):
-        return {lead + k: v for k, v in params.items()}
+        return {k: lead + k for k in params}
     if any(k.startswith(lead) for k in params):
-        return {k[len(lead):] if k.startswith(lead) else k: v for k, v in params.items()}
-    return params
+        return {k: k[len(lead):] if k.startswith(lead) else k for k in params}
+    return same
 
 
 def _tolerated(patterns: Any, extra: tuple[str, ...] = ()) -> re.Pattern[str] | None:
@@ -179,11 +181,14 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     model.to_empty(device=dev)
     model.tie_weights()  # tied parameters are one tensor again: load_into fills it once
     params = model.state_dict(keep_vars=True)
-    target = _checkpoint_names(model, set(index.tensors), params)
+    renamed = _checkpoint_names(model, set(index.tensors), params)
+    target = {renamed[k]: v for k, v in params.items()}
     result = load_safetensors_into(target, weights, strict=False, cast=True, progress=None, return_stats=False)
+    model_name = {v: k for k, v in renamed.items()}
+    not_loaded = [model_name[k] for k in result.missing_keys]  # in the model's own names
     missing_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_unexpected", None), _TOLERATED_UNEXPECTED)
-    missing = [k for k in result.missing_keys if missing_ok is None or not missing_ok.search(k)]
+    missing = [k for k in not_loaded if missing_ok is None or not missing_ok.search(k)]
     unexpected = [k for k in result.unexpected_keys if unexpected_ok is None or not unexpected_ok.search(k)]
     if strict and (missing or unexpected):
         raise key_mismatch(missing, unexpected)
@@ -195,9 +200,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     # the model's own initialisation leaves them be; it then sets what the checkpoint does not
     # hold (non-persistent buffers such as rotary frequencies and position ids, which to_empty
     # left uninitialised, and any missing weight).
-    not_loaded = set(result.missing_keys)
-    for name, t in target.items():
-        if name not in not_loaded:
+    skip = set(not_loaded)
+    for name, t in params.items():
+        if name not in skip:
             t._is_hf_initialized = True
     model.initialize_weights()
     model.tie_weights()

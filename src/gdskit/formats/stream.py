@@ -62,6 +62,38 @@ class _Live:
             self.bytes -= nbytes
 
 
+class _Reader:
+    """The reads of one stream, run on its background thread; holds no reference to the
+    stream, so a stream its caller drops is closed at once (by its ``__del__``)."""
+
+    def __init__(self, device: torch.device, sizes: dict[str, int]) -> None:
+        self.device = device
+        self.sizes = sizes
+        self.files: dict[str, Any] = {}
+        self.thread: int | None = None
+
+    def read(self, path: str, plan: read_plan.ReadPlan, box: list[dict[str, torch.Tensor]]) -> None:
+        """Read ``plan`` into the destinations in ``box``, which it empties: the executor keeps
+        a job's arguments a moment after its result is out, and the tensors must not be
+        kept alive by that."""
+        from gdskit.formats.torch_io import execute
+        dests = box.pop()
+        self.thread = threading.get_ident()
+        f = self.files.get(path)
+        if f is None:
+            self.close_files()  # batches come in file order: the previous shard is done
+            f = self.files[path] = open_file(path, "r")
+            if f.size != self.sizes[path]:
+                raise TruncatedFileError(f"{path} changed size after its header was read "
+                                         f"({self.sizes[path]} -> {f.size} bytes)")
+        execute(f, plan, self.device, dests=dests)
+
+    def close_files(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
 class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     """Iterator of ``(name, tensor)``; see :func:`gdskit.safetensors.iter_tensors`.
 
@@ -100,13 +132,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self.max_inflight_bytes = budget
         self._batch_bytes = max(budget // BATCH_SHARE, 1)
         self._device = device
-        self._sizes = {p: h.file_size for p, h in index.headers}
         self._pending: deque[Located] = deque(chosen)
         self._jobs: deque[tuple[concurrent.futures.Future[None], list[tuple[str, torch.Tensor]]]] = deque()
         self._ready: deque[tuple[str, torch.Tensor]] = deque()
         self._live = _Live()
-        self._files: dict[str, Any] = {}  # opened and used by the reader thread only
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-stream")
+        self._reader = _Reader(device, {p: h.file_size for p, h in index.headers})
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-stream")
         self._closed = False
 
     @property
@@ -172,20 +203,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             extents.append(read_plan.Extent(name, loc.file_offset, loc.entry.nbytes))
         from gdskit import safetensors as gs  # noqa: PLC0415
         plan = read_plan.plan(extents, small=gs.SMALL_TENSOR_BYTES, max_group=gs.MAX_GROUP_BYTES, max_gap=0)
-        self._jobs.append((self._reader.submit(self._read, batch[0].path, plan, dests), items))
-
-    def _read(self, path: str, plan: read_plan.ReadPlan, dests: dict[str, torch.Tensor]) -> None:
-        from gdskit.formats.torch_io import execute
-        f = self._files.get(path)
-        if f is None:
-            for old in self._files.values():  # batches come in file order: that shard is done
-                old.close()
-            self._files.clear()
-            f = self._files[path] = open_file(path, "r")
-            if f.size != self._sizes[path]:
-                raise TruncatedFileError(f"{path} changed size after its header was read "
-                                         f"({self._sizes[path]} -> {f.size} bytes)")
-        execute(f, plan, self._device, dests=dests)
+        self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests]), items))
 
     def close(self) -> None:
         """Stop: reads not yet started are dropped, the one under way is waited for, files closed."""
@@ -194,10 +212,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._closed = True
         for job, _items in self._jobs:
             job.cancel()
-        self._reader.shutdown(wait=True)
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        # (The reader's own thread cannot wait for itself; a stream is only closed there by
+        # interpreter shutdown.)
+        in_reader = self._reader.thread == threading.get_ident()
+        self._thread.shutdown(wait=not in_reader)
+        self._reader.close_files()
         self._jobs.clear()
         self._ready.clear()
         self._pending.clear()
