@@ -172,33 +172,65 @@ def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, SourceInfo], 
     ShapeMismatchError, DtypeMismatchError, OverlappingTargetsError
         Listing every offending name (the first few), before anything is read.
     """
-    groups: dict[object, list[TargetInfo]] = {}
+    # One tensor under several names has one address, dtype, shape and strides on one device;
+    # a tensor without bytes shares nothing. Most tensors have one name and an address of their
+    # own, so they are grouped by address first (checkpoints of 20,000 tensors make this loop
+    # matter) and only tensors at one address are told apart by the rest.
+    by_ptr: dict[object, TargetInfo | list[TargetInfo]] = {}
     for t in targets:
-        # One tensor under several names shares all of these; a tensor without bytes shares nothing.
-        key = (t.device, t.ptr, t.dtype, t.shape, t.stride) if t.nbytes else t.name
-        groups.setdefault(key, []).append(t)
+        key = t.ptr if t.nbytes else t.name
+        found = by_ptr.get(key)
+        if found is None:
+            by_ptr[key] = t
+        elif type(found) is list:
+            found.append(t)
+        else:
+            by_ptr[key] = [found, t]
+    groups: list[TargetInfo | list[TargetInfo]] = []
+    for found in by_ptr.values():
+        if type(found) is not list:
+            groups.append(found)
+            continue
+        same: dict[tuple[object, ...], list[TargetInfo]] = {}
+        for t in found:
+            same.setdefault((t.device, t.dtype, t.shape, t.stride), []).append(t)
+        groups.extend(g if len(g) > 1 else g[0] for g in same.values())
 
     fills: list[Fill] = []
     filled_targets: list[TargetInfo] = []
     missing: list[str] = []
     shape_errors: list[str] = []
     dtype_errors: list[str] = []
-    for members in groups.values():
-        present = [m for m in members if m.name in records]
-        if not present:
-            missing.extend(m.name for m in members)
-            continue
-        for m in present:
-            src = records[m.name]
-            if tuple(src.shape) != tuple(m.shape):
-                shape_errors.append(f"{m.name!r}: checkpoint {list(src.shape)}, target {list(m.shape)}")
-            elif src.dtype != m.dtype and not cast:
-                dtype_errors.append(f"{m.name!r}: checkpoint {src.dtype}, target {m.dtype}")
-        first = present[0]
-        src = records[first.name]
+
+    def check(m: TargetInfo, src: SourceInfo) -> None:
+        if src.shape != m.shape:
+            shape_errors.append(f"{m.name!r}: checkpoint {list(src.shape)}, target {list(m.shape)}")
+        elif src.dtype != m.dtype and not cast:
+            dtype_errors.append(f"{m.name!r}: checkpoint {src.dtype}, target {m.dtype}")
+
+    for group in groups:
+        if type(group) is list:
+            present = [m for m in group if m.name in records]
+            if not present:
+                missing.extend(m.name for m in group)
+                continue
+            for m in present:
+                check(m, records[m.name])
+            first = present[0]
+            aliases = tuple(m.name for m in group if m is not first)
+            src = records[first.name]
+        else:
+            first = group
+            src = records.get(first.name)
+            if src is None:
+                missing.append(first.name)
+                continue
+            aliases = ()
+            if src.shape != first.shape or src.dtype != first.dtype:
+                check(first, src)
         converts = src.dtype != first.dtype
-        fills.append(Fill(first.name, first.name, tuple(m.name for m in members if m is not first),
-                          staged=converts or not (first.contiguous and src.contiguous), cast=converts))
+        fills.append(Fill(first.name, first.name, aliases,
+                          converts or first.stride is not None or not src.contiguous, converts))
         filled_targets.append(first)
     if shape_errors:
         raise ShapeMismatchError(f"{len(shape_errors)} tensors differ in shape: "
