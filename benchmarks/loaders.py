@@ -221,6 +221,18 @@ def _import_loader(loader: str) -> None:
         importlib.import_module(_MODULES[loader])
     if loader == "gdskit-model":
         importlib.import_module("gdskit.transformers")
+    if loader in ("gdskit-into", "gdskit-model"):  # what their first call imports
+        importlib.import_module("gdskit.formats.into_exec")
+
+
+def _import_model_class(path: str) -> None:
+    """transformers imports a model's modules when its class is first looked up (seconds for
+    Llama's); a program has them before it loads weights, as the model loaders do here."""
+    import transformers
+    with open(os.path.join(path, "config.json")) as fh:
+        for arch in json.load(fh).get("architectures", []):
+            getattr(transformers, arch, None)
+    transformers.AutoModelForCausalLM  # noqa: B018 - the lookup imports it
 
 
 def _instrument_gdskit() -> dict:
@@ -403,6 +415,8 @@ def child(args: argparse.Namespace) -> None:
         torch.empty(1, device=args.device)  # CUDA context outside the clock, for every loader alike
         torch.cuda.reset_peak_memory_stats()
     _import_loader(args.loader)  # a program imports its libraries once; the clock times the load
+    if args.loader in MODEL_LOADERS:
+        _import_model_class(args.path)
     timings = _instrument_gdskit() if args.breakdown and args.loader.startswith("gdskit") else None
     base = torch.cuda.memory_allocated() if use_cuda else 0
     target = None if args.save else _prepare(args.loader, args.path, args.device)  # counted in the peak

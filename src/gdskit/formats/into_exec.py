@@ -53,9 +53,11 @@ class LoadResult(NamedTuple):
 
 
 class Source(NamedTuple):
-    """Where a record's bytes lie, and how they read as a tensor: ``nbytes`` bytes at
-    ``file_offset`` of ``path``, viewed as ``dtype`` and then ``shape`` (with ``stride``
-    relative to the first byte, for a strided record of a torch.save file)."""
+    """A checkpoint record: where its bytes lie, and how they read as a tensor: ``nbytes``
+    bytes at ``file_offset`` of ``path``, viewed as ``dtype`` and then ``shape`` (with
+    ``stride`` relative to the first byte, for a strided record of a torch.save file). It is
+    also the record :func:`~gdskit.formats.into_plan.plan_into` pairs (``dtype``, ``shape``,
+    ``contiguous``)."""
 
     path: str
     file_offset: int
@@ -63,6 +65,14 @@ class Source(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...] | None = None
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride is None
+
+
+#: The record of a checkpoint tensor no target asks for: reported as unexpected, never read.
+_UNPAIRED = SourceInfo("", None, ())
 
 
 class ReadShape(NamedTuple):
@@ -98,7 +108,7 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
     """What :func:`~gdskit.formats.into_plan.plan_into` needs of each target; refuses
     targets that cannot be filled in place."""
     device_names: dict[torch.device, str] = {}
-    dtype_names: dict[torch.dtype, str] = {}
+    strided = torch.strided
     out = []
     for name, t in items:
         dev = t.device
@@ -110,7 +120,7 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
             if dev.type not in _READ_DEVICES:
                 raise UnsupportedTargetError(f"target {name!r} is on {dev}; gdskit reads into CPU and CUDA memory")
             dn = device_names[dev] = str(dev)
-        if t.layout is not torch.strided or t.is_quantized:
+        if t.layout is not strided or t.is_quantized:
             raise UnsupportedTargetError(f"target {name!r} ({t.layout}{', quantized' if t.is_quantized else ''}) "
                                          "has no plain memory to fill")
         nbytes = t.nbytes
@@ -122,10 +132,7 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
             if span < nbytes:
                 raise UnsupportedTargetError(f"target {name!r}: several of its elements share memory "
                                              "(an expanded view?); it cannot be filled")
-        dt = dtype_names.get(t.dtype)
-        if dt is None:
-            dt = dtype_names[t.dtype] = str(t.dtype)
-        out.append(TargetInfo(name, dt, tuple(t.shape), dn, t.data_ptr(), nbytes, span, stride))
+        out.append(TargetInfo(name, t.dtype, t.shape, dn, t.data_ptr(), nbytes, span, stride))
     return out
 
 
@@ -250,7 +257,7 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
 
 
 def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInfo],
-            records: Mapping[str, SourceInfo], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
+            records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
             shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
             extra_unexpected: Sequence[str] = ()) -> Any:
     plan = plan_into(infos, records, cast=cast)
@@ -280,15 +287,21 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, strict: bool, cast
         infos = describe(items)
         index = index_checkpoint(path_or_paths)
         wanted = {name for name, _ in items}
-        records: dict[str, SourceInfo] = {}
+        records: dict[str, Any] = {}
         sources: dict[str, Source] = {}
+        dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
         for name, loc in index.tensors.items():
             if name not in wanted:
-                records[name] = SourceInfo(name, "", ())  # only reported, never read
+                records[name] = _UNPAIRED
                 continue
-            dt, shp = gs._torch_type(torch, loc.entry)
-            records[name] = SourceInfo(name, str(dt), shp)
-            sources[name] = Source(loc.path, loc.file_offset, loc.entry.nbytes, dt, shp)
+            e = loc.entry
+            dt = dtypes.get(e.dtype)
+            if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
+                dt, shp = gs._torch_type(torch, e)  # UnsupportedDtypeError for F6_*
+                dtypes[e.dtype] = dt
+            else:
+                shp = e.shape
+            records[name] = sources[name] = Source(loc.path, loc.file_offset, e.end - e.start, dt, shp)
         file_sizes = {p: h.file_size for p, h in index.headers}
         shape = ReadShape(gs.SMALL_TENSOR_BYTES, gs.MAX_GROUP_BYTES, 0)
         return _finish(items, infos, records, sources, file_sizes, shape, strict=strict, cast=cast,
@@ -297,9 +310,9 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, strict: bool, cast
 
 # -- torch.save archives --------------------------------------------------------
 
-def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, SourceInfo], dict[str, Source], list[str], int]:
-    """The tensors of the state dict in torch.save archive ``path``: records, where their
-    bytes lie, the names of entries that are not tensors, and the archive's size.
+def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, Source], list[str], int]:
+    """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
+    the names of entries that are not tensors, and the archive's size.
 
     The pickle is unpickled onto storages on the meta device, which gives every tensor's
     storage, offset, shape and strides without reading or allocating any data.
@@ -340,7 +353,6 @@ def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, SourceInfo]
     del reader
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors)")
-    out: dict[str, SourceInfo] = {}
     where: dict[str, Source] = {}
     others: list[str] = []
     for name, t in obj.items():
@@ -362,9 +374,8 @@ def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, SourceInfo]
             nbytes = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * es if t.numel() else 0
         if start + nbytes > rec.nbytes:
             raise FormatError(f"{path}: tensor {name!r} reaches past the end of its storage record")
-        out[name] = SourceInfo(name, str(t.dtype), tuple(t.shape), stride is None)
         where[name] = Source(path, rec.offset + start, nbytes, t.dtype, tuple(t.shape), stride)
-    return out, where, others, archive_size
+    return where, others, archive_size
 
 
 def load_torch_into(target: Any, path: str | os.PathLike[str], *, strict: bool, cast: bool,
@@ -376,11 +387,9 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, strict: bool, 
     with collector_paused():
         items = target_tensors(target)
         infos = describe(items)
-        records, sources, others, size = _torch_records(path, weights_only)
+        records, others, size = _torch_records(path, weights_only)
         wanted = {name for name, _ in items}
-        for name in list(sources):
-            if name not in wanted:
-                del sources[name]  # reported as unexpected, never read
+        sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
         shape = ReadShape(gt.SMALL_STORAGE_BYTES, gt.MAX_GROUP_BYTES, gt.MAX_GAP_BYTES)
         return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
                        progress=progress, return_stats=return_stats, extra_unexpected=others)

@@ -18,8 +18,8 @@ checkpoint record with the small records below, and :func:`plan_into` decides
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from gdskit.errors import GdskitError, InvalidArgumentError
 
@@ -80,14 +80,15 @@ class PartialLoadError(GdskitError, RuntimeError):
 class TargetInfo(NamedTuple):
     """One tensor to be filled, as :func:`plan_into` needs it.
 
-    ``dtype`` and ``device`` are any strings naming them consistently (the executor
-    uses ``str(torch.dtype)``, ``str(torch.device)``). ``ptr`` is the address of its
+    ``dtype`` and ``device`` are any hashable values that name them consistently with the
+    records (the executor passes ``torch.dtype`` and ``str(torch.device)``; this module only
+    compares them). ``shape`` is any tuple (a ``torch.Size`` too). ``ptr`` is the address of its
     first element and ``span`` the bytes from there to one past its last element
     (``nbytes`` for a contiguous tensor). ``stride`` is None for contiguous tensors.
     """
 
     name: str
-    dtype: str
+    dtype: Hashable
     shape: tuple[int, ...]
     device: str
     ptr: int
@@ -102,10 +103,14 @@ class TargetInfo(NamedTuple):
 
 class SourceInfo(NamedTuple):
     """One checkpoint record: its name, dtype, shape, and whether its bytes are one
-    contiguous run holding its values in order (torch.save files may hold strided views)."""
+    contiguous run holding its values in order (torch.save files may hold strided views).
+
+    :func:`plan_into` reads only ``dtype``, ``shape`` and ``contiguous``: any record with
+    those attributes will do (the executor passes its own).
+    """
 
     name: str
-    dtype: str
+    dtype: Hashable
     shape: tuple[int, ...]
     contiguous: bool = True
 
@@ -164,7 +169,7 @@ def key_mismatch(missing: Sequence[str], unexpected: Sequence[str]) -> KeyMismat
                             + "; ".join(parts), missing, unexpected)
 
 
-def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, SourceInfo], *, cast: bool) -> IntoPlan:
+def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, Any], *, cast: bool) -> IntoPlan:
     """Pair ``targets`` (in the target's order) with ``records`` (in the checkpoint's order).
 
     Raises
@@ -202,7 +207,7 @@ def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, SourceInfo], 
     shape_errors: list[str] = []
     dtype_errors: list[str] = []
 
-    def check(m: TargetInfo, src: SourceInfo) -> None:
+    def check(m: TargetInfo, src: Any) -> None:
         if src.shape != m.shape:
             shape_errors.append(f"{m.name!r}: checkpoint {list(src.shape)}, target {list(m.shape)}")
         elif src.dtype != m.dtype and not cast:

@@ -9,22 +9,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from gdskit.errors import FormatError
 from gdskit.formats import safetensors_format as fmt
 
 
-@dataclasses.dataclass(frozen=True)
-class Located:
-    """One tensor record: the shard ``path`` and ``header`` it is in, and its ``entry``."""
+class Located(NamedTuple):
+    """One tensor record: the shard ``path`` it is in, the ``file_offset`` of its bytes, its
+    ``entry``. A named tuple: a checkpoint of 20,000 tensors makes 20,000 of them."""
 
     path: str
-    header: fmt.Header
+    file_offset: int
     entry: fmt.TensorEntry
-
-    @property
-    def file_offset(self) -> int:
-        return self.header.data_start + self.entry.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +47,11 @@ def index_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os.P
     headers = tuple((p, fmt.read_header_file(p)) for p in shards.files)
     where: dict[str, Located] = {}
     for p, h in headers:
+        start = h.data_start
         for e in h.entries:
             if e.name in where:
                 raise fmt.HeaderError(f"tensor {e.name!r} is in both {where[e.name].path} and {p}")
-            where[e.name] = Located(p, h, e)
+            where[e.name] = Located(p, start + e.start, e)
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
             if name not in where or os.path.abspath(where[name].path) != os.path.abspath(p):
