@@ -798,7 +798,8 @@ def evaluate_into(rate: Callable[[str, str, str], float | None], find: Callable[
     large = rate("gdskit-into", "large", "hot") or rate("gdskit", "large", "hot")
     small = rate("gdskit-into", "small", "hot")
     if small is not None and large:
-        out["hot small load_into >= 0.5x large"] = f"{'met' if small >= 0.5 * large else 'NOT met'} ({small / large:.2f}x)"
+        out["hot small load_into >= 0.5x large"] = (f"{'met' if small >= 0.5 * large else 'NOT met'} "
+                                                     f"({small / large:.2f}x)")
     for kind in ("large", "llama"):
         for mode in ("hot", "cold"):
             ours, plain = rate("gdskit-into", kind, mode), rate("gdskit", kind, mode)
@@ -807,8 +808,8 @@ def evaluate_into(rate: Callable[[str, str, str], float | None], find: Callable[
                     f"{'met' if ours >= 0.95 * plain else 'NOT met'} ({ours / plain:.3f}x)")
     ours, theirs = rate("gdskit-model", "llama", "hot"), rate("transformers", "llama", "hot")
     if ours is not None and theirs:
-        out["hot load_model >= 5x from_pretrained().to()"] = f"{'met' if ours >= 5 * theirs else 'NOT met'} " \
-                                                            f"({ours / theirs:.1f}x)"
+        out["hot load_model >= 5x from_pretrained().to()"] = (f"{'met' if ours >= 5 * theirs else 'NOT met'} "
+                                                             f"({ours / theirs:.1f}x)")
     model = find("gdskit-model", "llama", "hot")
     if model is not None and model.get("peak_gpu_bytes"):
         out["load_model peak GPU <= 1.01x model"] = (f"{'met' if model['peak_gpu_ratio'] <= 1.01 else 'NOT met'} "

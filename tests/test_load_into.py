@@ -429,6 +429,31 @@ def test_torch_files_of_the_old_format_refused(tmp_path) -> None:
         gt.load_into({"w": torch.zeros(3)}, path)
 
 
+def test_truncated_torch_archive_refused_before_anything_is_filled(net_files) -> None:
+    _, pt_path = net_files
+    os.truncate(pt_path, os.path.getsize(pt_path) - 5000)
+    net = Net()
+    untouched = snapshot(net)
+    with pytest.raises(FormatError):
+        gt.load_into(net, pt_path)
+    assert snapshot(net) == untouched
+
+
+class _NotAWeight:
+    pass
+
+
+def test_weights_only_refuses_a_pickle_that_needs_other_objects(tmp_path) -> None:
+    path = tmp_path / "unsafe.pt"
+    torch.save({"w": torch.ones(3), "obj": _NotAWeight()}, path)
+    target = {"w": torch.zeros(3)}
+    with pytest.raises(gt.UnsafeCheckpointError):
+        gt.load_into(target, path)
+    assert torch.equal(target["w"], torch.zeros(3))
+    assert gt.load_into(target, path, weights_only=False, strict=False) == ([], ["obj"])
+    assert torch.equal(target["w"], torch.ones(3))
+
+
 def test_return_stats_counts_the_bytes_read(net_files) -> None:
     st_path, _ = net_files
     result, stats = gs.load_into(Net(), st_path, return_stats=True)
