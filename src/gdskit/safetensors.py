@@ -293,3 +293,83 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
             import concurrent.futures
             concurrent.futures.wait(futures)
             raise
+
+
+# -- into existing tensors, and streaming (gdskit.formats.into_exec, gdskit.formats.stream) --
+
+from gdskit.formats.into_plan import (DtypeMismatchError, KeyMismatchError,  # noqa: E402
+                                      OverlappingTargetsError, PartialLoadError, ShapeMismatchError,
+                                      UnsupportedTargetError)
+
+__all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError",
+            "PartialLoadError", "ShapeMismatchError", "UnsupportedTargetError"]
+
+
+def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+              strict: bool = True, cast: bool = False, progress: ProgressArg = None,
+              return_stats: bool = False) -> Any:
+    """Fill the tensors ``target`` already has from a safetensors checkpoint, in place.
+
+    Parameters
+    ----------
+    target : torch.nn.Module or mapping of str to torch.Tensor
+        A module (its ``state_dict()`` tensors: parameters and persistent buffers) or a
+        dict of tensors, on CPU and CUDA devices (mixed too). Each tensor keeps its memory
+        (``data_ptr()`` unchanged); tensors sharing memory (tied weights) are filled once.
+    path_or_paths
+        As for :func:`load_file`: a file, shards, a directory or an index file.
+    strict : bool
+        True: names that do not pair up raise :class:`KeyMismatchError` before anything
+        is read. False: they are returned.
+    cast : bool
+        Convert tensors whose dtype differs from their target's on the target's device
+        (otherwise :class:`DtypeMismatchError`).
+    progress, return_stats
+        As for :func:`load_file` (``return_stats`` returns ``(result, stats)``).
+
+    Returns
+    -------
+    LoadResult
+        ``(missing_keys, unexpected_keys)``, as ``Module.load_state_dict`` returns them.
+
+    Raises
+    ------
+    ShapeMismatchError, DtypeMismatchError, KeyMismatchError, UnsupportedTargetError, OverlappingTargetsError,
+    gdskit.errors.FormatError
+        Before any byte is read: the target is untouched.
+    PartialLoadError
+        A failure while bytes were moving; it names the tensors already filled.
+    """
+    _torch()
+    from gdskit.formats.into_exec import load_safetensors_into
+    return load_safetensors_into(target, path_or_paths, strict=strict, cast=cast, progress=progress,
+                                 return_stats=return_stats)
+
+
+def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
+                 max_inflight_bytes: int | None = None) -> Any:
+    """Yield ``(name, tensor)`` in file order as each tensor lands on ``device``, within a memory budget.
+
+    Every yielded tensor owns its memory. The iterator reads ahead only while the tensors
+    it has made and that are still alive (being read, waiting to be yielded, or yielded
+    and still referenced, views included) total at most ``max_inflight_bytes``: a tensor
+    counts as consumed once its memory is freed. Default budget: the larger of 1 GiB and
+    twice the largest tensor (so a ``for`` loop, which holds the previous tensor while it
+    asks for the next, always has room for one more). See docs/models.md.
+
+    Returns
+    -------
+    gdskit.formats.stream.TensorStream
+        An iterator (and context manager: leaving it stops the reads under way).
+
+    Raises
+    ------
+    gdskit.errors.InvalidArgumentError
+        ``max_inflight_bytes`` is smaller than the largest tensor asked for.
+    MissingTensorError
+        A name in ``keys`` is not in the checkpoint.
+    """
+    torch = _torch()
+    from gdskit.formats.stream import TensorStream
+    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes)
