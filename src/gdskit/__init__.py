@@ -7,18 +7,45 @@
 >>> gdskit.stats().paths                        # doctest: +SKIP
 """
 
-from typing import TYPE_CHECKING
+from __future__ import annotations
 
-from gdskit import cuda, errors
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Eager, and first: the submodule gdskit.settings shares its name with the settings object
+# exported here; once imported, no later `import gdskit.settings` can rebind the name.
+from gdskit import errors
 from gdskit.errors import GdskitError
-from gdskit.file import File, open
-from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
-from gdskit.pool import ResourceUsage
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
+    from gdskit import cuda
     from gdskit.backends.cufile import BufferRegistration
+    from gdskit.file import File, open
+    from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
+    from gdskit.pool import ResourceUsage
+
+# The engine loads on first use, not at import: `import gdskit.safetensors` (or a program that
+# only reads settings) does not pay for the modules its first call does not touch.
+_LAZY = {"File": "file", "open": "file", "LedgerEntry": "ledger", "PathStats": "ledger", "Stats": "ledger",
+         "stats": "ledger", "stats_delta": "ledger", "stats_reset": "ledger", "ResourceUsage": "pool"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cuda":
+        return importlib.import_module("gdskit.cuda")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"gdskit.{_LAZY[name]}"), name)
+        globals()[name] = value  # looked up once
+        return value
+    raise AttributeError(f"module 'gdskit' has no attribute {name!r}")
+
+
+if settings.stats_level > 0:
+    # GDSKIT_STATS at start-up publishes from import on (so `gdskit stats` sees the process at
+    # once); the ledger starts the publisher when it loads. Nothing of telemetry loads otherwise.
+    from gdskit import ledger as _ledger  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -40,7 +67,7 @@ def prepare(device: int | None = None, *, workers: int | None = None) -> Resourc
     ``settings.threads``), for work that will use fewer. Returns what is held afterwards.
     Without a GPU it only starts the worker threads.
     """
-    from gdskit import pool  # noqa: PLC0415
+    from gdskit import cuda, pool  # noqa: PLC0415
 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise errors.InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
@@ -57,7 +84,7 @@ def prepare(device: int | None = None, *, workers: int | None = None) -> Resourc
     return pool.lanes.usage(settings.threads)
 
 
-def register_buffer(buf: object) -> "BufferRegistration":
+def register_buffer(buf: object) -> BufferRegistration:
     """Register a GPU buffer with cuFile for repeated direct I/O (``cuFileBufRegister``).
 
     cuFile then DMAs straight into it instead of through its own bounce buffers.

@@ -35,12 +35,28 @@ class MemoryKind(str, enum.Enum):
     MANAGED = "managed"    # unified (managed) memory
 
 
-@functools.lru_cache(maxsize=1)
-def _driver() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+_driver_lock = threading.Lock()
+_driver_module: Any = None
 
-    check(driver.cuInit(0), "cuInit")
-    return driver
+
+def _driver() -> Any:
+    """The bindings' driver module, imported and initialised by the first call that needs it,
+    once (a process that never touches a GPU never pays for the import). A failure raises and
+    is tried again by the next call, as an import would be."""
+    if _driver_module is not None:
+        return _driver_module
+    return _load_driver()
+
+
+def _load_driver() -> Any:
+    global _driver_module
+    with _driver_lock:  # one thread imports and initialises; the others wait for it
+        if _driver_module is None:
+            from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+
+            check(driver.cuInit(0), "cuInit")
+            _driver_module = driver
+        return _driver_module
 
 
 def driver_or_none() -> Any | None:

@@ -297,12 +297,25 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
 
 # -- into existing tensors, and streaming (gdskit.formats.into_exec, gdskit.formats.stream) --
 
-from gdskit.formats.into_plan import (DtypeMismatchError, KeyMismatchError,  # noqa: E402
-                                      OverlappingTargetsError, PartialLoadError, ShapeMismatchError,
-                                      UnsupportedTargetError)
+# load_into's errors live with its planning, which loads with the first use of one of them
+# (or of load_into): a program that only loads files does not import it.
+_INTO_PLAN_ERRORS = ("DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError", "PartialLoadError",
+                     "ShapeMismatchError", "UnsupportedTargetError")
 
-__all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError",
-            "PartialLoadError", "ShapeMismatchError", "UnsupportedTargetError"]
+if TYPE_CHECKING:
+    from gdskit.formats.into_plan import (DtypeMismatchError, KeyMismatchError, OverlappingTargetsError,
+                                          PartialLoadError, ShapeMismatchError, UnsupportedTargetError)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INTO_PLAN_ERRORS:
+        from gdskit.formats import into_plan  # noqa: PLC0415
+
+        return getattr(into_plan, name)
+    raise AttributeError(f"module 'gdskit.safetensors' has no attribute {name!r}")
+
+
+__all__ += ["load_into", "iter_tensors", *_INTO_PLAN_ERRORS]
 
 
 def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -8,23 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _import_what_a_first_load_needs() -> None:
-    """Import the CUDA driver's bindings and the direct-route facts' readers with the loaders
-    (15 and 12 ms on the H200 machine), not inside their first load. A loader's module is
-    imported well before it loads anything (torch alone takes seconds to import); the driver
-    itself is only initialised when a load needs it."""
-    import importlib
-
-    for name in ("cuda.bindings.driver", "gdskit.probe.gds"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # no CUDA bindings: GPU loads report that when asked for
-
-
-_import_what_a_first_load_needs()
-
-
 def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> Any:
     """Open ``path`` through the engine: a :class:`gdskit.File`."""
     from gdskit.file import open as engine_open
