@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 TESTS = Path(__file__).resolve().parent
@@ -106,7 +107,21 @@ def test_safetensors_names_of_load_into_resolve_lazily():
     assert _run(code, _env_without_stats()).strip() == "[]"
 
 
-def test_first_host_read_and_load_after_a_lazy_import(tmp_path):
+def test_data_names_resolve_lazily_and_preload_stays_the_function():
+    pytest.importorskip("torch")
+    code = ("import sys, gdskit.data as gd\n"
+            "assert [m for m in sys.modules if m.startswith('gdskit.data.')] == []\n"
+            "from gdskit.data.preload import read_files  # the submodule of the same name, imported first\n"
+            "import gdskit.data.preload\n"
+            "assert callable(gd.preload) and gd.preload is sys.modules['gdskit.data.preload'].preload\n"
+            "from gdskit.data import Loader, TruncatedFileError\n"
+            "from gdskit.formats.safetensors_format import TruncatedFileError as base\n"
+            "assert Loader is sys.modules['gdskit.data.loader'].Loader and TruncatedFileError is base\n"
+            "print(sorted(n for n in gd.__all__ if not hasattr(gd, n)))\n")
+    assert _run(code, _env_without_stats()).strip() == "[]"
+
+
+def test_first_host_read_load_and_batch_after_a_lazy_import(tmp_path):
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     data = os.urandom((1 << 20) + 12345)
@@ -116,6 +131,9 @@ def test_first_host_read_and_load_after_a_lazy_import(tmp_path):
     ref = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
     safetensors_torch.save_file(ref, str(ckpt))
     out = tmp_path / "out.bin"
+    tokens = np.arange(1000, dtype=np.uint16)
+    tokens_file = tmp_path / "tokens.bin"
+    tokens.tofile(tokens_file)
     code = (f"import gdskit\n"
             f"buf = bytearray({len(data)})\n"
             f"with gdskit.open({str(raw)!r}) as f:\n"
@@ -124,11 +142,16 @@ def test_first_host_read_and_load_after_a_lazy_import(tmp_path):
             f"assert gdskit.stats().bytes_read == {len(data)}\n"
             f"import gdskit.safetensors, torch\n"
             f"t = gdskit.safetensors.load_file({str(ckpt)!r}, device='cpu')\n"
-            f"torch.save(t, {str(tmp_path / 'loaded.pt')!r})\n")
+            f"torch.save(t, {str(tmp_path / 'loaded.pt')!r})\n"
+            f"import gdskit.data as gd\n"
+            f"ds = gd.TokenDataset({str(tokens_file)!r}, dtype='uint16', seq_len=8)\n"
+            f"torch.save(next(iter(gd.Loader(ds, 2, device='cpu'))), {str(tmp_path / 'batch.pt')!r})\n")
     _run(code, _env_without_stats())
     assert out.read_bytes() == data
     loaded = torch.load(tmp_path / "loaded.pt")
     assert loaded.keys() == ref.keys() and all(torch.equal(loaded[k], ref[k]) for k in ref)
+    batch = torch.load(tmp_path / "batch.pt")
+    assert np.array_equal(batch.numpy(), np.stack([tokens[0:9], tokens[8:17]]))
 
 
 @pytest.mark.stand_in_gpu

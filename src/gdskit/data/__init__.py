@@ -15,18 +15,51 @@ See docs/data.md. Needs torch (``pip install 'gdskit[torch]'``).
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from gdskit.formats import require_torch
 
 require_torch("gdskit.data")
 
-from gdskit.data.datasets import Dataset, NpyDataset, RecordDataset, TokenDataset  # noqa: E402
-from gdskit.data.errors import (DatasetTooSmallError, FileSizeError, NpyHeaderError,  # noqa: E402
-                                ObjectDtypeError, SampleMismatchError, StateDictMismatchError,
-                                TruncatedFileError, UnsupportedDtypeError, UnsupportedLayoutError)
-from gdskit.data.layout import Layout  # noqa: E402
-from gdskit.data.loader import Loader  # noqa: E402
-from gdskit.data.preload import preload  # noqa: E402
+if TYPE_CHECKING:
+    from gdskit.data.datasets import Dataset, NpyDataset, RecordDataset, TokenDataset
+    from gdskit.data.errors import (DatasetTooSmallError, FileSizeError, NpyHeaderError, ObjectDtypeError,
+                                    SampleMismatchError, StateDictMismatchError, TruncatedFileError,
+                                    UnsupportedDtypeError, UnsupportedLayoutError)
+    from gdskit.data.layout import Layout
+    from gdskit.data.loader import Loader
+    from gdskit.data.preload import preload
 
-__all__ = ["DatasetTooSmallError", "Dataset", "FileSizeError", "Layout", "Loader", "NpyDataset", "NpyHeaderError",
-           "ObjectDtypeError", "RecordDataset", "SampleMismatchError", "StateDictMismatchError", "TokenDataset",
-           "TruncatedFileError", "UnsupportedDtypeError", "UnsupportedLayoutError", "preload"]
+# Each name loads its module on first use: a program that only preloads arrays does not
+# import the loader, and one that builds a dataset does not import the reads until it reads.
+_LAZY = {"Dataset": "datasets", "NpyDataset": "datasets", "RecordDataset": "datasets", "TokenDataset": "datasets",
+         "Layout": "layout", "Loader": "loader", "preload": "preload",
+         **dict.fromkeys(("DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError",
+                          "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError",
+                          "UnsupportedDtypeError", "UnsupportedLayoutError"), "errors")}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"gdskit.data.{_LAZY[name]}"), name)
+        setattr(sys.modules[__name__], name, value)  # looked up once
+        return value
+    raise AttributeError(f"module 'gdskit.data' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """``gdskit.data.preload`` is the function even after its submodule (same name) is imported:
+    the import system sets a package's attribute to each submodule it loads."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "preload" and isinstance(value, types.ModuleType):
+            value = value.preload
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
