@@ -1,6 +1,7 @@
 """Ranks of the fan-out tests: ``python group_workers.py WORLD_NAME RANK WORLD WORKDIR``.
 
-Each rank joins a gloo process group, runs the world's scenarios in order and, after
+Each rank joins a process group (gloo; for the GPU worlds gloo with GPU tensors, or
+NCCL for them where every rank has its own GPU), runs the world's scenarios in order and, after
 each, rewrites ``WORKDIR/WORLD_NAME.RANK.json``: ``{scenario: facts}``, where facts hold
 what the rank saw (tensors equal to the reference library's, ledger figures, the class
 chain of what it raised). The tests assert on the facts of every rank. The fixture
@@ -64,8 +65,9 @@ def raised(exc: BaseException) -> dict[str, Any]:
 
 
 class Rank:
-    def __init__(self, name: str, rank: int, world: int, workdir: str) -> None:
+    def __init__(self, name: str, rank: int, world: int, workdir: str, device: str = "cpu") -> None:
         self.name, self.rank, self.world, self.workdir = name, rank, world, workdir
+        self.device = device
         with open(os.path.join(workdir, "manifest.json")) as fh:
             self.manifest = json.load(fh)
         self.results: dict[str, Any] = {}
@@ -97,10 +99,13 @@ class Rank:
         return {"raised": []}
 
     # -- loads that succeed ---------------------------------------------------------------------
-    def load_st(self, path: str, keys: list[str] | None = None, device: str = "cpu") -> dict[str, Any]:
+    def load_st(self, path: str, keys: list[str] | None = None) -> dict[str, Any]:
         with gdskit.group.options(window=WINDOW, piece=PIECE):
-            got, stats = gdskit.safetensors.load_file(path, device, process_group=self.pg, keys=keys,
+            got, stats = gdskit.safetensors.load_file(path, self.device, process_group=self.pg, keys=keys,
                                                       return_stats=True)
+        if any(t.device.type != torch.device(self.device).type for t in got.values()):
+            return {"differs": "a tensor is not on the device asked for"}
+        got = {k: v.cpu() for k, v in got.items()}
         want = self.reference(path)
         if keys is not None:
             want = {k: want[k] for k in keys}
@@ -132,11 +137,12 @@ class Rank:
     def torch_load(self) -> dict[str, Any]:
         path = self.path("ckpt.pt")
         with gdskit.group.options(window=WINDOW, piece=PIECE):
-            got, stats = gdskit.torch.load(path, map_location="cpu", process_group=self.pg, return_stats=True)
+            got, stats = gdskit.torch.load(path, map_location=self.device, process_group=self.pg, return_stats=True)
+        views_shared = got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+        got = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
         want = torch.load(path, map_location="cpu", weights_only=True)
         differs = same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)},
                        {k: v for k, v in want.items() if isinstance(v, torch.Tensor)})
-        views_shared = got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
         return {"differs": differs, "step": got["step"], "views_shared": views_shared, **ledger_facts(stats)}
 
     # -- loads that fail ------------------------------------------------------------------------
@@ -204,15 +210,23 @@ WORLDS: dict[str, list[str]] = {
 
 def main() -> None:
     name, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store.' + name)}", rank=rank,
+    backend = sys.argv[5] if len(sys.argv) > 5 else "gloo"  # "gloo", or "cpu:gloo,cuda:nccl"
+    device = "cpu"
+    if name == "gpu":
+        gpu = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        device = str(gpu)
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(workdir, 'store.' + name)}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    r = Rank(name, rank, world, workdir)
+    r = Rank(name, rank, world, workdir, device)
     for scenario in WORLDS[name]:
         fn = getattr(r, "replicated" if scenario == "replicated_after_failures" else scenario)
         r.check(scenario, fn)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # the last scenario left the group broken: no barrier, no destroy
+    if name == "gpu":
+        torch.cuda.synchronize()
+    os._exit(0)  # the last scenario may have left the group broken: no barrier, no destroy
 
 
 if __name__ == "__main__":
