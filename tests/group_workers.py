@@ -205,6 +205,9 @@ WORLDS: dict[str, list[str]] = {
             "stalled_last_rank"],
     "four": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank",
              "callback_raises_on_last_rank", "replicated_after_failures", "killed_last_rank"],
+    "one": ["replicated", "keys", "torch_load"],
+    # GPU memory, every rank on the GPU its rank picks (tests/test_group_gpu.py).
+    "gpu": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank", "replicated_after_failures"],
 }
 
 

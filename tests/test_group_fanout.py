@@ -25,6 +25,7 @@ from group_launch import (assert_each_byte_read_once, assert_failed, facts_of, l
                           make_checkpoints)
 
 WORLDS = {"two": 2, "four": 4}
+ALONE = "one"  # a group of one rank
 #: Exit status of a rank a scenario kills on purpose.
 KILLED = {"four": (3, 17)}
 
@@ -39,6 +40,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"manifest": manifest}
     for name, world in WORLDS.items():
         out[name] = launch(name, world, workdir, killed=KILLED.get(name))
+    out[ALONE] = launch(ALONE, 1, workdir)
     return out
 
 
@@ -114,3 +116,11 @@ def test_killed_rank_makes_the_others_raise(runs: dict[str, Any]) -> None:
 def test_stalled_rank_makes_the_others_raise_at_the_timeout(runs: dict[str, Any]) -> None:
     facts = _facts(runs, "two", "stalled_last_rank")
     assert "GroupError" in facts[0]["raised"], facts[0]
+
+
+@pytest.mark.parametrize("scenario, total", [("replicated", "replicated_total"), ("keys", "replicated_total"),
+                                             ("torch_load", "torch_total")])
+def test_a_group_of_one_reads_everything_itself(runs: dict[str, Any], scenario: str, total: str) -> None:
+    (f,) = facts_of(runs[ALONE], 1, scenario)
+    assert f["differs"] == ""
+    assert f["storage"] == runs["manifest"][total] and f["peer"] == 0 and "peer" not in f["paths"]

@@ -176,9 +176,8 @@ def run(plan: FanOutPlan, info: exchange.GroupInfo, comm: torch.device, files: S
                     pending = start(j + 1)
                 except Exception as exc:  # noqa: BLE001
                     error = exc
-            agree(f"before window {j + 1} of {len(plan.windows)}")
-            assert current is not None
-            win = current[0]
+            agree(f"before window {j + 1} of {len(plan.windows)}")  # raises unless every rank has its window
+            win = current[0]  # type: ignore[index]
             items = [(win.targets[i], u.owner) for i, u in enumerate(win.window.units) if u.shared]
             seconds = exchange.broadcast_window(info, items, failure.Deadline(info.timeout_s),
                                                 f"broadcasting window {j + 1} of {len(plan.windows)}")
