@@ -86,7 +86,8 @@ def test_verify_catches_one_corrupted_byte(tmp_path, monkeypatch):
     v = rep.runs[0].verify
     assert v is not None and not v.ok and v.mismatched_bytes == 1 and v.first_bad_offset == bad_at
     assert rep.verify_ok is False and any("verify FAILED" in w for w in rep.warnings)
-    res = _invoke("-f", str(target), "-s", "4M", "-i", "1M", "-w", "1", "-x", "host", "-V", "--repeat", "1")
+    res = _invoke("-f", str(target), "-s", "4M", "-i", "1M", "-w", "1", "-x", "host", "-V", "--repeat", "1",
+                  "--force")                       # -V writes its pattern over the file left by the first run
     assert res.exit_code == 1                      # the CLI says so with its exit status
 
 

@@ -9,6 +9,9 @@
 ``settings.set(...)`` also works without ``with``: the change then stays.
 Every field can be set from the environment before import, e.g.
 ``GDSKIT_MODE=bounce GDSKIT_CHUNK_SIZE=16MiB``. docs/settings.md lists them all.
+An invalid value does not break the import: the first request (and
+``settings.check_environment()``) raises :class:`~gdskit.errors.EnvironmentVariableError`,
+which names the variable and what it takes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gdskit.errors import ConfigError
+from gdskit.errors import ConfigError, EnvironmentVariableError
 from gdskit.vocabulary import Mode, ODirectPolicy, PinnedAlloc
 
 KiB = 1024
@@ -70,6 +73,27 @@ def _stats_level(value: Any) -> int:
     if not 0 <= level <= 3:
         raise ConfigError(f"stats_level (GDSKIT_STATS) must be 0, 1, 2 or 3, got {value!r}")
     return level
+
+
+def _one_of(values: Any) -> str:
+    words = [v.value for v in values]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+#: What each setting's variable takes, in words, for the error an invalid value raises.
+_ACCEPTS = {
+    "mode": _one_of(Mode),
+    "threads": "a whole number from 1 to 1024",
+    "chunk_size": "a size that is a multiple of 4 KiB and at least 64 KiB, e.g. 8MiB",
+    "pinned_budget": "a size of at least 1 MiB, e.g. 512MiB",
+    "pinned_alloc": _one_of(PinnedAlloc),
+    "direct_threshold": "a size, e.g. 1MiB (0: no threshold)",
+    "odirect": _one_of(ODirectPolicy),
+    "alignment": "a power of two of at least 512 bytes, e.g. 4KiB",
+    "cufile_stats": "1, 0, true, false, yes, no, on or off",
+    "stats_level": "0, 1, 2 or 3 (on, yes, true: 1; off, no, false: 0)",
+    "stats_interval": "seconds from 0.05 to 3600",
+}
 
 
 def _default_threads() -> int:
@@ -129,6 +153,7 @@ class Settings:
         self._lock = threading.RLock()
         self._version = 0
         self._snapshot: Settings | None = None
+        self._env_problem: tuple[str, str, str] | None = None  # (variable, value, accepts) of a bad one
 
     # -- validation -------------------------------------------------------
     @staticmethod
@@ -206,7 +231,11 @@ class Settings:
         """A copy for one request: later changes do not affect it. Do not modify it.
 
         Requests call this on every I/O, so the copy is cached until the next change.
+        Raises :class:`~gdskit.errors.EnvironmentVariableError` while a ``GDSKIT_*``
+        variable read at import holds an invalid value.
         """
+        if self._env_problem is not None:
+            self.check_environment()
         snap = self._snapshot
         if snap is not None and snap._version == self._version:
             return snap
@@ -223,7 +252,14 @@ class Settings:
             for k in self._names():
                 object.__setattr__(self, k, getattr(fresh, k))
             self._version += 1
+            self._env_problem = None
             self._apply_env(os.environ)
+
+    def check_environment(self) -> None:
+        """Raise :class:`~gdskit.errors.EnvironmentVariableError` if a ``GDSKIT_*`` variable
+        read into these settings (at import, or by :meth:`reset`) holds an invalid value."""
+        if self._env_problem is not None:
+            raise EnvironmentVariableError(*self._env_problem)
 
     def _apply_env(self, environ: Any) -> None:
         for k in self._names():
@@ -231,8 +267,9 @@ class Settings:
             if key in environ and environ[key] != "":
                 try:
                     self.set(**{k: environ[key]})
-                except ConfigError as exc:
-                    raise ConfigError(f"{key}: {exc}") from None
+                except ConfigError:
+                    self._env_problem = (key, str(environ[key]), _ACCEPTS[k])
+                    raise EnvironmentVariableError(*self._env_problem) from None
 
 
 class _Restorer:
@@ -269,7 +306,10 @@ ENV_VARS = {env_name(f.name): f.name for f in dataclasses.fields(Settings)}
 
 def _load() -> Settings:
     s = Settings()
-    s._apply_env(os.environ)
+    try:
+        s._apply_env(os.environ)
+    except EnvironmentVariableError:
+        pass  # kept in s: raised by the first request, so that importing gdskit (and its CLI) still works
     return s
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from typing import Any
 
 from gdskit.errors import InvalidArgumentError
@@ -92,6 +93,13 @@ class AcceptOptions:
             raise InvalidArgumentError(f"--timeout must be positive, got {self.timeout}")
         if self.device < 0:
             raise InvalidArgumentError(f"GPU index must be >= 0, got {self.device}")
+        if self.workload is not None:
+            try:
+                words = shlex.split(self.workload)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"--workload {self.workload!r} is not a command line: {exc}") from None
+            if not words:
+                raise InvalidArgumentError("--workload names no command")
         if self.root is None:
             for t in self.targets:
                 if not os.path.exists(t):

@@ -237,6 +237,20 @@ def _workload_fix(ctx: AcceptContext) -> str:
             "another path, cuFile handle registration failing).")
 
 
+#: The most of a workload's standard output that workload.json keeps (its end).
+STDOUT_KEPT = 64 * 1024
+
+
+def _tail(fh: Any) -> str:
+    """The last :data:`STDOUT_KEPT` bytes written to the open file ``fh``, as text."""
+    try:
+        size = fh.seek(0, 2)
+        fh.seek(max(0, size - STDOUT_KEPT))
+        return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def item_workload(ctx: AcceptContext) -> ItemResult:
     """Under a real workload, cuFile's counters show direct bytes growing and POSIX bytes flat."""
     if not ctx.live:
@@ -250,9 +264,9 @@ def item_workload(ctx: AcceptContext) -> ItemResult:
     else:
         tmp = tempfile.mkdtemp(prefix=".gdskit-accept-workload-", dir=ctx.work_dir)
         argv = default_workload_argv(tmp, ctx.sizes.workload, opts.device)
+    out = tempfile.TemporaryFile()  # what the workload prints: archived in workload.json, not shown
     try:
-        # What the workload prints goes to stderr: stdout carries only gdskit accept's own output (--json).
-        wr = run_workload(argv, level=3, timeout=opts.timeout, stdout=2)  # fd 2, our stderr
+        wr = run_workload(argv, level=3, timeout=opts.timeout, stdout=out)
     except ImportError as exc:
         return result(5, FAIL, "cannot observe the workload: gdskit.telemetry is not importable",
                       evidence=[f"{type(exc).__name__}: {exc}"],
@@ -265,9 +279,11 @@ def item_workload(ctx: AcceptContext) -> ItemResult:
         return result(5, FAIL, f"the workload did not run to the end: {type(exc).__name__}: {exc}",
                       evidence=ev, fix="Make the workload command run on its own first, or raise --timeout.")
     finally:
+        printed = _tail(out)
+        out.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    d = wr.to_dict()
+    d = {**wr.to_dict(), "stdout": printed}
     write_json(ctx.artifact("workload.json"), d)
     art = [Artifact("json", "workload.json", "workload ledger and cuFile counters (JSON)")]
     ev = [f"command: {shlex.join(list(wr.argv))}", f"exit status {wr.returncode} after {wr.duration_s:.1f} s",

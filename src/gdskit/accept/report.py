@@ -19,6 +19,8 @@ JSON = "report.json"
 
 _LABEL = {PASS: "PASS", FAIL: "FAIL", NA: "N/A"}
 _COLOUR = {PASS: "#1e7d32", FAIL: "#c62828", NA: "#6b6b6b"}
+#: The headline's colour: green only when every item passed; amber when none failed but some did not run.
+VERDICT_COLOUR = {"accepted": _COLOUR[PASS], "not accepted": _COLOUR[FAIL], "incomplete": "#a15c00"}
 
 
 def headline(report: AcceptReport) -> str:
@@ -120,7 +122,7 @@ def _html_item(it: ItemResult, report_dir: str) -> str:
 
 def to_html(report: AcceptReport, report_dir: str) -> str:
     e = html.escape
-    colour = _COLOUR[FAIL] if report.failed else _COLOUR[PASS] if report.count(PASS) else _COLOUR[NA]
+    colour = VERDICT_COLOUR[report.verdict]
     meta = "".join(f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in _machine_lines(report))
     rows = "".join(f'<tr><td>{it.id}</td><td><a href="#item-{it.id}">{e(it.title)}</a></td>'
                    f"<td>{_badge(it.status)}</td><td>{e(it.summary)}</td></tr>" for it in report.items)

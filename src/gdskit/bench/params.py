@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 
 from gdskit.errors import ConfigError, InvalidArgumentError
@@ -121,6 +122,10 @@ class BenchParams:
         pages lie in physical memory changes how the kernel splits an O_DIRECT request into
         device requests; huge pages make that the same for every run (and for fio given
         huge pages), ordinary pages leave it to chance.
+    force : bool
+        Allow writing into an existing target file (``--force``): ``-V``'s pattern, a write
+        run, or filling a read target smaller than ``size``. Without it an existing file is
+        only ever read, as it is.
     """
 
     file: str | None
@@ -140,6 +145,7 @@ class BenchParams:
     seed: int = 0
     processes: bool = False
     huge_pages: bool = False
+    force: bool = False
 
     @property
     def paths_explicit(self) -> bool:
@@ -206,8 +212,8 @@ def sweep_sizes(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def parse_paths(text: str | None) -> tuple[str, ...]:
-    """Parse ``-x cufile,bounce,host`` (order kept, duplicates dropped)."""
-    if text is None or not str(text).strip():
+    """Parse ``-x cufile,bounce,host`` (order kept, duplicates dropped); None: every path."""
+    if text is None:
         return ()
     out: list[str] = []
     for raw in str(text).split(","):
@@ -264,12 +270,23 @@ def make_params(
     seed: int = 0,
     processes: bool = False,
     huge_pages: bool = False,
+    force: bool = False,
 ) -> BenchParams:
     """Parse and validate; raise :class:`InvalidArgumentError` on anything wrong."""
     if file and directory:
         raise InvalidArgumentError("give either a file (-f) or a directory (-D), not both")
     if directory is not None and os.path.exists(directory) and not os.path.isdir(directory):
         raise InvalidArgumentError(f"-D {directory!r} is not a directory")
+    if directory is not None and not os.path.exists(directory):
+        parent = os.path.dirname(os.path.abspath(directory))
+        if not os.path.isdir(parent):
+            raise InvalidArgumentError(
+                f"-D {directory!r} does not exist, nor does its parent {parent!r}: gdskit bench makes only "
+                f"the last directory of -D's path")
+    if file is not None and not file.strip():
+        raise InvalidArgumentError("-f names no file")
+    if directory is not None and not directory.strip():
+        raise InvalidArgumentError("-D names no directory")
     if file is not None and os.path.isdir(file):
         raise InvalidArgumentError(f"-f {file!r} is a directory; use -D for one file per worker")
     if isinstance(device, bool) or int(device) < 0:
@@ -280,8 +297,10 @@ def make_params(
         raise InvalidArgumentError(f"workers (-w) must be at most 1024, got {workers}")
     if int(repeat) < 1:
         raise InvalidArgumentError(f"--repeat must be at least 1, got {repeat}")
-    if duration is not None and not float(duration) > 0:
-        raise InvalidArgumentError(f"duration (-T) must be positive, got {duration}")
+    if duration is not None and not 0 < float(duration) < math.inf:
+        raise InvalidArgumentError(f"duration (-T) must be a positive number of seconds, got {duration}")
+    if isinstance(seed, bool) or int(seed) < 0:
+        raise InvalidArgumentError(f"--seed must be >= 0, got {seed}")
 
     nbytes = parse_bytes(size, "data set size (-s)")
     if nbytes <= 0:
@@ -323,5 +342,5 @@ def make_params(
         duration=None if duration is None else float(duration), total_bytes=total_bytes,
         verify=bool(verify), cache=parse_cache(cache), repeat=int(repeat),
         sweep=bool(sweep or is_range), seed=int(seed), processes=bool(processes),
-        huge_pages=bool(huge_pages),
+        huge_pages=bool(huge_pages), force=bool(force),
     )

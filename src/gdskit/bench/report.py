@@ -12,13 +12,15 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import os
+import secrets
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from gdskit.bench.cpu import CpuCost
 from gdskit.bench.knee import KneeResult
-from gdskit.errors import MissingDependencyError
+from gdskit.errors import InvalidArgumentError, MissingDependencyError
 
 SCHEMA_VERSION = 1
 
@@ -285,6 +287,104 @@ def write_csv(runs: Sequence[RunResult], out: TextIO) -> None:
         ])
 
 
+def save_csv(runs: Sequence[RunResult], path: str) -> None:
+    """:func:`write_csv` into the file ``path``, whole or not at all (a temporary file renamed over it)."""
+    _write_whole(path, lambda tmp: _write_csv_file(runs, tmp))
+
+
+def _write_csv_file(runs: Sequence[RunResult], path: str) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        write_csv(runs, fh)
+
+
+def _write_whole(path: str, write: Any) -> None:
+    """Have ``write(tmp)`` fill a new file beside ``path``, then rename it to ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        tmp = os.path.join(folder, f".gdskit-{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
+            break
+        except FileExistsError:
+            continue
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def output_target(name: str, option: str) -> str:
+    """Check that an output file named on the command line can be made; returns it.
+
+    Raises
+    ------
+    InvalidArgumentError
+        It is a directory, or its directory does not exist.
+    """
+    if os.path.isdir(name):
+        raise InvalidArgumentError(f"{option} {name!r} is a directory; name a file")
+    folder = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(folder):
+        raise InvalidArgumentError(f"{option} {name!r}: the directory {folder!r} does not exist")
+    return name
+
+
+#: The name of the plot ``--plot DIR`` writes into DIR (numbered when taken: nothing is written over).
+PLOT_NAME = "gdskit-bench"
+
+
+def plot_target(name: str) -> str:
+    """The file :func:`plot` is to write for ``--plot NAME``.
+
+    NAME itself when it names a file in a format matplotlib writes (PNG, SVG, PDF...);
+    NAME.png without an extension; in an existing directory, a new ``gdskit-bench.png``
+    there (``gdskit-bench-2.png``, ... when taken).
+
+    Raises
+    ------
+    MissingDependencyError
+        matplotlib is not installed.
+    InvalidArgumentError
+        A format matplotlib cannot write, or a directory that does not exist.
+    """
+    plt = _pyplot()
+    if os.path.isdir(name):
+        n = 1
+        path = os.path.join(name, f"{PLOT_NAME}.png")
+        while os.path.lexists(path):
+            n += 1
+            path = os.path.join(name, f"{PLOT_NAME}-{n}.png")
+        return path
+    ext = os.path.splitext(name)[1].lower().lstrip(".")
+    if not ext:
+        name, ext = name + ".png", "png"
+    fig = plt.figure()
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    if ext not in formats:
+        raise InvalidArgumentError(f"--plot {name!r}: matplotlib cannot write .{ext} files; "
+                                   f"use one of {', '.join('.' + f for f in sorted(formats))}")
+    return output_target(name, "--plot")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "--plot needs matplotlib: pip install 'gdskit[plot]'") from exc
+    return plt
+
+
 def csv_text(runs: Sequence[RunResult]) -> str:
     buf = io.StringIO()
     write_csv(runs, buf)
@@ -361,21 +461,20 @@ def render_table(report: BenchReport, console: Any = None) -> None:
 
 
 # -- plot --------------------------------------------------------------------
-def plot(report: BenchReport, filename: str) -> None:
-    """Throughput and CPU cost against I/O size, one line per path, to ``filename`` (PNG).
+def plot(report: BenchReport, filename: str) -> str:
+    """Throughput and CPU cost against I/O size, one line per path, to ``filename``; returns it.
+
+    The format follows the file's extension (PNG without one); :func:`plot_target`
+    turns what a user typed into the name to give here. The file is written whole
+    or not at all.
 
     Raises
     ------
     MissingDependencyError
         matplotlib is not installed.
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "--plot needs matplotlib: pip install 'gdskit[plot]'") from exc
+    plt = _pyplot()
+    fmt = os.path.splitext(filename)[1].lower().lstrip(".") or "png"
 
     sums = report.summaries
     paths = [p for p in report.paths if any(s.path == p for s in sums)]
@@ -422,5 +521,8 @@ def plot(report: BenchReport, filename: str) -> None:
     fig.suptitle(f"gdskit bench: {p.get('op')}, {p.get('workers')} {kind}, cache {p.get('cache')}, "
                  f"{m.get('filesystem') or '?'} on {m.get('mount_source') or '?'}, {gpu}")
     fig.tight_layout()
-    fig.savefig(filename, dpi=110)
-    plt.close(fig)
+    try:
+        _write_whole(filename, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    finally:
+        plt.close(fig)
+    return filename

@@ -16,9 +16,12 @@ bytes really took and what it cost the CPU.
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import math
 import os
-import itertools
+import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -36,7 +39,8 @@ from gdskit.bench.knee import KneeResult, find_knee
 from gdskit.bench.memory import THP_SETTING, allocate, pattern, transparent_huge_pages
 from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
-from gdskit.errors import DirectPathUnavailable, GdskitIOError, InvalidArgumentError, from_os_error
+from gdskit.errors import DirectPathUnavailable, GdskitIOError, InvalidArgumentError, NoSpaceError, from_os_error
+from gdskit.settings import format_size
 from gdskit.vocabulary import Reason
 
 if TYPE_CHECKING:
@@ -100,6 +104,44 @@ def choose_paths(params: BenchParams) -> tuple[list[str], dict[str, str]]:
 
 
 # -- the files ---------------------------------------------------------------------
+class TargetTooSmallError(InvalidArgumentError):
+    """A read benchmark's existing target holds fewer bytes than the data set size (``-s``).
+
+    Reads use an existing file as it is: gdskit bench never writes into a file it did not create
+    unless told to (``force``). ``path``, ``size`` (what it holds) and ``needed`` say which and how much.
+    """
+
+    def __init__(self, path: str, size: int, needed: int) -> None:
+        super().__init__(f"{path} holds {format_size(size)} ({size} bytes), less than the data set size (-s) "
+                         f"of {format_size(needed)} ({needed} bytes); give a smaller -s, or --force to let the "
+                         f"benchmark fill it")
+        self.path, self.size, self.needed = path, size, needed
+
+
+class TargetExistsError(GdskitIOError, FileExistsError):
+    """The benchmark would write into an existing file (``-V``'s pattern, a write run) without ``force``."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(errno.EEXIST, f"{path} exists and {why} would write over it; pass --force to allow "
+                                       f"that, or name a file that does not exist yet", path)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class NotEnoughSpaceError(NoSpaceError):
+    """The test files would not fit: ``needed`` bytes are to be written where only ``free`` are free."""
+
+    def __init__(self, where: str, needed: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"the test files need {format_size(needed, 1)} ({needed} bytes) on "
+                                       f"{where}, which has {format_size(free, 1)} ({free} bytes) free; "
+                                       f"give a smaller -s", where)
+        self.needed, self.free = needed, free
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 @dataclass
 class Targets:
     """The files a benchmark uses, each worker's slice, and what to remove afterwards."""
@@ -108,6 +150,7 @@ class Targets:
     slices: list[tuple[str, int, int]]         # per worker: (file, start, length)
     remove_always: list[str] = field(default_factory=list)      # temporary files
     remove_on_failure: list[str] = field(default_factory=list)  # created here, kept on success
+    dir_made: str | None = None                                 # the -D directory, when made here
 
     def cleanup(self, failed: bool) -> None:
         for p in self.remove_always + (self.remove_on_failure if failed else []):
@@ -115,6 +158,11 @@ class Targets:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+            except OSError:
+                pass
+        if failed and self.dir_made is not None:
+            try:
+                os.rmdir(self.dir_made)  # only when empty: nothing but what this run made
             except OSError:
                 pass
 
@@ -152,18 +200,91 @@ def fill_file(path: str, size: int, seed: int, stop: threading.Event | None = No
         os.close(fd)
 
 
+def existing_size(path: str) -> int | None:
+    """Bytes an existing file (or block device) holds; None when there is nothing at ``path``.
+
+    Raises :class:`InvalidArgumentError` for anything else there (a FIFO, a character device).
+    """
+    try:  # O_NONBLOCK: a FIFO must not hang the benchmark before it has started
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+            raise InvalidArgumentError(f"{path} is neither a regular file nor a block device")
+        return os.lseek(fd, 0, os.SEEK_END)  # st_size is 0 for a block device
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    finally:
+        os.close(fd)
+
+
+def ensure_free_space(where: str, needed: int) -> None:
+    """Raise :class:`NotEnoughSpaceError` unless the filesystem holding ``where`` has ``needed`` bytes free."""
+    if needed <= 0:
+        return
+    try:
+        free = shutil.disk_usage(where).free  # what an unprivileged writer may use (f_bavail)
+    except OSError as exc:
+        raise from_os_error(exc, where) from exc
+    if free < needed:
+        raise NotEnoughSpaceError(where, needed, free)
+
+
+def _make_directory(directory: str, t: Targets) -> None:
+    """Make ``-D``'s directory when missing: its last component only, never a tree of parents."""
+    if os.path.isdir(directory):
+        return
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        return  # made meanwhile (or a file: opening the files inside says so)
+    except OSError as exc:
+        raise from_os_error(exc, directory) from exc
+    t.dir_made = directory
+
+
+def _plan_target(path: str, params: BenchParams) -> tuple[int | None, bool]:
+    """(bytes it holds or None, whether the pattern must be written); refuses to change a user's file."""
+    size = existing_size(path)
+    if size is None:
+        return None, True
+    if not params.op.is_read or params.verify:
+        if not params.force:
+            why = "-V's pattern" if params.verify else f"a {params.op.value} benchmark"
+            raise TargetExistsError(path, why)
+        if not os.access(path, os.W_OK):
+            raise from_os_error(OSError(errno.EACCES, "Permission denied"), path)
+        return size, params.verify or size < params.size
+    if size < params.size:
+        if not params.force:
+            raise TargetTooSmallError(path, size, params.size)
+        if not os.access(path, os.W_OK):
+            raise from_os_error(OSError(errno.EACCES, "Permission denied"), path)
+        return size, True
+    return size, False  # a read of a large enough file: used as it is
+
+
 def prepare_targets(params: BenchParams, workdir: str | None = None) -> Targets:
     """Create or check the files; fill them with the pattern where needed.
 
     With no ``-f``/``-D`` a temporary file is made in ``workdir`` (default: the
     current directory) and always removed. Files made for ``-f``/``-D`` are kept
-    for the next run unless the benchmark fails or is interrupted.
+    for the next run unless the benchmark fails or is interrupted. An existing
+    file is never changed without ``params.force``: a read uses it as it is
+    (:class:`TargetTooSmallError` when it is smaller than ``-s``), a write or
+    ``-V`` is refused (:class:`TargetExistsError`). Everything is checked, free
+    space included (:class:`NotEnoughSpaceError`), before anything is written.
     """
     io_max = max(params.io_sizes)
     t = Targets(files=[], slices=[])
     try:
         if params.file is None and params.directory is None:
             where = workdir or os.getcwd()
+            ensure_free_space(where, params.size)
             try:
                 fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".tmp", dir=where)
             except OSError as exc:
@@ -171,32 +292,34 @@ def prepare_targets(params: BenchParams, workdir: str | None = None) -> Targets:
             os.close(fd)
             t.remove_always.append(path)
             t.files = [path]
-        elif params.file is not None:
-            t.files = [params.file]
+            fill_file(path, params.size, params.seed)
         else:
-            try:
-                os.makedirs(params.directory, exist_ok=True)  # type: ignore[arg-type]
-            except OSError as exc:
-                raise from_os_error(exc, params.directory) from exc
-            t.files = [os.path.join(params.directory, f"gdskit-bench.{i}")  # type: ignore[arg-type]
-                       for i in range(params.workers)]
-        for path in t.files:
-            existed = os.path.exists(path)
-            if not existed:
-                # fail early and clearly on an unwritable place (root squashes, read-only mounts)
-                try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    os.close(fd)
-                except OSError as exc:
-                    raise from_os_error(exc, path) from exc
-                t.remove_on_failure.append(path)
-            elif not params.op.is_read or params.verify:
-                if not os.access(path, os.W_OK):
-                    raise from_os_error(OSError(13, "Permission denied"), path)
-            size = os.path.getsize(path)
-            # The pattern must be there when verifying; otherwise any content will do.
-            if params.verify or size < params.size or path in t.remove_always:
-                fill_file(path, params.size, params.seed)
+            if params.file is not None:
+                t.files = [params.file]
+            else:
+                t.files = [os.path.join(params.directory, f"gdskit-bench.{i}")  # type: ignore[arg-type]
+                           for i in range(params.workers)]
+            plans = [(path, *_plan_target(path, params)) for path in t.files]  # every check before any write
+            needed = sum(params.size - min(size or 0, params.size) for _, size, fill in plans if fill)
+            where = os.path.dirname(os.path.abspath(t.files[0]))
+            if params.directory is not None and not os.path.isdir(where):
+                where = os.path.dirname(where)  # -D's directory is made below: its parent holds it
+            if not os.path.isdir(where):
+                raise from_os_error(OSError(errno.ENOENT, "No such file or directory"), where)
+            ensure_free_space(where, needed)
+            if params.directory is not None:
+                _make_directory(params.directory, t)
+            for path, size, fill in plans:
+                if size is None:
+                    # fail early and clearly on an unwritable place (root squashes, read-only mounts)
+                    try:
+                        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                        os.close(fd)
+                    except OSError as exc:
+                        raise from_os_error(exc, path) from exc
+                    t.remove_on_failure.append(path)
+                if fill:
+                    fill_file(path, params.size, params.seed)
         t.slices = _slices(params, t.files, io_max)
     except BaseException:
         t.cleanup(failed=True)

@@ -89,7 +89,7 @@ def accept(
         sys.stdout.write(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
     else:
         out = Console(highlight=False)
-        style = "bold red" if report.failed else "bold green"
+        style = {"accepted": "bold green", "not accepted": "bold red"}.get(report.verdict, "bold yellow")
         out.print(f"[{style}]{headline(report)}[/{style}]")
         for it in report.failed:
             first = (it.fix or "").splitlines()[0] if it.fix else ""

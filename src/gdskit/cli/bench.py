@@ -35,7 +35,7 @@ def bench(
     file: Optional[str] = typer.Option(None, "-f", "--file", help="Target file, shared by all workers (each owns a slice)."),
     directory: Optional[str] = typer.Option(None, "-D", "--dir", help="Directory with one file per worker."),
     device: int = typer.Option(0, "-d", "--device", help="GPU index for device buffers."),
-    size: Optional[str] = typer.Option(None, "-s", "--size", help="Data set size (file size; each worker's file with -D). Default 1G; 1G/256M for the no-argument run."),
+    size: Optional[str] = typer.Option(None, "-s", "--size", help="Data set size (file size; each worker's file with -D). Default: an existing -f file's size, else 1G; 1G/256M for the no-argument run."),
     io_size: Optional[str] = typer.Option(None, "-i", "--io-size", help="I/O size (default 1M), or MIN:MAX to sweep powers of two."),
     workers: int = typer.Option(4, "-w", "--workers", help="Workers issuing I/O (threads; processes with --processes)."),
     processes: bool = typer.Option(False, "--processes", help="Each worker in its own process, as fio's jobs are: small I/O then measures the storage rather than Python's interpreter lock."),
@@ -45,6 +45,7 @@ def bench(
     duration: Optional[float] = typer.Option(None, "-T", "--duration", help="Seconds per run (workers wrap around their slice)."),
     total: Optional[str] = typer.Option(None, "--total", help="Bytes per run (default: one pass over the data set)."),
     verify: bool = typer.Option(False, "-V", "--verify", help="Write a known pattern, read it back, check every byte."),
+    force: bool = typer.Option(False, "--force", help="Let -V, write runs and a read target smaller than -s write over an existing -f/-D file (without it an existing file is only read, as it is)."),
     cache: Optional[str] = typer.Option(None, "--cache", help="cold (evict the file, O_DIRECT; default), drop (also drop the page cache; root), hot (default of the no-argument run)."),
     repeat: int = typer.Option(3, "--repeat", help="Repetitions per path (and per size in a sweep)."),
     sweep: bool = typer.Option(False, "--sweep", help="Sweep I/O sizes 4K..16M (or -i MIN:MAX) and find the knee."),
@@ -52,47 +53,46 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of random offsets and of the verify pattern."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (stable schema)."),
     csv_file: Optional[str] = typer.Option(None, "--csv", help="Write one CSV row per run to this file ('-' for stdout)."),
-    plot_file: Optional[str] = typer.Option(None, "--plot", help="Plot throughput and CPU cost against I/O size to this PNG (needs gdskit[plot])."),
+    plot_file: Optional[str] = typer.Option(None, "--plot", metavar="FILE", help="Plot throughput and CPU cost against I/O size to this PNG (given a directory: a new gdskit-bench.png in it; needs gdskit\\[plot])."),
 ) -> None:
     from gdskit.bench import runner
     from gdskit.bench.params import make_params
-    from gdskit.bench.report import plot, render_table, write_csv
+    from gdskit.bench.report import output_target, plot, plot_target, render_table, save_csv, write_csv
     from gdskit.cli import cli_errors
-    from gdskit.errors import MissingDependencyError
 
     default_run = file is None and directory is None
+    plot_path = None
     with cli_errors("bench", "interrupted; temporary files removed"):
-        if plot_file is not None:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise MissingDependencyError("--plot needs matplotlib: pip install 'gdskit[plot]'") from None
+        # Where the outputs go is settled before the benchmark runs, not found wrong after it.
+        plot_path = plot_target(plot_file) if plot_file is not None else None
+        if csv_file is not None and csv_file != "-":
+            output_target(csv_file, "--csv")
+        if size is None:
+            held = runner.existing_size(file) if file and os.path.isfile(file) else None
+            size = str(held) if held else str(runner.default_size()) if default_run else "1G"
         params = make_params(
-            file=file, directory=directory, device=device,
-            size=size if size is not None else (runner.default_size() if default_run else "1G"),
+            file=file, directory=directory, device=device, size=size,
             io_size=io_size, workers=workers, paths=paths, op=op, duration=duration, total=total,
             verify=verify, cache=cache if cache is not None else ("hot" if default_run else "cold"),
             repeat=repeat, sweep=sweep, seed=seed, processes=processes,
-            huge_pages=huge_pages,
+            huge_pages=huge_pages, force=force,
         )
         with _progress(enabled=not as_json and sys.stderr.isatty()) as progress, _sigterm_as_interrupt():
             report = runner.run_benchmark(params, progress=progress, save_profile=save_profile)
-        if plot_file is not None:
-            plot(report, plot_file)
-        if csv_file is not None:
-            if csv_file == "-":
-                write_csv(report.runs, sys.stdout)
-            else:
-                with open(csv_file, "w", newline="", encoding="utf-8") as fh:
-                    write_csv(report.runs, fh)
+        if plot_path is not None:
+            plot(report, plot_path)
+        if csv_file == "-":
+            write_csv(report.runs, sys.stdout)
+        elif csv_file is not None:
+            save_csv(report.runs, csv_file)
 
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     elif csv_file != "-":
         from rich.console import Console
         render_table(report, Console(width=None if sys.stdout.isatty() else 160))
-        if plot_file is not None:
-            typer.echo(f"plot written to {plot_file}")
+    if plot_path is not None:  # on stderr when stdout carries JSON or CSV
+        typer.echo(f"plot written to {plot_path}", err=as_json or csv_file == "-")
     if report.verify_ok is False:
         raise typer.Exit(1)
 

@@ -4,7 +4,7 @@ The report goes to stderr (the workload owns stdout); ``--json`` prints it to
 stdout, ``--report FILE`` writes it to a file. Exit status: the workload's own
 status when it failed (128+N when signal N ended it); otherwise 1 when
 ``--require direct`` is not met; 124 past ``--timeout``; 127 command not found;
-2 bad arguments; else 0.
+126 found but not executable; 2 bad arguments; else 0.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run(
     report_file: Optional[str] = typer.Option(None, "--report", metavar="FILE", help="Also write the JSON report to FILE."),  # noqa: UP007
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.01, help="Stop the workload after this many seconds."),  # noqa: UP007
 ) -> None:
-    from gdskit.errors import GdskitError, GdskitFileNotFoundError, WorkloadTimeoutError
+    from gdskit.errors import GdskitError, GdskitFileNotFoundError, GdskitIOError, WorkloadTimeoutError
     from gdskit.cli import cli_errors
     from gdskit.telemetry import run_workload
 
@@ -54,6 +54,13 @@ def run(
     except GdskitFileNotFoundError as exc:
         typer.echo(f"gdskit run: {exc.filename}: command not found", err=True)
         raise typer.Exit(127) from None
+    except GdskitIOError as exc:
+        if exc.filename != command[0]:
+            typer.echo(f"gdskit run: error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        # There, but it cannot be run (not executable, a directory, not a program): 126, as a shell says.
+        typer.echo(f"gdskit run: {exc.filename}: cannot execute: {exc.strerror}", err=True)
+        raise typer.Exit(126) from None
     except GdskitError as exc:
         typer.echo(f"gdskit run: error: {exc}", err=True)
         raise typer.Exit(2) from None

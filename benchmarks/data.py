@@ -1,0 +1,446 @@
+#!/usr/bin/env python3
+"""gdskit.data against its peers: dataset preload, token streaming, and a simulated training step.
+
+Workloads (``--quick``: small sizes for a smoke run, on the CPU too):
+  preload-shards  8 GiB in 1,024 ``.npy`` shards           (quick: 64 MiB in 32)
+  preload-small   100,000 ``.npy`` files of 64 KiB           (quick: 2,000 of 16 KiB)
+  tokens          a 16 GiB uint16 token file, seq_len 2048, batch 64, shuffled; --batches of them
+                  (quick: 128 MiB, 200 batches)
+  step            the tokens workload with a fixed-duration GPU kernel per batch (a sleep on the
+                  CPU), the loader reading ahead; compared with the step alone
+
+Peers: gdskit (``gdskit.data``); ``engine`` (preload: gdskit.open reads of the same bytes into
+preallocated memory, the engine's own ceiling; tokens: the loader's reads with no read-ahead); ``odirect`` (raw O_DIRECT reads into host
+memory, the disk's ceiling; preload only); ``kvikio`` (KvikIO reads of each file into
+preallocated device memory, 16 threads; when importable); ``numpy`` (np.load, then .to(device));
+``dataloader-N`` (torch DataLoader, N workers, pin_memory=True, .to(device, non_blocking=True)).
+Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
+``--cold`` drops the page cache before each run. Reports GB/s (1 GB = 1e9 bytes), batches/s,
+CPU-seconds per GB for every row, peak GPU memory per batch, and the ledger's paths.
+
+    python benchmarks/data.py --device cuda:0 --dir /data/bench --cold --rounds 3 --json data.json
+    python benchmarks/data.py --device cpu --quick                       # smoke run, any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+
+GB = 1e9
+MiB = 1 << 20
+
+WORKLOADS = ["preload-shards", "preload-small", "tokens", "step"]
+PEERS = {
+    "preload-shards": ["gdskit", "engine", "odirect", "kvikio", "numpy"],
+    "preload-small": ["gdskit", "engine", "odirect", "kvikio", "numpy"],
+    "tokens": ["gdskit", "engine", "dataloader-8", "dataloader-16"],
+    "step": ["compute-only", "gdskit", "dataloader-8", "dataloader-16"],
+}
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return {"shards": 32, "shard_bytes": 2 * MiB, "small": 2000, "small_bytes": 16 << 10,
+                "token_bytes": 128 * MiB, "seq_len": 2048, "batch": 64, "batches": 200, "step_ms": 2.0}
+    return {"shards": 1024, "shard_bytes": 8 * MiB, "small": 100_000, "small_bytes": 64 << 10,
+            "token_bytes": 16 << 30, "seq_len": 2048, "batch": 64, "batches": 2000, "step_ms": 20.0}
+
+
+# -- the data (made once per size; later runs reuse it) ----------------------------------------------
+
+def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out: dict[str, list[str]] = {}
+    for name, count, nbytes in (("shards", sz["shards"], sz["shard_bytes"]), ("small", sz["small"], sz["small_bytes"])):
+        d = os.path.join(directory, f"{name}-{count}x{nbytes}")
+        paths = [os.path.join(d, f"{i:06d}.npy") for i in range(count)]
+        if not os.path.exists(paths[-1]):
+            print(f"making {count} .npy files of {nbytes} bytes in {d} ...", file=sys.stderr, flush=True)
+            os.makedirs(d, exist_ok=True)
+            rows = nbytes // (4 * 256)
+            for p in paths:
+                np.save(p, rng.random((rows, 256), dtype=np.float32))
+        out[name] = paths
+    tok = os.path.join(directory, f"tokens-{sz['token_bytes']}.bin")
+    if not os.path.exists(tok) or os.path.getsize(tok) != sz["token_bytes"]:
+        print(f"making {tok} ...", file=sys.stderr, flush=True)
+        with open(tok, "wb") as f:
+            left = sz["token_bytes"]
+            while left:
+                n = min(left, 256 * MiB)
+                f.write(rng.integers(0, 50257, n // 2, dtype=np.uint16).tobytes())
+                left -= n
+    out["tokens"] = [tok]
+    return out
+
+
+# -- the child: one measurement ------------------------------------------------------------------
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _preload(peer: str, paths: list[str], device: str, threads: int) -> int:
+    import numpy as np
+    import torch
+    if peer == "gdskit":
+        import gdskit.data
+        out = gdskit.data.preload(paths, device=device, progress=False)
+        return sum(t.numel() * t.element_size() for t in out.values())
+    if peer == "numpy":
+        return sum(torch.from_numpy(np.load(p)).to(device).nbytes for p in paths)
+    if peer == "odirect":
+        from raw_disk import odirect_io
+        return odirect_io(paths, threads, 16 * MiB).bytes
+    sizes_ = [os.path.getsize(p) for p in paths]
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes_]
+    _sync(device)
+    if peer == "engine":
+        import gdskit
+        from collections import deque
+        running: deque = deque()
+        for p, b in zip(paths, bufs):
+            if len(running) >= 2 * threads:
+                f, fut = running.popleft()
+                fut.result()
+                f.close()
+            f = gdskit.open(p)
+            running.append((f, f.pread(b)))
+        for f, fut in running:
+            fut.result()
+            f.close()
+        return sum(sizes_)
+    if peer == "kvikio":
+        import kvikio
+        futs = []
+        for p, b in zip(paths, bufs):
+            f = kvikio.CuFile(p, "r")
+            futs.append((f, f.pread(b)))
+        for f, fut in futs:
+            fut.get()
+            f.close()
+        return sum(sizes_)
+    raise SystemExit(f"unknown peer {peer}")
+
+
+class _Windows:
+    """The token windows for torch's DataLoader: each read with os.pread (a worker per process)."""
+
+    def __init__(self, path: str, seq_len: int) -> None:
+        self.path, self.seq_len = path, seq_len
+        self.n = (os.path.getsize(path) // 2 - 1) // seq_len
+        self.fd = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import numpy as np
+        import torch
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        nb = (self.seq_len + 1) * 2
+        return torch.from_numpy(np.frombuffer(os.pread(self.fd, nb, i * self.seq_len * 2), dtype=np.uint16).copy())
+
+
+def _step(device: str, step_ms: float):
+    """A fixed-duration stand-in for a training step: a GPU kernel of ``step_ms``, or a sleep on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+        # torch.cuda._sleep spins for a number of cycles: calibrate cycles per ms once.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        cycles = int(10_000_000 / start.elapsed_time(end) * step_ms)
+        return lambda: torch.cuda._sleep(cycles)
+    return lambda: time.sleep(step_ms / 1000)
+
+
+def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step: bool) -> tuple[int, int]:
+    """Batches of the token file through ``peer``; (batches, bytes)."""
+    import torch
+    n_batches, bs, seq = sz["batches"], sz["batch"], sz["seq_len"]
+    step = _step(device, sz["step_ms"]) if with_step else None
+    batch_bytes = bs * (seq + 1) * 2
+    if peer == "compute-only":
+        for _ in range(n_batches):
+            step()
+        return n_batches, 0
+    if peer in ("gdskit", "engine"):
+        import gdskit.data as gd
+        ds = gd.TokenDataset(path, dtype="uint16", seq_len=seq)
+        prefetch = 2 if peer == "gdskit" else 0  # engine: the same reads, none ahead
+        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=prefetch)
+        done = 0
+        for b in loader:
+            if step is not None:
+                step()
+            done += 1
+            if done == n_batches:
+                break
+        loader.close()
+        return done, done * batch_bytes
+    if peer.startswith("dataloader-"):
+        from torch.utils.data import DataLoader
+        workers = int(peer.split("-")[1])
+        if sz.get("dl_workers"):
+            workers = min(workers, sz["dl_workers"])
+        cuda = device.startswith("cuda")
+        dl = DataLoader(_Windows(path, seq), batch_size=bs, shuffle=True, num_workers=workers,
+                        pin_memory=cuda, drop_last=True, persistent_workers=False,
+                        prefetch_factor=2 if workers else None)
+        done = 0
+        for b in dl:
+            b = b.to(device, non_blocking=True)
+            if step is not None:
+                step()
+            done += 1
+            if done == n_batches:
+                break
+        del dl
+        return done, done * batch_bytes
+    raise SystemExit(f"unknown peer {peer}")
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.peer == "kvikio":
+        os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
+        os.environ.setdefault("KVIKIO_COMPAT_MODE", "ON")
+    os.environ.setdefault("GDSKIT_THREADS", str(args.threads))
+    import torch
+    sz = json.loads(args.sizes)
+    with open(args.paths) as f:
+        paths = json.load(f)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.empty(1, device=args.device)  # the CUDA context outside the clock, for every peer alike
+        torch.cuda.reset_peak_memory_stats()
+    if args.peer in ("gdskit", "engine"):
+        import gdskit
+        import gdskit.data  # noqa: F401 - imported once, outside the clock
+        before = gdskit.stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    c0, t0 = _cpu_s(), time.perf_counter()
+    batches = None
+    if args.workload.startswith("preload"):
+        nbytes = _preload(args.peer, paths, args.device, args.threads)
+    else:
+        batches, nbytes = _stream(args.peer, paths[0], args.device, sz, args.threads, args.workload == "step")
+    _sync(args.device)
+    wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
+    out = {"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "batches": batches,
+           "peak_gpu_bytes": (torch.cuda.max_memory_allocated() - base) if cuda else 0}
+    if args.peer in ("gdskit", "engine"):
+        d = gdskit.stats() - before
+        out["paths"] = {k: v.bytes_read for k, v in d.paths.items() if v.bytes_read}
+        out["pinned_bytes"] = gdskit.resources().pinned_bytes
+    print("RESULT " + json.dumps(out))
+
+
+# -- the parent -------------------------------------------------------------------------------------
+
+def installed(peer: str) -> bool:
+    import importlib.util
+    mod = {"kvikio": "kvikio"}.get(peer)
+    return mod is None or importlib.util.find_spec(mod) is not None
+
+
+def run_child(argv: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+
+
+def summarize(r: dict, sz: dict) -> dict:
+    if "error" in r:
+        return r
+    gb = r["bytes"] / GB
+    r["gb_per_s"] = gb / r["wall_s"] if r["bytes"] else None
+    r["cpu_s_per_gb"] = r["cpu_s"] / gb if r["bytes"] else None
+    if r.get("batches"):
+        r["batches_per_s"] = r["batches"] / r["wall_s"]
+        r["step_ms"] = 1000 * r["wall_s"] / r["batches"]
+        if r["peak_gpu_bytes"]:
+            r["peak_gpu_batches"] = r["peak_gpu_bytes"] / (sz["batch"] * (sz["seq_len"] + 1) * 2)
+    return r
+
+
+def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
+    results = []
+    modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
+    workloads = args.workloads.split(",")
+    every_path = [p for ps in data.values() for p in ps]
+    for rnd in range(args.rounds):
+        for w in workloads:
+            peers = [p for p in PEERS[w] if args.peers is None or p in args.peers.split(",")]
+            if rnd % 2:
+                peers = peers[::-1]  # alternate the order: none always first after the data was made
+            paths = data["tokens"] if w in ("tokens", "step") else data["shards" if w == "preload-shards" else "small"]
+            for peer in peers:
+                for mode in modes:
+                    if peer == "compute-only" and mode == "cold":
+                        continue
+                    if not installed(peer):
+                        results.append({"workload": w, "peer": peer, "mode": mode, "round": rnd,
+                                        "error": "not installed"})
+                        continue
+                    if mode == "cold":
+                        how = drop_caches(every_path)
+                    else:
+                        warm(paths)
+                        how = "warmed"
+                    listing = os.path.join(args.dir, f"{w}.paths.json")  # 100,000 paths outgrow argv
+                    with open(listing, "w") as f:
+                        json.dump(paths, f)
+                    r = summarize(run_child(["--child", peer, "--workload", w, "--device", args.device,
+                                             "--threads", str(args.threads), "--sizes", json.dumps(sz),
+                                             "--paths", listing], args.timeout), sz)
+                    r.update(workload=w, peer=peer, mode=mode, round=rnd, cache=how)
+                    results.append(r)
+                    print(f"# round {rnd + 1} {w} {peer} {mode}: "
+                          f"{r.get('gb_per_s') or r.get('step_ms') or r.get('error')}", file=sys.stderr, flush=True)
+    return results
+
+
+def combine(results: list[dict]) -> list[dict]:
+    """One row per workload, peer and mode: the median round (the lower middle for an even count)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["peer"], r["mode"]), []).append(r)
+    out = []
+    for key, runs in groups.items():
+        ok = sorted((r for r in runs if "wall_s" in r), key=lambda r: r["wall_s"])
+        out.append({**(ok[(len(ok) - 1) // 2] if ok else runs[0]), "rounds": len(runs)})
+    order = {w: i for i, w in enumerate(WORKLOADS)}
+    return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], PEERS[r["workload"]].index(r["peer"])))
+
+
+def _fmt(x, spec: str) -> str:
+    """``x`` in ``spec`` (e.g. ``"7.2f"``), or a dash as wide."""
+    return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def report(rows: list[dict]) -> str:
+    ref = {(r["workload"], r["mode"]): r for r in rows if r["peer"] == "gdskit" and "wall_s" in r}
+    lines = [f"{'workload':15} {'peer':14} {'mode':4} {'GB/s':>7} {'batch/s':>8} {'step ms':>8} {'vs gdskit':>9} "
+             f"{'CPU-s/GB':>9} {'GPU/batch':>9}  note"]
+    for r in rows:
+        if "wall_s" not in r:
+            lines.append(f"{r['workload']:15} {r['peer']:14} {r['mode']:4} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
+                         f"{'-':>9} {'-':>9}  {r.get('error', '')}")
+            continue
+        g = ref.get((r["workload"], r["mode"]))
+        if g is None or g is r:
+            ratio = "-"
+        elif r["workload"] == "step":
+            ratio = f"{g['wall_s'] / r['wall_s']:.2f}x"  # step time: gdskit's over this one's
+        else:
+            ratio = f"{r['wall_s'] and g['wall_s'] / r['wall_s']:.2f}x"
+        note = ""
+        if r.get("paths"):
+            total = sum(r["paths"].values())
+            note = " ".join(f"{k} {v / total:.0%}" for k, v in sorted(r["paths"].items(), key=lambda kv: -kv[1]))
+        if r.get("pinned_bytes"):
+            note += f" pinned {r['pinned_bytes'] / MiB:.0f} MiB"
+        lines.append(f"{r['workload']:15} {r['peer']:14} {r['mode']:4} {_fmt(r.get('gb_per_s'), '7.2f')} "
+                     f"{_fmt(r.get('batches_per_s'), '8.1f')} {_fmt(r.get('step_ms'), '8.2f')} {ratio:>9} "
+                     f"{_fmt(r.get('cpu_s_per_gb'), '9.3f')} {_fmt(r.get('peak_gpu_batches'), '9.2f')}  {note}")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> dict[str, str]:
+    """The issue's targets, against this run's numbers (ratios of wall time: higher is better)."""
+    def find(w: str, peer: str, mode: str) -> dict | None:
+        return next((r for r in rows if (r["workload"], r["peer"], r["mode"]) == (w, peer, mode) and "wall_s" in r),
+                    None)
+
+    out = {}
+    for w in ("preload-shards", "preload-small"):
+        g, e, o = find(w, "gdskit", "hot"), find(w, "engine", "hot"), find(w, "odirect", "cold")
+        if g and e:
+            out[f"{w} hot >= 0.9x engine"] = f"{e['wall_s'] / g['wall_s']:.2f}x"
+        gc_ = find(w, "gdskit", "cold")
+        if gc_ and o:
+            out[f"{w} cold >= 0.95x O_DIRECT"] = f"{o['wall_s'] / gc_['wall_s']:.2f}x"
+    g = find("tokens", "gdskit", "hot")
+    dls = [r for r in (find("tokens", "dataloader-8", "hot"), find("tokens", "dataloader-16", "hot")) if r]
+    if g and dls:
+        best = max(dls, key=lambda r: r["batches_per_s"])
+        out["tokens >= 5x DataLoader batches/s"] = f"{g['batches_per_s'] / best['batches_per_s']:.2f}x"
+        out["tokens CPU-s/GB <= DataLoader's"] = f"{g['cpu_s_per_gb']:.3f} vs {best['cpu_s_per_gb']:.3f}"
+    s, c = find("step", "gdskit", "hot"), find("step", "compute-only", "hot")
+    if s and c:
+        out["step: loader adds <= 5%"] = f"{100 * (s['wall_s'] / c['wall_s'] - 1):+.1f}%"
+    if s and s.get("peak_gpu_batches") is not None:
+        out["step: GPU memory <= prefetch + 1 = 3 batches"] = f"{s['peak_gpu_batches']:.2f}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/gdskit-data-bench", help="where the data lives (made once)")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--peers", default=None, help="only these peers (comma list)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds, peers interleaved in alternating order")
+    ap.add_argument("--cold", action="store_true", help="also run with the page cache dropped before each run")
+    ap.add_argument("--no-hot", action="store_true")
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--batches", type=int, default=None, help="token batches per run")
+    ap.add_argument("--dl-workers", type=int, default=None, help="cap on DataLoader workers (small machines)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--child", dest="peer", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument("--paths", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:
+        child(args)
+        return
+    sz = sizes(args.quick)
+    if args.batches:
+        sz["batches"] = args.batches
+    if args.dl_workers or (args.quick and not args.device.startswith("cuda")):
+        sz["dl_workers"] = args.dl_workers or 2
+    data = ensure_data(args.dir, sz)
+    rows = combine(measure(args, data, sz))
+    text = report(rows)
+    print(text)
+    goals = targets(rows)
+    for k, v in goals.items():
+        print(f"target {k}: {v}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": args.device, "sizes": sz, "rows": rows, "targets": goals}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The errors of :mod:`gdskit.data`: each a :class:`~gdskit.errors.GdskitError` that also
+subclasses the fitting built-in (``ValueError``, ``TypeError``...)."""
+
+from __future__ import annotations
+
+from gdskit.errors import FormatError, GdskitError, InvalidArgumentError
+from gdskit.formats.safetensors_format import TruncatedFileError
+
+__all__ = ["DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError",
+           "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError", "UnsupportedDtypeError",
+           "UnsupportedLayoutError"]
+
+
+class NpyHeaderError(FormatError):
+    """A ``.npy`` file's header is not valid: magic, version, length or the header dictionary."""
+
+
+class UnsupportedDtypeError(GdskitError, TypeError):
+    """A dtype with no tensor type here: structured, strings, dates, ``longdouble``, ..."""
+
+
+class ObjectDtypeError(UnsupportedDtypeError):
+    """An ``.npy`` file of Python objects: reading one would mean unpickling (never done)."""
+
+
+class FileSizeError(FormatError):
+    """A file's size is not a whole number of its tokens or records (the dtype or record size
+    does not divide it). A file shorter than its ``.npy`` header says, or one that shrinks
+    while it is read, raises :class:`TruncatedFileError`."""
+
+
+class UnsupportedLayoutError(FormatError):
+    """An ``.npy`` array whose rows cannot be samples: a 0-d array, or a Fortran-order one
+    whose rows are scattered through the file."""
+
+
+class SampleMismatchError(FormatError):
+    """Samples that would be stacked into one batch differ in shape, dtype or memory order."""
+
+
+class DatasetTooSmallError(InvalidArgumentError):
+    """The dataset has no sample, or (with ``drop_last``) fewer than one batch per rank."""
+
+
+class StateDictMismatchError(InvalidArgumentError):
+    """A loader state saved for another dataset, world size or batching cannot resume this loader."""

@@ -1,0 +1,421 @@
+"""The :class:`Loader`: batches of a dataset in GPU (or host) memory, sharded across ranks, read ahead.
+
+How a batch travels: a producer thread plans its reads (:mod:`gdskit.data.read`), allocates
+its memory and hands the reads to the engine, up to ``prefetch`` batches ahead of the
+caller; the caller's ``next()`` waits for the oldest batch's reads, checks them and hands
+the batch over. On a GPU the batch is made on a side stream and the caller's current stream
+waits on an event recorded there after the batch is complete (a stream-ordered hand-off: no
+device-wide synchronisation). At most ``prefetch`` batches are held by the loader besides
+the one it hands over.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gdskit.data.datasets import Dataset, check_stackable
+from gdskit.data.errors import StateDictMismatchError
+from gdskit.data.layout import batch_view
+from gdskit.data.read import BatchPlan, FileCache, Job, abandon, engine_view, plan_batch, submit, target_device, wait
+from gdskit.data.sampler import Shards, _int
+from gdskit.errors import InvalidArgumentError
+from gdskit.formats._engine import stats, stats_delta
+from gdskit.formats.progress import Progress, ProgressArg
+
+__all__ = ["Loader"]
+
+STATE_FORMAT = "gdskit.data.Loader/1"
+
+
+@dataclass
+class _Batch:
+    """A batch whose reads are under way."""
+
+    number: int        # in its epoch
+    plan: BatchPlan
+    raw: torch.Tensor  # its bytes, back to back
+    jobs: list[Job]
+
+
+class _Reader:
+    """The torch side of batches for one loader: their memory and their hand-off to the caller."""
+
+    def __init__(self, dataset: Dataset, device: torch.device, files: FileCache) -> None:
+        self.dataset, self.device, self.files = dataset, device, files
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, number: int, indices: np.ndarray, on_bytes: Any) -> _Batch:
+        plan = plan_batch(self.dataset, indices)
+        if self.stream is not None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                raw = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+            # Memory freed on the side stream may still be read by its own kernels (a byte swap);
+            # memory the caller's streams used comes back only after their work (record_stream).
+            # The engine writes from its own streams: let the side stream's few kernels finish.
+            self.stream.synchronize()
+        else:
+            raw = torch.empty(plan.nbytes, dtype=torch.uint8)
+        return _Batch(number, plan, raw, submit(self.files, plan, engine_view(raw), on_bytes))
+
+    def finish(self, b: _Batch) -> torch.Tensor:
+        wait(b.jobs)
+        if self.stream is None:
+            return batch_view(b.raw, b.plan.count, b.plan.layout)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            out = batch_view(b.raw, b.plan.count, b.plan.layout)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(done)
+        out.record_stream(consumer)
+        return out
+
+    @staticmethod
+    def abandon(b: _Batch) -> None:
+        abandon(b.jobs)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END = object()
+
+
+class _Pipeline:
+    """One pass's batches, started up to ``prefetch`` ahead by a producer thread (none with
+    ``prefetch=0``: each batch is then read when asked for). Holds no reference to the
+    iterator, so that dropping the iterator closes it."""
+
+    def __init__(self, reader: _Reader, todo: list[tuple[int, np.ndarray]], prefetch: int, on_bytes: Any) -> None:
+        self._reader, self._todo, self._prefetch, self._on_bytes = reader, todo, prefetch, on_bytes
+        self._ready: deque[Any] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._next = 0  # with prefetch=0: the next batch of ``todo`` to read
+        self._thread: threading.Thread | None = None
+        if prefetch > 0 and todo:
+            self._thread = threading.Thread(target=self._produce, name="gdskit-data-prefetch", daemon=True)
+            self._thread.start()
+
+    def _produce(self) -> None:
+        for number, indices in self._todo:
+            with self._cv:
+                while not self._closed and len(self._ready) >= self._prefetch:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            try:
+                b: Any = self._reader.start(number, indices, self._on_bytes)
+            except BaseException as exc:  # noqa: BLE001 - the caller's next() raises it, in its place
+                b = _Failed(exc)
+            with self._cv:
+                closed = self._closed
+                if not closed:
+                    self._ready.append(b)
+                    self._cv.notify_all()
+            if closed:
+                if isinstance(b, _Batch):
+                    self._reader.abandon(b)
+                return
+            if isinstance(b, _Failed):
+                return
+        with self._cv:
+            self._ready.append(_END)
+            self._cv.notify_all()
+
+    def take(self) -> _Batch | None:
+        """The next batch, reads under way; None after the last. Raises what starting it raised."""
+        if self._thread is None:
+            if self._next >= len(self._todo):
+                return None
+            number, indices = self._todo[self._next]
+            self._next += 1
+            return self._reader.start(number, indices, self._on_bytes)
+        with self._cv:
+            while not self._ready:
+                self._cv.wait()
+            item = self._ready.popleft()
+            self._cv.notify_all()
+        if item is _END:
+            return None
+        if isinstance(item, _Failed):
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop reading ahead: batches not started are never started, those started are
+        abandoned (reads not begun are cancelled, the others waited for), the thread joined."""
+        with self._cv:
+            self._closed = True
+            left = list(self._ready)
+            self._ready.clear()
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for item in left:
+            if isinstance(item, _Batch):
+                self._reader.abandon(item)
+
+
+class _Pass:
+    """An iterator over the rest of one epoch of a :class:`Loader`."""
+
+    def __init__(self, loader: Loader, epoch: int, start: int) -> None:
+        self._loader = loader
+        self.epoch = epoch
+        todo = list(enumerate(loader._shards.batches(epoch, start), start))
+        self._progress: Progress | None = None
+        on_bytes = None
+        if loader._progress is not None and loader._progress is not False and todo:
+            total = sum(loader._batch_bytes(idx) for _, idx in todo)
+            self._progress = Progress(total, loader._progress, f"epoch {epoch}")
+            on_bytes = self._progress.advance
+        self._pipeline = _Pipeline(loader._reader, todo, loader.prefetch, on_bytes)
+        self._closed = False
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._closed:
+            raise StopIteration
+        try:
+            b = self._pipeline.take()
+            out = None if b is None else self._loader._reader.finish(b)
+        except BaseException:
+            self.close()
+            raise
+        if b is None or out is None:
+            self.close()
+            raise StopIteration
+        self._loader._delivered(b.number)
+        return out
+
+    def close(self) -> None:
+        """End the pass: reads ahead are cancelled or waited for, the producer thread joined."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pipeline.close()
+        finally:
+            if self._progress is not None:
+                self._progress.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to tell at collection time
+            pass
+
+
+class Loader:
+    """Batches of ``dataset`` in memory on ``device``, this rank's share, read ahead.
+
+    Parameters
+    ----------
+    dataset : TokenDataset, RecordDataset or NpyDataset
+    batch_size : samples per batch
+    device : where batches go (``"cuda:0"``, ``"cpu"``, a ``torch.device`` or a GPU index)
+    shuffle, seed : a new order each epoch, from ``seed`` and the epoch alone
+    drop_last : drop the samples that do not divide among the ranks, and each rank's
+        incomplete last batch (otherwise the order is padded, as DistributedSampler pads it)
+    rank, world_size : default: ``torch.distributed``'s when it is initialised, else 0 and 1
+    prefetch : batches read ahead while the caller computes (0: each read when asked for)
+    progress : True for a bar per epoch on stderr, or ``callback(bytes_done, bytes_total)``
+        (from I/O threads); None or False: nothing
+
+    Iterating gives the rest of the current epoch: ``[batch, seq_len + 1]`` tensors for
+    tokens, ``[batch, *shape]`` otherwise. After an epoch's last batch the loader moves on to
+    the next epoch; ``set_epoch`` sets any. A new iterator continues where the last one
+    stopped (and ends it); ``state_dict()`` is that position, counted in batches handed over.
+
+    Raises
+    ------
+    DatasetTooSmallError
+        No sample, or (``drop_last``) less than one batch for each rank.
+    SampleMismatchError
+        Samples of different shapes or dtypes and ``batch_size > 1``.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, device: Any = "cuda:0", shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+                 prefetch: int = 2, progress: ProgressArg = None) -> None:
+        if not isinstance(dataset, Dataset):
+            raise InvalidArgumentError(f"dataset must be a TokenDataset, RecordDataset or NpyDataset, "
+                                       f"not {type(dataset).__name__}")
+        rank, world_size = _rank_and_world(rank, world_size)
+        self.dataset = dataset
+        self._shards = Shards(len(dataset), _int("batch_size", batch_size, 1), world_size, rank,
+                              bool(shuffle), _int("seed", seed, 0), bool(drop_last))
+        check_stackable(dataset, batch_size)
+        self.prefetch = _int("prefetch", prefetch, 0)
+        self.device = target_device(device)
+        self._progress = progress
+        self._epoch = 0
+        self._position = 0
+        self._lock = threading.Lock()
+        self._files = FileCache()
+        self._reader = _Reader(dataset, self.device, self._files)
+        self._active: weakref.ref[_Pass] | None = None
+        self._fingerprint: str | None = None
+        self._stats_before = stats()
+
+    # -- what it is ---------------------------------------------------------------------
+    batch_size = property(lambda self: self._shards.batch_size)
+    rank = property(lambda self: self._shards.rank)
+    world_size = property(lambda self: self._shards.world_size)
+    shuffle = property(lambda self: self._shards.shuffle)
+    seed = property(lambda self: self._shards.seed)
+    drop_last = property(lambda self: self._shards.drop_last)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch (of this rank; every rank has as many)."""
+        return self._shards.num_batches
+
+    def batch_indices(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The dataset indices of this rank's batches in ``epoch`` (default: the current one), in order."""
+        return self._shards.batches(self._epoch if epoch is None else _int("epoch", epoch, 0))
+
+    def _batch_bytes(self, indices: np.ndarray) -> int:
+        lay = self.dataset.layout
+        if lay is not None:
+            return len(indices) * lay.nbytes
+        return sum(self.dataset.layout_of(int(i)).nbytes for i in indices)
+
+    # -- iteration and position ------------------------------------------------------------
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        with self._lock:
+            self._end_pass()
+            it = _Pass(self, self._epoch, self._position)
+            self._active = weakref.ref(it)
+        return it
+
+    def _end_pass(self) -> None:
+        active = self._active() if self._active is not None else None
+        self._active = None
+        if active is not None:
+            active.close()
+
+    def _delivered(self, number: int) -> None:
+        with self._lock:
+            if number + 1 >= self._shards.num_batches:
+                self._epoch += 1
+                self._position = 0
+            else:
+                self._position = number + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``epoch`` the current epoch: its order comes from ``seed`` and ``epoch`` alone.
+
+        Setting the current epoch again changes nothing (a position restored by
+        :meth:`load_state_dict` stays); another epoch starts at its first batch and ends a
+        pass under way.
+        """
+        epoch = _int("epoch", epoch, 0)
+        with self._lock:
+            if epoch == self._epoch:
+                return
+            self._end_pass()
+            self._epoch, self._position = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epoch and batches handed over in it, with what they depend on.
+
+        Batches read ahead but not yet handed over do not count: a loader restored from this
+        gives exactly the batches this one had not yet given, in the same order.
+        """
+        with self._lock:
+            epoch, position = self._epoch, self._position
+        return {"format": STATE_FORMAT, "epoch": epoch, "batches_done": position,
+                "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
+                "samples": len(self.dataset), "dataset": self._dataset_fingerprint()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict` of a loader of the same dataset, world size
+        and batching; any rank's: they share the position). Ends a pass under way.
+
+        Raises
+        ------
+        StateDictMismatchError
+            ``state`` is not a loader state, or one of another dataset, world size or batching.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise StateDictMismatchError("not a gdskit.data.Loader state_dict")
+        if state.get("samples") != len(self.dataset) or state.get("dataset") != self._dataset_fingerprint():
+            raise StateDictMismatchError("the state is of another dataset (other files, sizes or samples)")
+        for key in ("world_size", "batch_size", "shuffle", "seed", "drop_last"):
+            if state.get(key) != getattr(self, key):
+                raise StateDictMismatchError(f"the state is of a loader with {key}={state.get(key)!r}, "
+                                             f"this one has {getattr(self, key)!r}")
+        try:
+            epoch = _int("epoch", state.get("epoch"), 0)
+            done = _int("batches_done", state.get("batches_done"), 0)
+        except InvalidArgumentError as exc:
+            raise StateDictMismatchError(f"a damaged state: {exc}") from None
+        if done > len(self):
+            raise StateDictMismatchError(f"the state has {done} batches done of an epoch of {len(self)}")
+        with self._lock:
+            self._end_pass()
+            self._epoch, self._position = (epoch + 1, 0) if done == len(self) else (epoch, done)
+
+    def _dataset_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self.dataset.fingerprint()
+        return self._fingerprint
+
+    # -- ledger and lifetime -----------------------------------------------------------
+    def stats(self) -> Any:
+        """What the ledger recorded since this loader was made: bytes, paths and reasons
+        (process-wide: other reads in the meantime count too)."""
+        return stats_delta(self._stats_before, stats())
+
+    def close(self) -> None:
+        """End a pass under way and close the files (a later iteration opens them again)."""
+        with self._lock:
+            self._end_pass()
+        self._files.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to tell at collection time
+            pass
+
+    def __repr__(self) -> str:
+        return (f"Loader({self.dataset!r}, batch_size={self.batch_size}, device={self.device}, "
+                f"rank={self.rank}/{self.world_size}, epoch={self._epoch}, batches={len(self)})")
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Each one not given: ``torch.distributed``'s when it is initialised, else 0 and 1."""
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        on = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if on else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if on else 1
+    return _int("rank", rank, 0), _int("world_size", world_size, 1)

@@ -1,0 +1,122 @@
+"""Which files a dataset or a preload means: a list of paths, a directory or a glob."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Union
+
+from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError, from_os_error
+
+PathLike = Union[str, "os.PathLike[str]"]
+#: What a dataset or ``preload`` takes: one path (a file, a directory, a glob) or a list of them.
+Files = Union[PathLike, Iterable[PathLike]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file: ``key`` is its name as the caller gave it (relative to a directory given),
+    ``path`` where to open it, ``size`` its size when it was found."""
+
+    key: str
+    path: str
+    size: int
+
+
+def resolve(files: Files) -> list[Source]:
+    """The regular files ``files`` names, in a stable order.
+
+    A path is taken as it is; a directory is walked (recursively, in sorted order, hidden
+    names and symbolic links to directories left out) and its files keyed by their path
+    relative to it; a pattern with ``*``, ``?`` or ``[`` that names no file itself is a glob
+    (``**`` recursive), its matches sorted. A list is resolved item by item, in its order.
+
+    Raises
+    ------
+    gdskit.errors.GdskitFileNotFoundError
+        A path does not exist, or a glob or directory holds no file (named).
+    gdskit.errors.InvalidArgumentError
+        Nothing was given, or two items name the same key.
+    """
+    if isinstance(files, (str, os.PathLike)):
+        items: list[PathLike] = [files]
+    elif isinstance(files, (bytes, bytearray)):
+        raise InvalidArgumentError("file names must be str or os.PathLike, not bytes")
+    else:
+        try:
+            items = list(files)
+        except TypeError:
+            raise InvalidArgumentError(f"files must be a path, a directory, a glob or a list of paths; "
+                                       f"got {type(files).__name__}") from None
+    if not items:
+        raise InvalidArgumentError("no files given")
+    out: list[Source] = []
+    seen: set[str] = set()
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise InvalidArgumentError(f"not a path: {item!r:.60}")
+        for src in _one(os.fspath(item)):
+            if src.key in seen:
+                raise InvalidArgumentError(f"{src.key!r} is named twice")
+            seen.add(src.key)
+            out.append(src)
+    return out
+
+
+def _one(name: str) -> list[Source]:
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        if glob.has_magic(name):
+            return _glob(name)
+        raise GdskitFileNotFoundError(errno.ENOENT, "No such file or directory", name) from None
+    except OSError as exc:
+        raise from_os_error(exc, name) from exc
+    if stat.S_ISDIR(st.st_mode):
+        return _walk(name)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgumentError(f"{name} is not a regular file")
+    return [Source(name, name, st.st_size)]
+
+
+def _glob(pattern: str) -> list[Source]:
+    found = []
+    for match in sorted(glob.glob(pattern, recursive=True)):
+        try:
+            st = os.stat(match)
+        except OSError:
+            continue  # gone since the listing
+        if stat.S_ISREG(st.st_mode):
+            found.append(Source(match, match, st.st_size))
+    if not found:
+        raise GdskitFileNotFoundError(errno.ENOENT, "No file matches the pattern", pattern)
+    return found
+
+
+def _walk(top: str) -> list[Source]:
+    found = []
+    errors: list[OSError] = []
+    for root, dirs, names in os.walk(top, onerror=errors.append):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            if n.startswith("."):
+                continue
+            path = os.path.join(root, n)
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise from_os_error(exc, path) from exc
+            if stat.S_ISREG(st.st_mode):
+                key = os.path.relpath(path, top).replace(os.sep, "/")
+                found.append(Source(key, path, st.st_size))
+    if errors:
+        raise from_os_error(errors[0], errors[0].filename)
+    if not found:
+        raise GdskitFileNotFoundError(errno.ENOENT, "No file in the directory", top)
+    found.sort(key=lambda s: s.key)
+    return found
+

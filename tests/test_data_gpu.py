@@ -1,0 +1,91 @@
+"""gdskit.data on a real GPU: batches equal the CPU target's, the ledger's bytes equal the bytes
+delivered, the caller's stream is ordered after each batch without a device-wide sync, and GPU
+memory stays within the read-ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gdskit  # noqa: E402
+import gdskit.data as gd  # noqa: E402
+from data_workers import token_files  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return token_files(tmp_path_factory.mktemp("gpu_tokens"), [300_000, 120_001, 77_777], "uint16")
+
+
+def test_batches_equal_the_cpu_targets_and_the_ledger_counts_them(tokens):
+    ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=1024)
+    kw = dict(shuffle=True, seed=5, prefetch=3)
+    with gd.Loader(ds, 16, device="cpu", **kw) as cpu:
+        ref = list(cpu)
+    # The ledger is process-wide: the GPU loader is made after the CPU pass, so its delta
+    # holds its own reads alone.
+    with gd.Loader(ds, 16, device="cuda:0", **kw) as gpu:
+        got = list(gpu)
+        delta = gpu.stats()
+    assert len(got) == len(ref) and all(g.is_cuda for g in got)
+    assert all(torch.equal(g.cpu(), r) for g, r in zip(got, ref))
+    delivered = sum(g.numel() * g.element_size() for g in got)
+    assert delta.bytes_read == delivered
+    assert "host" not in delta.paths  # device memory never takes the host path
+    assert gdskit.resources().pinned_bytes <= gdskit.settings.pinned_budget
+
+
+def test_npy_samples_in_both_orders_and_byte_orders(tmp_path):
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        a = rng.random((8, 5)).astype(">f4" if k % 2 else "<f8") if k < 2 else rng.random((8, 5))
+        np.save(tmp_path / f"a{k}.npy", np.asfortranarray(a) if k % 3 == 0 else a)
+    files = sorted(str(p) for p in tmp_path.glob("*.npy"))
+    ds = gd.NpyDataset(files)
+    with gd.Loader(ds, 1, device="cuda:0") as gpu:
+        for b, f in zip(gpu, files):
+            assert np.array_equal(b[0].cpu().numpy(), np.load(f))
+    got = gd.preload(tmp_path, device="cuda:0")
+    for f in files:
+        t = got[f.rsplit("/", 1)[1]]
+        assert t.is_cuda and np.array_equal(t.cpu().numpy(), np.load(f))
+
+
+def test_the_callers_stream_waits_for_each_batch_without_a_device_sync(tokens, monkeypatch):
+    ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=1024)
+    with gd.Loader(ds, 8, device="cpu", shuffle=True) as cpu:
+        want = [int(b.to(torch.int64).sum()) for b in cpu]
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(a) or real(*a, **k))
+    side = torch.cuda.Stream()
+    sums = []
+    with gd.Loader(ds, 8, device="cuda:0", shuffle=True, prefetch=2) as loader, torch.cuda.stream(side):
+        for b in loader:
+            torch.cuda._sleep(1_000_000)  # a long kernel queued before the use: the batch must still be whole
+            sums.append(b.to(torch.int64).sum())
+    monkeypatch.undo()
+    side.synchronize()
+    assert [int(s) for s in sums] == want
+    assert syncs == []
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_gpu_memory_stays_within_the_read_ahead(tokens, prefetch):
+    ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=4096)
+    batch_bytes = 4 * 4097 * 2
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with gd.Loader(ds, 4, device="cuda:0", prefetch=prefetch) as loader:
+        for b in loader:
+            b.float().sum()
+            del b
+    peak = torch.cuda.max_memory_allocated() - base
+    round_up = lambda n: -(-n // 512) * 512  # noqa: E731 - torch's allocator's granule
+    # the read-ahead and the batch in use, the caller's float copy of it (4 bytes a token) and its sum
+    assert peak <= (prefetch + 1) * round_up(batch_bytes) + round_up(4 * 4097 * 4) + 2 * 512

@@ -1,0 +1,89 @@
+"""gdskit.data.preload on the CPU: tensors against numpy and the files' bytes; keys; bad input."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gdskit.data as gd  # noqa: E402
+from gdskit.errors import GdskitFileNotFoundError  # noqa: E402
+from leak_helpers import fd_count  # noqa: E402
+from test_data_datasets import NUMERIC, random_array, same  # noqa: E402
+
+
+def test_a_directory_of_arrays_and_other_files(tmp_path):
+    want = {}
+    for k, descr in enumerate(NUMERIC):
+        a = random_array((3, 5), descr, k)
+        if k % 2:
+            a = np.asfortranarray(a)
+        name = f"arrays/{k:02d}.npy"
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        np.save(tmp_path / name, a)
+        want[name] = np.load(tmp_path / name)
+    np.save(tmp_path / "arrays" / "empty.npy", np.zeros((0, 4), dtype=np.float32))
+    want["arrays/empty.npy"] = np.zeros((0, 4), dtype=np.float32)
+    raw = os.urandom(100_003)
+    (tmp_path / "blob.bin").write_bytes(raw)
+    (tmp_path / "nothing.txt").write_bytes(b"")
+    got, stats = gd.preload(tmp_path, device="cpu", return_stats=True)
+    assert set(got) == set(want) | {"blob.bin", "nothing.txt"}
+    for name, a in want.items():
+        assert same(got[name], a), name
+    assert got["blob.bin"].dtype == torch.uint8 and bytes(got["blob.bin"].numpy()) == raw
+    assert got["nothing.txt"].numel() == 0
+    assert stats.bytes_read == sum(a.nbytes for a in want.values()) + len(raw)
+
+
+def test_many_small_files_by_glob_and_list_with_progress(tmp_path):
+    datas = [os.urandom(1000 + 37 * k) for k in range(300)]
+    for k, d in enumerate(datas):
+        (tmp_path / f"s{k:03d}.bin").write_bytes(d)
+    seen = []
+    fds = fd_count()
+    got = gd.preload(str(tmp_path / "s*.bin"), device="cpu", progress=lambda done, total: seen.append((done, total)))
+    assert fd_count() == fds
+    assert list(got) == sorted(str(p) for p in tmp_path.glob("s*.bin"))
+    assert all(bytes(got[str(tmp_path / f"s{k:03d}.bin")].numpy()) == d for k, d in enumerate(datas))
+    total = sum(map(len, datas))
+    assert seen[-1] == (total, total)
+    listed = gd.preload([tmp_path / "s001.bin", str(tmp_path / "s000.bin")], device="cpu")
+    assert list(listed) == [str(tmp_path / "s001.bin"), str(tmp_path / "s000.bin")]
+
+
+def test_bad_files_leave_nothing_behind(tmp_path):
+    np.save(tmp_path / "good.npy", np.arange(10))
+    fds = fd_count()
+    with pytest.raises(GdskitFileNotFoundError) as info:
+        gd.preload([tmp_path / "good.npy", tmp_path / "gone.npy"], device="cpu")
+    assert info.value.filename == str(tmp_path / "gone.npy")
+    np.save(tmp_path / "obj.npy", np.array([None, 1], dtype=object), allow_pickle=True)
+    with pytest.raises(gd.ObjectDtypeError):
+        gd.preload(tmp_path, device="cpu")
+    os.unlink(tmp_path / "obj.npy")
+    (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY\x01\x00\x08\x00{}      ")
+    with pytest.raises(gd.NpyHeaderError):
+        gd.preload(tmp_path, device="cpu")
+    os.unlink(tmp_path / "bad.npy")
+    np.save(tmp_path / "short.npy", np.zeros(1000))
+    os.truncate(tmp_path / "short.npy", 2000)
+    with pytest.raises(gd.TruncatedFileError):
+        gd.preload(tmp_path, device="cpu")
+    assert fd_count() == fds
+
+
+def test_a_file_that_shrank_since_it_was_listed(tmp_path):
+    from gdskit.data.preload import read_files
+    from gdskit.data.read import FileReads, engine_view
+    from gdskit.data.sources import resolve
+
+    (tmp_path / "a.bin").write_bytes(b"a" * 5000)
+    (src,) = resolve(tmp_path / "a.bin")
+    os.truncate(tmp_path / "a.bin", 3000)
+    dest = torch.zeros(5000, dtype=torch.uint8)
+    with pytest.raises(gd.TruncatedFileError):
+        read_files([(FileReads(src, ((5000, 0, 0),)), engine_view(dest))])
