@@ -60,8 +60,9 @@ def ledger_facts(stats: gdskit.Stats) -> dict[str, Any]:
 
 
 def raised(exc: BaseException) -> dict[str, Any]:
+    path = getattr(exc, "path", None)
     return {"raised": [c.__name__ for c in type(exc).__mro__], "ranks": list(getattr(exc, "ranks", ())),
-            "message": str(exc)[:500]}
+            "path": None if path is None else os.path.basename(path), "message": str(exc)[:500]}
 
 
 class Rank:

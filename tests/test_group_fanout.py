@@ -90,7 +90,9 @@ def test_torch_load(runs: dict[str, Any], world_name: str) -> None:
 
 @pytest.mark.parametrize("world_name", list(WORLDS))
 def test_bad_file_on_one_rank_raises_on_every_rank(runs: dict[str, Any], world_name: str) -> None:
-    assert_failed(_facts(runs, world_name, "bad_file_on_last_rank"), WORLDS[world_name] - 1, "FormatError")
+    facts = _facts(runs, world_name, "bad_file_on_last_rank")
+    assert_failed(facts, WORLDS[world_name] - 1, "FormatError")
+    assert facts[-1]["path"] == "garbage.safetensors"  # the error names the file at fault
 
 
 def test_missing_key_on_one_rank_raises_on_every_rank(runs: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from gdskit.errors import with_path
 from gdskit.formats import require_torch, safetensors_format as fmt
 from gdskit.formats._engine import stats, stats_delta
 from gdskit.formats.progress import ProgressArg
@@ -19,7 +20,8 @@ from gdskit.group.plan import Segment
 
 
 def _checkpoint(path_or_paths: Any) -> tuple[list[str], list[fmt.Header], dict[str, tuple[int, fmt.TensorEntry]]]:
-    """The files, their headers, and which file holds each tensor (as the one-rank loader checks them)."""
+    """The files, their headers, and which file holds each tensor, refused as the one-rank loader
+    (:func:`gdskit.safetensors.load_file`) refuses them."""
     shards = fmt.resolve_checkpoint(path_or_paths)
     files = list(shards.files)
     headers = [fmt.read_header_file(p) for p in files]
@@ -27,12 +29,13 @@ def _checkpoint(path_or_paths: Any) -> tuple[list[str], list[fmt.Header], dict[s
     for i, h in enumerate(headers):
         for e in h.entries:
             if e.name in where:
-                raise fmt.HeaderError(f"tensor {e.name!r} is in both {files[where[e.name][0]]} and {files[i]}")
+                raise fmt.DuplicateNameError(f"tensor {e.name!r} is also in {files[where[e.name][0]]}",
+                                             path=files[i])
             where[e.name] = (i, e)
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
             if name not in where or os.path.abspath(files[where[name][0]]) != os.path.abspath(p):
-                raise fmt.FormatError(f"index says {name!r} is in {p}, but it is not there")
+                raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
     return files, headers, where
 
 
@@ -44,6 +47,7 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
     from gdskit.formats.torch_io import reserve_device_memory
 
     types: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    empty: dict[str, Any] = {}  # tensors of no bytes, made as the one-rank loader makes them
 
     def prepare() -> LoadJob:
         dev = st._device(torch, device)
@@ -56,12 +60,19 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
             if missing:
                 raise fmt.MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
                                              + (" ..." if len(missing) > 5 else ""))
-        types.update({n: st._torch_type(torch, where[n][1]) for n in names})
+        for n in names:  # everything that can fail does so before any rank reads anything
+            i, e = where[n]
+            try:
+                types[n] = st._torch_type(torch, e)
+                if e.nbytes == 0:
+                    empty[n] = st._empty_tensor(torch, e, *types[n], dev)
+            except fmt.FormatError as exc:
+                raise with_path(exc, files[i]) from None
         segments = [Segment(e.name, i, h.data_start + e.start, e.nbytes)
                     for i, h in enumerate(headers) for e in h.entries]
         asked = set(names)
         reserve_device_memory(dev, [where[n][1].nbytes for n in names])
-        dests = {n: torch.empty(where[n][1].nbytes, dtype=torch.uint8, device=dev) for n in names}
+        dests = {n: torch.empty(where[n][1].nbytes, dtype=torch.uint8, device=dev) for n in names if n not in empty}
         layout = [[h.file_size, [[e.name, e.dtype, list(e.shape)] for e in h.entries]] for h in headers]
         return LoadJob(files, [h.file_size for h in headers], segments, layout,
                        [s.key in asked for s in segments], dests, {dev.type})
@@ -70,8 +81,7 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
     job = run_load(process_group, prepare, progress)
     out = {}
     for n, (dt, shape) in types.items():
-        t = job.dests.pop(n)
-        out[n] = t.view(dt).reshape(shape)
+        out[n] = empty[n] if n in empty else job.dests.pop(n).view(dt).reshape(shape)
     if return_stats:
         return out, stats_delta(before, stats())
     return out

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gdskit.errors import FormatError, with_path
 from gdskit.formats import read_plan
 from gdskit.formats._engine import open_file
 from gdskit.formats.progress import Progress
@@ -108,8 +109,8 @@ class _Reader:
             f = self._open[index] = open_file(self._paths[index], "r")
             want = self._sizes[index]
             if want is not None and f.size != want:
-                raise TruncatedFileError(f"{self._paths[index]} changed size after its header was read "
-                                         f"({want} -> {f.size} bytes)")
+                raise TruncatedFileError(f"changed size after its header was read ({want} -> {f.size} bytes)",
+                                         path=self._paths[index])
         return f
 
     def start(self, reads: list[tuple[int, Unit]], targets: Mapping[int, torch.Tensor],
@@ -123,8 +124,11 @@ class _Reader:
                 for (file, device), ids in by_file.items():
                     extents = [read_plan.Extent(i, units[i].file_offset, units[i].nbytes) for i in ids]
                     rp = read_plan.plan(extents, small=_SMALL_READ, max_group=_MAX_GROUP, max_gap=0)
-                    execute(self._file(file), rp, device, dests={i: targets[i] for i in ids},
-                            progress=_FirstBytes(started) if started is not None else None)
+                    try:
+                        execute(self._file(file), rp, device, dests={i: targets[i] for i in ids},
+                                progress=_FirstBytes(started) if started is not None else None)
+                    except FormatError as exc:
+                        raise with_path(exc, self._paths[file]) from None
             finally:
                 if started is not None:
                     started.set()
