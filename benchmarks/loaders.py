@@ -33,12 +33,12 @@ import contextlib
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+import fresh_process  # benchmarks/ is on sys.path when run as a script
+from page_cache import drop_caches, warm
 from raw_disk import odirect_io
 
 GB = 1e9
@@ -452,7 +452,7 @@ def child(args: argparse.Namespace) -> None:
         out["anon_huge_bytes"] = anon_huge_bytes()
     if not args.save:
         del result, target
-    print("RESULT " + json.dumps(out))
+    fresh_process.report(out)
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -501,16 +501,7 @@ def installed(loader: str) -> bool:
 
 
 def run_child(argv: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+    return fresh_process.run_child(__file__, argv, timeout)
 
 
 def summarize(r: dict) -> dict:
