@@ -191,3 +191,47 @@ def test_gdskit_stats_set_at_start_up_still_publishes_from_import(tmp_path, entr
             f"      len(os.listdir({str(stats_dir)!r})) > 0)\n")  # published at once, from import on
     out = _run(code, _env_without_stats(GDSKIT_STATS="1", GDSKIT_STATS_DIR=str(stats_dir)))
     assert out.split() == ["True", "True", "True"]
+
+
+_COUNTING_DRIVER = """
+import importlib.abc, importlib.machinery, json, sys, threading, time, types
+calls = {"imports": 0, "cuInit": 0}
+
+class Driver(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # A stand-in cuda.bindings.driver that counts its imports and initialisations; cuInit is slow,
+    # so first calls from several threads overlap.
+    def find_spec(self, name, path=None, target=None):
+        if name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=name != "cuda.bindings.driver")
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        if module.__name__ == "cuda.bindings.driver":
+            calls["imports"] += 1
+            def cuInit(flags):
+                calls["cuInit"] += 1
+                time.sleep(0.2)
+                return (0,)
+            module.cuInit = cuInit
+            module.cuDeviceGetCount = lambda: (0, 1)
+
+sys.meta_path.insert(0, Driver())
+"""
+
+
+def test_the_driver_bindings_are_imported_and_initialised_once_by_concurrent_first_calls():
+    code = _NO_TORCH + _COUNTING_DRIVER + (
+        "import gdskit\n"
+        "from gdskit import cuda\n"
+        "assert 'cuda.bindings.driver' not in sys.modules\n"
+        "start = threading.Barrier(8)\n"
+        "got = []\n"
+        "def first_call():\n"
+        "    start.wait()\n"
+        "    got.append(cuda.driver_or_none())\n"
+        "threads = [threading.Thread(target=first_call) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "assert len(got) == 8 and all(d is sys.modules['cuda.bindings.driver'] for d in got)\n"
+        "assert cuda.device_count() == 1\n"
+        "print(json.dumps(calls))\n")
+    assert json.loads(_run(code, _env_without_stats())) == {"imports": 1, "cuInit": 1}
