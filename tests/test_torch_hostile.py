@@ -135,6 +135,14 @@ def test_loaded_storages_cannot_grow(tmp_path, map_location) -> None:
             torch.empty(0).set_(t.untyped_storage(), 0, (t.numel() + 1,), (1,))
 
 
+@pytest.mark.parametrize("case", ["one element past", "large storage, one element past", "negative stride"])
+def test_view_past_its_storage_is_refused_by_the_full_unpickler(tmp_path, case) -> None:
+    path = write_view(tmp_path / "v.pt", *PAST_THE_END[case])
+    for ml in MAP_LOCATIONS:
+        with pytest.raises(FormatError):
+            gt.load(path, map_location=ml, weights_only=False)
+
+
 def _numel_overflows(size) -> bool:
     """torch multiplies the sizes as unsigned 64-bit numbers (a negative one is huge) and
     refuses a product that overflowed on the way, even where a later size is 0."""
@@ -297,6 +305,36 @@ def test_errors_leave_no_file_open_while_the_exception_lives(tmp_path) -> None:
         kept = exc  # the traceback, and every frame of the load, stay alive
         assert fd_count() == before
         del kept
+
+
+# -- on the GPU ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("map_location", ["cuda:0", {"cpu": "cuda:0"}], ids=["read-ahead", "lazy"])
+def test_gpu_view_past_its_storage_is_refused(tmp_path, map_location) -> None:
+    for case in ("one element past", "large storage, one element past", "large storage, far past"):
+        path = write_view(tmp_path / "v.pt", *PAST_THE_END[case])
+        with pytest.raises(FormatError):
+            gt.load(path, map_location=map_location)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("map_location", ["cuda:0", {"cpu": "cuda:0"}], ids=["read-ahead", "lazy"])
+def test_gpu_storages_cannot_grow_and_load_as_torch_loads_them(tmp_path, map_location) -> None:
+    sd = {"small": torch.arange(10.0), "large": torch.arange(400_000.0), "zeros": torch.zeros(5000)}
+    sd["view"] = sd["large"][5:15]
+    plain = tmp_path / "plain.pt"
+    torch.save(sd, plain)
+    deflated = rewrite_zip(plain, tmp_path / "deflated.pt", compress=("/data/2",))
+    for path in (plain, deflated):
+        out = gt.load(path, map_location=map_location)
+        torch.cuda.synchronize()
+        ref = torch.load(path, map_location="cpu", weights_only=True)
+        for k, t in out.items():
+            assert t.device.type == "cuda" and not t.untyped_storage().resizable()
+            assert torch.equal(t.cpu(), ref[k]) and t.stride() == ref[k].stride()
+        assert out["view"].untyped_storage().data_ptr() == out["large"].untyped_storage().data_ptr()
 
 
 # -- mutation fuzz -----------------------------------------------------------------------

@@ -391,14 +391,14 @@ class _ZipLoad:
 
     def persistent_load(self, saved_id: Any) -> Any:
         torch = self.torch
-        key, _dtype = self.archive.identify(saved_id)
+        identified = self.archive.identify(saved_id)
         try:
-            hit = self.cache.get(key)
+            hit = self.cache.get(identified[0])
         except TypeError:
             raise FormatError(f"{self.path}: a storage key of the pickle is not hashable") from None
         if hit is not None:
             return hit
-        rec = self.archive.resolve(saved_id)
+        rec = self.archive.resolve(saved_id, identified)
         storage = self._storage(rec)
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
         if typed._data_ptr() != 0:  # torch.load shares only storages with memory (not empty or meta ones)
@@ -456,8 +456,12 @@ class _ZipLoad:
 
 
 def new_storage(torch: Any, nbytes: int, device: Any) -> Any:
-    """An untyped storage of ``nbytes`` bytes on ``device`` that cannot be resized."""
-    return fixed_size(torch, torch.UntypedStorage(nbytes, device=device))
+    """An untyped storage of ``nbytes`` bytes on ``device`` that cannot be resized (but on the
+    meta device, as with torch.load: a meta storage holds no memory)."""
+    storage = torch.UntypedStorage(nbytes, device=device)
+    if device.type == "meta":
+        return storage
+    return torch._C.StorageBase.__getitem__(storage, slice(0, nbytes))  # the slice, without the meta check
 
 
 def fixed_size(torch: Any, storage: Any) -> Any:

@@ -25,7 +25,7 @@ import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from gdskit.errors import FormatError
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -98,26 +98,42 @@ class _ArchiveBytes:
         self._stream = None
 
 
-@dataclass(frozen=True)
-class DirectoryEntry:
-    """What the zip central directory says of one record."""
+class DirectoryEntry(NamedTuple):
+    """What the zip central directory says of one record (a tuple: an archive of 20,000
+    tensors has as many)."""
 
     method: int          # 0 stored, 8 deflate
     flags: int           # general-purpose bit flags
     is_directory: bool   # a directory entry (name ends in "/" or the DOS directory attribute)
     compressed_size: int
+    size: int            # of the contents
+    header_offset: int   # where the record's local header starts
 
 
-def _zip64_compressed_size(extra: bytes, size: int, compressed: int) -> int | None:
-    """The compressed size a ZIP64 extra field gives where the entry's own field says 0xFFFFFFFF
-    (its values come in a fixed order, each present only where its field overflowed)."""
+# A central directory entry's fixed part: signature, flags, method, compressed and full size,
+# name, extra and comment lengths, external attributes, local header offset.
+_CENTRAL_ENTRY = struct.Struct("<4s4xHH8xIIHHH4xII")
+_WIDE = 0xFFFFFFFF
+
+
+def _zip64_values(extra: bytes, size: int, compressed: int, offset: int) -> tuple[int, int, int] | None:
+    """``(size, compressed size, header offset)`` with the ZIP64 extra field's values where the
+    entry's own fields say 0xFFFFFFFF (the values come in that order, each present only where
+    its field overflowed), as miniz reads them; None where the field is missing or short."""
     pos = 0
     while pos + 4 <= len(extra):
         tag, length = struct.unpack_from("<HH", extra, pos)
-        body = extra[pos + 4:pos + 4 + length]
         if tag == 0x0001:
-            at = 8 if size == 0xFFFFFFFF else 0
-            return struct.unpack_from("<Q", body, at)[0] if len(body) >= at + 8 else None
+            body = extra[pos + 4:pos + 4 + length]
+            values = [size, compressed, offset]
+            at = 0
+            for i in range(3):
+                if values[i] == _WIDE:
+                    if len(body) < at + 8:
+                        return None
+                    values[i] = struct.unpack_from("<Q", body, at)[0]
+                    at += 8
+            return values[0], values[1], values[2]
         pos += 4 + length
     return None
 
@@ -144,9 +160,10 @@ def _end_of_central_directory(data: _ArchiveBytes) -> tuple[int, int, int] | Non
     return entries, offset, size
 
 
-def read_directory(data: _ArchiveBytes) -> tuple[bytes, dict[bytes, list[DirectoryEntry]]] | None:
+def read_directory(data: _ArchiveBytes) -> tuple[bytes, dict[bytes, DirectoryEntry | None]] | None:
     """The archive's prefix folder (its first entry's name up to the first ``/``) and its
-    central directory entries by lower-cased name; None where the directory cannot be read."""
+    central directory entries by lower-cased name (None for a name given more than once);
+    None where the directory cannot be read."""
     end = _end_of_central_directory(data)
     if end is None:
         return None
@@ -154,29 +171,28 @@ def read_directory(data: _ArchiveBytes) -> tuple[bytes, dict[bytes, list[Directo
     blob = data.read(offset, size)
     if len(blob) != size or entries == 0:
         return None
-    out: dict[bytes, list[DirectoryEntry]] = {}
-    prefix = b""
+    out: dict[bytes, DirectoryEntry | None] = {}
+    unpack = _CENTRAL_ENTRY.unpack_from
+    if size < _CENTRAL_HEADER:
+        return None
+    prefix = blob[_CENTRAL_HEADER:_CENTRAL_HEADER + unpack(blob)[5]].split(b"/", 1)[0]
     pos = 0
-    for i in range(entries):
-        if pos + _CENTRAL_HEADER > size or blob[pos:pos + 4] != _CENTRAL_SIG:
+    for _ in range(entries):
+        if pos + _CENTRAL_HEADER > size:
             return None
-        flags, method = struct.unpack_from("<HH", blob, pos + 8)
-        name_len, extra_len, comment_len = struct.unpack_from("<HHH", blob, pos + 28)
-        (external,) = struct.unpack_from("<I", blob, pos + 38)
+        sig, flags, method, compressed, full, name_len, extra_len, comment_len, external, at = unpack(blob, pos)
         name_end = pos + _CENTRAL_HEADER + name_len
-        if name_end > size:
+        if sig != _CENTRAL_SIG or name_end > size:
             return None
         name = blob[pos + _CENTRAL_HEADER:name_end]
-        if i == 0:
-            prefix = name.split(b"/", 1)[0]
-        is_dir = name.endswith(b"/") or bool(external & _DOS_DIRECTORY)
-        compressed, size_ = struct.unpack_from("<II", blob, pos + 20)
-        if compressed == 0xFFFFFFFF:
-            wide = _zip64_compressed_size(blob[name_end:name_end + extra_len], size_, compressed)
+        if _WIDE in (compressed, full, at):
+            wide = _zip64_values(blob[name_end:name_end + extra_len], full, compressed, at)
             if wide is None:
                 return None
-            compressed = wide
-        out.setdefault(name.lower(), []).append(DirectoryEntry(method, flags, is_dir, compressed))
+            full, compressed, at = wide
+        key = name.lower()
+        is_dir = name.endswith(b"/") or bool(external & _DOS_DIRECTORY)
+        out[key] = None if key in out else DirectoryEntry(method, flags, is_dir, compressed, full, at)
         pos = name_end + extra_len + comment_len
     return prefix, out
 
@@ -224,7 +240,7 @@ class StorageRecords:
         self._where = where
         self._located: dict[str, _Place] = {}
         self._data: _ArchiveBytes | None = None
-        self._directory: tuple[bytes, dict[bytes, list[DirectoryEntry]]] | None = None
+        self._directory: tuple[bytes, dict[bytes, DirectoryEntry | None]] | None = None
         self._directory_read = False
 
     def close(self) -> None:
@@ -247,14 +263,15 @@ class StorageRecords:
         if not self._directory_read:
             self._directory_read = True
             try:
-                self._directory = read_directory(self._bytes())
+                found = read_directory(self._bytes())
             except (OSError, struct.error):
-                self._directory = None
+                found = None
+            if found is not None:  # names are looked up as torch's reader does: under the prefix, any case
+                self._directory = (found[0].lower() + b"/", found[1])
         if self._directory is None:
             return None
         prefix, entries = self._directory
-        found = entries.get(prefix.lower() + b"/" + name.encode("utf-8", "surrogateescape").lower())
-        return found[0] if found is not None and len(found) == 1 else None
+        return entries.get(prefix + name.encode("utf-8", "surrogateescape").lower())
 
     def _locate(self, name: str) -> _Place:
         """Where record ``name`` is, asked of the archive once; RuntimeError where torch's
@@ -263,8 +280,10 @@ class StorageRecords:
         found = self._located.get(name)
         if found is not None:
             return found
-        size = self._sizes(name)
         entry = self._entry(name)
+        # The directory's figures where it names the record once (they are what torch's reader
+        # would answer, asked for less); torch's reader where it cannot say.
+        size = self._sizes(name) if entry is None else entry.size
         if entry is not None:
             # miniz refuses any use of an encrypted record or one of another method, even an empty one.
             if entry.flags & _UNSUPPORTED_FLAGS:
@@ -278,10 +297,10 @@ class StorageRecords:
                 found = self._located[name] = _Place(0, 0, True)  # nothing is read, not even its header
                 return found
         header_at = getattr(self._reader, "get_record_header_offset", None)
-        if header_at is None:  # an older torch: its offset, and the directory's word on the method
+        if entry is None and header_at is None:  # an older torch: its offset, no check of the header
             offset = int(self._reader.get_record_offset(name))
         else:
-            at = int(header_at(name))
+            at = entry.header_offset if entry is not None else int(header_at(name))
             header = self._bytes().read(at, _LOCAL_HEADER)
             if len(header) < _LOCAL_HEADER or header[:4] != _LOCAL_SIG:
                 raise FormatError(f"{self._where}: record {name} has a damaged local header")
@@ -390,10 +409,11 @@ class StorageRecords:
             raise FormatError(f"{where}: storage {key!r} has an invalid type {storage_type!r}")
         return key, dtype
 
-    def resolve(self, saved_id: Any) -> StorageRecord:
-        """The record of persistent id ``saved_id``, with torch.load's reading of it: the type
-        name and location may be ASCII bytes, the key is used as it is (``data/{key}``)."""
-        key, dtype = self.identify(saved_id)
+    def resolve(self, saved_id: Any, identified: tuple[Any, Any] | None = None) -> StorageRecord:
+        """The record of persistent id ``saved_id`` (``identified``: what :meth:`identify` said of
+        it), with torch.load's reading of it: the type name and location may be ASCII bytes, the
+        key is used as it is (``data/{key}``)."""
+        key, dtype = self.identify(saved_id) if identified is None else identified
         location, numel = saved_id[3], saved_id[4]
         where = self._where
         try:
