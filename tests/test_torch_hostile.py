@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import gdskit.torch as gt  # noqa: E402
-from gdskit.errors import FormatError, GdskitError  # noqa: E402
+from gdskit.errors import FormatError  # noqa: E402
 from leak_helpers import fd_count  # noqa: E402
 from test_torch_ckpt import same  # noqa: E402
 

@@ -60,24 +60,22 @@ def make_bases(directory: Path) -> None:
 
 
 def _regions(data: bytes) -> list[tuple[int, int]]:
-    """Byte ranges worth aiming at: the pickle, every zip header, the end records."""
+    """Byte ranges worth aiming at: the pickle (most of all), every local header, the central
+    directory and end records."""
+    import io
     out = []
     try:
-        import io
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             for info in zf.infolist():
-                start = info.header_offset
-                out.append((start, start + 30 + len(info.filename.encode()) + len(info.extra)))
+                body = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+                out.append((info.header_offset, body))
                 if info.filename.endswith("data.pkl"):
-                    body = start + 30 + len(info.filename.encode()) + len(info.extra)
-                    out.extend([(body, body + info.compress_size)] * 6)  # the pickle, most of all
-            end = data.rfind(b"PK\x01\x02")
-            first = data.find(b"PK\x01\x02")
-            if first >= 0:
-                out.extend([(first, len(data))] * 2)  # central directory and end record
-            del end
+                    out.extend([(body, body + info.compress_size)] * 6)
     except zipfile.BadZipFile:
         pass
+    central = data.find(b"PK\x01\x02")
+    if central >= 0:
+        out.extend([(central, len(data))] * 2)
     return out or [(0, len(data))]
 
 

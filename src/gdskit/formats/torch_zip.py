@@ -23,7 +23,6 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
