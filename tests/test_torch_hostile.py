@@ -259,6 +259,22 @@ def test_storage_record_torch_cannot_read_is_refused(tmp_path, case) -> None:
             gt.load(bad, map_location=ml)
 
 
+@pytest.mark.parametrize("record", [b"/.data/serialization_id", b"/byteorder", b"/data.pkl"])
+def test_small_record_marked_as_a_directory_is_refused(tmp_path, record) -> None:
+    """torch's reader answers such a record with memory it never wrote (torch.load then fails
+    or not, by chance): gdskit refuses it every time."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"a": torch.arange(10.0)}, plain)
+    data = bytearray(plain.read_bytes())
+    at = _central_entry_of(bytes(data), record)
+    data[at + 38:at + 42] = (0x10).to_bytes(4, "little")
+    bad = tmp_path / "dir.pt"
+    bad.write_bytes(bytes(data))
+    for _ in range(3):
+        with pytest.raises(FormatError):
+            gt.load(bad)
+
+
 @pytest.mark.parametrize("order", [b"\xff\xfe", b"middle"])
 def test_unknown_byteorder_record_is_a_format_error(tmp_path, order) -> None:
     plain = tmp_path / "plain.pt"

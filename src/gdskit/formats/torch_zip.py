@@ -436,12 +436,15 @@ class StorageRecords:
         return StorageRecord(key, dtype, location, place.offset, nbytes, place.raw, name)
 
     def serialization_id(self) -> None:
-        """Read the archive's serialization id as torch.load does (it refuses an archive whose id
-        is not text)."""
-        get = getattr(self._reader, "serialization_id", None)
-        if get is None:
-            return
+        """Read the archive's serialization id as torch.load does: it refuses an archive whose id
+        is not UTF-8 text. The record is read here first, so that one torch's reader cannot fill
+        (a directory entry, which it answers with memory it never wrote) is refused every time."""
+        name = ".data/serialization_id"
         try:
-            get()
-        except (RuntimeError, ValueError) as exc:
+            if self.has(name):
+                self.record(name).decode("utf-8")
+            get = getattr(self._reader, "serialization_id", None)
+            if get is not None:
+                get()
+        except (RuntimeError, UnicodeDecodeError) as exc:
             raise FormatError(f"{self._where}: the archive's serialization id cannot be read: {exc}") from None
