@@ -28,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, remove_stale_temps
-from gdskit.errors import FormatError, GdskitError, GdskitIOError, from_os_error
+from gdskit.errors import DeviceUnavailableError, FormatError, GdskitError, GdskitIOError, from_os_error
 from gdskit.formats import read_plan, require_torch, weights_pickle
+from gdskit.formats._device import torch_device
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -55,10 +56,6 @@ class UnsafeCheckpointError(GdskitError, pickle.UnpicklingError):
     Load it with ``weights_only=False`` only if you trust its source, or allow the
     classes with ``torch.serialization.add_safe_globals``.
     """
-
-
-class DeviceUnavailableError(GdskitError, RuntimeError):
-    """A storage maps to a device this process cannot use (e.g. CUDA without a GPU)."""
 
 
 def _torch() -> Any:
@@ -253,11 +250,7 @@ class _Target:
         except (RuntimeError, TypeError) as exc:
             raise DeviceUnavailableError(f"cannot map storage location {location!r} to {name!r}: {exc}") from None
         if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise DeviceUnavailableError(f"storage saved on {location!r} maps to {dev}, "
-                                             "but CUDA is not available (pass map_location='cpu')")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch_device(torch, dev, argument="map_location")
         elif dev.type not in ("cpu", "meta"):
             raise DeviceUnavailableError(f"storage saved on {location!r} maps to {dev}: gdskit reads "
                                          "storages into CPU and CUDA memory only (use torch.load)")
