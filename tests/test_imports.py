@@ -89,6 +89,7 @@ def test_the_public_names_resolve_to_the_engine_after_a_lazy_import():
             "assert gdskit.stats is gdskit.ledger.stats and gdskit.Stats is gdskit.ledger.Stats\n"
             "assert gdskit.ResourceUsage is gdskit.pool.ResourceUsage and gdskit.cuda is sys.modules['gdskit.cuda']\n"
             "assert isinstance(gdskit.settings, gdskit.Settings)\n"  # the object, never the submodule
+            "assert set(gdskit.__all__) <= set(dir(gdskit))\n"
             "print(sorted(n for n in gdskit.__all__ if not hasattr(gdskit, n)))\n")
     assert _run(code, _env_without_stats()).strip() == "[]"
     with pytest.raises(AttributeError):
@@ -103,6 +104,7 @@ def test_safetensors_names_of_load_into_resolve_lazily():
             "assert 'gdskit.formats.into_plan' not in sys.modules\n"
             "from gdskit.formats import into_plan\n"
             "assert gs.KeyMismatchError is into_plan.KeyMismatchError\n"
+            "assert set(gs.__all__) <= set(dir(gs))\n"
             "print(sorted(n for n in gs.__all__ if not hasattr(gs, n)))\n")
     assert _run(code, _env_without_stats()).strip() == "[]"
 
@@ -117,6 +119,7 @@ def test_data_names_resolve_lazily_and_preload_stays_the_function():
             "from gdskit.data import Loader, TruncatedFileError\n"
             "from gdskit.formats.safetensors_format import TruncatedFileError as base\n"
             "assert Loader is sys.modules['gdskit.data.loader'].Loader and TruncatedFileError is base\n"
+            "assert set(gd.__all__) <= set(dir(gd))\n"
             "print(sorted(n for n in gd.__all__ if not hasattr(gd, n)))\n")
     assert _run(code, _env_without_stats()).strip() == "[]"
 

@@ -42,10 +42,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gdskit' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, "cuda"})
+
+
 if settings.stats_level > 0:
     # GDSKIT_STATS at start-up publishes from import on (so `gdskit stats` sees the process at
     # once); the ledger starts the publisher when it loads. Nothing of telemetry loads otherwise.
-    from gdskit import ledger as _ledger  # noqa: F401
+    importlib.import_module("gdskit.ledger")
 
 __version__ = "0.1.0"
 

@@ -324,7 +324,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gdskit.safetensors' has no attribute {name!r}")
 
 
-__all__ += ["load_into", "iter_tensors", *_INTO_PLAN_ERRORS]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_INTO_PLAN_ERRORS})
+
+
+__all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError",
+            "PartialLoadError", "ShapeMismatchError", "UnsupportedTargetError"]
 
 
 def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -41,7 +41,9 @@ _LAZY = {"Dataset": "datasets", "NpyDataset": "datasets", "RecordDataset": "data
                           "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError",
                           "UnsupportedDtypeError", "UnsupportedLayoutError"), "errors")}
 
-__all__ = sorted(_LAZY)
+__all__ = ["DatasetTooSmallError", "Dataset", "FileSizeError", "Layout", "Loader", "NpyDataset", "NpyHeaderError",
+           "ObjectDtypeError", "RecordDataset", "SampleMismatchError", "StateDictMismatchError", "TokenDataset",
+           "TruncatedFileError", "UnsupportedDtypeError", "UnsupportedLayoutError", "preload"]
 
 
 def __getattr__(name: str) -> Any:
@@ -50,6 +52,10 @@ def __getattr__(name: str) -> Any:
         setattr(sys.modules[__name__], name, value)  # looked up once
         return value
     raise AttributeError(f"module 'gdskit.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 class _Package(types.ModuleType):
