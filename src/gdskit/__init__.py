@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# Live statistics follow settings.stats_level (GDSKIT_STATS): the engine never calls up into them.
+from gdskit.telemetry import follow_settings as _follow_settings  # noqa: E402
+
+_follow_settings()
+
 
 def resources() -> ResourceUsage:
     """What gdskit holds right now: lanes (staging areas), pinned bytes, worker threads."""
