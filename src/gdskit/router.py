@@ -39,7 +39,7 @@ def _direct_threshold(f: OpenFile, cfg: Settings) -> int:
     """The measured cut-off for this file's mount (``gdskit bench --save-profile``), else the setting."""
 
     def lookup(of: OpenFile) -> tuple[int | None]:
-        from gdskit.bench.profile import threshold_for  # noqa: PLC0415
+        from gdskit.profiles import threshold_for  # noqa: PLC0415
 
         return (threshold_for(of.path),)
 
