@@ -329,15 +329,6 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
     check(_in_context().cuMemcpy(dst, src, nbytes), "cuMemcpy")
 
 
-def device_pci_bus_id(device: int) -> str:
-    drv = _driver()
-    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
-    raw = check(drv.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
-    if isinstance(raw, (bytes, bytearray)):
-        raw = raw.split(b"\0", 1)[0].decode()
-    return str(raw).lower()
-
-
 class Event:
     """A timing-free CUDA event used to know when an async copy has finished."""
 

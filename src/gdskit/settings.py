@@ -8,7 +8,7 @@
 
 ``settings.set(...)`` also works without ``with``: the change then stays.
 Every field can be set from the environment before import, e.g.
-``GDSKIT_MODE=bounce GDSKIT_CHUNK_SIZE=16MiB``. docs/settings.md lists them all.
+``GDSKIT_MODE=bounce GDSKIT_CHUNK_SIZE=16MiB``. docs/engine.md ("Settings") lists them all.
 An invalid value does not break the import: the first request (and
 ``settings.check_environment()``) raises :class:`~gdskit.errors.EnvironmentVariableError`,
 which names the variable and what it takes.
@@ -20,8 +20,7 @@ import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
@@ -319,9 +318,3 @@ def _load() -> Settings:
 
 settings: Settings = _load()
 
-
-@contextmanager
-def overridden(**changes: Any) -> Iterator[Settings]:
-    """Shorthand for ``with settings.set(**changes)``."""
-    with settings.set(**changes) as s:
-        yield s

@@ -104,12 +104,11 @@ class Request:
 class Backend(ABC):
     """Moves bytes for one request. Implementations record what they did in the ledger.
 
-    Capability flags say what memory a backend can serve.
+    Which backend serves which memory is the router's decision (:func:`gdskit.router.plan_routes`):
+    host memory goes to ``host``, device memory to ``bounce`` or ``cufile``.
     """
 
     name: str = "backend"
-    serves_host_memory: bool = False
-    serves_device_memory: bool = False
 
     @abstractmethod
     def read(self, f: OpenFile, req: Request) -> int:

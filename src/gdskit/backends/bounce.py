@@ -57,7 +57,6 @@ def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
 
 class BounceBackend(Backend):
     name = "bounce"
-    serves_device_memory = True
 
     @staticmethod
     def _layout(req: Request) -> tuple[Settings, int, int, int]:

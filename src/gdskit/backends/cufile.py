@@ -298,7 +298,6 @@ def _register(f: OpenFile) -> FileRegistration:
 
 class CufileBackend(Backend):
     name = "cufile"
-    serves_device_memory = True
 
     def _handle(self, f: OpenFile) -> int:
         reg = register(f)

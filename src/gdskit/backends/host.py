@@ -108,7 +108,6 @@ def _tight_reads(fd: int, view: memoryview, file_offsets: list[int], buf_offsets
 
 class HostBackend(Backend):
     name = "host"
-    serves_host_memory = True
 
     def read(self, f: OpenFile, req: Request) -> int:
         if req.size <= _SMALL_MAX:

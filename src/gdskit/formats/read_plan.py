@@ -42,9 +42,6 @@ class Group:
     nbytes: int
     members: tuple[Extent, ...]
 
-    def member_offset(self, member: Extent) -> int:
-        return member.file_offset - self.file_offset
-
 
 @dataclasses.dataclass(frozen=True)
 class ReadPlan:
