@@ -67,12 +67,9 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     if cfg.mode is Mode.CUFILE and buf.scatter is not None:
         raise DirectPathUnavailable("a scattered destination cannot take the cuFile path", Reason.BELOW_THRESHOLD)
     if cfg.mode is Mode.CUFILE:
-        from gdskit.backends.cufile import register  # noqa: PLC0415
+        from gdskit.backends.cufile import registered_handle  # noqa: PLC0415
 
-        reg = register(f)
-        if reg.handle is None:
-            assert reg.reason is not None
-            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+        registered_handle(f)  # raises where cuFile cannot serve this file
         return [Route("cufile", Reason.FORCED_BY_SETTING, *whole)]
     # auto
     route = direct_route()

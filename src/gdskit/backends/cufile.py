@@ -273,6 +273,16 @@ def register(f: OpenFile) -> FileRegistration:
     return f.state("cufile", _register)
 
 
+def registered_handle(f: OpenFile) -> int:
+    """``f``'s cuFile handle, registered on first use; where cuFile cannot serve the file,
+    :class:`~gdskit.errors.DirectPathUnavailable` with the reason."""
+    reg = register(f)
+    if reg.handle is None:
+        assert reg.reason is not None
+        raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+    return reg.handle
+
+
 def _register(f: OpenFile) -> FileRegistration:
     lib = cufile_library()
     if not lib.available():
@@ -299,13 +309,6 @@ def _register(f: OpenFile) -> FileRegistration:
 class CufileBackend(Backend):
     name = "cufile"
 
-    def _handle(self, f: OpenFile) -> int:
-        reg = register(f)
-        if reg.handle is None:
-            assert reg.reason is not None
-            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
-        return reg.handle
-
     def _run_many(self, f: OpenFile, reqs: Sequence[Request],
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:
         """Requests of one op as one job: the chunks of all of them share the worker threads,
@@ -313,7 +316,7 @@ class CufileBackend(Backend):
         cfg = settings.snapshot()
         lib = cufile_library()
         mod = lib.module
-        handle = self._handle(f)
+        handle = registered_handle(f)
 
         def gpu_of(req: Request) -> int:
             return req.buf.device or 0
