@@ -5,9 +5,10 @@ machine with no GPU, no driver and no bindings. Every call checks the CUDA error
 code and raises :class:`gdskit.errors.CudaError` on failure.
 
 Why the driver API and not the runtime: a process with torch already has a runtime
-and a context; importing the bindings' runtime module took 62-119 ms on the H200
-machine (the driver module 18-25 ms), paid inside the first load. gdskit works in
-each device's primary context, the one every runtime in the process shares.
+and a context, and importing the bindings' runtime module costs several times the
+driver module's import, paid inside the first load (docs/engine.md, "Measurements
+behind the defaults"). gdskit works in each device's primary context, the one every
+runtime in the process shares.
 """
 
 from __future__ import annotations
@@ -192,10 +193,11 @@ class RegisteredHostBuffer:
     """Page-locked host memory made by hand: anonymous memory on transparent huge pages,
     faulted in by the calling thread, then ``cuMemHostRegister``-ed. Freed exactly once.
 
-    Why not ``cuMemHostAlloc``: on the H200 machine (a VM, where the first touch of guest
-    memory is slow) 128 MiB from ``cudaHostAlloc`` took 54-114 ms, and allocations from
-    several threads serialise; the same memory made this way by 16 threads at once took
-    10-13 ms. Each worker makes its own stage, so the faults run in parallel.
+    Why not ``cuMemHostAlloc``: its allocations from several threads serialise, and in a VM,
+    where the first touch of guest memory is slow, that dominates a first read; memory made
+    this way by many threads at once is ready several times sooner (docs/engine.md,
+    "Measurements behind the defaults"). Each worker makes its own stage, so the faults run
+    in parallel.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -301,9 +303,8 @@ class Stream:
 
     def copy_h2d_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Host-to-device copies ``(dst, src, nbytes)``, in one driver call where the driver
-        batches copies (``cuMemcpyBatchAsync``, CUDA 12.8+). On the H200 machine, 16 threads
-        each queueing 80 copies of 100 KiB took 1.9-2.0 us a copy that way (51-53 GB/s) and
-        8-10 us with a call per copy (10-13 GB/s)."""
+        batches copies (``cuMemcpyBatchAsync``, CUDA 12.8+): a fraction of the cost of a call
+        per copy (docs/engine.md, "Measurements behind the defaults")."""
         if len(copies) > 1 and _batched_copies is not False:
             if _copy_batch(self.handle, copies):
                 return

@@ -241,9 +241,8 @@ class File:
         For loading the many tensors of a checkpoint: the pieces of all items share the
         worker threads on every path, and reads into device memory that take the CPU path
         also share their pinned staging buffers; the same reads made one by one pay a
-        hand-over of those buffers per read (an 8 GiB checkpoint of 256 tensors loaded at
-        18 GB/s that way and 23.5 as a few jobs on an H200). Every item is checked before
-        anything is read.
+        hand-over of those buffers per read (docs/engine.md has the figures). Every item is
+        checked before anything is read.
 
         ``on_bytes``, if given, is called with the byte count of each piece as it is read
         (from the I/O threads: keep it quick), for progress reporting. An exception it raises

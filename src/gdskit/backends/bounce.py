@@ -24,10 +24,9 @@ from gdskit.vocabulary import Path
 
 # Workers for a job of scattered reads whose bytes the page cache holds. Such a job is many
 # small copies, and each costs Python in its worker, which shares the interpreter with the
-# caller making the destinations. On the H200 machine a hot 20,000-tensor (2 GB) checkpoint
-# loaded at 5.6-6.3 GB/s with 4 threads in all and 4.5-5.2 with 16; with this limit (and the
-# loaders' one hot job at a time) at 4.4-5.5 against 4.1-4.5 before. From the disk every
-# worker stays: there the disk's queue depth is what counts.
+# caller making the destinations: past a few workers they only crowd it (docs/engine.md,
+# "Measurements behind the defaults"). From the disk every worker stays: there the disk's
+# queue depth is what counts.
 SCATTERED_HOT_WORKERS = 4
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 def _import_what_a_first_load_needs() -> None:
     """Import the CUDA driver's bindings and the direct-route facts' readers with the loaders
-    (15 and 12 ms on the H200 machine), not inside their first load. A loader's module is
+    (tens of milliseconds: docs/engine.md), not inside their first load. A loader's module is
     imported well before it loads anything (torch alone takes seconds to import); the driver
     itself is only initialised when a load needs it."""
     import importlib
@@ -81,10 +81,10 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     function that waits for it.
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
-    a call while a warm-up of the device is under way waits for that one. Measured on the
-    H200 machine, this set-up is about 30 ms of a fresh process's first 8 GiB read. Started
-    before a large header is parsed it took 130-170 ms instead: its worker threads wait for
-    the interpreter the parse holds. A failure here is left for the read itself to report.
+    a call while a warm-up of the device is under way waits for that one. Start it after a
+    large header is parsed, not before: its worker threads would wait for the interpreter the
+    parse holds, and take several times longer (docs/engine.md, "Measurements behind the
+    defaults"). A failure here is left for the read itself to report.
     """
     from gdskit import pool, prepare
     from gdskit.settings import settings

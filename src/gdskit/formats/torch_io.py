@@ -63,10 +63,10 @@ def _allocator_splits_blocks() -> bool:
 def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
     """Let torch's allocator take, in one ``cudaMalloc``, the memory of the large tensors about to be made.
 
-    On the H200 machine, 256 separate 32 MiB allocations made while the engine's copies were
-    in flight took 0.28 s (0.05 s this way). One block of the total, freed at once, stays in
-    torch's cache and each later allocation is split from it; every tensor still owns its
-    memory. Nothing is reserved where that would not hold, or when the block does not fit.
+    Separate allocations made while the engine's copies are in flight cost several times as
+    much (docs/engine.md, "Measurements behind the defaults"). One block of the total, freed
+    at once, stays in torch's cache and each later allocation is split from it; every tensor
+    still owns its memory. Nothing is reserved where that would not hold, or when the block does not fit.
     """
     if device.type != "cuda":
         return
@@ -106,7 +106,7 @@ def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
     # On the GPU batched calls save a launch per tensor; on the CPU a plain loop is as fast and
     # avoids the batched ops' slow CPU fallback. Where torch has no _foreach_clone (2.11), the
     # byte views are copied by adding 0: new tensors, each owning its memory, made in C++
-    # (2.5 us a tensor on the H200 machine, against 3.6 for empty_like plus one _foreach_copy_).
+    # (cheaper than empty_like plus one _foreach_copy_: docs/engine.md).
     if not srcs or srcs[0].device.type != "cuda":
         return [s.clone() for s in srcs]
     fn = getattr(torch, "_foreach_clone", None)
