@@ -24,6 +24,15 @@ CORE = ("gdskit.file", "gdskit.router", "gdskit.plan", "gdskit.pool", "gdskit.ba
 FACT_READERS = ("gdskit.probe.root", "gdskit.probe.gds", "gdskit.probe.mounts", "gdskit.probe.topology")
 
 
+#: The layers over the engine that load data: they reach it through ``gdskit.formats._engine`` only.
+FORMATS = ("gdskit.formats", "gdskit.data", "gdskit.dcp", "gdskit.torch", "gdskit.safetensors",
+           "gdskit.transformers")
+ENGINE_DOOR = "gdskit.formats._engine"
+#: What of the core every layer may use directly: the error tree, the words, pure arithmetic,
+#: durable file replacement.
+SHARED_CORE = ("gdskit.errors", "gdskit.vocabulary", "gdskit.plan", "gdskit.durable")
+
+
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -146,6 +155,19 @@ def core_violations(graph: dict[str, dict[str, int]], core: tuple[str, ...] = CO
     return out
 
 
+def engine_doors(graph: dict[str, dict[str, int]], layers: tuple[str, ...] = FORMATS, door: str = ENGINE_DOOR,
+                 core: tuple[str, ...] = CORE, shared: tuple[str, ...] = SHARED_CORE) -> list[str]:
+    """Imports by which ``layers`` reach the engine core other than through ``door``."""
+    out = []
+    for name, targets in sorted(graph.items()):
+        if name == door or not _within(name, layers):
+            continue
+        for target, line in sorted(targets.items()):
+            if (target == "gdskit" or _within(target, core)) and not _within(target, shared):
+                out.append(f"{name} imports {target} (line {line})")
+    return out
+
+
 # -- the checker itself ------------------------------------------------------------------
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -208,3 +230,12 @@ def test_no_import_cycles():
 def test_the_engine_core_imports_nothing_above_it():
     found = core_violations(import_graph())
     assert not found, "the engine core reaches up:\n  " + "\n  ".join(found)
+
+
+def test_the_formats_reach_the_engine_through_one_door():
+    graph = import_graph()
+    assert "gdskit.buffers" in graph[ENGINE_DOOR]  # the door itself may
+    assert engine_doors({"gdskit.torch": {"gdskit.buffers": 3, "gdskit.errors": 4}}) == [
+        "gdskit.torch imports gdskit.buffers (line 3)"]
+    found = engine_doors(graph)
+    assert not found, "the formats reach the engine past gdskit.formats._engine:\n  " + "\n  ".join(found)

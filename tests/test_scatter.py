@@ -139,6 +139,29 @@ class TestOnStandInGpu:
         assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
         assert asked == [bounce.SCATTERED_HOT_WORKERS if held else 8, 8]
 
+    @pytest.mark.parametrize("told", [True, False])
+    def test_the_callers_answer_about_the_page_cache_stands(self, data_file, monkeypatch, told):
+        # A loader asks once whether the page cache holds all its groups and says so in each
+        # scattered view: the engine takes that answer for every job instead of asking again.
+        from gdskit.backends import bounce
+
+        path, data = data_file
+        asked_cache: list[tuple[int, int]] = []
+        real_residency = bounce.file_residency
+        monkeypatch.setattr(bounce, "file_residency",
+                            lambda f, pos, n: asked_cache.append((pos, n)) or real_residency(f, pos, n))
+        lanes: list[int] = []
+        real = bounce.run_requests
+        monkeypatch.setattr(bounce, "run_requests", lambda *a, **k: lanes.append(k["max_lanes"]) or real(*a, **k))
+        arrays = [cuda.DeviceArray(4000) for _ in range(100)]
+        view = scattered_device_view(_targets(arrays, range(0, 1_000_000, 10_000)), 1_000_000, 0, arrays,
+                                     source_cached=told)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=8), gdskit.open(path) as f:
+            assert f.read(view, 1_000_000) == 1_000_000
+        assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
+        assert lanes == [bounce.SCATTERED_HOT_WORKERS if told else 8]
+        assert asked_cache == []  # the job's bytes are not asked about again, held or not
+
     def test_short_at_end_of_file_and_later_targets_untouched(self, data_file):
         path, data = data_file
         arrays = [cuda.DeviceArray(1000), cuda.DeviceArray(1000)]

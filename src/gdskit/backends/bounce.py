@@ -46,9 +46,14 @@ def _record(req: Request, op: str, results: list[ChunkResult], total: int, elaps
 
 
 def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
-    """Whether every request scatters into many destinations and the page cache holds all their bytes."""
+    """Whether every request scatters into many destinations and the page cache holds all their
+    bytes: the callers' answer where they asked (a loader asks once for all its jobs), else the
+    page cache's."""
     if any(r.buf.scatter is None for r in reqs):
         return False
+    told = {r.buf.source_cached for r in reqs}
+    if None not in told:
+        return told == {True}
     lo = min(r.file_offset for r in reqs)
     hi = max(r.file_offset + r.size for r in reqs)
     return file_residency(f, lo, hi - lo) is Residency.ALL

@@ -1,4 +1,7 @@
-"""The formats' one door to the I/O engine (``gdskit.open``, the ledger)."""
+"""The formats' one door to the I/O engine: files (``gdskit.open``), the views of the
+destinations handed to it, the ledger, and the settings a loader plans with. The formats,
+the data loaders and the checkpoint layers import the engine through here only (the import
+graph test holds them to it)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,10 @@ import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+# The destinations the formats hand the engine (the buffers module is loaded with gdskit anyway).
+from gdskit.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
+                            synchronized_device_view)
 
 
 def _import_what_a_first_load_needs() -> None:
@@ -41,6 +48,12 @@ def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
     from gdskit.ledger import stats_delta as delta
     return delta(before, after)
+
+
+def worker_threads() -> int:
+    """The engine's I/O worker threads (``settings.threads``)."""
+    from gdskit.settings import settings
+    return settings.threads
 
 
 def can_scatter() -> bool:

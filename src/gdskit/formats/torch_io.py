@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from gdskit.buffers import ScatterList, scattered_device_view, synchronized_device_view
-from gdskit.formats._engine import can_scatter, no_wait, scattered_hot_workers, start_warm_up
+from gdskit.formats._engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
+                                    start_warm_up, synchronized_device_view)
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -232,7 +232,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             futures.append(job)
         if scatter:
             _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures,
-                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups))
+                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups), source_cached=groups_hot)
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
@@ -255,10 +255,13 @@ def _held_in_page_cache(f: Any, groups: tuple[Group, ...]) -> bool:
 
 def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
                     device: int, on_bytes: Callable[[int], None] | None,
-                    futures: list[concurrent.futures.Future[Any]], jobs_at_once: int) -> None:
+                    futures: list[concurrent.futures.Future[Any]], jobs_at_once: int, *,
+                    source_cached: bool | None = None) -> None:
     """Read each group of GPU ``device`` in one request whose bytes land straight in its
     members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job, at
-    most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile)."""
+    most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile).
+    ``source_cached``: whether the page cache holds all the groups' bytes, where asked (the
+    engine then does not ask again for each job)."""
     jobs: deque[tuple[list[Group], concurrent.futures.Future[list[int]]]] = deque()
 
     def finish_oldest() -> None:
@@ -273,7 +276,8 @@ def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Exten
         members = [dest_for(m) for m in g.members]
         targets = ScatterList((m.file_offset - g.file_offset, t.data_ptr(), m.nbytes)
                               for m, t in zip(g.members, members))
-        reads.append((scattered_device_view(targets, g.nbytes, device, members), g.nbytes, g.file_offset))
+        reads.append((scattered_device_view(targets, g.nbytes, device, members, source_cached=source_cached),
+                      g.nbytes, g.file_offset))
         batch.append(g)
         pending += g.nbytes
         if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:
