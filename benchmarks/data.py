@@ -28,11 +28,11 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
-from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+import fresh_process  # benchmarks/ is on sys.path when run as a script
+from page_cache import drop_caches, warm
 
 GB = 1e9
 MiB = 1 << 20
@@ -253,7 +253,7 @@ def child(args: argparse.Namespace) -> None:
         d = gdskit.stats() - before
         out["paths"] = {k: v.bytes_read for k, v in d.paths.items() if v.bytes_read}
         out["pinned_bytes"] = gdskit.resources().pinned_bytes
-    print("RESULT " + json.dumps(out))
+    fresh_process.report(out)
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -265,16 +265,7 @@ def installed(peer: str) -> bool:
 
 
 def run_child(argv: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+    return fresh_process.run_child(__file__, argv, timeout)
 
 
 def summarize(r: dict, sz: dict) -> dict:

@@ -14,6 +14,15 @@ disk's own rate for the cold target: ``odirect`` hands 16 MiB blocks out in file
     python benchmarks/loaders.py --dir /data/bench --size 8 --cold --json out.json
     python benchmarks/loaders.py --save --dir /data/bench --size 8      # saving GB/s
 
+Into existing tensors (docs/models.md): ``--files large,small,llama`` with the loaders of
+``INTO_LOADERS`` and ``MODEL_LOADERS``. The ``llama`` set is a Llama-shaped checkpoint of about
+``--size`` GiB in two shards with its ``config.json``; an ``*-into`` loader fills a model whose
+tensors were allocated on the device before the clock started (its peak GPU memory counts them),
+a ``MODEL_LOADERS`` one builds the model itself:
+
+    python benchmarks/loaders.py --dir /data/bench --size 8 --files large,small,llama \
+        --loaders gdskit,gdskit-into,safetensors-into,fastsafetensors-into,instanttensor-into,gdskit-model,transformers
+
 Peers whose package is missing are reported as "not installed".
 """
 
@@ -24,12 +33,12 @@ import contextlib
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+import fresh_process  # benchmarks/ is on sys.path when run as a script
+from page_cache import drop_caches, warm
 from raw_disk import odirect_io
 
 GB = 1e9
@@ -44,6 +53,15 @@ PACKAGE = {"gdskit": "gdskit", "gdskit-torch": "gdskit", "safetensors": "safeten
            "odirect-ranges": "os",
            "torch": "torch"}
 TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
+#: Fill a model that exists (its tensors allocated before the clock): gdskit.safetensors.load_into
+#: against what users do today (safetensors.torch.load_file + Module.load_state_dict; fastsafetensors
+#: or InstantTensor's zero-copy buffers, then copy_ into the parameters).
+INTO_LOADERS = ["gdskit-into", "safetensors-into", "fastsafetensors-into", "instanttensor-into"]
+#: Build a transformers model and fill it (the llama set only): gdskit.transformers.load_model
+#: against from_pretrained(...).to(device).
+MODEL_LOADERS = ["gdskit-model", "transformers"]
+PACKAGE.update({"gdskit-into": "gdskit", "safetensors-into": "safetensors", "fastsafetensors-into": "fastsafetensors",
+                "instanttensor-into": "instanttensor", "gdskit-model": "transformers", "transformers": "transformers"})
 
 
 # -- checkpoint creation ----------------------------------------------------------
@@ -102,6 +120,89 @@ def ensure_files(directory: str, size_gib: float, small_count: int, small_avg_ki
     return files
 
 
+def llama_shape(size_gib: float) -> dict:
+    """A Llama config of about ``size_gib`` GiB in bf16: Llama-3-8B's widths from 4 GiB up (as many
+    layers as fit), narrower ones below so that a small run stays small."""
+    if size_gib >= 4:
+        dims = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 128256}
+    elif size_gib >= 0.5:
+        dims = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "vocab_size": 32000}
+    else:
+        dims = {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 4000}
+    h, inter, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    kv = h // dims["num_attention_heads"] * dims["num_key_value_heads"]
+    per_layer = 2 * (2 * h * h + 2 * kv * h + 3 * h * inter + 2 * h)
+    fixed = 2 * (2 * v * h + h)
+    layers = max(2, round((size_gib * 1024**3 - fixed) / per_layer))
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **dims, "num_hidden_layers": layers,
+            "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": False, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+
+
+def llama_tensors(config: dict) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of a LlamaForCausalLM state dict, in the model's order."""
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                    p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,)})
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (v, h)
+    return out
+
+
+def ensure_llama(directory: str, size_gib: float) -> str:
+    """A Llama-shaped checkpoint in two shards, as save_pretrained lays it out (config.json, the
+    shards, model.safetensors.index.json), random bf16 values; made once."""
+    import numpy as np
+    out = os.path.join(directory, "llama")
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return out
+    import gdskit.safetensors
+    print(f"creating llama checkpoint in {out} ...", file=sys.stderr, flush=True)
+    os.makedirs(out, exist_ok=True)
+    config = llama_shape(size_gib)
+    shapes = llama_tensors(config)
+    total = sum(2 * int(np.prod(s)) for s in shapes.values())
+    rng = np.random.default_rng(1)
+    shards: list[list[str]] = [[], []]
+    seen = 0
+    for name, shape in shapes.items():
+        shards[0 if seen < total / 2 else 1].append(name)
+        seen += 2 * int(np.prod(shape))
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        tensors = {n: _random_bf16(rng, int(np.prod(shapes[n]))).reshape(shapes[n]) for n in names}
+        gdskit.safetensors.save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+        del tensors
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+    with open(index, "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    return out
+
+
+def _shard_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [path]
+
+
+def _payload_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in _shard_files(path))
+
+
 # -- the loaders (run inside the child process) -------------------------------------
 
 _MODULES = {"gdskit": "gdskit.safetensors", "gdskit-torch": "gdskit.torch", "safetensors": "safetensors.torch",
@@ -109,10 +210,29 @@ _MODULES = {"gdskit": "gdskit.safetensors", "gdskit-torch": "gdskit.torch", "saf
             "runai": "runai_model_streamer", "kvikio": "kvikio", "torch": "torch", "torch-mmap": "torch"}
 
 
+_MODULES.update({"gdskit-into": "gdskit.safetensors", "safetensors-into": "safetensors.torch",
+                 "fastsafetensors-into": "fastsafetensors", "instanttensor-into": "instanttensor",
+                 "gdskit-model": "transformers", "transformers": "transformers"})
+
+
 def _import_loader(loader: str) -> None:
     import importlib
     if loader in _MODULES:
         importlib.import_module(_MODULES[loader])
+    if loader == "gdskit-model":
+        importlib.import_module("gdskit.transformers")
+    if loader in ("gdskit-into", "gdskit-model"):  # what their first call imports
+        importlib.import_module("gdskit.formats.into_exec")
+
+
+def _import_model_class(path: str) -> None:
+    """transformers imports a model's modules when its class is first looked up (seconds for
+    Llama's); a program has them before it loads weights, as the model loaders do here."""
+    import transformers
+    with open(os.path.join(path, "config.json")) as fh:
+        for arch in json.load(fh).get("architectures", []):
+            getattr(transformers, arch, None)
+    transformers.AutoModelForCausalLM  # noqa: B018 - the lookup imports it
 
 
 def _instrument_gdskit() -> dict:
@@ -158,8 +278,79 @@ def _instrument_gdskit() -> dict:
     return t
 
 
-def _load(loader: str, path: str, device: str, threads: int):
+def _prepare(loader: str, path: str, device: str):
+    """What an ``*-into`` loader fills, made before the clock starts: a module whose parameters
+    are the checkpoint's tensors, allocated (not initialised) on ``device``."""
+    if loader not in INTO_LOADERS:
+        return None
     import torch
+
+    import gdskit.safetensors as gs
+    from gdskit.formats.shard_index import index_checkpoint
+
+    root = torch.nn.Module()
+    for name, loc in index_checkpoint(path).tensors.items():
+        dtype, shape = gs._torch_type(torch, loc.entry)
+        *parents, leaf = name.split(".")
+        module = root
+        for part in parents:
+            if part not in module._modules:
+                module.add_module(part, torch.nn.Module())
+            module = module._modules[part]
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                                           requires_grad=False))
+    return root
+
+
+def _load_into(loader: str, target, path: str, device: str, threads: int):
+    import torch
+    if loader == "gdskit-into":
+        import gdskit.safetensors
+        return gdskit.safetensors.load_into(target, path, progress=False)
+    files = _shard_files(path)
+    if loader == "safetensors-into":
+        from safetensors.torch import load_file
+        state = {}
+        for f in files:
+            state.update(load_file(f, device=device))
+        return target.load_state_dict(state)
+    params = dict(target.named_parameters())
+    if loader == "fastsafetensors-into":
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+        try:
+            fl = SafeTensorsFileLoader(SingleGroup(), torch.device(device), max_threads=threads, nogds=True)
+        except TypeError:
+            fl = SafeTensorsFileLoader(SingleGroup(), torch.device(device), nogds=True)
+        fl.add_filenames({0: files})
+        fb = fl.copy_files_to_device()
+        for name in fl.get_keys():
+            params[name].copy_(fb.get_tensor(name))
+        torch.cuda.synchronize()
+        return (fb, fl)  # kept alive until the clock stops, as for the plain fastsafetensors loader
+    if loader == "instanttensor-into":
+        from instanttensor import safe_open
+        index = torch.device(device).index or 0
+        try:
+            opened = safe_open(files, framework="pt", device=index, copy=False)
+        except TypeError:  # releases before the copy argument hand out their buffers anyway
+            opened = safe_open(files, framework="pt", device=index)
+        with opened as f:
+            for name, t in f.tensors():
+                params[name].copy_(t)  # the buffer is reused: copied before the next tensor
+        return None
+    raise SystemExit(f"unknown loader {loader}")
+
+
+def _load(loader: str, path: str, device: str, threads: int, target=None):
+    import torch
+    if loader in INTO_LOADERS:
+        return _load_into(loader, target, path, device, threads)
+    if loader == "gdskit-model":
+        import gdskit.transformers
+        return gdskit.transformers.load_model(path, device=device)
+    if loader == "transformers":
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(path).to(device)
     if loader == "gdskit":
         import gdskit.safetensors
         return gdskit.safetensors.load_file(path, device=device, progress=False)
@@ -224,17 +415,20 @@ def child(args: argparse.Namespace) -> None:
         torch.empty(1, device=args.device)  # CUDA context outside the clock, for every loader alike
         torch.cuda.reset_peak_memory_stats()
     _import_loader(args.loader)  # a program imports its libraries once; the clock times the load
+    if args.loader in MODEL_LOADERS:
+        _import_model_class(args.path)
     timings = _instrument_gdskit() if args.breakdown and args.loader.startswith("gdskit") else None
     base = torch.cuda.memory_allocated() if use_cuda else 0
+    target = None if args.save else _prepare(args.loader, args.path, args.device)  # counted in the peak
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if args.save:
         nbytes = _save(args)
     else:
-        result = _load(args.loader, args.path, args.device, args.threads)
+        result = _load(args.loader, args.path, args.device, args.threads, target)
         if use_cuda:
             torch.cuda.synchronize()
-        nbytes = os.path.getsize(args.path)
+        nbytes = _payload_bytes(args.path)
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
@@ -257,8 +451,8 @@ def child(args: argparse.Namespace) -> None:
         from gdskit.bench.memory import anon_huge_bytes
         out["anon_huge_bytes"] = anon_huge_bytes()
     if not args.save:
-        del result
-    print("RESULT " + json.dumps(out))
+        del result, target
+    fresh_process.report(out)
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -307,16 +501,7 @@ def installed(loader: str) -> bool:
 
 
 def run_child(argv: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+    return fresh_process.run_child(__file__, argv, timeout)
 
 
 def summarize(r: dict) -> dict:
@@ -334,8 +519,9 @@ def main() -> None:
     ap.add_argument("--size", type=float, default=8.0, help="GiB of the large checkpoint")
     ap.add_argument("--small-count", type=int, default=20000)
     ap.add_argument("--small-avg-kib", type=int, default=100)
-    ap.add_argument("--loaders", default=",".join(LOADERS), help="comma list from: " + ", ".join(LOADERS))
-    ap.add_argument("--files", default="large,small")
+    ap.add_argument("--loaders", default=",".join(LOADERS),
+                    help="comma list from: " + ", ".join(LOADERS + INTO_LOADERS + MODEL_LOADERS))
+    ap.add_argument("--files", default="large,small", help="comma list from: large, small, llama")
     ap.add_argument("--cold", action="store_true", help="also run with the page cache dropped before each run")
     ap.add_argument("--no-hot", action="store_true", help="skip the hot runs")
     ap.add_argument("--repeats", type=int, default=1, help="runs per loader and mode (best is reported)")
@@ -361,6 +547,9 @@ def main() -> None:
         return
 
     files = ensure_files(args.dir, args.size, args.small_count, args.small_avg_kib)
+    if "llama" in args.files.split(","):
+        llama = ensure_llama(args.dir, args.size)
+        files["llama"] = {"safetensors": llama, "torch": llama}
     common = ["--device", args.device, "--threads", str(args.threads)] + (["--breakdown"] if args.breakdown else [])
     if args.save:
         names = args.loaders.split(",") if args.loaders != ",".join(LOADERS) else SAVERS
@@ -424,11 +613,11 @@ def _one_round(args: argparse.Namespace, files: dict, loaders: list[str], modes:
                common: list[str], index: int) -> list[dict]:
     """Every loader on every file and mode once (the best of ``--repeats`` runs), each in a fresh process."""
     results = []
-    all_paths = [p for f in files.values() for p in f.values()]
+    all_paths = sorted({s for f in files.values() for p in f.values() for s in _shard_files(p)})
     for kind in args.files.split(","):
         for loader in loaders:
             path = files[kind]["torch" if loader in TORCH_FORMAT else "safetensors"]
-            if loader.startswith("odirect") and kind != "large":
+            if not runs_on(loader, kind):
                 continue
             for mode in modes:
                 if not installed(loader):
@@ -436,13 +625,26 @@ def _one_round(args: argparse.Namespace, files: dict, loaders: list[str], modes:
                     continue
 
                 def load_once() -> dict:
-                    how = drop_caches(all_paths) if mode == "cold" else (warm([path]) or "warmed")
+                    how = drop_caches(all_paths) if mode == "cold" else (warm(_shard_files(path)) or "warmed")
                     return {**summarize(run_child(["--child", loader, "--path", path, *common], args.timeout)),
                             "cache": how}
                 best = _best_of(args, load_once)
                 results.append({**best, "loader": loader, "file": kind, "mode": mode, "round": index})
                 _landed(index, f"{loader} {kind} {mode}", best)
     return results
+
+
+def runs_on(loader: str, kind: str) -> bool:
+    """Whether ``loader`` is run on set ``kind``: the raw disk reads on the large file only, the
+    model builders on the llama set only, and on the llama set (a directory of shards) only the
+    loaders that read sharded checkpoints."""
+    if loader.startswith("odirect"):
+        return kind == "large"
+    if loader in MODEL_LOADERS:
+        return kind == "llama"
+    if kind == "llama":
+        return loader == "gdskit" or loader in INTO_LOADERS
+    return True
 
 
 def combine(rounds: list[list[dict]], loaders: list[str]) -> list[dict]:
@@ -572,10 +774,37 @@ def evaluate(results: list[dict]) -> dict[str, str]:
         s = rate("gdskit", "small", mode)
         if s is not None:
             out[f"{mode} small >= 0.8x large"] = f"{'met' if s >= 0.8 * g else 'NOT met'} ({s / g:.2f}x)"
+    out.update(evaluate_into(rate, find))
     peaks = [r["peak_gpu_ratio"] for r in results if r["loader"].startswith("gdskit") and "peak_gpu_ratio" in r
              and r["mode"] != "save"]
     if peaks:
         out["peak GPU <= 1.05x"] = f"{'met' if max(peaks) <= 1.05 else 'NOT met'} (worst {max(peaks):.3f}x)"
+    return out
+
+
+def evaluate_into(rate: Callable[[str, str, str], float | None], find: Callable[[str, str, str], dict | None]
+                  ) -> dict[str, str]:
+    """The targets of loading into existing tensors (docs/models.md), where their rows ran."""
+    out: dict[str, str] = {}
+    large = rate("gdskit-into", "large", "hot") or rate("gdskit", "large", "hot")
+    small = rate("gdskit-into", "small", "hot")
+    if small is not None and large:
+        out["hot small load_into >= 0.5x large"] = (f"{'met' if small >= 0.5 * large else 'NOT met'} "
+                                                     f"({small / large:.2f}x)")
+    for kind in ("large", "llama"):
+        for mode in ("hot", "cold"):
+            ours, plain = rate("gdskit-into", kind, mode), rate("gdskit", kind, mode)
+            if ours is not None and plain:
+                out[f"{mode} {kind} load_into within 5% of load_file"] = (
+                    f"{'met' if ours >= 0.95 * plain else 'NOT met'} ({ours / plain:.3f}x)")
+    ours, theirs = rate("gdskit-model", "llama", "hot"), rate("transformers", "llama", "hot")
+    if ours is not None and theirs:
+        out["hot load_model >= 5x from_pretrained().to()"] = (f"{'met' if ours >= 5 * theirs else 'NOT met'} "
+                                                             f"({ours / theirs:.1f}x)")
+    model = find("gdskit-model", "llama", "hot")
+    if model is not None and model.get("peak_gpu_bytes"):
+        out["load_model peak GPU <= 1.01x model"] = (f"{'met' if model['peak_gpu_ratio'] <= 1.01 else 'NOT met'} "
+                                                     f"({model['peak_gpu_ratio']:.3f}x)")
     return out
 
 

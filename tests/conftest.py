@@ -41,6 +41,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # -- the stand-in CUDA driver and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
 
+_STAND_INS: list = []  # the stand-in drivers in use now (each test checks they saw no breach)
+
+
+def _breaches(fake) -> list[str]:
+    found = fake.take_violations()
+    if fake.pending():
+        found.append(f"{fake.pending()} copies still queued when the test ended: gdskit returned "
+                     "before waiting for them")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_rules():
+    """Fail a test during which the stand-in CUDA driver saw CUDA's ordering rules broken, even
+    where the engine swallowed the exception the driver raised."""
+    yield
+    for fake in _STAND_INS:
+        found = _breaches(fake)
+        if found:
+            pytest.fail("the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found), pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def fake_cuda():
     """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
@@ -58,11 +80,18 @@ def fake_cuda():
     mp.setattr(pool.lanes, "_register_error", None)
     mp.setattr(cuda, "_batched_copies", None)
     cuda._stream_ordered_copy.cache_clear()
-    yield fake
-    cuda._stream_ordered_copy.cache_clear()
-    gdskit.release_resources()
-    mp.undo()
-    cuda._device_count = None
+    _STAND_INS.append(fake)
+    try:
+        yield fake
+        gdskit.release_resources()
+    finally:
+        _STAND_INS.remove(fake)
+        cuda._stream_ordered_copy.cache_clear()
+        gdskit.release_resources()
+        mp.undo()
+        cuda._device_count = None
+    found = _breaches(fake)
+    assert not found, "the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found)
 
 
 @pytest.fixture

@@ -1,20 +1,60 @@
 """A stand-in for ``cuda.bindings.driver`` so the GPU paths' logic runs in CI, which has no GPU.
 
-"Device" memory is host memory the fake remembers as device memory; asynchronous copies
-are recorded on their stream and carried out only when the stream or an event is
-synchronised, so a missing wait shows up as wrong data, as on a real GPU. Errors can be
-injected per function name. Only what gdskit calls is implemented, with the bindings'
-calling convention (every call returns ``(error, *values)``). Contexts are per thread,
-as in the driver: a thread must make one current before it allocates.
+"Device" memory is host memory the fake remembers as device memory. Only what gdskit
+calls is implemented, with the bindings' calling convention (every call returns
+``(error, *values)``); errors can be injected per function name. Contexts are per
+thread, as in the driver: a thread must make one current before it allocates.
+
+The fake keeps CUDA's ordering rules, and is never more forgiving than a GPU:
+
+* An asynchronous copy runs only when something waits for it, never sooner (the
+  timing that exposes most races). Work on one stream runs in the order queued.
+* An event remembers its place in its stream's queue: ``cuEventSynchronize`` runs
+  exactly the work queued before it was recorded, ``cuStreamWaitEvent`` makes later work
+  on another stream wait for exactly that work; ``cuStreamSynchronize`` runs all of a
+  stream, ``cuCtxSynchronize`` all of a device. When a wait needs work of several streams,
+  their copies are interleaved in an order drawn from ``seed``: any order the rules allow.
+* Copies on different streams that touch the same bytes (one of them writing) without an
+  event ordering them are a race, reported when the second is queued; so is a blocking
+  ``cuMemcpy``/``cuMemsetD8`` on bytes a copy still queued on a non-blocking stream uses.
+* The host must leave pinned memory alone while a queued copy uses it. When a copy from
+  pinned memory is queued, the fake keeps the bytes and fills the source with a poison
+  pattern; when it runs, it checks the pattern is intact, copies the kept bytes and puts
+  them back. A destination in pinned memory is poisoned until its copy runs and must
+  still hold the pattern then. So any host write (``preadv`` into a stage, ``ctypes``,
+  numpy), even one of the same bytes, is caught, and a host read before the copy ran
+  sees poison. Freeing memory a queued copy uses is caught too. (CUDA lets the host
+  *read* the source of a queued copy; here it sees poison. gdskit never does.)
+  Pageable host memory follows the driver: a copy from it takes the bytes during the
+  call, a copy into it returns only once done.
+
+Each breach of these rules is recorded in ``violations`` and raised as
+:class:`StandInViolation` from the call that found it; the test fixtures fail a test
+that leaves any recorded, so an engine that swallows the exception still fails.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import enum
+import os
+import random
 import threading
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
+
+import numpy as np
+
+
+class StandInViolation(AssertionError):
+    """Something that on a real GPU is a race, a use of freed memory or undefined behaviour."""
+
+
+class StandInLimitation(NotImplementedError):
+    """A legal use of CUDA this stand-in does not model (so it cannot vouch for it)."""
 
 
 class CUresult(enum.IntEnum):
@@ -22,6 +62,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_NOT_SUPPORTED = 801
@@ -41,39 +82,124 @@ class CUpointer_attribute(enum.IntEnum):  # noqa: N801 - the bindings' names
 
 
 OK = CUresult.CUDA_SUCCESS
+_NON_BLOCKING = 1
+_SRC_ACCESS_ORDER_STREAM = 1
+# Handles the driver gives the legacy and per-thread default streams.
+_DEFAULT_STREAMS = (0, 1, 2)
+# The poison repeats with a prime period, so no aligned copy of one poisoned range into
+# another can reproduce the pattern that belongs at the destination.
+_POISON_PERIOD = 1_048_573
 
 
 class CUmemcpyAttributes:
     srcAccessOrder = 0  # noqa: N815 - the bindings' name
 
 
+@dataclass(eq=False)
+class _Op:
+    """One entry of a stream's queue: a copy, or a wait for another stream's work."""
+
+    stream: int
+    seq: int
+    what: str                      # the driver call that queued it
+    dst: int = 0
+    src: int = 0
+    n: int = 0
+    pinned_src: bool = False       # source in pinned host memory: poisoned, bytes kept in ``kept``
+    pinned_dst: bool = False       # destination in pinned host memory: poisoned until the copy runs
+    kept: bytes | None = None      # the source bytes (pinned: kept at queue time; pageable: taken then)
+    wait_for: tuple[int, int] | None = None  # (stream, position) for a cuStreamWaitEvent entry
+    cancelled: bool = False        # its memory was freed under it (already reported)
+
+    def touches(self, lo: int, hi: int) -> bool:
+        return self.wait_for is None and self.n > 0 and (
+            _overlap(self.dst, self.n, lo, hi - lo) or _overlap(self.src, self.n, lo, hi - lo))
+
+
+@dataclass
+class _Stream:
+    handle: int
+    device: int
+    blocking: bool
+    queue: collections.deque[_Op]
+    queued: int = 0   # entries ever queued (the next one's position)
+    done: int = 0     # entries run: always a prefix of the queue's history
+    destroyed: bool = False
+
+
+def _overlap(a: int, an: int, b: int, bn: int) -> bool:
+    return an > 0 and bn > 0 and a < b + bn and b < a + an
+
+
+def _view(addr: int, n: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=np.uint8)
+
+
 class FakeDriver:
     CUresult = CUresult
     CUmemorytype = CUmemorytype
     CUpointer_attribute = CUpointer_attribute
-    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUstream_flags = SimpleNamespace(CU_STREAM_DEFAULT=0, CU_STREAM_NON_BLOCKING=_NON_BLOCKING)
     CUevent_flags = SimpleNamespace(CU_EVENT_BLOCKING_SYNC=1, CU_EVENT_DISABLE_TIMING=2)
     CUmemAttach_flags = SimpleNamespace(CU_MEM_ATTACH_GLOBAL=1)
     CU_MEMHOSTALLOC_PORTABLE = 1
     CU_MEMHOSTREGISTER_PORTABLE = 1
     CUdeviceptr = int
     CUmemcpyAttributes = CUmemcpyAttributes
-    CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=1)
+    CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=_SRC_ACCESS_ORDER_STREAM)
 
-    def __init__(self, devices: int = 1) -> None:
+    def __init__(self, devices: int = 1, seed: int | None = None) -> None:
         self.devices = devices
+        self.seed = int(os.environ.get("GDSKIT_STAND_IN_SEED", "0")) if seed is None else seed
+        self._rng = random.Random(self.seed)
+        self._poison = np.random.default_rng(self.seed ^ 0x5EED).integers(0, 256, _POISON_PERIOD, dtype=np.uint8)
         # Re-entrant: a collection that runs inside a locked block may finalise a DeviceArray,
-        # whose cuMemFree takes the lock again on the same thread.
+        # whose cuMemFree comes back in on the same thread (and is then put off until the
+        # outer call ends, so that no state changes under it).
         self._lock = threading.RLock()
+        self._depth = 0
+        self._deferred_frees: list[int] = []
         self._allocs: dict[int, tuple[Any, int, CUmemorytype, int]] = {}  # ptr -> (buffer, size, kind, device)
-        self._streams: dict[int, list[tuple[int, int, int]]] = {}
-        self._events: dict[int, int | None] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._events: dict[int, tuple[int, int] | None] = {}  # event -> (stream, position) of its last record
         self._next_handle = 100
         self._tls = threading.local()
         self.fail: dict[str, CUresult] = {}  # function name -> error to return (once set, every call)
         self.calls: dict[str, int] = {}
+        self.violations: list[str] = []
+        self.ran: collections.deque[tuple[int, int]] = collections.deque(maxlen=10_000)  # (stream, position) run
 
-    # -- helpers ------------------------------------------------------------------------------
+    # -- bookkeeping ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _api(self) -> Iterator[None]:
+        """One driver call: under the lock; breaches found during it are raised when it ends."""
+        with self._lock:
+            first = len(self.violations)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    while self._deferred_frees:
+                        self._free_now(self._deferred_frees.pop())
+            if self._depth == 0 and len(self.violations) > first:
+                raise StandInViolation("; ".join(self.violations[first:]))
+
+    def _violate(self, message: str) -> None:
+        self.violations.append(message)
+
+    def take_violations(self) -> list[str]:
+        """The breaches recorded so far, forgetting them (the fixtures call this after each test)."""
+        with self._lock:
+            out, self.violations = self.violations, []
+        return out
+
+    def pending(self) -> int:
+        """Copies queued and not yet run."""
+        with self._lock:
+            return sum(1 for s in self._streams.values() for op in s.queue if op.wait_for is None and not op.cancelled)
+
     def _count(self, name: str) -> CUresult | None:
         self.calls[name] = self.calls.get(name, 0) + 1
         return self.fail.get(name)
@@ -81,6 +207,17 @@ class FakeDriver:
     def _context(self) -> int | None:
         return getattr(self._tls, "ctx", None)
 
+    def _handle(self) -> int:
+        with self._lock:
+            self._next_handle += 1
+            return self._next_handle
+
+    def live_allocations(self, kind: CUmemorytype | None = None) -> int:
+        with self._lock:
+            allocs = list(self._allocs.values())
+        return sum(1 for _b, _n, k, _d in allocs if kind is None or k == kind)
+
+    # -- memory -----------------------------------------------------------------------------------
     def _alloc(self, n: int, kind: CUmemorytype) -> tuple[CUresult, int]:
         ctx = self._context()
         if ctx is None:
@@ -91,33 +228,219 @@ class FakeDriver:
             self._allocs[ptr] = (raw, n, kind, ctx)
         return (OK, ptr)
 
-    def _free(self, ptr: int) -> CUresult:
-        with self._lock:
-            return OK if self._allocs.pop(ptr, None) is not None else CUresult.CUDA_ERROR_INVALID_VALUE
+    def _memory(self, ptr: int, n: int, what: str) -> str:
+        """``device``, ``pinned`` or ``pageable`` for ``[ptr, ptr + n)``; a range that starts in an
+        allocation must end in it."""
+        for base, (_raw, size, kind, _dev) in self._allocs.items():
+            if base <= ptr < base + max(size, 1):
+                if ptr + n > base + max(size, 1):
+                    self._violate(f"{what}: [{ptr:#x}, +{n}) runs past the end of its allocation "
+                                  f"[{base:#x}, +{size})")
+                return "pinned" if kind == CUmemorytype.CU_MEMORYTYPE_HOST else "device"
+        return "pageable"
 
-    def _handle(self) -> int:
-        with self._lock:
-            self._next_handle += 1
-            return self._next_handle
+    def _free_checked(self, ptr: int, what: str) -> bool:
+        """Forget allocation ``ptr``; False if there is none. Queued copies that use it are a breach."""
+        found = self._allocs.get(ptr)
+        if found is None:
+            return False
+        if self._depth > 1:  # called back from inside another call (a finaliser): after it ends
+            self._deferred_frees.append(ptr)
+            return True
+        self._free_now(ptr, what)
+        return True
 
-    def _run(self, stream: int) -> None:
-        with self._lock:
-            pending, self._streams[stream] = self._streams.get(stream, []), []
-        for dst, src, n in pending:
-            ctypes.memmove(dst, src, n)
+    def _free_now(self, ptr: int, what: str = "cuMemFree (deferred)") -> None:
+        found = self._allocs.pop(ptr, None)
+        if found is None:
+            return
+        size = max(found[1], 1)
+        for s in self._streams.values():
+            for op in s.queue:
+                if not op.cancelled and op.touches(ptr, ptr + size):
+                    self._violate(f"{what} of [{ptr:#x}, +{size}) while {op.what} on stream {s.handle} "
+                                  "still uses it (wait for the copy first)")
+                    op.cancelled = True  # the memory is gone: the copy must not touch it
 
-    def _enqueue(self, name: str, dst: int, src: int, n: int, stream: int) -> tuple[CUresult]:
-        err = self._count(name)
-        if err:
-            return (err,)
-        with self._lock:
-            self._streams.setdefault(stream, []).append((int(dst), int(src), n))
+    # -- poison -----------------------------------------------------------------------------------
+    def _pattern(self, addr: int, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.uint8)
+        i = 0
+        while i < n:
+            start = (addr + i) % _POISON_PERIOD
+            k = min(n - i, _POISON_PERIOD - start)
+            out[i:i + k] = self._poison[start:start + k]
+            i += k
+        return out
+
+    def _poison_range(self, addr: int, n: int) -> None:
+        _view(addr, n)[:] = self._pattern(addr, n)
+
+    def _poison_intact(self, addr: int, n: int) -> bool:
+        return bool(np.array_equal(_view(addr, n), self._pattern(addr, n)))
+
+    def _queued_copies(self) -> Iterator[_Op]:
+        for s in self._streams.values():
+            for op in s.queue:
+                if op.wait_for is None and not op.cancelled:
+                    yield op
+
+    def _true_bytes(self, addr: int, n: int) -> bytes:
+        """The host bytes at ``[addr, addr + n)`` as the program left them (poisoned sources
+        hold their kept bytes)."""
+        out = bytearray(ctypes.string_at(addr, n))
+        for op in self._queued_copies():
+            if op.pinned_src and _overlap(op.src, op.n, addr, n):
+                lo, hi = max(op.src, addr), min(op.src + op.n, addr + n)
+                out[lo - addr:hi - addr] = op.kept[lo - op.src:hi - op.src]
+        return bytes(out)
+
+    def _claimed(self, addr: int, n: int) -> np.ndarray:
+        """Which bytes of ``[addr, addr + n)`` queued copies hold poisoned (as pinned source or destination)."""
+        held = np.zeros(n, dtype=bool)
+        for other in self._queued_copies():
+            for start, pinned in ((other.src, other.pinned_src), (other.dst, other.pinned_dst)):
+                if pinned and _overlap(start, other.n, addr, n):
+                    held[max(start, addr) - addr:min(start + other.n, addr + n) - addr] = True
+        return held
+
+    # -- ordering ---------------------------------------------------------------------------------
+    def _stream(self, handle: int) -> _Stream | None:
+        s = self._streams.get(int(handle))
+        if s is None and int(handle) in _DEFAULT_STREAMS:
+            # The default streams exist without being made; the legacy one (0, 1) synchronises
+            # with blocking streams, which this fake does not model beyond that flag.
+            s = self._streams[int(handle)] = _Stream(int(handle), self._context() or 0, True, collections.deque())
+        return None if s is None or s.destroyed else s
+
+    def _needs(self, targets: dict[int, int]) -> dict[int, int]:
+        """Per stream, how much of it must have run for ``targets`` (stream -> position) to have
+        run: the targets and, transitively, what the waits among their work wait for."""
+        need = {h: p for h, p in targets.items() if self._streams[h].done < p}
+        todo = list(need)
+        while todo:
+            h = todo.pop()
+            s = self._streams[h]
+            for op in s.queue:
+                if op.seq >= need[h]:
+                    break
+                if op.wait_for is not None:
+                    other, pos = op.wait_for
+                    if self._streams[other].done < pos and need.get(other, 0) < pos:
+                        need[other] = pos
+                        todo.append(other)
+        return need
+
+    def _complete(self, targets: dict[int, int]) -> None:
+        """Run queued work until every target (stream -> position) is reached, interleaving the
+        streams involved in a seeded order that keeps each stream's order and every wait."""
+        need = self._needs(targets)
+        while True:
+            ready = []
+            live = False
+            for h in sorted(need):
+                s = self._streams[h]
+                if s.done >= need[h]:
+                    continue
+                live = True
+                head = s.queue[0]
+                if head.wait_for is not None and self._streams[head.wait_for[0]].done < head.wait_for[1]:
+                    continue
+                ready.append(s)
+            if not live:
+                return
+            assert ready, "waits form a cycle, which CUDA's recording rules cannot produce"
+            s = self._rng.choice(ready)
+            op = s.queue.popleft()
+            s.done += 1
+            self.ran.append((s.handle, op.seq))
+            if op.wait_for is None and not op.cancelled:
+                self._execute(op)
+
+    def _execute(self, op: _Op) -> None:
+        if op.n == 0:
+            return
+        if op.pinned_src and not self._poison_intact(op.src, op.n):
+            self._violate(f"{op.what} on stream {op.stream}: the host wrote its pinned source "
+                          f"[{op.src:#x}, +{op.n}) before the copy ran (wait for its event first)")
+        if op.pinned_dst and not self._poison_intact(op.dst, op.n):
+            self._violate(f"{op.what} on stream {op.stream}: the host wrote its pinned destination "
+                          f"[{op.dst:#x}, +{op.n}) before the copy ran")
+        data = op.kept if op.kept is not None else ctypes.string_at(op.src, op.n)
+        ctypes.memmove(op.dst, data, op.n)
+        if op.pinned_dst:
+            # A later queued copy into the same pinned bytes keeps them poisoned until it runs.
+            held = self._claimed(op.dst, op.n)
+            if held.any():
+                _view(op.dst, op.n)[held] = self._pattern(op.dst, op.n)[held]
+        if op.pinned_src:
+            # Put the kept bytes back where no other queued copy still holds them.
+            free = ~self._claimed(op.src, op.n)
+            _view(op.src, op.n)[free] = np.frombuffer(op.kept, dtype=np.uint8)[free]
+
+    def _ordered_before(self, stream: int) -> dict[int, int]:
+        """Per other stream, the prefix that work queued now on ``stream`` is ordered after."""
+        s = self._streams[stream]
+        return self._needs({stream: s.queued})
+
+    def _check_race(self, what: str, stream: int | None, reads: tuple[int, int], writes: tuple[int, int]) -> None:
+        """Report queued copies on other streams (or, for a blocking call, ``stream`` None, on
+        non-blocking streams) that conflict with new work reading ``reads``, writing ``writes``."""
+        after = self._ordered_before(stream) if stream is not None else {}
+        for other in self._queued_copies():
+            if other.stream == stream or other.n == 0:
+                continue
+            if stream is not None and other.seq < after.get(other.stream, 0):
+                continue  # an event orders it first
+            if (_overlap(writes[0], writes[1], other.dst, other.n) or _overlap(writes[0], writes[1], other.src, other.n)
+                    or _overlap(reads[0], reads[1], other.dst, other.n)):
+                self._violate(f"{what} races with {other.what} on stream {other.stream} (no event orders them): "
+                              f"[{reads[0]:#x}, +{reads[1]}) -> [{writes[0]:#x}, +{writes[1]}) vs "
+                              f"[{other.src:#x}, +{other.n}) -> [{other.dst:#x}, +{other.n})")
+
+    def _queue_copy(self, what: str, s: _Stream, dst: int, src: int, n: int, direction: str) -> None:
+        src_kind = self._memory(src, n, what)
+        dst_kind = self._memory(dst, n, what)
+        want_src, want_dst = ("host", "device") if direction == "h2d" else ("device", "host")
+        for name, kind, want in (("source", src_kind, want_src), ("destination", dst_kind, want_dst)):
+            if (kind == "device") != (want == "device"):
+                self._violate(f"{what}: the {name} {src if name == 'source' else dst:#x} is {kind} memory")
+        self._check_race(what, s.handle, (src, n), (dst, n))
+        op = _Op(s.handle, s.queued, what, dst, src, n)
+        if src_kind == "pinned" and n:
+            for earlier in self._queued_copies():
+                if earlier.stream == s.handle and earlier.pinned_dst and _overlap(earlier.dst, earlier.n, src, n):
+                    raise StandInLimitation(f"{what}: a copy from pinned memory an earlier queued copy writes")
+            op.pinned_src, op.kept = True, self._true_bytes(src, n)
+            self._poison_range(src, n)
+        elif src_kind == "pageable" and n:
+            # The driver first waits for the stream, then takes the bytes before returning.
+            self._complete({s.handle: s.queued})
+            op.kept = ctypes.string_at(src, n)
+        if dst_kind == "pinned" and n:
+            op.pinned_dst = True
+            self._poison_range(dst, n)
+        s.queue.append(op)
+        s.queued += 1
+        if dst_kind == "pageable" and n:
+            self._complete({s.handle: s.queued})  # into pageable memory the call returns when done
+
+    def _enqueue(self, name: str, dst: int, src: int, n: int, stream: int, direction: str) -> tuple[CUresult]:
+        with self._api():
+            err = self._count(name)
+            if err:
+                return (err,)
+            s = self._stream(stream)
+            if s is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self._queue_copy(name, s, int(dst), int(src), int(n), direction)
         return (OK,)
 
-    def live_allocations(self, kind: CUmemorytype | None = None) -> int:
-        with self._lock:
-            allocs = list(self._allocs.values())
-        return sum(1 for _b, _n, k, _d in allocs if kind is None or k == kind)
+    def _blocking_access(self, what: str, reads: tuple[int, int], writes: tuple[int, int]) -> None:
+        """A call on the legacy default stream: it waits for blocking streams, not the others."""
+        blocking = {h: s.queued for h, s in self._streams.items() if s.blocking}
+        self._complete(blocking)
+        self._check_race(what, None, reads, writes)
 
     # -- the API gdskit uses --------------------------------------------------------------------
     def cuInit(self, flags: int):  # noqa: N802
@@ -148,14 +471,22 @@ class FakeDriver:
         return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0) if ctx is None else (OK, ctx)
 
     def cuCtxSynchronize(self):  # noqa: N802
-        for s in list(self._streams):
-            self._run(s)
+        with self._api():
+            ctx = self._context()
+            if ctx is None:
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+            self._complete({h: s.queued for h, s in self._streams.items() if s.device == ctx})
         return (OK,)
 
     def cuMemFree(self, ptr: int):  # noqa: N802
-        return (self._free(int(ptr)),)
+        with self._api():
+            found = self._free_checked(int(ptr), "cuMemFree")
+        return (OK if found else CUresult.CUDA_ERROR_INVALID_VALUE,)
 
-    cuMemFreeHost = cuMemFree
+    def cuMemFreeHost(self, ptr: int):  # noqa: N802
+        with self._api():
+            found = self._free_checked(int(ptr), "cuMemFreeHost")
+        return (OK if found else CUresult.CUDA_ERROR_INVALID_VALUE,)
 
     def cuMemAlloc(self, n: int):  # noqa: N802
         err = self._count("cuMemAlloc")
@@ -184,11 +515,12 @@ class FakeDriver:
         err = self._count("cuMemHostUnregister")
         if err:
             return (err,)
-        with self._lock:
+        with self._api():
             found = self._allocs.get(ptr)
             if found is None or found[0] is not None:
                 return (CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,)
-            del self._allocs[ptr]
+            # Never deferred: the caller unmaps the memory as soon as this returns.
+            self._free_now(ptr, "cuMemHostUnregister")
         return (OK,)
 
     def cuPointerGetAttributes(self, count: int, attributes: list, ptr: int):  # noqa: N802
@@ -207,64 +539,122 @@ class FakeDriver:
         return (OK, [by_name[a] for a in attributes[:count]])
 
     def cuMemcpy(self, dst: int, src: int, n: int):  # noqa: N802
-        ctypes.memmove(int(dst), int(src), n)
+        dst, src = int(dst), int(src)
+        with self._api():
+            self._memory(src, n, "cuMemcpy")
+            self._memory(dst, n, "cuMemcpy")
+            self._blocking_access("cuMemcpy", (src, n), (dst, n))
+            if n:
+                ctypes.memmove(dst, self._true_bytes(src, n), n)
         return (OK,)
 
     def cuMemsetD8(self, ptr: int, value: int, n: int):  # noqa: N802
-        ctypes.memset(int(ptr), value, n)
+        with self._api():
+            self._memory(int(ptr), n, "cuMemsetD8")
+            self._blocking_access("cuMemsetD8", (0, 0), (int(ptr), n))
+            ctypes.memset(int(ptr), value, n)
         return (OK,)
 
     def cuStreamCreate(self, flags: int):  # noqa: N802
         h = self._handle()
-        self._streams[h] = []
+        with self._lock:
+            self._streams[h] = _Stream(h, self._context() or 0, not int(flags) & _NON_BLOCKING, collections.deque())
         return (OK, h)
 
     def cuStreamDestroy(self, stream: int):  # noqa: N802
-        self._run(stream)
-        self._streams.pop(stream, None)
+        # As in CUDA, work still queued runs later (here: when the context is synchronised);
+        # only the handle goes.
+        with self._api():
+            s = self._stream(stream)
+            if s is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            s.destroyed = True
         return (OK,)
 
     def cuStreamSynchronize(self, stream: int):  # noqa: N802
-        err = self._count("cuStreamSynchronize")
-        if err:
-            return (err,)
-        if stream in self._streams:
-            self._run(stream)
+        with self._api():
+            err = self._count("cuStreamSynchronize")
+            s = self._stream(stream)
+            if s is None:
+                return (err or CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            if err:
+                self._abort(s)
+                return (err,)
+            self._complete({s.handle: s.queued})
+        return (OK,)
+
+    def _abort(self, s: _Stream) -> None:
+        """An error reported by a wait is the failure of the stream's work: none of it runs."""
+        for op in s.queue:
+            op.cancelled = True
+        s.done = s.queued
+        s.queue.clear()
+
+    def cuStreamWaitEvent(self, stream: int, event: int, flags: int = 0):  # noqa: N802
+        with self._api():
+            s = self._stream(stream)
+            if s is None or int(event) not in self._events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            mark = self._events[int(event)]
+            if mark is not None:  # an event never recorded is complete: nothing to wait for
+                s.queue.append(_Op(s.handle, s.queued, "cuStreamWaitEvent", wait_for=mark))
+                s.queued += 1
         return (OK,)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
-        return self._enqueue("cuMemcpyHtoDAsync", dst, src, n, stream)
+        return self._enqueue("cuMemcpyHtoDAsync", dst, src, n, stream, "h2d")
 
     def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):  # noqa: N802
-        err = self._count("cuMemcpyBatchAsync")
-        if err:
-            return (err,)
-        assert len(dsts) == len(srcs) == len(sizes) == count and num_attrs == len(attrs) == len(attr_idxs) == 1
-        with self._lock:
-            self._streams.setdefault(stream, []).extend(
-                (int(d), int(s), n) for d, s, n in zip(dsts, srcs, sizes))
+        with self._api():
+            err = self._count("cuMemcpyBatchAsync")
+            if err:
+                return (err,)
+            assert len(dsts) == len(srcs) == len(sizes) == count and num_attrs == len(attrs) == len(attr_idxs) == 1
+            if attrs[0].srcAccessOrder != _SRC_ACCESS_ORDER_STREAM:
+                raise StandInLimitation("cuMemcpyBatchAsync: only stream-ordered source access is modelled")
+            s = self._stream(stream)
+            if s is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            for d, src, n in zip(dsts, srcs, sizes):
+                self._queue_copy("cuMemcpyBatchAsync", s, int(d), int(src), int(n), "h2d")
         return (OK,)
 
     def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
-        return self._enqueue("cuMemcpyDtoHAsync", dst, src, n, stream)
+        return self._enqueue("cuMemcpyDtoHAsync", dst, src, n, stream, "d2h")
 
     def cuEventCreate(self, flags: int):  # noqa: N802
         h = self._handle()
-        self._events[h] = None
+        with self._lock:
+            self._events[h] = None
         return (OK, h)
 
     def cuEventRecord(self, event: int, stream: int):  # noqa: N802
-        self._events[event] = stream
+        with self._api():
+            s = self._stream(stream)
+            if s is None or int(event) not in self._events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self._events[int(event)] = (s.handle, s.queued)  # the work queued so far, no more
         return (OK,)
 
     def cuEventSynchronize(self, event: int):  # noqa: N802
-        stream = self._events.get(event)
-        if stream is not None:
-            self._run(stream)
+        with self._api():
+            if int(event) not in self._events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            err = self._count("cuEventSynchronize")
+            mark = self._events[int(event)]
+            if err:
+                if mark is not None:
+                    self._abort(self._streams[mark[0]])
+                return (err,)
+            if mark is not None:
+                self._complete({mark[0]: mark[1]})
         return (OK,)
 
     def cuEventDestroy(self, event: int):  # noqa: N802
-        self._events.pop(event, None)
+        with self._lock:
+            if int(event) not in self._events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            del self._events[int(event)]
         return (OK,)
 
     def cuDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802

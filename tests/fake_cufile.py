@@ -3,11 +3,24 @@
 Reads and writes go straight between the file descriptor and the (fake) device memory,
 and bump the per-GPU level-3 counters of the route the test chooses: ``"posix"``
 (compat mode, as on a machine without nvidia-fs), ``"nvfs"`` or ``"p2p"``.
+
+Failures follow the bindings (cuda-bindings 13.x, checked against the installed module
+driving a libcufile stub): each function is a C call followed by the bindings' check.
+
+* ``cuFileRead``/``cuFileWrite`` return an ``ssize_t``. ``-1`` means "see errno": the
+  bindings raise ``cuFileError(errno)``, whose constructor looks the value up in
+  :class:`OpError`, so an errno that is no cuFile status (``EIO``: 5) makes the
+  bindings raise ``ValueError`` instead. Any other negative value (``-errno`` from compat
+  mode, ``-CUfileOpError``) is returned to the caller as it is.
+* Calls returning ``CUfileError_t`` raise ``cuFileError(err, cu_err)`` when either is set.
+
+:meth:`FakeCufile.fail_io` injects such failures into reads or writes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
 import os
 from types import SimpleNamespace
@@ -17,21 +30,93 @@ import numpy as np
 COUNTERS = ("n_nvfs_reads", "n_p2p_reads", "n_posix_reads", "n_nvfs_writes", "n_p2p_writes", "n_posix_writes")
 
 
+class OpError(enum.IntEnum):
+    """``CUfileOpError`` (cufile.h), with the values the bindings' ``OpError`` has."""
+
+    SUCCESS = 0
+    DRIVER_NOT_INITIALIZED = 5001
+    DRIVER_INVALID_PROPS = 5002
+    DRIVER_UNSUPPORTED_LIMIT = 5003
+    DRIVER_VERSION_MISMATCH = 5004
+    DRIVER_VERSION_READ_ERROR = 5005
+    DRIVER_CLOSING = 5006
+    PLATFORM_NOT_SUPPORTED = 5007
+    IO_NOT_SUPPORTED = 5008
+    DEVICE_NOT_SUPPORTED = 5009
+    NVFS_DRIVER_ERROR = 5010
+    CUDA_DRIVER_ERROR = 5011
+    CUDA_POINTER_INVALID = 5012
+    CUDA_MEMORY_TYPE_INVALID = 5013
+    CUDA_POINTER_RANGE_ERROR = 5014
+    CUDA_CONTEXT_MISMATCH = 5015
+    INVALID_MAPPING_SIZE = 5016
+    INVALID_MAPPING_RANGE = 5017
+    INVALID_FILE_TYPE = 5018
+    INVALID_FILE_OPEN_FLAG = 5019
+    DIO_NOT_SET = 5020
+    INVALID_VALUE = 5022
+    MEMORY_ALREADY_REGISTERED = 5023
+    MEMORY_NOT_REGISTERED = 5024
+    PERMISSION_DENIED = 5025
+    DRIVER_ALREADY_OPEN = 5026
+    HANDLE_NOT_REGISTERED = 5027
+    HANDLE_ALREADY_REGISTERED = 5028
+    DEVICE_NOT_FOUND = 5029
+    INTERNAL_ERROR = 5030
+    GETNEWFD_FAILED = 5031
+    NVFS_SETUP_ERROR = 5033
+    IO_DISABLED = 5034
+    BATCH_SUBMIT_FAILED = 5035
+    GPU_MEMORY_PINNING_FAILED = 5036
+    BATCH_FULL = 5037
+    ASYNC_NOT_SUPPORTED = 5038
+    INTERNAL_BATCH_SETUP_ERROR = 5039
+    INTERNAL_BATCH_SUBMIT_ERROR = 5040
+    INTERNAL_BATCH_GETSTATUS_ERROR = 5041
+    INTERNAL_BATCH_CANCEL_ERROR = 5042
+    NOMEM_ERROR = 5043
+    IO_ERROR = 5044
+    INTERNAL_BUF_REGISTER_ERROR = 5045
+    HASH_OPR_ERROR = 5046
+    INVALID_CONTEXT_ERROR = 5047
+    NVFS_INTERNAL_DRIVER_ERROR = 5048
+    BATCH_NOCOMPAT_ERROR = 5049
+    IO_MAX_ERROR = 5050
+
+
 class cuFileError(Exception):  # noqa: N801 - the bindings' name
-    pass
+    """As in the bindings: ``status`` must be an :class:`OpError` value, or building it raises ValueError."""
+
+    def __init__(self, status: int, cu_err: int | None = None) -> None:
+        self.status = status
+        self.cuda_error = cu_err
+        s = OpError(status)
+        text = f"{s.name} ({s.value})"
+        if cu_err is not None:
+            text += f"; CUDA status: {cu_err}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.status, self.cuda_error))
 
 
 class FakeCufile:
     FileHandleType = SimpleNamespace(OPAQUE_FD=1)
+    OpError = OpError
+    cuFileError = cuFileError
 
-    def __init__(self, route: str = "posix", register_fails: bool = False) -> None:
+    def __init__(self, route: str = "posix", register_fails: bool = False, max_io: int | None = None) -> None:
         self.route = route
+        self.max_io = max_io  # each read or write moves at most this much (a short count, as POSIX may)
         self.register_fails = register_fails
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.handles: dict[int, int] = {}
         self.buffers: dict[int, int] = {}
         self._objects: dict[int, object] = {}
         self._ids = itertools.count(1000)
+        self._errno = 0
+        self._io_failure: dict[str, tuple[int, int, int]] = {}  # op -> (C return, errno, calls left before)
+        self.io_calls = {"read": 0, "write": 0}
         self.opened = False
         self.stats_level = 0
         fake = self
@@ -52,6 +137,29 @@ class FakeCufile:
 
         self.Descr = Descr
         self.StatsLevel3 = StatsLevel3
+
+    # -- fault injection --------------------------------------------------------------------------
+    def fail_io(self, op: str, *, returns: int | None = None, errno: int | None = None, after: int = 0) -> None:
+        """Make every ``op`` ("read" or "write") call after the first ``after`` fail in libcufile.
+
+        ``returns=-n``: cuFile returns ``-n`` (an ``-errno`` of compat mode, or ``-OpError``),
+        which the bindings hand back. ``errno=e``: cuFile returns -1 with errno ``e``, which
+        the bindings raise as ``cuFileError(e)`` (as ``ValueError`` when ``e`` is no OpError).
+        """
+        assert (returns is None) != (errno is None) and op in ("read", "write")
+        assert returns is None or returns < -1, "-1 means errno: use errno="
+        self._io_failure[op] = (returns if returns is not None else -1, errno or 0, after)
+
+    # -- the bindings' checks --------------------------------------------------------------------
+    def _check_ssize(self, status: int) -> int:
+        if status == -1:
+            raise cuFileError(self._errno)
+        return status
+
+    @staticmethod
+    def _check_status(err: int, cu_err: int = 0) -> None:
+        if err != 0 or cu_err != 0:
+            raise cuFileError(err, cu_err)
 
     # -- driver ---------------------------------------------------------------------------------
     def driver_open(self) -> None:
@@ -82,7 +190,8 @@ class FakeCufile:
     # -- handles and buffers ---------------------------------------------------------------------
     def handle_register(self, descr_ptr: int) -> int:
         if self.register_fails:
-            raise cuFileError("udev property not found: ID_FS_USAGE")
+            # What libcufile returns where it cannot find the udev database ("internal error").
+            self._check_status(OpError.INTERNAL_ERROR, 0)
         handle = next(self._ids)
         # Like cuFile's compat mode, serve any offset: a buffered twin of the (O_DIRECT) descriptor.
         fd = self._objects[descr_ptr].handle.fd
@@ -93,20 +202,36 @@ class FakeCufile:
         os.close(self.handles.pop(handle))
 
     def buf_register(self, ptr: int, nbytes: int, flags: int) -> None:
+        self._check_status(OpError.MEMORY_ALREADY_REGISTERED if ptr in self.buffers else 0)
         self.buffers[ptr] = nbytes
 
     def buf_deregister(self, ptr: int) -> None:
+        self._check_status(0 if ptr in self.buffers else OpError.MEMORY_NOT_REGISTERED)
         del self.buffers[ptr]
 
     # -- I/O --------------------------------------------------------------------------------------
+    def _injected(self, op: str) -> int | None:
+        """The C return value of an injected failure of this call, with errno set; None if none."""
+        self.io_calls[op] += 1
+        found = self._io_failure.get(op)
+        if found is None or self.io_calls[op] <= found[2]:
+            return None
+        self._errno = found[1]
+        return found[0]
+
     def read(self, fh: int, base: int, size: int, file_offset: int, buf_offset: int) -> int:
-        data = os.pread(self.handles[fh], size, file_offset)
-        ctypes.memmove(base + buf_offset, data, len(data))
-        self.counters[f"n_{self.route}_reads"] += 1
-        return len(data)
+        status = self._injected("read")
+        if status is None:
+            data = os.pread(self.handles[fh], min(size, self.max_io or size), file_offset)
+            ctypes.memmove(base + buf_offset, data, len(data))
+            self.counters[f"n_{self.route}_reads"] += 1
+            status = len(data)
+        return self._check_ssize(status)
 
     def write(self, fh: int, base: int, size: int, file_offset: int, buf_offset: int) -> int:
-        data = ctypes.string_at(base + buf_offset, size)
-        n = os.pwrite(self.handles[fh], data, file_offset)
-        self.counters[f"n_{self.route}_writes"] += 1
-        return n
+        status = self._injected("write")
+        if status is None:
+            data = ctypes.string_at(base + buf_offset, min(size, self.max_io or size))
+            status = os.pwrite(self.handles[fh], data, file_offset)
+            self.counters[f"n_{self.route}_writes"] += 1
+        return self._check_ssize(status)

@@ -11,11 +11,11 @@ import gdskit
 from gdskit import cuda
 from gdskit import direct_route as dr
 from gdskit.backends import cufile as cufile_backend
-from gdskit.errors import DirectPathUnavailable
+from gdskit.errors import DirectPathUnavailable, GdskitIOError, NoSpaceError
 from gdskit.vocabulary import Path, Reason
 
 from backend_conformance import BackendTests
-from fake_cufile import FakeCufile
+from fake_cufile import FakeCufile, OpError, cuFileError
 from fake_stack import use_cufile
 
 pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present: tests/test_backend_gpu.py")
@@ -131,3 +131,67 @@ def test_library_close_releases_everything(tmp_path, monkeypatch, fake_cuda):
 ])
 def test_a_request_gets_its_share_of_the_jobs_counters(evidence, part, whole, want):
     assert cufile_backend._share(evidence, part, whole) == want
+
+
+# -- cuFile I/O failures, as libcufile and the bindings report them (see tests/fake_cufile.py) ----------
+
+_EIO, _ENOSPC = 5, 28
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("failure, want_class, want_errno", [
+    ({"returns": -_EIO}, GdskitIOError, _EIO),                       # compat mode's -errno, handed back
+    ({"returns": -int(OpError.IO_ERROR)}, GdskitIOError, _EIO),      # -CUfileOpError, handed back
+    ({"errno": int(OpError.CUDA_DRIVER_ERROR)}, GdskitIOError, _EIO),  # -1: the bindings raise cuFileError
+    ({"errno": _EIO}, GdskitIOError, _EIO),                          # -1: the bindings raise ValueError
+])
+@pytest.mark.parametrize("after", [0, 2])  # the first call fails, or one in the middle of the job
+def test_a_failed_cufile_call_is_an_io_error_and_leaves_nothing_behind(tmp_path, monkeypatch, fake_cuda,
+                                                                       op, failure, want_class, want_errno, after):
+    fake = FakeCufile(max_io=256 << 10)  # short counts: four calls for the 1 MiB
+    lib = use_cufile(monkeypatch, fake)
+    path, data = _file(tmp_path, 1 << 20)
+    buf = cuda.DeviceArray(len(data))
+    buf.copy_from_host(data)
+    fake.fail_io(op, after=after, **failure)
+    before = gdskit.stats()
+    with gdskit.settings.set(mode="cufile", threads=1):
+        with gdskit.open(path, "r+") as f, pytest.raises(want_class) as ei:
+            f.read(buf) if op == "read" else f.write(buf)
+    assert type(ei.value) is want_class and ei.value.errno == want_errno
+    assert fake.io_calls[op] == after + 1, "the job goes on after a failed call"
+    delta = gdskit.stats() - before
+    assert delta.bytes_read == 0 and delta.bytes_written == 0, "a failed request claims no bytes"
+    assert fake.handles == {} and lib.handles == set(), "the file handle must be deregistered on close"
+    assert gdskit.resources().lanes_busy == 0
+    lib.close()
+
+
+def test_a_full_disk_under_cufile_is_a_no_space_error(tmp_path, monkeypatch, fake_cuda):
+    fake = FakeCufile()
+    lib = use_cufile(monkeypatch, fake)
+    path, data = _file(tmp_path, 64 << 10)
+    buf = cuda.DeviceArray(len(data))
+    fake.fail_io("write", returns=-_ENOSPC)
+    with gdskit.settings.set(mode="cufile"), gdskit.open(path, "r+") as f, pytest.raises(NoSpaceError) as ei:
+        f.write(buf)
+    assert ei.value.errno == _ENOSPC and isinstance(ei.value, OSError)
+    assert fake.handles == {}
+    lib.close()
+
+
+def test_the_stand_in_fails_like_the_bindings():
+    """The stand-in's error rules, as the real bindings show them (checked against cuda-bindings 13.5)."""
+    fake = FakeCufile()
+    for failure, raised in [({"returns": -_EIO}, None), ({"returns": -5011}, None),
+                            ({"errno": 5011}, cuFileError), ({"errno": _EIO}, ValueError), ({"errno": 0}, cuFileError)]:
+        fake.fail_io("read", **failure)
+        if raised is None:
+            assert fake.read(0, 0, 4096, 0, 0) == failure["returns"]
+        else:
+            with pytest.raises(raised) as ei:
+                fake.read(0, 0, 4096, 0, 0)
+            assert type(ei.value) is raised
+    with pytest.raises(cuFileError) as ei:
+        FakeCufile(register_fails=True).handle_register(0)
+    assert ei.value.status == OpError.INTERNAL_ERROR and ei.value.cuda_error == 0

@@ -258,6 +258,8 @@ def test_run_exit_status_for_a_command_it_cannot_execute(tmp_path):
 def test_help_shows_the_extras_names():
     res = cli("bench", "--help")
     assert res.exit_code == 0 and "gdskit[plot]" in res.stdout
+    res = cli("stats", "--help")
+    assert res.exit_code == 0 and "gdskit[prometheus]" in " ".join(res.stdout.split())
 
 
 # --------------------------------------------------------------------------- accept

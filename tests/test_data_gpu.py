@@ -24,8 +24,11 @@ def tokens(tmp_path_factory):
 def test_batches_equal_the_cpu_targets_and_the_ledger_counts_them(tokens):
     ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=1024)
     kw = dict(shuffle=True, seed=5, prefetch=3)
-    with gd.Loader(ds, 16, device="cpu", **kw) as cpu, gd.Loader(ds, 16, device="cuda:0", **kw) as gpu:
+    with gd.Loader(ds, 16, device="cpu", **kw) as cpu:
         ref = list(cpu)
+    # The ledger is process-wide: the GPU loader is made after the CPU pass, so its delta
+    # holds its own reads alone.
+    with gd.Loader(ds, 16, device="cuda:0", **kw) as gpu:
         got = list(gpu)
         delta = gpu.stats()
     assert len(got) == len(ref) and all(g.is_cuda for g in got)

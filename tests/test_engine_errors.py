@@ -137,6 +137,7 @@ def test_error_classes_subclass_builtins():
         (errors.GdskitFileNotFoundError, FileNotFoundError), (errors.NoSpaceError, OSError),
         (errors.DirectPathUnavailable, RuntimeError), (errors.ConfigError, ValueError),
         (errors.FormatError, ValueError), (errors.MissingDependencyError, ImportError),
+        (errors.DeviceUnavailableError, RuntimeError),
     ]
     for cls, builtin in pairs:
         assert issubclass(cls, errors.GdskitError) and issubclass(cls, builtin), cls
@@ -147,3 +148,63 @@ def test_from_os_error_maps_errno():
                       (errno.EIO, errors.GdskitIOError)):
         err = errors.from_os_error(OSError(code, os.strerror(code)), "/x")
         assert type(err) is cls and err.errno == code and err.filename == "/x"
+
+
+# -- booleans are not offsets or sizes; numpy integers are ------------------------
+
+def _int_calls(f, value):
+    """Every File call that takes an offset or a size, with ``value`` in one such place."""
+    buf = bytearray(16)
+    return {
+        "read size": lambda: f.read(buf, size=value),
+        "read file_offset": lambda: f.read(buf, 1, file_offset=value),
+        "read buf_offset": lambda: f.read(buf, 1, buf_offset=value),
+        "write size": lambda: f.write(buf, size=value, file_offset=0),
+        "write file_offset": lambda: f.write(buf, 1, file_offset=value),
+        "write buf_offset": lambda: f.write(buf, 1, file_offset=0, buf_offset=value),
+        "pread size": lambda: f.pread(buf, size=value).result(),
+        "pread file_offset": lambda: f.pread(buf, 1, file_offset=value).result(),
+        "pwrite file_offset": lambda: f.pwrite(buf, 1, file_offset=value).result(),
+        "pwrite buf_offset": lambda: f.pwrite(buf, 1, file_offset=0, buf_offset=value).result(),
+        "read_batch size": lambda: f.read_batch(buf, [0], value),
+        "read_batch file_offsets": lambda: f.read_batch(buf, [value], 1),
+        "read_batch buf_offsets": lambda: f.read_batch(buf, [0], 1, [value]),
+        "read_many size": lambda: f.read_many([(buf, value, 0)]),
+        "read_many file_offset": lambda: f.read_many([(buf, 1, value)]),
+        "read_many buf_offset": lambda: f.read_many([(buf, 1, 0, value)]),
+        "pread_many file_offset": lambda: f.pread_many([(buf, 1, value)]).result(),
+        "cached file_offset": lambda: f.cached(value),
+        "cached size": lambda: f.cached(0, value),
+    }
+
+
+CALL_NAMES = list(_int_calls(None, 0))
+
+
+@pytest.mark.parametrize("call", CALL_NAMES)
+@pytest.mark.parametrize("value", [True, False])
+def test_booleans_are_refused_as_offsets_and_sizes(tmp_path, call, value):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(16)))
+    with gdskit.open(str(p), "r+") as f:
+        with pytest.raises(errors.InvalidArgumentError):
+            _int_calls(f, value)[call]()
+    assert p.read_bytes() == bytes(range(16)), "a refused call changes nothing"
+
+
+@pytest.mark.parametrize("call", CALL_NAMES)
+@pytest.mark.parametrize("value", [np.int64(1), np.uint32(1), np.int8(1), np.array(1)])
+def test_numpy_integers_are_accepted_as_offsets_and_sizes(tmp_path, call, value):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(16)))
+    with gdskit.open(str(p), "r+") as f:
+        _int_calls(f, value)[call]()  # no error
+
+
+def test_numpy_integer_arrays_are_accepted_by_read_batch(small_file):
+    buf = bytearray(8)
+    with gdskit.open(small_file[0]) as f:
+        assert f.read_batch(buf, np.array([0, 100], np.int64), 4, np.array([0, 4], np.uint16)) == [4, 4]
+    assert bytes(buf) == small_file[1][0:4] + small_file[1][100:104]
+    with gdskit.open(small_file[0]) as f, pytest.raises(errors.InvalidArgumentError):
+        f.read_batch(buf, np.array([True, False]), 4)

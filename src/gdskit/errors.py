@@ -9,6 +9,7 @@ working. Callers branch on the class or on attributes, never on message text.
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
 
 from gdskit.vocabulary import Reason
 
@@ -103,7 +104,30 @@ class EnvironmentVariableError(ConfigError):
 
 
 class FormatError(GdskitError, ValueError):
-    """A file does not follow the format it claims (safetensors, torch checkpoint...)."""
+    """A file does not follow the format it claims (safetensors, torch checkpoint...).
+
+    ``path`` names the file at fault where it is known (one shard of a checkpoint, an
+    index), else None; the message starts with it.
+    """
+
+    def __init__(self, *args: object, path: str | None = None) -> None:
+        super().__init__(*args)
+        self.path = path
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{self.path}: {text}" if self.path else text
+
+
+def with_path(exc: FormatError, path: str | _os.PathLike[str]) -> FormatError:
+    """``exc`` naming ``path`` as the file at fault, unless it already names one."""
+    if exc.path is None:
+        exc.path = _os.fspath(path)
+    return exc
+
+
+class DeviceUnavailableError(GdskitError, RuntimeError):
+    """Tensors were asked for on a device this process cannot use (e.g. CUDA without a GPU)."""
 
 
 class MissingDependencyError(GdskitError, ImportError):

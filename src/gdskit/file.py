@@ -75,11 +75,15 @@ def backend(name: str) -> Backend:
 
 
 def _check_int(name: str, value: Any) -> int:
+    """A non-negative offset or size: an ``int`` or anything with ``__index__`` (numpy integers),
+    never a ``bool`` (``file_offset=True`` is a mistake, not offset 1)."""
     if type(value) is int and value >= 0:
         return value
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, not a boolean")
+    if not isinstance(value, int):
         try:
-            value = int(value.__index__())
+            value = operator.index(value)
         except Exception:
             raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
     if value < 0:
@@ -105,14 +109,23 @@ def _check_ints(name: str, values: Iterable[int]) -> list[int]:
     return out
 
 
+#: The files whose ``on_bytes`` callback this thread is running (a close from there would
+#: wait for the read that calls it).
+_in_callback = threading.local()
+
+
 class File:
     """A file opened for reads and writes to and from GPU or host memory.
 
     Use :func:`gdskit.open` to make one. All methods are thread-safe; many
-    threads may read and write one ``File`` at once.
+    threads may read and write one ``File`` at once. :meth:`close` (or
+    :meth:`abort`) from one thread waits for the calls other threads have under
+    way; calls that start after it raise :class:`~gdskit.errors.ClosedFileError`.
     """
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> None:
+        self._closed = False
+        self._released = threading.Event()   # set once close/abort has released everything
         if mode not in _MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(_MODES)}; got {mode!r}")
         if atomic and mode != "w":
@@ -120,9 +133,9 @@ class File:
         self.path = os.fspath(path)
         self.mode = mode
         self.atomic = atomic
-        self._closed = False
         self._lock = threading.Lock()
-        self._pending: set[Future[int]] = set()
+        self._pending: set[Future[Any]] = set()
+        self._failed_write: BaseException | None = None  # atomic files: never published after one
         self._target = self.path
         open_path = self.path
         if atomic:
@@ -163,17 +176,26 @@ class File:
     # -- properties -------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True from the moment :meth:`close` or :meth:`abort` starts."""
         return self._closed
 
     @property
     def size(self) -> int:
         """The file's current size in bytes."""
-        self._check_open()
-        return os.fstat(self._of.fd).st_size
+        self._enter()
+        try:
+            return self._size()
+        finally:
+            self._of.leave()
 
     def fileno(self) -> int:
-        self._check_open()
-        return self._of.fd
+        """The file's (buffered) descriptor. It stays valid until :meth:`close`, which does not
+        wait for uses of the number made outside gdskit: finish those before closing."""
+        self._enter()
+        try:
+            return self._of.fd
+        finally:
+            self._of.leave()
 
     # -- I/O --------------------------------------------------------------
     def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
@@ -182,7 +204,11 @@ class File:
         Returns the number of bytes read, which is short only at end of file.
         ``size=None`` fills the buffer from ``buf_offset`` to its end.
         """
-        return self._execute("read", *self._validate("read", buf, size, file_offset, buf_offset))
+        self._enter()
+        try:
+            return self._execute("read", *self._validate("read", buf, size, file_offset, buf_offset))
+        finally:
+            self._of.leave()
 
     def write(self, buf: Any, size: int | None = None, file_offset: int | None = None, buf_offset: int = 0) -> int:
         """Write ``size`` bytes from ``buf`` at ``buf_offset`` to the file at ``file_offset``; blocking.
@@ -190,7 +216,11 @@ class File:
         ``file_offset=None`` means 0, or the end of the file in mode ``"a"``.
         Returns ``size``: a write either completes or raises.
         """
-        return self._execute("write", *self._validate("write", buf, size, file_offset, buf_offset))
+        self._enter()
+        try:
+            return self._execute("write", *self._validate("write", buf, size, file_offset, buf_offset))
+        finally:
+            self._of.leave()
 
     def read_batch(self, buf: Any, file_offsets: Iterable[int], size: int, buf_offsets: Iterable[int] | None = None,
                    *, latencies_ns: list[int] | None = None) -> list[int]:
@@ -203,7 +233,14 @@ class File:
         than the system call. Returns each read's byte count (short only at end of file).
         ``latencies_ns``, when given, receives each read's duration in nanoseconds.
         """
-        self._check_open()
+        self._enter()
+        try:
+            return self._read_batch(buf, file_offsets, size, buf_offsets, latencies_ns)
+        finally:
+            self._of.leave()
+
+    def _read_batch(self, buf: Any, file_offsets: Iterable[int], size: int, buf_offsets: Iterable[int] | None,
+                    latencies_ns: list[int] | None) -> list[int]:
         if self.mode in ("w", "a"):
             raise UnsupportedOperationError(9, f"file opened with mode {self.mode!r} is not readable", self.path)
         view = adapt(buf)
@@ -247,15 +284,26 @@ class File:
         ``on_bytes``, if given, is called with the byte count of each piece as it is read
         (from the I/O threads: keep it quick), for progress reporting. An exception it raises
         abandons the job: no further piece starts, those under way finish, and the exception
-        is raised here.
+        is raised here. It must not close this file (that close would wait for this read):
+        such a close raises :class:`~gdskit.errors.InvalidArgumentError`.
         """
-        return self._execute_many(self._validate_many(reads), None, on_bytes)
+        self._enter()
+        try:
+            return self._execute_many(self._validate_many(reads), None, self._own_callback(on_bytes))
+        finally:
+            self._of.leave()
 
     def pread_many(self, reads: Iterable[tuple[Any, ...]], *,
                    on_bytes: Callable[[int], None] | None = None) -> Future[list[int]]:
         """Like :meth:`read_many`, in the background: returns a ``Future`` of the byte counts."""
-        return self._track(request_executor(settings.threads).submit(
-            self._execute_many, self._validate_many(reads), None, on_bytes))
+        self._enter()
+        try:
+            fut = request_executor(settings.threads).submit(self._execute_many, self._validate_many(reads), None,
+                                                            self._own_callback(on_bytes))
+        except BaseException:
+            self._of.leave()
+            raise
+        return self._track(fut)
 
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> Future[int]:
         """Like :meth:`read`, in the background: returns a ``Future`` of the byte count."""
@@ -271,64 +319,82 @@ class File:
         (default: to the end of the file), asked without causing any I/O. Bytes past the end
         of the file are not held; False also where the kernel cannot say (neither
         ``cachestat`` nor ``mincore`` works)."""
-        self._check_open()
-        file_offset = _check_int("file_offset", file_offset)
-        size = self.size - file_offset if size is None else _check_int("size", size)
-        from gdskit.backends.staged import file_residency  # noqa: PLC0415
-        from gdskit.residency import Residency  # noqa: PLC0415
+        self._enter()
+        try:
+            file_offset = _check_int("file_offset", file_offset)
+            size = self._size() - file_offset if size is None else _check_int("size", size)
+            from gdskit.backends.staged import file_residency  # noqa: PLC0415
+            from gdskit.residency import Residency  # noqa: PLC0415
 
-        return file_residency(self._of, file_offset, max(size, 0)) is Residency.ALL
+            return file_residency(self._of, file_offset, max(size, 0)) is Residency.ALL
+        finally:
+            self._of.leave()
 
     def fsync(self) -> None:
         """Make written data durable."""
-        self._check_open()
+        self._enter()
         try:
             os.fsync(self._of.fd)
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
+        finally:
+            self._of.leave()
 
     # -- lifecycle --------------------------------------------------------
     def close(self) -> None:
-        """Wait for background requests, release everything; for ``atomic`` files publish the data."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._pending)
-        errors: list[BaseException] = []
-        for fut in pending:
-            try:
-                fut.result()
-            except BaseException as exc:
-                errors.append(exc)
-        if self.atomic and errors:
-            self._discard()
-            raise errors[0]
+        """Wait for the calls under way (background ones included), release everything; for
+        ``atomic`` files publish the data, unless a write failed: then the temporary file is
+        removed and that error raised. A second ``close`` waits for the first to finish."""
+        pending = self._start_closing()
+        if pending is None:
+            return
         try:
-            if self.atomic:
-                self._publish()
-            else:
-                self._of.close()
-        except BaseException:
-            if self.atomic:
+            self._of.shut()
+            errors = [fut.exception() for fut in pending if not fut.cancelled() and fut.exception() is not None]
+            if self.atomic and self._failed_write is not None and self._failed_write not in errors:
+                errors.insert(0, self._failed_write)
+            if self.atomic and errors:
                 self._discard()
-            raise
-        if errors:
-            raise errors[0]
+                raise errors[0]
+            try:
+                if self.atomic:
+                    self._publish()
+                else:
+                    self._of.close()
+            except BaseException:
+                if self.atomic:
+                    self._discard()
+                raise
+            if errors:
+                raise errors[0]
+        finally:
+            self._released.set()
 
     def abort(self) -> None:
         """Close without publishing: for ``atomic`` files the temporary file is removed, the target untouched."""
+        pending = self._start_closing()
+        if pending is None:
+            return
+        try:
+            self._of.shut()
+            self._discard() if self.atomic else self._of.close()
+        finally:
+            self._released.set()
+
+    def _start_closing(self) -> list[Future[Any]] | None:
+        """Mark the file closed; the background requests to collect errors from, or None where
+        another close came first (after waiting for it to finish)."""
+        if self in getattr(_in_callback, "files", ()):
+            raise InvalidArgumentError("close() from this file's own on_bytes callback would wait for the read "
+                                       "that calls it")
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             pending = list(self._pending)
-        for fut in pending:
-            try:
-                fut.result()
-            except BaseException:
-                pass
-        self._discard() if self.atomic else self._of.close()
+        if not first:
+            self._released.wait()
+            return None
+        return pending
 
     def _publish(self) -> None:
         try:
@@ -351,19 +417,42 @@ class File:
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
+            if not self._closed and getattr(self, "_of", None) is not None:
                 self.abort() if self.atomic else self.close()
         except Exception:
             pass
 
     # -- internals --------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
+    def _enter(self) -> None:
+        """Start a call that uses the descriptors (end it with ``self._of.leave()``)."""
+        if not self._of.enter():
             raise ClosedFileError(f"I/O on closed file {self.path!r}")
+
+    def _size(self) -> int:
+        try:
+            return os.fstat(self._of.fd).st_size
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
+
+    def _own_callback(self, on_bytes: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        """``on_bytes``, run with this file marked as inside its callback (see :meth:`close`)."""
+        if on_bytes is None:
+            return None
+
+        def call(n: int) -> None:
+            inside = getattr(_in_callback, "files", None)
+            if inside is None:
+                inside = _in_callback.files = []
+            inside.append(self)
+            try:
+                on_bytes(n)
+            finally:
+                inside.pop()
+
+        return call
 
     def _validate(self, op: str, buf: Any, size: int | None, file_offset: int | None,
                   buf_offset: int) -> tuple[BufferView, int, int, int]:
-        self._check_open()
         if op == "read" and self.mode in ("w", "a"):
             raise UnsupportedOperationError(9, f"file opened with mode {self.mode!r} is not readable", self.path)
         if op == "write" and self.mode == "r":
@@ -393,6 +482,16 @@ class File:
         return view, size, file_offset, buf_offset
 
     def _execute(self, op: str, view: BufferView, size: int, file_offset: int, buf_offset: int) -> int:
+        if op == "write" and self.atomic:
+            try:
+                return self._move(op, view, size, file_offset, buf_offset)
+            except BaseException as exc:
+                with self._lock:  # the file now has a hole or stale bytes: close() must not publish it
+                    self._failed_write = self._failed_write or exc
+                raise
+        return self._move(op, view, size, file_offset, buf_offset)
+
+    def _move(self, op: str, view: BufferView, size: int, file_offset: int, buf_offset: int) -> int:
         if size == 0:
             return 0
         if not view.on_device:  # host memory: one route, no planning needed
@@ -462,18 +561,25 @@ class File:
         return out
 
     def _submit(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int) -> Future[int]:
-        view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
-        return self._track(request_executor(settings.threads).submit(self._execute, op, view, size, file_offset,
-                                                                     buf_offset))
+        self._enter()
+        try:
+            view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
+            fut = request_executor(settings.threads).submit(self._execute, op, view, size, file_offset, buf_offset)
+        except BaseException:
+            self._of.leave()
+            raise
+        return self._track(fut)
 
     def _track(self, fut: Future[Any]) -> Future[Any]:
-        """Remember a background request until it is done (``close`` waits for it)."""
+        """Remember a background request, which holds the file open (entered by the caller),
+        until it is done or cancelled: ``close`` waits for it and collects its error."""
         with self._lock:
             self._pending.add(fut)
-        fut.add_done_callback(self._forget)
+        fut.add_done_callback(self._finished)
         return fut
 
-    def _forget(self, fut: Future[int]) -> None:
+    def _finished(self, fut: Future[Any]) -> None:
+        self._of.leave()
         with self._lock:
             self._pending.discard(fut)
 

@@ -16,20 +16,21 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gdskit.errors import GdskitError, InvalidArgumentError
+from gdskit.errors import DeviceUnavailableError, GdskitError, InvalidArgumentError, with_path
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
+from gdskit.formats._device import torch_device
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.safetensors_format import (HeaderError, LayoutError, MissingTensorError,
-                                               TruncatedFileError, UnknownDtypeError)
+from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, LayoutError, MissingTensorError,
+                                               TruncatedFileError, UnencodableNameError, UnknownDtypeError)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutError",
+__all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutError", "DuplicateNameError",
            "MissingTensorError", "TruncatedFileError", "UnknownDtypeError", "UnsupportedDtypeError",
-           "UnsupportedTensorError"]
+           "UnsupportedShapeError", "UnsupportedTensorError", "UnencodableNameError", "DeviceUnavailableError"]
 
 #: Tensors of at least this many bytes are read straight into their own memory;
 #: smaller file-adjacent tensors are read together through a staging buffer.
@@ -40,6 +41,11 @@ MAX_GROUP_BYTES = 16 << 20
 
 class UnsupportedDtypeError(fmt.FormatError):
     """The file holds a dtype the installed torch has no type for (e.g. F6_E2M3)."""
+
+
+class UnsupportedShapeError(fmt.FormatError):
+    """The file holds a shape torch cannot make (a dimension above ``2**63 - 1``), as
+    ``safetensors.torch.load_file`` refuses it too."""
 
 
 class UnsupportedTensorError(GdskitError, TypeError):
@@ -74,7 +80,25 @@ def _torch_type(torch: Any, entry: fmt.TensorEntry) -> tuple[Any, tuple[int, ...
             raise UnsupportedDtypeError(f"tensor {entry.name!r}: F4 with shape {list(shape)} "
                                         "cannot be packed in pairs")
         shape = shape[:-1] + (shape[-1] // 2,)
+    if any(d > _TORCH_DIM_MAX for d in shape):
+        raise UnsupportedShapeError(f"tensor {entry.name!r}: shape {list(shape)} has a dimension above "
+                                    f"{_TORCH_DIM_MAX}, torch's largest")
     return dt, shape
+
+
+_TORCH_DIM_MAX = 2**63 - 1
+
+
+def _empty_tensor(torch: Any, entry: fmt.TensorEntry, dt: Any, shape: tuple[int, ...], dev: Any) -> Any:
+    """A tensor of no elements, made as the reference makes it (a reshape of an empty one, which
+    accepts shapes ``torch.empty`` refuses, e.g. ``[0, 2**63 - 1, 2**63 - 1]``). Tried first on
+    the meta device, which allocates nothing: any refusal is the shape's."""
+    try:
+        torch.empty(0, dtype=dt, device="meta").reshape(shape)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise UnsupportedShapeError(f"tensor {entry.name!r}: torch cannot make shape {list(shape)}: "
+                                    f"{str(exc).splitlines()[0]}") from None
+    return torch.empty(0, dtype=dt, device=dev).reshape(shape)
 
 
 def _st_type(torch: Any, name: str, t: Any) -> tuple[str, tuple[int, ...]]:
@@ -92,11 +116,9 @@ def _st_type(torch: Any, name: str, t: Any) -> tuple[str, tuple[int, ...]]:
 
 
 def _device(torch: Any, device: Any) -> Any:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch_device(torch, device)
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceUnavailableError(f"gdskit.safetensors loads into CPU or CUDA memory, not {dev}")
     return dev
 
 
@@ -131,9 +153,12 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
     Raises
     ------
     gdskit.errors.FormatError
-        The file is not valid safetensors (a subclass says how).
+        The file is not valid safetensors (a subclass says how); ``.path`` names the file
+        at fault (the shard, or the index).
     MissingTensorError
         A name in ``keys`` is not in the checkpoint.
+    DeviceUnavailableError
+        ``device`` is a CUDA device this process cannot use (no CUDA: pass ``device="cpu"``).
     """
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats)
@@ -150,12 +175,12 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     for p, h in headers:
         for e in h.entries:
             if e.name in where:
-                raise HeaderError(f"tensor {e.name!r} is in both {where[e.name][0]} and {p}")
+                raise DuplicateNameError(f"tensor {e.name!r} is also in {where[e.name][0]}", path=p)
             where[e.name] = (p, h, e)
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
             if name not in where or os.path.abspath(where[name][0]) != os.path.abspath(p):
-                raise fmt.FormatError(f"index says {name!r} is in {p}, but it is not there")
+                raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
 
     if keys is None:
         names = list(where)
@@ -165,11 +190,21 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
         if missing:
             raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
                                      + (" ..." if len(missing) > 5 else ""))
-    types = {n: _torch_type(torch, where[n][2]) for n in names}  # fails before anything is read
+    types = {}
+    empty = {}   # tensors of no bytes are made here, not read
+    for n in names:  # everything that can fail does so before anything is read
+        p, _h, e = where[n]
+        try:
+            types[n] = _torch_type(torch, e)
+            if e.nbytes == 0:
+                empty[n] = _empty_tensor(torch, e, *types[n], dev)
+        except fmt.FormatError as exc:
+            raise with_path(exc, p) from None
 
     by_file: dict[str, list[fmt.TensorEntry]] = {}
     for n in names:
-        by_file.setdefault(where[n][0], []).append(where[n][2])
+        if n not in empty:
+            by_file.setdefault(where[n][0], []).append(where[n][2])
     total = sum(where[n][2].nbytes for n in names)
 
     from gdskit.formats.torch_io import execute
@@ -189,11 +224,17 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                                   max_group=MAX_GROUP_BYTES, max_gap=0)
             with open_file(p, "r") as f:
                 if f.size != h.file_size:
-                    raise TruncatedFileError(f"{p} changed size after its header was read "
-                                             f"({h.file_size} -> {f.size} bytes)")
-                raw.update(execute(f, plan, dev, alloc=alloc, progress=prog))
+                    raise TruncatedFileError(f"changed size after its header was read "
+                                             f"({h.file_size} -> {f.size} bytes)", path=p)
+                try:
+                    raw.update(execute(f, plan, dev, alloc=alloc, progress=prog))
+                except fmt.FormatError as exc:
+                    raise with_path(exc, p) from None
     out = {}
     for n, (dt, shape) in types.items():
+        if n in empty:
+            out[n] = empty[n]
+            continue
         t = raw.pop(n)
         if t.dtype is not dt:  # bytes read into host memory
             t = t.view(dt)
@@ -252,3 +293,83 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
             import concurrent.futures
             concurrent.futures.wait(futures)
             raise
+
+
+# -- into existing tensors, and streaming (gdskit.formats.into_exec, gdskit.formats.stream) --
+
+from gdskit.formats.into_plan import (DtypeMismatchError, KeyMismatchError,  # noqa: E402
+                                      OverlappingTargetsError, PartialLoadError, ShapeMismatchError,
+                                      UnsupportedTargetError)
+
+__all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError",
+            "PartialLoadError", "ShapeMismatchError", "UnsupportedTargetError"]
+
+
+def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+              strict: bool = True, cast: bool = False, progress: ProgressArg = None,
+              return_stats: bool = False) -> Any:
+    """Fill the tensors ``target`` already has from a safetensors checkpoint, in place.
+
+    Parameters
+    ----------
+    target : torch.nn.Module or mapping of str to torch.Tensor
+        A module (its ``state_dict()`` tensors: parameters and persistent buffers) or a
+        dict of tensors, on CPU and CUDA devices (mixed too). Each tensor keeps its memory
+        (``data_ptr()`` unchanged); tensors sharing memory (tied weights) are filled once.
+    path_or_paths
+        As for :func:`load_file`: a file, shards, a directory or an index file.
+    strict : bool
+        True: names that do not pair up raise :class:`KeyMismatchError` before anything
+        is read. False: they are returned.
+    cast : bool
+        Convert tensors whose dtype differs from their target's on the target's device
+        (otherwise :class:`DtypeMismatchError`).
+    progress, return_stats
+        As for :func:`load_file` (``return_stats`` returns ``(result, stats)``).
+
+    Returns
+    -------
+    LoadResult
+        ``(missing_keys, unexpected_keys)``, as ``Module.load_state_dict`` returns them.
+
+    Raises
+    ------
+    ShapeMismatchError, DtypeMismatchError, KeyMismatchError, UnsupportedTargetError, OverlappingTargetsError,
+    gdskit.errors.FormatError
+        Before any byte is read: the target is untouched.
+    PartialLoadError
+        A failure while bytes were moving; it names the tensors already filled.
+    """
+    _torch()
+    from gdskit.formats.into_exec import load_safetensors_into
+    return load_safetensors_into(target, path_or_paths, strict=strict, cast=cast, progress=progress,
+                                 return_stats=return_stats)
+
+
+def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
+                 max_inflight_bytes: int | None = None) -> Any:
+    """Yield ``(name, tensor)`` in file order as each tensor lands on ``device``, within a memory budget.
+
+    Every yielded tensor owns its memory. The iterator reads ahead only while the tensors
+    it has made and that are still alive (being read, waiting to be yielded, or yielded
+    and still referenced, views included) total at most ``max_inflight_bytes``: a tensor
+    counts as consumed once its memory is freed. Default budget: the larger of 1 GiB and
+    twice the largest tensor (so a ``for`` loop, which holds the previous tensor while it
+    asks for the next, always has room for one more). See docs/models.md.
+
+    Returns
+    -------
+    gdskit.formats.stream.TensorStream
+        An iterator (and context manager: leaving it stops the reads under way).
+
+    Raises
+    ------
+    gdskit.errors.InvalidArgumentError
+        ``max_inflight_bytes`` is smaller than the largest tensor asked for.
+    MissingTensorError
+        A name in ``keys`` is not in the checkpoint.
+    """
+    torch = _torch()
+    from gdskit.formats.stream import TensorStream
+    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes)

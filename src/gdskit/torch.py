@@ -467,3 +467,23 @@ def _fallback(torch: Any, path: str, map_location: MapLocation, weights_only: bo
     except (EOFError, RuntimeError) as exc:
         raise FormatError(f"{path}: torch.load cannot read it: {exc}") from None
     return (out, None) if return_stats else out
+
+
+# -- into existing tensors (gdskit.formats.into_exec) ----------------------------
+
+__all__ += ["load_into"]
+
+
+def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True, cast: bool = False,
+              weights_only: bool = True, progress: ProgressArg = None, return_stats: bool = False) -> Any:
+    """Fill the tensors ``target`` already has from a torch.save state dict, in place.
+
+    As :func:`gdskit.safetensors.load_into` (same arguments, result and errors); the file
+    is a torch.save zip archive holding a mapping of names to tensors (its entries that are
+    not tensors count as unexpected). ``weights_only`` as for :func:`load`. The pickle is
+    read onto the meta device first, so every check runs before any data is read.
+    """
+    _torch()
+    from gdskit.formats.into_exec import load_torch_into
+    return load_torch_into(target, path, strict=strict, cast=cast, progress=progress,
+                           return_stats=return_stats, weights_only=weights_only)

@@ -25,6 +25,10 @@ class OpenFile:
     ``fd`` is an ordinary buffered descriptor. ``direct_fd()`` opens a second,
     O_DIRECT descriptor on first use (``None`` where the filesystem refuses
     O_DIRECT, e.g. tmpfs). Backends hang their own per-file state in ``extras``.
+
+    Every operation that uses a descriptor runs between :meth:`enter` and :meth:`leave`;
+    :meth:`shut` refuses new ones and waits for those under way, so no descriptor is
+    released while a thread still uses its number (which the next ``open`` may reuse).
     """
 
     def __init__(self, path: str, fd: int, flags: int) -> None:
@@ -37,6 +41,34 @@ class OpenFile:
         self._state_lock = threading.RLock()
         self.nowait_supported = bool(RWF_NOWAIT)
         self.extras: dict[str, Any] = {}
+        self._users = 0             # operations under way
+        self._shut = False          # no new operation may start
+        self._idle = threading.Condition(threading.Lock())
+
+    def enter(self) -> bool:
+        """Start an operation; False (and nothing started) once :meth:`shut` has begun."""
+        with self._idle:
+            if self._shut:
+                return False
+            self._users += 1
+            return True
+
+    def leave(self) -> None:
+        """End an operation started by a successful :meth:`enter`."""
+        with self._idle:
+            self._users -= 1
+            if self._users == 0 and self._shut:
+                self._idle.notify_all()
+
+    def shut(self) -> bool:
+        """Refuse new operations and wait until none is under way; False if already shut."""
+        with self._idle:
+            if self._shut:
+                return False
+            self._shut = True
+            while self._users:
+                self._idle.wait()
+            return True
 
     def direct_fd(self) -> int | None:
         if self._direct_tried:
@@ -57,6 +89,8 @@ class OpenFile:
             return self._direct_fd
 
     def close(self) -> None:
+        """Wait for the operations under way (:meth:`shut`), then release every descriptor."""
+        self.shut()
         closers = self.extras.pop("closers", [])
         errors: list[BaseException] = []
         for close in closers:

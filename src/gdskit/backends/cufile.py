@@ -9,6 +9,7 @@ after the request, and, where counters are off, the driver properties.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import threading
@@ -21,7 +22,7 @@ from gdskit import shutdown as exit_order
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
-from gdskit.errors import DirectPathUnavailable, GdskitIOError
+from gdskit.errors import DirectPathUnavailable, GdskitIOError, from_os_error
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk
 from gdskit.pool import run_requests
@@ -259,6 +260,17 @@ def _share(evidence: dict[Path, int] | None, part: int, whole: int) -> dict[Path
     return {p: n for p, n in out.items() if n > 0} or {max(evidence, key=lambda p: evidence[p]): 1}
 
 
+# cuFile's own error codes (CUfileOpError) start here; below are errno values of its compat mode.
+_CUFILE_STATUS_BASE = 5000
+
+
+def _failed_call(op: str, code: int, path: str) -> GdskitIOError:
+    """The error for cuFileRead/cuFileWrite returning ``-code``: an errno, or a CUfileOpError."""
+    if code >= _CUFILE_STATUS_BASE:
+        return GdskitIOError(errno.EIO, f"cuFile {op} failed with cuFile status {code}", path)
+    return from_os_error(OSError(code, os.strerror(code)), path)
+
+
 class FileRegistration:
     """A cuFile handle for one open file, or why there is none."""
 
@@ -329,9 +341,14 @@ class CufileBackend(Backend):
             req, ch = job
             done = 0
             while done < ch.size:
-                n = call(handle, req.buf.ptr, ch.size - done, ch.file_offset + done, ch.buf_offset + done)
+                try:
+                    n = call(handle, req.buf.ptr, ch.size - done, ch.file_offset + done, ch.buf_offset + done)
+                except (ValueError, getattr(mod, "cuFileError", ValueError)) as exc:
+                    # -1 from cuFile: the bindings raise cuFileError(errno), or ValueError where
+                    # that errno is no cuFile status (they look it up in OpError).
+                    raise GdskitIOError(errno.EIO, f"cuFile {op} failed: {exc}", f.path) from exc
                 if n < 0:
-                    raise GdskitIOError(-int(n), os.strerror(-int(n)), f.path)
+                    raise _failed_call(op, -int(n), f.path)
                 if n == 0:
                     if op == "write":
                         raise GdskitIOError(5, "cuFileWrite wrote 0 bytes", f.path)
@@ -343,15 +360,8 @@ class CufileBackend(Backend):
 
         before = {gpu: lib.counters(gpu) for gpu in gpus}
         t0 = time.perf_counter()
-        try:
-            done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
-                                stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
-        except Exception as exc:
-            if isinstance(exc, GdskitIOError):
-                raise
-            if exc.__class__.__name__ == "cuFileError":
-                raise GdskitIOError(5, f"cuFile {op} failed: {exc}", f.path) from exc
-            raise
+        done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
+                            stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         elapsed = time.perf_counter() - t0
         evidence = {gpu: _classify(op, before[gpu], lib.counters(gpu)) for gpu in gpus}
         job_bytes = {gpu: sum(r.size for r in reqs if gpu_of(r) == gpu) for gpu in gpus}

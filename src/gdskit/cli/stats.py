@@ -51,7 +51,7 @@ def stats(
     prometheus: bool = typer.Option(False, "--prometheus", help="Print Prometheus text exposition format."),
     serve: Optional[int] = typer.Option(  # noqa: UP007
         None, "--serve", metavar="PORT", min=1, max=65535,
-        help="Serve Prometheus metrics on PORT (/metrics) until Ctrl-C (needs gdskit[prometheus])."),
+        help="Serve Prometheus metrics on PORT (/metrics) until Ctrl-C (needs gdskit\\[prometheus])."),
     serve_addr: str = typer.Option("127.0.0.1", "--serve-addr", help="Address --serve listens on."),
 ) -> None:
     from gdskit.errors import GdskitError, MissingDependencyError

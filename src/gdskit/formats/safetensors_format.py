@@ -10,6 +10,16 @@ optional ``"__metadata__"`` of string to string. The tensors must cover the data
 section exactly: no holes, no overlap, nothing after the last tensor. Readers
 (``safetensors.safe_open`` included) accept trailing spaces in the header, which
 is how :func:`layout` aligns the data section to 4 KiB.
+
+The parser accepts and refuses what the reference (the Rust ``safetensors`` crate, whose
+JSON parser is serde_json) does, where Python's ``json`` would differ: no ``NaN`` or
+``Infinity``, no number beyond the float range, no lone UTF-16 surrogate in a string, at
+most 127 nested arrays and objects, ``-0`` is a float (so not a dimension or an offset),
+dimensions and offsets are 64-bit unsigned, and the element count, multiplied out from the
+first dimension on, must not overflow 64 bits before it reaches a zero. One deliberate
+difference: a tensor name or metadata key that appears twice is refused
+(:class:`DuplicateNameError`), where the reference silently keeps the last one; two readers
+of such a file may disagree about what it holds.
 """
 
 from __future__ import annotations
@@ -19,11 +29,12 @@ import json
 import math
 import operator
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from gdskit.errors import FormatError, GdskitError, from_os_error
+from gdskit.errors import FormatError, GdskitError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
 
 #: Bits per element of every dtype the safetensors format defines.
@@ -38,6 +49,10 @@ DTYPE_BITS: dict[str, int] = {
 
 #: The reference implementation refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
+#: Dimensions, offsets and byte counts are 64-bit unsigned in the reference.
+U64_MAX = 2**64 - 1
+#: serde_json's nesting limit: 128 nested arrays and objects are refused.
+MAX_JSON_DEPTH = 127
 METADATA_KEY = "__metadata__"
 DEFAULT_ALIGNMENT = 4096
 
@@ -48,6 +63,19 @@ class HeaderError(FormatError):
 
 class UnknownDtypeError(HeaderError):
     """A tensor's dtype is not one the safetensors format defines."""
+
+
+class DuplicateNameError(HeaderError):
+    """A tensor name (or a ``__metadata__`` key) appears twice in the header.
+
+    Stricter than the reference, which keeps the last: a file that two readers may read
+    differently is refused.
+    """
+
+
+class UnencodableNameError(HeaderError, UnicodeError):
+    """A tensor name or metadata string to be written is not valid Unicode (a lone
+    surrogate): it has no UTF-8 form. Raised before anything is written."""
 
 
 class LayoutError(FormatError):
@@ -110,31 +138,120 @@ class Header:
         raise KeyError(name)
 
 
+def element_count(shape: Sequence[int]) -> int:
+    """Elements of a tensor of ``shape``; :class:`LayoutError` where the reference's 64-bit
+    count overflows. It multiplies from the first dimension on, so a zero does not save a
+    count that overflowed before it (``[2**62, 4, 0]``)."""
+    n = math.prod(shape)
+    if n > U64_MAX or (n == 0 and math.prod(shape[:list(shape).index(0)]) > U64_MAX):
+        raise LayoutError(f"shape {list(shape)} overflows a 64-bit element count")
+    return n
+
+
 def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes a tensor of ``dtype`` and ``shape`` takes; :class:`LayoutError` if not whole bytes."""
-    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    """Bytes a tensor of ``dtype`` and ``shape`` takes; :class:`LayoutError` if not whole bytes
+    or where the count overflows 64 bits (as the reference counts: in bits)."""
+    n = element_count(shape)
+    bits = DTYPE_BITS[dtype] * n
+    if bits > U64_MAX:
+        raise LayoutError(f"shape {list(shape)} of {dtype} overflows a 64-bit bit count")
     if bits % 8:
-        raise LayoutError(f"{math.prod(shape)} elements of {dtype} are not a whole number of bytes")
+        raise LayoutError(f"{n} elements of {dtype} are not a whole number of bytes")
     return bits // 8
 
 
 # -- parsing --------------------------------------------------------------------
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)  # built in C; a shorter dict means a name came twice
+class _Repeated(dict):  # type: ignore[type-arg]
+    """A JSON object in which a key appeared twice (the last value kept, as the reference
+    does); ``keys_repeated`` names them. Whether that is an error depends on where it is."""
+
+    __slots__ = ("keys_repeated",)
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)  # built in C; a shorter dict means a key came twice
     if len(out) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise HeaderError(f"duplicate name {dup!r} in safetensors header")
+        repeated = _Repeated(pairs)
+        repeated.keys_repeated = {k for k, _ in pairs if k in seen or seen.add(k)}  # type: ignore[func-returns-value]
+        return repeated
     return out
 
 
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _minus_zero_as_float(text: str) -> object:
+    return -0.0 if text == "-0" else int(text)  # serde_json reads -0 as a float
+
+
+# Cheap looks at the text that say whether the slow checks are needed at all.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_MINUS_ZERO = re.compile(r"-0(?![0-9.eE])")
+_HAS_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _loads(raw: bytes) -> object:
+    """The header's JSON, refused where serde_json refuses it (see the module docstring)."""
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant,
+                         parse_float=_finite_float,
+                         parse_int=_minus_zero_as_float if _MINUS_ZERO.search(text) else None)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise HeaderError(f"safetensors header is not valid UTF-8 JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text) and _any_surrogate(obj):
+        raise HeaderError("safetensors header holds a lone UTF-16 surrogate escape (not valid Unicode)")
+    return obj
+
+
+def _any_surrogate(obj: object) -> bool:
+    """Whether any string (key or value, at any depth) holds a lone surrogate; a loop, not
+    recursion, for documents nested as deep as ``json`` reads."""
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if _HAS_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
+
+
+def _check_free_value(name: str, key: str, value: object, depth: int) -> None:
+    """A value the format does not define (ignored, as the reference ignores it) must still be
+    JSON serde_json reads: nested at most to ``MAX_JSON_DEPTH`` in all, numbers in float range."""
+    if isinstance(value, (dict, list)):
+        if depth + 1 > MAX_JSON_DEPTH:
+            raise HeaderError(f"entry {name!r}: field {key!r} is nested more than {MAX_JSON_DEPTH} deep")
+        for v in (value.values() if isinstance(value, dict) else value):
+            _check_free_value(name, key, v, depth + 1)
+    elif type(value) is int and value.bit_length() > 1000:  # serde_json reads it as a float
+        try:
+            float(value)
+        except OverflowError:
+            raise HeaderError(f"entry {name!r}: field {key!r} holds a number out of range") from None
+
+
 def _naturals(v: object) -> bool:
-    """A list of non-negative integers (bools excluded), checked without a generator per entry."""
+    """A list of 64-bit unsigned integers (bools excluded), checked without a generator per entry."""
     if type(v) is not list:
         return False
     for d in v:
-        if type(d) is not int or d < 0:
+        if type(d) is not int or not 0 <= d <= U64_MAX:
             return False
     return True
 
@@ -165,20 +282,21 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
     file_size : int or None
         The file's size; when given, the data section must end exactly there.
     """
-    try:
-        text = raw.decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except HeaderError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HeaderError(f"safetensors header is not valid UTF-8 JSON: {exc}") from None
+    obj = _loads(raw)
     if not isinstance(obj, dict):
         raise HeaderError("safetensors header is not a JSON object")
+    if isinstance(obj, _Repeated):
+        if METADATA_KEY in obj.keys_repeated:
+            raise HeaderError(f"{METADATA_KEY!r} appears twice in the safetensors header")
+        raise DuplicateNameError(f"tensor name {min(obj.keys_repeated)!r} appears twice in the safetensors header")
 
     metadata = obj.pop(METADATA_KEY, None)
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise HeaderError("__metadata__ must map strings to strings")
+        if isinstance(metadata, _Repeated):
+            raise DuplicateNameError(f"metadata key {min(metadata.keys_repeated)!r} appears twice")
+        metadata = dict(metadata)
 
     entries = _entries(obj)
     entries.sort(key=_by_position)
@@ -200,14 +318,22 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
 
 
 _by_position = operator.attrgetter("start", "end")
+_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 def _entries(obj: dict[str, object]) -> list[TensorEntry]:
     """Every entry, checked: the first bad one raises an error that names it."""
     entries = []
     for name, info in obj.items():
-        if not isinstance(info, dict):
-            raise HeaderError(f"entry {name!r} is not a JSON object")
+        if type(info) is not dict:  # one test per entry for the rare cases: not an object, a repeated key
+            if not isinstance(info, dict):
+                raise HeaderError(f"entry {name!r} is not a JSON object")
+            if isinstance(info, _Repeated) and info.keys_repeated & _FIELDS:
+                raise HeaderError(f"entry {name!r}: field {min(info.keys_repeated & _FIELDS)!r} appears twice")
+        if len(info) > 3:  # fields the format does not define: ignored, but must be JSON serde reads
+            for key, value in info.items():
+                if key not in _FIELDS:
+                    _check_free_value(name, key, value, 2)
         dtype = info.get("dtype")
         shape = info.get("shape")
         offsets = info.get("data_offsets")
@@ -216,15 +342,23 @@ def _entries(obj: dict[str, object]) -> list[TensorEntry]:
         if dtype not in DTYPE_BITS:
             raise UnknownDtypeError(f"entry {name!r} has unknown dtype {dtype!r}")
         if not _naturals(shape):
-            raise HeaderError(f"entry {name!r}: shape must be a list of non-negative integers")
+            raise HeaderError(f"entry {name!r}: shape must be a list of 64-bit unsigned integers")
         if not _naturals(offsets) or len(offsets) != 2:
-            raise HeaderError(f"entry {name!r}: data_offsets must be two non-negative integers")
+            raise HeaderError(f"entry {name!r}: data_offsets must be two 64-bit unsigned integers")
         start, end = offsets
         if end < start:
             raise LayoutError(f"entry {name!r}: data_offsets end {end} is before begin {start}")
-        if nbytes_of(dtype, shape) != end - start:
+        bits = DTYPE_BITS[dtype] * math.prod(shape)
+        if 0 < bits <= U64_MAX and not bits & 7:
+            nbytes = bits >> 3   # the common case, without a call (headers hold thousands)
+        else:  # no elements (the count may have overflowed before the zero), too many, or not whole bytes
+            try:
+                nbytes = nbytes_of(dtype, shape)
+            except LayoutError as exc:
+                raise LayoutError(f"entry {name!r}: {exc}") from None
+        if nbytes != end - start:
             raise LayoutError(f"entry {name!r}: shape {shape} of {dtype} needs "
-                              f"{nbytes_of(dtype, shape)} bytes, offsets give {end - start}")
+                              f"{nbytes} bytes, offsets give {end - start}")
         entries.append(TensorEntry(name, dtype, tuple(shape), start, end))
     return entries
 
@@ -256,7 +390,10 @@ def read_header_file(path: str | os.PathLike[str]) -> Header:
         def read_at(off: int, n: int) -> bytes:
             return os.pread(fh.fileno(), n, off)
 
-        return parse_header(read_at, size)
+        try:
+            return parse_header(read_at, size)
+        except FormatError as exc:
+            raise with_path(exc, path) from None
 
 
 # -- writing --------------------------------------------------------------------
@@ -313,6 +450,9 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise HeaderError("metadata must map strings to strings")
+    _utf8_only("tensor name", (s.name for s in specs))
+    if metadata:
+        _utf8_only("metadata string", (t for kv in metadata.items() for t in kv))
     sized = [(s, nbytes_of(s.dtype, s.shape)) for s in specs]
     ordered = ([x for x in sized if x[1] % alignment == 0]
                + [x for x in sized if x[1] % alignment != 0])
@@ -332,6 +472,13 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     return Layout(struct.pack("<Q", len(raw)) + raw, tuple(entries))
 
 
+def _utf8_only(what: str, texts: Iterable[str]) -> None:
+    for text in texts:
+        if _HAS_SURROGATE.search(text):
+            raise UnencodableNameError(f"{what} {text!r} is not valid Unicode (a lone surrogate): "
+                                       "it has no UTF-8 form")
+
+
 # -- read planning --------------------------------------------------------------
 
 def extents(header: Header, entries: Iterable[TensorEntry]) -> list[Extent]:
@@ -346,32 +493,36 @@ INDEX_SUFFIX = ".safetensors.index.json"
 
 @dataclasses.dataclass(frozen=True)
 class ShardSet:
-    """The files of a checkpoint and, for an indexed one, which tensor lives in which file."""
+    """The files of a checkpoint and, for an indexed one, which tensor lives in which file
+    (``weight_map``) and the index file (``index``)."""
 
     files: tuple[str, ...]
     weight_map: dict[str, str] | None
+    index: str | None = None
 
 
 def _read_index(index_path: str) -> ShardSet:
     try:
         with open(index_path, "rb") as fh:
             doc = json.loads(fh.read().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{index_path}: not a valid JSON index: {exc}") from None
+    except OSError as exc:
+        raise from_os_error(exc, index_path) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"not a valid JSON index: {exc}", path=index_path) from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        raise FormatError("'weight_map' must map tensor names to file names", path=index_path)
     base = os.path.dirname(os.path.abspath(index_path))
     files: list[str] = []
     resolved: dict[str, str] = {}
     for name, fname in wm.items():
         if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
-            raise FormatError(f"{index_path}: shard name {fname!r} leaves the checkpoint directory")
+            raise FormatError(f"shard name {fname!r} leaves the checkpoint directory", path=index_path)
         full = os.path.join(base, fname)
         resolved[name] = full
         if full not in files:
             files.append(full)
-    return ShardSet(tuple(files), resolved)
+    return ShardSet(tuple(files), resolved, index_path)
 
 
 def resolve_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> ShardSet:
@@ -389,10 +540,10 @@ def resolve_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os
         if len(indexes) == 1:
             return _read_index(os.path.join(path, indexes[0]))
         if len(indexes) > 1:
-            raise FormatError(f"{path}: several index files ({', '.join(indexes)}); pass one of them")
+            raise FormatError(f"several index files ({', '.join(indexes)}); pass one of them", path=path)
         shards = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
         if not shards:
-            raise FormatError(f"{path}: no .safetensors files in this directory")
+            raise FormatError("no .safetensors files in this directory", path=path)
         return ShardSet(tuple(shards), None)
     if path.endswith(".json"):
         return _read_index(path)

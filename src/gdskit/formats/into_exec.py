@@ -1,0 +1,396 @@
+"""Fill tensors that already exist from a checkpoint, through the engine.
+
+The torch side of :func:`gdskit.safetensors.load_into` and :func:`gdskit.torch.load_into`
+(imports torch; only those functions import it). :mod:`gdskit.formats.into_plan` decides
+what fills what; this module describes the targets to it, locates the records' bytes, and
+runs the reads with :func:`gdskit.formats.torch_io.execute`:
+
+- a direct fill hands the target's own memory to the engine as the destination: no
+  allocation, no copy, ``data_ptr()`` unchanged (on the GPU small neighbours are read as
+  one request scattered straight into each target; into host memory, and with
+  ``mode="cufile"``, they pass through the engine's bounded staging ring);
+- a staged fill (non-contiguous target or record, or ``cast``) reads the record into a
+  fresh buffer on the target's device and copies it in with ``Tensor.copy_``, which
+  converts the dtype there; staged buffers are made :data:`STAGING_BATCH_BYTES` at a time.
+
+Every check (headers, file sizes, names, shapes, dtypes, conversions, overlaps) runs
+before the first read, so a refused load leaves the target untouched. A failure once
+bytes are moving raises :class:`~gdskit.formats.into_plan.PartialLoadError`, which names
+the tensors already filled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gdskit.errors import FormatError, from_os_error
+from gdskit.formats import read_plan
+from gdskit.formats._engine import can_scatter, open_file, stats, stats_delta
+from gdskit.formats._gc import collector_paused
+from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError, SourceInfo,
+                                      TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
+from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.formats.torch_io import execute
+
+#: Most bytes of staged fills (conversions, non-contiguous targets) read at once: their
+#: buffers are the only memory a load into existing tensors makes.
+STAGING_BATCH_BYTES = 256 << 20
+#: Devices the engine reads onto.
+_READ_DEVICES = ("cpu", "cuda")
+
+
+class LoadResult(NamedTuple):
+    """What ``load_into`` could not pair up, as ``Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class Source(NamedTuple):
+    """A checkpoint record: where its bytes lie, and how they read as a tensor: ``nbytes``
+    bytes at ``file_offset`` of ``path``, viewed as ``dtype`` and then ``shape`` (with
+    ``stride`` relative to the first byte, for a strided record of a torch.save file). It is
+    also the record :func:`~gdskit.formats.into_plan.plan_into` pairs (``dtype``, ``shape``,
+    ``contiguous``)."""
+
+    path: str
+    file_offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride is None
+
+
+#: The record of a checkpoint tensor no target asks for: reported as unexpected, never read.
+_UNPAIRED = SourceInfo("", None, ())
+
+
+class ReadShape(NamedTuple):
+    """How a format's reads are planned (see :func:`gdskit.formats.read_plan.plan`)."""
+
+    small: int
+    max_group: int
+    max_gap: int
+
+
+# -- targets --------------------------------------------------------------------
+
+def target_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of ``target``: a module's ``state_dict()`` (parameters and
+    persistent buffers; entries that are not tensors, such as extra state, are left out)
+    or a mapping of names to tensors."""
+    if isinstance(target, torch.nn.Module):
+        return [(k, v) for k, v in target.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)]
+    if isinstance(target, Mapping):
+        out = []
+        for k, v in target.items():
+            if not isinstance(k, str):
+                raise UnsupportedTargetError(f"target names must be strings, got {type(k).__name__}")
+            if not isinstance(v, torch.Tensor):
+                raise UnsupportedTargetError(f"target {k!r} is a {type(v).__name__}, not a torch.Tensor")
+            out.append((k, v))
+        return out
+    raise UnsupportedTargetError(f"the target must be a torch.nn.Module or a mapping of names to tensors, "
+                                 f"not a {type(target).__name__}")
+
+
+def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
+    """What :func:`~gdskit.formats.into_plan.plan_into` needs of each target; refuses
+    targets that cannot be filled in place."""
+    device_names: dict[torch.device, str] = {}
+    strided = torch.strided
+    out = []
+    for name, t in items:
+        dev = t.device
+        dn = device_names.get(dev)
+        if dn is None:
+            if dev.type == "meta":
+                raise UnsupportedTargetError(f"target {name!r} is on the meta device and has no memory to fill; "
+                                             "materialise the module first (Module.to_empty(device=...))")
+            if dev.type not in _READ_DEVICES:
+                raise UnsupportedTargetError(f"target {name!r} is on {dev}; gdskit reads into CPU and CUDA memory")
+            dn = device_names[dev] = str(dev)
+        if t.layout is not strided or t.is_quantized:
+            raise UnsupportedTargetError(f"target {name!r} ({t.layout}{', quantized' if t.is_quantized else ''}) "
+                                         "has no plain memory to fill")
+        nbytes = t.nbytes
+        if t.is_contiguous():
+            stride, span = None, nbytes
+        else:
+            stride = tuple(t.stride())
+            span = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * t.element_size() if nbytes else 0
+            if span < nbytes:
+                raise UnsupportedTargetError(f"target {name!r}: several of its elements share memory "
+                                             "(an expanded view?); it cannot be filled")
+        out.append(TargetInfo(name, t.dtype, t.shape, dn, t.data_ptr(), nbytes, span, stride))
+    return out
+
+
+def _check_conversions(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source]) -> None:
+    """Refuse, before any read, a conversion ``Tensor.copy_`` cannot make."""
+    pairs = {(sources[f.source].dtype, tensors[f.target].dtype) for f in plan.fills if f.cast}
+    for src, dst in pairs:
+        try:
+            torch.empty(1, dtype=dst).copy_(torch.empty(1, dtype=src))
+        except (RuntimeError, TypeError) as exc:
+            raise DtypeMismatchError(f"torch cannot convert {src} to {dst}: {exc}") from None
+
+
+# -- execution ------------------------------------------------------------------
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of contiguous ``t``'s memory (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> None:
+    # On a GPU whose reads scatter, the engine only needs each target's address and size;
+    # elsewhere the staging ring's copies need byte views.
+    raw = device.type == "cuda" and can_scatter()
+    dests = {}
+    extents = []
+    for fl in fills:
+        t = tensors[fl.target]
+        s = sources[fl.source]
+        dests[fl.target] = t if raw else _byte_view(t)
+        extents.append(read_plan.Extent(fl.target, s.file_offset, s.nbytes))
+    plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
+    execute(f, plan, device, dests=dests, progress=prog)
+
+
+def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> None:
+    extents = [read_plan.Extent(fl.target, sources[fl.source].file_offset, sources[fl.source].nbytes)
+               for fl in fills]
+    plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
+    staged = execute(f, plan, device, progress=prog)  # fresh uint8 buffers on the device
+    with torch.no_grad():
+        for fl in fills:
+            s = sources[fl.source]
+            values = staged.pop(fl.target).view(s.dtype)
+            values = values.view(s.shape) if s.stride is None else values.as_strided(s.shape, s.stride)
+            tensors[fl.target].copy_(values)  # converts on the target's device where dtypes differ
+
+
+def _staged_batches(fills: Sequence[Fill], sources: Mapping[str, Source]) -> Iterable[list[Fill]]:
+    batch: list[Fill] = []
+    held = 0
+    for fl in fills:
+        n = sources[fl.source].nbytes
+        if batch and held + n > STAGING_BATCH_BYTES:
+            yield batch
+            batch, held = [], 0
+        batch.append(fl)
+        held += n
+    if batch:
+        yield batch
+
+
+def _mark_modified(ts: Iterable[torch.Tensor]) -> None:
+    """Tell autograd that the engine wrote these tensors' memory (as an in-place op would)."""
+    tracked = [t for t in ts if not t.is_inference()]
+    if tracked:
+        torch.autograd.graph.increment_version(tracked)
+
+
+def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
+              file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg) -> None:
+    """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device.
+
+    Raises
+    ------
+    PartialLoadError
+        A read, a file that changed size, or a copy failed; the error names what was filled.
+    """
+    by_file: dict[str, dict[torch.device, tuple[list[Fill], list[Fill]]]] = {p: {} for p in file_sizes}
+    for fl in plan.fills:
+        per_device = by_file[sources[fl.source].path]
+        direct, staged = per_device.setdefault(tensors[fl.target].device, ([], []))
+        (staged if fl.staged else direct).append(fl)
+    total = sum(sources[fl.source].nbytes for fl in plan.fills)
+    done: list[Fill] = []
+    copying: set[torch.device] = set()  # GPUs with copies queued on torch's stream
+    syncing = False
+    try:
+        with Progress(total, progress, "loading") as prog:
+            for path, per_device in by_file.items():
+                if not per_device:
+                    continue
+                with open_file(path, "r") as f:
+                    if f.size != file_sizes[path]:
+                        raise TruncatedFileError(f"{path} changed size after its header was read "
+                                                 f"({file_sizes[path]} -> {f.size} bytes)")
+                    for dev, (direct, staged) in per_device.items():
+                        if direct:
+                            _fill_direct(f, dev, direct, tensors, sources, shape, prog)
+                            done.extend(direct)
+                        for batch in _staged_batches(staged, sources):
+                            _fill_staged(f, dev, batch, tensors, sources, shape, prog)
+                            if dev.type == "cuda":
+                                copying.add(dev)
+                            done.extend(batch)
+        syncing = True
+        for dev in copying:  # a copy that failed on the GPU says so here
+            torch.cuda.current_stream(dev).synchronize()
+    except Exception as exc:
+        if syncing:  # which queued copy failed is unknown
+            done = [d for d in done if not (d.staged and tensors[d.target].device in copying)]
+        filled = plan.filled_names(done)
+        known = set(filled)
+        unfilled = [n for n in plan.filled_names() if n not in known]
+        raise PartialLoadError(f"the load failed after it had started filling the target ({type(exc).__name__}: "
+                               f"{exc}); {len(filled)} tensors are filled, {len(unfilled)} may hold anything "
+                               "(see .filled and .unfilled)", filled, unfilled) from exc
+    finally:
+        _mark_modified(tensors[n] for n in plan.filled_names(done))
+
+
+def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInfo],
+            records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
+            shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
+            extra_unexpected: Sequence[str] = ()) -> Any:
+    plan = plan_into(infos, records, cast=cast)
+    unexpected = list(plan.unexpected_keys) + [n for n in extra_unexpected if n not in plan.unexpected_keys]
+    if strict and (plan.missing_keys or unexpected):
+        raise key_mismatch(plan.missing_keys, unexpected)
+    tensors = dict(items)
+    _check_conversions(plan, tensors, sources)
+    before = stats() if return_stats else None
+    run_fills(plan, tensors, sources, file_sizes, shape, progress)
+    result = LoadResult(list(plan.missing_keys), unexpected)
+    if return_stats:
+        return result, stats_delta(before, stats())
+    return result
+
+
+# -- safetensors ----------------------------------------------------------------
+
+def load_safetensors_into(target: Any, path_or_paths: Any, *, strict: bool, cast: bool, progress: ProgressArg,
+                          return_stats: bool) -> Any:
+    """:func:`gdskit.safetensors.load_into`."""
+    from gdskit import safetensors as gs  # noqa: PLC0415 - its dtype table; it imports this module lazily
+    from gdskit.formats.shard_index import index_checkpoint
+
+    with collector_paused():
+        items = target_tensors(target)
+        infos = describe(items)
+        index = index_checkpoint(path_or_paths)
+        wanted = {name for name, _ in items}
+        records: dict[str, Any] = {}
+        sources: dict[str, Source] = {}
+        dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
+        for name, loc in index.tensors.items():
+            if name not in wanted:
+                records[name] = _UNPAIRED
+                continue
+            e = loc.entry
+            dt = dtypes.get(e.dtype)
+            if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
+                dt, shp = gs._torch_type(torch, e)  # UnsupportedDtypeError for F6_*
+                dtypes[e.dtype] = dt
+            else:
+                shp = e.shape
+            records[name] = sources[name] = Source(loc.path, loc.file_offset, e.end - e.start, dt, shp)
+        file_sizes = {p: h.file_size for p, h in index.headers}
+        shape = ReadShape(gs.SMALL_TENSOR_BYTES, gs.MAX_GROUP_BYTES, 0)
+        return _finish(items, infos, records, sources, file_sizes, shape, strict=strict, cast=cast,
+                       progress=progress, return_stats=return_stats)
+
+
+# -- torch.save archives --------------------------------------------------------
+
+def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, Source], list[str], int]:
+    """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
+    the names of entries that are not tensors, and the archive's size.
+
+    The pickle is unpickled onto storages on the meta device, which gives every tensor's
+    storage, offset, shape and strides without reading or allocating any data.
+    """
+    from gdskit import torch as gt  # noqa: PLC0415 - its unpickler and archive checks
+    from gdskit.formats.torch_zip import StorageRecords
+
+    try:
+        kind = gt._file_kind(path)
+        archive_size = os.path.getsize(path)
+    except OSError as exc:
+        raise from_os_error(exc, path) from None
+    if kind != "zip":
+        raise FormatError(f"{path}: load_into reads torch.save zip archives (torch 1.6 and later); load this "
+                          "one with gdskit.torch.load and Module.load_state_dict")
+    try:
+        reader = torch._C.PyTorchFileReader(path)
+    except RuntimeError as exc:
+        raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
+    names = set(reader.get_all_records())
+    if "data.pkl" not in names or "constants.pkl" in names:
+        raise FormatError(f"{path}: a TorchScript archive or no data.pkl; load_into reads torch.save state dicts")
+    if "byteorder" in names and reader.get_record("byteorder").decode() != sys.byteorder:
+        raise FormatError(f"{path}: saved on a machine of the other byte order; load it with gdskit.torch.load")
+    records = StorageRecords(torch, reader, path, archive_size, path)
+    storages: dict[int, tuple[Any, Any]] = {}   # id(meta storage) -> (storage, record)
+    typed: dict[str, Any] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        rec = records.resolve(saved_id)
+        if rec.key not in typed:
+            storage = torch.UntypedStorage(rec.nbytes, device="meta")
+            storages[id(storage)] = (storage, rec)
+            typed[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
+        return typed[rec.key]
+
+    obj = gt._unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None)
+    del reader
+    if not isinstance(obj, Mapping):
+        raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors)")
+    where: dict[str, Source] = {}
+    others: list[str] = []
+    for name, t in obj.items():
+        if not isinstance(name, str):
+            raise FormatError(f"{path}: state dict names must be strings, got {type(name).__name__}")
+        if not isinstance(t, torch.Tensor):
+            others.append(name)
+            continue
+        found = storages.get(id(t.untyped_storage()))
+        if found is None or t.layout is not torch.strided:
+            raise FormatError(f"{path}: tensor {name!r} is not stored as plain bytes of the archive")
+        _storage, rec = found
+        es = t.element_size()
+        start = t.storage_offset() * es
+        if t.is_contiguous():
+            nbytes, stride = t.numel() * es, None
+        else:
+            stride = tuple(t.stride())
+            nbytes = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * es if t.numel() else 0
+        if start + nbytes > rec.nbytes:
+            raise FormatError(f"{path}: tensor {name!r} reaches past the end of its storage record")
+        where[name] = Source(path, rec.offset + start, nbytes, t.dtype, tuple(t.shape), stride)
+    return where, others, archive_size
+
+
+def load_torch_into(target: Any, path: str | os.PathLike[str], *, strict: bool, cast: bool,
+                    progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
+    """:func:`gdskit.torch.load_into`."""
+    from gdskit import torch as gt  # noqa: PLC0415
+
+    path = os.fspath(path)
+    with collector_paused():
+        items = target_tensors(target)
+        infos = describe(items)
+        records, others, size = _torch_records(path, weights_only)
+        wanted = {name for name, _ in items}
+        sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
+        shape = ReadShape(gt.SMALL_STORAGE_BYTES, gt.MAX_GROUP_BYTES, gt.MAX_GAP_BYTES)
+        return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
+                       progress=progress, return_stats=return_stats, extra_unexpected=others)
+

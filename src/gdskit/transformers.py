@@ -1,0 +1,212 @@
+"""Hugging Face transformers models, built without their weights and filled in place by gdskit.
+
+>>> import gdskit.transformers
+>>> model = gdskit.transformers.load_model("path/to/checkpoint", device="cuda:0")
+
+:func:`load_model` does what ``from_pretrained(path).to(device)`` does, with the bytes read
+by :func:`gdskit.safetensors.load_into`: the model is built from ``config.json`` on the meta
+device (no memory, no random initialisation), its tensors are made once on ``device``, and
+the checkpoint's bytes land straight in them. Needs transformers 5
+(``pip install 'gdskit[transformers]'``). See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, MissingDependencyError
+from gdskit.formats import require_torch
+from gdskit.formats.into_plan import key_mismatch
+
+__all__ = ["load_model", "UnsupportedModelError"]
+
+_log = logging.getLogger("gdskit.transformers")
+
+#: Checkpoint names a model tolerates beyond its own lists, as from_pretrained does: rotary
+#: frequencies and position ids that older checkpoints stored as persistent buffers.
+_TOLERATED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+class UnsupportedModelError(GdskitError, NotImplementedError):
+    """The model needs a loading step :func:`load_model` does not take (quantized weights,
+    modules kept in float32 under a half-precision dtype)."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MissingDependencyError("gdskit.transformers needs transformers: "
+                                     "pip install 'gdskit[transformers]'") from None
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise MissingDependencyError(f"gdskit.transformers needs transformers 5 or later "
+                                     f"(this is {transformers.__version__})")
+    return transformers
+
+
+def _checkpoint_files(path: str) -> str:
+    """The safetensors weights of checkpoint directory ``path``: its index file, or its one file."""
+    if not os.path.isdir(path):
+        raise FormatError(f"{path}: not a checkpoint directory (with config.json and model.safetensors)")
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            return full
+    raise FormatError(f"{path}: no model.safetensors or model.safetensors.index.json (gdskit reads "
+                      "safetensors checkpoints; save with save_pretrained(safe_serialization=True))")
+
+
+def _model_class(transformers: Any, config: Any, model_class: Any) -> Any:
+    if model_class is not None:
+        return model_class
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def _resolve_dtype(torch: Any, config: Any, torch_dtype: Any, index: Any) -> Any:
+    """As from_pretrained's default ``"auto"``: the config's dtype, else the checkpoint's first
+    floating-point tensor's, else torch's default."""
+    if isinstance(torch_dtype, torch.dtype):
+        return torch_dtype
+    if torch_dtype is not None and torch_dtype != "auto":
+        found = getattr(torch, str(torch_dtype), None) if isinstance(torch_dtype, str) else None
+        if not isinstance(found, torch.dtype):
+            raise InvalidArgumentError(f"torch_dtype must be a torch.dtype, a dtype's name or 'auto', "
+                                       f"not {torch_dtype!r}")
+        return found
+    dt = getattr(config, "dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    from gdskit import safetensors as gs
+    for loc in index.tensors.values():
+        cand, _shape = gs._torch_type(torch, loc.entry)
+        if cand.is_floating_point:
+            return cand
+    return torch.get_default_dtype()
+
+
+def _build_on_meta(transformers: Any, torch: Any, cls: Any, config: Any, dtype: Any) -> Any:
+    """The model with every tensor on the meta device, built as from_pretrained builds it."""
+    import contextlib
+
+    init = getattr(transformers, "initialization", None)
+    safe_ops = getattr(init, "meta_device_safe_creation_ops", None)  # models that call .item() in __init__
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.device("meta"))
+        if safe_ops is not None:
+            stack.enter_context(safe_ops())
+        if hasattr(cls, "_model_mapping"):  # an Auto class
+            return cls.from_config(config, dtype=dtype)
+        return cls._from_config(config, dtype=dtype)
+
+
+def _checkpoint_names(model: Any, names: set[str], params: dict[str, Any]) -> dict[str, str]:
+    """The checkpoint's name for each of the model's tensors: a base model loaded from a
+    checkpoint of a model with a head finds its tensors prefixed there (``bert.``), and a
+    model with a head loaded from a base model's checkpoint the other way round."""
+    same = {k: k for k in params}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or any(k in names for k in params):
+        return same
+    lead = prefix + "."
+    if any(n.startswith(lead) for n in names) and not any(k.startswith(lead) for k in params):
+        return {k: lead + k for k in params}
+    if any(k.startswith(lead) for k in params):
+        return {k: k[len(lead):] if k.startswith(lead) else k for k in params}
+    return same
+
+
+def _tolerated(patterns: Any, extra: tuple[str, ...] = ()) -> re.Pattern[str] | None:
+    found = list(patterns or ()) + list(extra)
+    return re.compile("|".join(f"({p})" for p in found)) if found else None
+
+
+def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_class: Any = None,
+               torch_dtype: Any = None, strict: bool = True) -> Any:
+    """Build a transformers model from the checkpoint directory ``path`` and fill it on ``device``.
+
+    Parameters
+    ----------
+    path : path
+        A directory written by ``save_pretrained``: ``config.json`` and ``model.safetensors``
+        or shards with their ``model.safetensors.index.json``.
+    device : str, int or torch.device
+        Where the model's tensors are made (``"cpu"`` works too).
+    model_class : class, optional
+        A model class (``LlamaForCausalLM``) or an Auto class; default: the config's
+        first ``architectures`` entry, else ``AutoModel``.
+    torch_dtype : torch.dtype, str or None
+        As ``from_pretrained(dtype=...)``; None means ``"auto"`` (the config's dtype), as
+        there. Checkpoint tensors of another dtype are converted on ``device``.
+    strict : bool
+        True: checkpoint names that do not pair with the model's (beyond what the model
+        itself tolerates, and tied weights) raise :class:`gdskit.safetensors.KeyMismatchError`.
+        False: missing weights are initialised as from_pretrained initialises them, and
+        the names are logged.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        In eval mode, weights tied, with its generation config where the directory has one.
+    """
+    torch = require_torch("gdskit.transformers")
+    transformers = _transformers()
+    from gdskit import safetensors as gs
+    from gdskit.formats.into_exec import load_safetensors_into
+    from gdskit.formats.shard_index import index_checkpoint
+
+    path = os.fspath(path)
+    weights = _checkpoint_files(path)
+    index = index_checkpoint(weights)  # every header checked before the model is built
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) is not None:
+        raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
+    dtype = _resolve_dtype(torch, config, torch_dtype, index)
+    dev = gs._device(torch, device)
+    model = _build_on_meta(transformers, torch, _model_class(transformers, config, model_class), config, dtype)
+    plan_fn = getattr(model, "_get_dtype_plan", None)
+    if plan_fn is not None and plan_fn(dtype):
+        raise UnsupportedModelError(f"{type(model).__name__} keeps some modules in float32 under {dtype}; "
+                                    "load it with from_pretrained, or in float32")
+
+    model.to_empty(device=dev)
+    model.tie_weights()  # tied parameters are one tensor again: load_into fills it once
+    params = model.state_dict(keep_vars=True)
+    renamed = _checkpoint_names(model, set(index.tensors), params)
+    target = {renamed[k]: v for k, v in params.items()}
+    result = load_safetensors_into(target, weights, strict=False, cast=True, progress=None, return_stats=False)
+    model_name = {v: k for k, v in renamed.items()}
+    not_loaded = [model_name[k] for k in result.missing_keys]  # in the model's own names
+    missing_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_missing", None))
+    unexpected_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_unexpected", None), _TOLERATED_UNEXPECTED)
+    missing = [k for k in not_loaded if missing_ok is None or not missing_ok.search(k)]
+    unexpected = [k for k in result.unexpected_keys if unexpected_ok is None or not unexpected_ok.search(k)]
+    if strict and (missing or unexpected):
+        raise key_mismatch(missing, unexpected)
+    if missing or unexpected:
+        _log.warning("%s: %d weights not in the checkpoint (initialised): %s; %d checkpoint tensors unused: %s",
+                     path, len(missing), missing[:8], len(unexpected), unexpected[:8])
+
+    # What from_pretrained does after its reads: tensors that were loaded are marked so that
+    # the model's own initialisation leaves them be; it then sets what the checkpoint does not
+    # hold (non-persistent buffers such as rotary frequencies and position ids, which to_empty
+    # left uninitialised, and any missing weight).
+    skip = set(not_loaded)
+    for name, t in params.items():
+        if name not in skip:
+            t._is_hf_initialized = True
+    model.initialize_weights()
+    model.tie_weights()
+    model.eval()
+    if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    return model
