@@ -37,6 +37,7 @@ __all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutErro
 SMALL_TENSOR_BYTES = 1 << 20
 #: Largest single coalesced read (and the size of one staging buffer).
 MAX_GROUP_BYTES = 16 << 20
+_READ_SHAPE = read_plan.ReadShape(SMALL_TENSOR_BYTES, MAX_GROUP_BYTES, 0)
 
 
 class UnsupportedDtypeError(fmt.FormatError):
@@ -342,8 +343,8 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
     """
     _torch()
     from gdskit.formats.into_exec import load_safetensors_into
-    return load_safetensors_into(target, path_or_paths, strict=strict, cast=cast, progress=progress,
-                                 return_stats=return_stats)
+    return load_safetensors_into(target, path_or_paths, torch_type=_torch_type, shape=_READ_SHAPE, strict=strict,
+                                 cast=cast, progress=progress, return_stats=return_stats)
 
 
 def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -372,4 +373,5 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
     """
     torch = _torch()
     from gdskit.formats.stream import TensorStream
-    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes)
+    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
+                        torch_type=_torch_type, shape=_READ_SHAPE)

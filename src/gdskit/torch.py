@@ -485,5 +485,7 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
     """
     _torch()
     from gdskit.formats.into_exec import load_torch_into
-    return load_torch_into(target, path, strict=strict, cast=cast, progress=progress,
-                           return_stats=return_stats, weights_only=weights_only)
+    return load_torch_into(target, path, file_kind=_file_kind, unpickle=_unpickle,
+                           shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),
+                           strict=strict, cast=cast, progress=progress, return_stats=return_stats,
+                           weights_only=weights_only)

@@ -14,6 +14,14 @@ from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 
+class ReadShape(NamedTuple):
+    """How a format's reads are planned: :func:`plan`'s ``small``, ``max_group`` and ``max_gap``."""
+
+    small: int
+    max_group: int
+    max_gap: int
+
+
 class Extent(NamedTuple):
     """``nbytes`` bytes at ``file_offset`` that belong to ``key`` (a tensor or a storage).
 
