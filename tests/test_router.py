@@ -49,10 +49,9 @@ def open_file(tmp_path):
 
 
 @pytest.fixture
-def direct_machine(monkeypatch):
+def direct_machine(monkeypatch, route_is):
     """A machine with nvidia-fs whose cuFile registers every file."""
-    route = dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: route)
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
     monkeypatch.setattr(cufile_backend, "register", lambda f: cufile_backend.FileRegistration(1234, None))
     monkeypatch.setattr("gdskit.router._direct_threshold", lambda f, cfg: cfg.direct_threshold)
 
@@ -89,9 +88,8 @@ def test_compat_seen_sends_later_requests_to_the_ring(open_file, direct_machine)
     assert _routes(open_file, _device_buf(), 8 * MiB, 0)[0][:2] == ("bounce", Reason.CUFILE_COMPAT_OBSERVED)
 
 
-def test_registration_failure_reason(open_file, monkeypatch):
-    route = dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, False)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: route)
+def test_registration_failure_reason(open_file, monkeypatch, route_is):
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, False))
     monkeypatch.setattr("gdskit.router._direct_threshold", lambda f, cfg: 0)
     monkeypatch.setattr(cufile_backend, "register",
                         lambda f: cufile_backend.FileRegistration(None, Reason.UDEV_MISSING, "udev property not found"))
@@ -101,9 +99,8 @@ def test_registration_failure_reason(open_file, monkeypatch):
     assert ei.value.reason is Reason.UDEV_MISSING
 
 
-def test_no_direct_route_machine(open_file, monkeypatch):
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING,
-                                                                             False, False, False))
+def test_no_direct_route_machine(open_file, route_is):
+    route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, False))
     assert _routes(open_file, _device_buf(), 8 * MiB, 0) == [("bounce", Reason.NVIDIA_FS_MISSING, 0, 0, 8 * MiB)]
 
 
@@ -135,11 +132,10 @@ def test_cufile_evidence_classification():
     assert cufile_backend._classify("read", None, after) is None
 
 
-def test_cufile_ledger_names_compat_with_the_platform_reason(monkeypatch):
+def test_cufile_ledger_names_compat_with_the_platform_reason(route_is):
     from gdskit.backends.base import Request
 
-    monkeypatch.setattr(cufile_backend, "direct_route",
-                        lambda: dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
+    route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
     req = Request("read", _device_buf(), 8 * MiB, 0, 0, Reason.DIRECT)
     before = gdskit.stats()
     cufile_backend.CufileBackend._record(req, 8 * MiB, 4, 0.01, {Path.CUFILE_COMPAT: 3, Path.CUFILE_NVFS: 1})

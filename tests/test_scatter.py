@@ -104,16 +104,17 @@ class TestOnStandInGpu:
     def test_copies_are_batched_where_the_driver_can_and_one_by_one_where_not(self, data_file, fake_cuda,
                                                                                 batches, monkeypatch):
         path, data = data_file
-        monkeypatch.setattr(cuda, "_batched_copies", None)  # not yet tried
         if not batches:  # a driver older than CUDA 12.8
             monkeypatch.setitem(fake_cuda.fail, "cuMemcpyBatchAsync", fake_cuda.CUresult.CUDA_ERROR_NOT_SUPPORTED)
-        arrays = [cuda.DeviceArray(1000) for _ in range(40)]
-        view = scattered_device_view(_targets(arrays, range(0, 80_000, 2000)), 80_000, 0, arrays)
-        before = dict(fake_cuda.calls)
-        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
-            assert f.read(view, 80_000) == 80_000
-        assert all(_device_bytes(a) == data[i * 2000:i * 2000 + 1000] for i, a in enumerate(arrays))
-        assert cuda._batched_copies is batches
+        with cuda.use_driver(fake_cuda):  # the driver afresh: batching not tried yet
+            assert cuda.copies_batched() is None
+            arrays = [cuda.DeviceArray(1000) for _ in range(40)]
+            view = scattered_device_view(_targets(arrays, range(0, 80_000, 2000)), 80_000, 0, arrays)
+            before = dict(fake_cuda.calls)
+            with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
+                assert f.read(view, 80_000) == 80_000
+            assert all(_device_bytes(a) == data[i * 2000:i * 2000 + 1000] for i, a in enumerate(arrays))
+            assert cuda.copies_batched() is batches
         calls = {k: v - before.get(k, 0) for k, v in fake_cuda.calls.items()}
         # A batch per chunk, or (after one refused batch) a call per copy.
         if batches:

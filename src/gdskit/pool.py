@@ -291,6 +291,11 @@ class LanePool:
             how = made.pop() if len(made) == 1 else "mixed" if made else "none"
             return ResourceUsage(len(self._all), self._busy, self._pinned(), threads, how, self._register_error)
 
+    def forget_register_error(self) -> None:
+        """Try registering pinned memory again (a refusal was the driver's, and the driver changed)."""
+        with self._cond:
+            self._register_error = None
+
     def release_idle(self) -> None:
         """Free every idle lane (pinned memory, streams). Busy lanes are left alone."""
         with self._cond:
@@ -483,6 +488,15 @@ def shutdown() -> None:
     stop_workers()
     lanes.release_idle()
 
+
+def _leave_driver() -> None:
+    """Before gdskit moves to another CUDA driver (``cuda.use_driver``): the workers stop and the
+    lanes made on the driver left (streams, pinned memory) are freed while it is still there."""
+    shutdown()
+    lanes.forget_register_error()
+
+
+cuda.on_driver_change(_leave_driver)
 
 # Workers stop before the cuFile driver closes; the pinned stages go after it, CUDA still running.
 exit_order.at_exit(exit_order.STOP_WORK, stop_workers)
