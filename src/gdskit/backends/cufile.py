@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit import shutdown as exit_order
-from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.backends.base import Backend, FileRegistration, OpenFile, Request
 from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, from_os_error
@@ -271,18 +271,9 @@ def _failed_call(op: str, code: int, path: str) -> GdskitIOError:
     return from_os_error(OSError(code, os.strerror(code)), path)
 
 
-class FileRegistration:
-    """A cuFile handle for one open file, or why there is none."""
-
-    def __init__(self, handle: int | None, reason: Reason | None, detail: str = "") -> None:
-        self.handle = handle
-        self.reason = reason
-        self.detail = detail
-
-
 def register(f: OpenFile) -> FileRegistration:
     """Register ``f`` with cuFile once; remember a failure so it is not retried."""
-    return f.state("cufile", _register)
+    return f.registration.get(lambda: _register(f))
 
 
 def registered_handle(f: OpenFile) -> int:
@@ -371,7 +362,7 @@ class CufileBackend(Backend):
             total = contiguous_prefix(sizes, plan)
             seen = evidence[gpu_of(req)]
             if seen is not None and Path.CUFILE_COMPAT in seen and req.reason is Reason.DIRECT:
-                f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
+                f.compat_seen = True  # auto mode sends this file's later requests to the bounce ring
             self._record(req, total, len(plan), elapsed * req.size / all_bytes,
                          _share(seen, req.size, job_bytes[gpu_of(req)]))
             totals.append(total)

@@ -268,7 +268,7 @@ class HostBackend(Backend):
         align = cfg.alignment
         dst = view[ch.buf_offset:ch.buf_offset + ch.size]
         policy = cfg.odirect
-        dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.extras.get("direct_broken") else None
+        dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.direct_refused else None
         if dfd is None:
             got = pread_full(f.fd, dst, ch.file_offset, f.path)
             return ChunkResult(got, got)
@@ -300,10 +300,10 @@ class HostBackend(Backend):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                f.extras["direct_broken"] = True
+                f.direct_refused = True
                 direct = 0
             if direct < body:
-                if f.extras.get("direct_broken"):
+                if f.direct_refused:
                     got = pread_full(f.fd, dst[cached:], pos, f.path)
                     return ChunkResult(cached + got, cached + got)
                 return ChunkResult(cached + direct, cached)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gdskit.backends.base import RWF_NOWAIT, OpenFile, pread_full, pwrite_all
 from gdskit.errors import from_os_error
-from gdskit.residency import Residency, new_mapping, residency
+from gdskit.residency import FileMapping, Residency, new_mapping, residency
 from gdskit.plan import Chunk, align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
@@ -56,18 +56,20 @@ def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: st
 
 def direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
     """The file's O_DIRECT descriptor, unless the policy or an earlier refusal rules it out."""
-    if policy is ODirectPolicy.NEVER or f.extras.get("direct_broken"):
+    if policy is ODirectPolicy.NEVER or f.direct_refused:
         return None
     return f.direct_fd()
 
 
 def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
-    def make(of: OpenFile) -> object:
+    """Whether the page cache holds all, none or part of ``[pos, pos + n)`` of ``f`` (None: the
+    kernel cannot say), asked without causing I/O."""
+    def make() -> FileMapping:
         mapping = new_mapping()
-        of.on_close(mapping.close)
+        f.on_close(mapping.close)
         return mapping
 
-    return residency(f.fd, pos, n, f.state("residency_map", make))
+    return residency(f.fd, pos, n, f.page_map.get(make))
 
 
 def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
@@ -110,7 +112,7 @@ def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODir
         if exc.errno != errno.EINVAL:
             raise
         # This filesystem or device wants other O_DIRECT alignment: go buffered for this file.
-        f.extras["direct_broken"] = True
+        f.direct_refused = True
         got2 = pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
         return ChunkResult(cached + got2, cached + got2)
     valid_end = min(pos + n, span_start + got)
@@ -142,7 +144,7 @@ def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: O
     except OSError as exc:
         if getattr(exc, "errno", None) != errno.EINVAL:
             raise
-        f.extras["direct_broken"] = True
+        f.direct_refused = True
         pwrite_all(f.fd, stage[s0:s0 + (body_end - body_start)], body_start, f.path)
         buffered += body_end - body_start
     if pos + n > body_end:
