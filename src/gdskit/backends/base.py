@@ -22,14 +22,14 @@ RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 T = TypeVar("T")
 
 
-class _Unknown:
+class Unknown:
     """The state of a :class:`Once` not worked out yet (``None`` can be a value)."""
 
     def __repr__(self) -> str:
         return "UNKNOWN"
 
 
-UNKNOWN = _Unknown()
+UNKNOWN = Unknown()
 
 
 class Once(Generic[T]):
@@ -39,11 +39,11 @@ class Once(Generic[T]):
     __slots__ = ("_lock", "_value")
 
     def __init__(self) -> None:
-        self._value: T | _Unknown = UNKNOWN
+        self._value: T | Unknown = UNKNOWN
         self._lock = threading.Lock()
 
     @property
-    def value(self) -> T | _Unknown:
+    def value(self) -> T | Unknown:
         """The value, or :data:`UNKNOWN` when it has not been worked out."""
         return self._value
 
@@ -236,11 +236,15 @@ def pwrite_all(fd: int, view: memoryview, offset: int, path: str | None = None) 
     return done
 
 
-def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, flags: int = 0) -> int:
-    """Read into ``view`` until it is full or end of file; return the count.
+def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, flags: int = 0,
+               alignment: int = 1) -> int:
+    """Read into ``view`` until it is full or end of file; return the count. The one ``preadv``
+    loop of every chunk read.
 
-    With ``flags=RWF_NOWAIT`` stop early (without error) at the first byte
-    that is not in the page cache.
+    With ``flags=RWF_NOWAIT`` stop early (without error) at the first byte that is not in
+    the page cache; a refusal of the flag itself (EOPNOTSUPP, EINVAL) is raised as it came.
+    ``alignment``: an O_DIRECT descriptor's, where a count that is not a multiple of it means
+    end of file (the next aligned read would be refused).
     """
     done = 0
     total = len(view)
@@ -255,7 +259,7 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, 
             if flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             raise from_os_error(exc, path) from exc
-        if n == 0:
-            break
         done += n
+        if n == 0 or n % alignment:
+            break
     return done
