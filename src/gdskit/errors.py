@@ -177,3 +177,17 @@ class WorkloadTimeoutError(GdskitError, TimeoutError):
 
 class WorkerProcessError(GdskitError, RuntimeError):
     """A worker process (``gdskit bench --processes``) ended without finishing its work."""
+
+
+class GroupError(GdskitError, RuntimeError):
+    """A load over a process group (``process_group=``) failed on another rank, timed out waiting
+    for one, or lost one; ``ranks`` names the ranks known to have failed (empty when unknown).
+
+    The rank where the failure happened raises its own error (a ``FormatError``, a
+    ``MemoryError``...); every other rank raises this. After a timeout or a lost rank the
+    process group cannot be trusted: destroy it.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)

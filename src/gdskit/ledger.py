@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gdskit.vocabulary import Path, Reason, is_direct_path
+from gdskit.vocabulary import Path, Reason, is_direct_path, is_peer_path
 
 #: A size histogram: (k, count) pairs, sorted by k; bucket k counts records of at most 2**k bytes
 #: (and more than 2**(k-1)); bucket 0 also holds empty records.
@@ -116,6 +116,45 @@ class LedgerEntry:
                    float(d["busy_s"]), int(d.get("requests", 0)), hist)
 
 
+@dataclass(frozen=True)
+class PeerEntry:
+    """Bytes that arrived from one rank of a process group through one backend (path ``peer``)."""
+
+    source_rank: int
+    backend: str  # the torch.distributed backend that carried them: "nccl", "gloo", ...
+    bytes: int
+    ops: int
+    busy_s: float
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.source_rank, self.backend)
+
+    def _combine(self, other: PeerEntry, sign: int) -> PeerEntry:
+        return PeerEntry(self.source_rank, self.backend, self.bytes + sign * other.bytes,
+                         self.ops + sign * other.ops, self.busy_s + sign * other.busy_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source_rank": self.source_rank, "backend": self.backend, "bytes": self.bytes,
+                "ops": self.ops, "busy_s": round(self.busy_s, 6)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PeerEntry:
+        return cls(int(d["source_rank"]), str(d["backend"]), int(d["bytes"]), int(d["ops"]), float(d["busy_s"]))
+
+
+def _merge_peers(a: tuple[PeerEntry, ...], b: tuple[PeerEntry, ...], sign: int) -> tuple[PeerEntry, ...]:
+    """``a + b`` or ``a - b`` row by row (a difference keeps only ``a``'s rows, as entries do)."""
+    out = {p.key: p for p in a}
+    for p in b:
+        mine = out.get(p.key)
+        if mine is not None:
+            out[p.key] = mine._combine(p, sign)
+        elif sign > 0:
+            out[p.key] = p
+    return tuple(sorted((p for p in out.values() if p.bytes or p.ops), key=lambda p: p.key))
+
+
 def _group(entries: list[LedgerEntry], key: str) -> dict[str, PathStats]:
     out: dict[str, PathStats] = {}
     for e in entries:
@@ -131,22 +170,26 @@ class Stats:
     """A snapshot of the ledger.
 
     ``entries`` holds one row per (path, reason, op); ``paths`` and ``reasons``
-    are the same totals grouped by path and by reason.
+    are the same totals grouped by path and by reason. ``peers`` splits the bytes of
+    path ``peer`` by the rank that sent them and the backend that carried them.
     """
 
     entries: tuple[LedgerEntry, ...] = ()
     paths: dict[str, PathStats] = field(default_factory=dict)
     reasons: dict[str, PathStats] = field(default_factory=dict)
+    peers: tuple[PeerEntry, ...] = ()
 
     @classmethod
-    def from_entries(cls, entries: list[LedgerEntry]) -> Stats:
+    def from_entries(cls, entries: list[LedgerEntry], peers: tuple[PeerEntry, ...] = ()) -> Stats:
         entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
-        return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"))
+        return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"),
+                   _merge_peers((), tuple(peers), 1))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Stats:
-        """Rebuild a snapshot from :meth:`to_dict` output (the ``entries`` carry everything)."""
-        return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())])
+        """Rebuild a snapshot from :meth:`to_dict` output (the ``entries`` and ``peers`` carry everything)."""
+        return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())],
+                                tuple(PeerEntry.from_dict(p) for p in d.get("peers", ())))
 
     @property
     def total_bytes(self) -> int:
@@ -166,6 +209,16 @@ class Stats:
         return sum(e.bytes for e in self.entries if is_direct_path(e.path))
 
     @property
+    def peer_bytes(self) -> int:
+        """Bytes that arrived from other ranks of a process group (path ``peer``): no storage I/O here."""
+        return sum(e.bytes for e in self.entries if is_peer_path(e.path))
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes moved between storage and memory: every path but ``peer``."""
+        return self.total_bytes - self.peer_bytes
+
+    @property
     def requests(self) -> int:
         return sum(e.requests for e in self.entries)
 
@@ -175,30 +228,39 @@ class Stats:
         for e in self.entries:
             o = theirs.get(e.key)
             out.append(e if o is None else e - o)
-        return Stats.from_entries(out)
+        return Stats.from_entries(out, _merge_peers(self.peers, other.peers, -1))
 
     def __add__(self, other: Stats) -> Stats:
         out = {e.key: e for e in self.entries}
         for e in other.entries:
             out[e.key] = out[e.key] + e if e.key in out else e
-        return Stats.from_entries(list(out.values()))
+        return Stats.from_entries(list(out.values()), _merge_peers(self.peers, other.peers, 1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "total_bytes": self.total_bytes,
             "direct_bytes": self.direct_bytes,
             "paths": {k: v.to_dict() for k, v in sorted(self.paths.items())},
             "reasons": {k: v.to_dict() for k, v in sorted(self.reasons.items())},
             "entries": [e.to_dict() for e in self.entries],
         }
+        if self.peers:
+            d["peer_bytes"] = self.peer_bytes
+            d["peers"] = [p.to_dict() for p in self.peers]
+        return d
 
     def summary(self) -> str:
-        """A few human lines: bytes per path with the reasons."""
+        """A few human lines: bytes per path with the reasons (and, for ``peer``, which rank sent them)."""
         if not self.entries:
             return "ledger: no I/O recorded"
         lines = ["ledger:"]
         for e in self.entries:
             lines.append(f"  {e.op:5s} {e.path:14s} {e.bytes / 2**20:12.1f} MiB {e.ops:8d} ops  reason={e.reason}")
+        for p in self.peers:
+            lines.append(f"        {'from rank ' + str(p.source_rank):14s} {p.bytes / 2**20:12.1f} MiB {p.ops:8d} ops  "
+                         f"over {p.backend}")
+        if self.peer_bytes:
+            lines.append(f"  storage {self.storage_bytes / 2**20:.1f} MiB, from peers {self.peer_bytes / 2**20:.1f} MiB")
         return "\n".join(lines)
 
 
@@ -209,11 +271,12 @@ def _new_row() -> list[Any]:
 class _Shard:
     """One thread's rows: each thread adds to its own, so a record takes no lock."""
 
-    __slots__ = ("rows", "device_rows", "records", "thread")
+    __slots__ = ("rows", "device_rows", "peer_rows", "records", "thread")
 
     def __init__(self, thread: threading.Thread | None) -> None:
         self.rows: dict[tuple[str, str, str], list[Any]] = defaultdict(_new_row)
         self.device_rows: dict[tuple[int, str, str], list[Any]] = defaultdict(_new_row)
+        self.peer_rows: dict[tuple[int, str], list[Any]] = defaultdict(_new_row)  # (source rank, backend)
         self.records = 0
         self.thread = thread  # None: the rows of threads that have ended
 
@@ -262,6 +325,7 @@ class Ledger:
                 else:  # its thread has ended: nothing writes to it any more
                     _add_rows(self._retired.rows, s.rows)
                     _add_rows(self._retired.device_rows, s.device_rows)
+                    _add_rows(self._retired.peer_rows, s.peer_rows)
                     self._retired.records += s.records
             live.append(shard)
             self._shards = live
@@ -298,6 +362,18 @@ class Ledger:
             drow[3] += requests
         shard.records += 1
 
+    # -- bytes from other ranks (gdskit.group) -------------------------------------------------
+    def record_peer(self, nbytes: int, source_rank: int, backend: str, busy_s: float = 0.0,
+                    device: int | None = None, ops: int = 1) -> None:
+        """Add bytes that arrived from rank ``source_rank`` of a process group over ``backend``
+        ("nccl", "gloo"): path ``peer``, reason ``fan_out``, plus the per-sender row."""
+        self.record(Path.PEER, Reason.FAN_OUT, "read", nbytes, ops, busy_s, device, requests=ops)
+        row = self._local.shard.peer_rows[(int(source_rank), str(backend))]
+        row[0] += nbytes
+        row[1] += ops
+        row[2] += busy_s
+        row[3] += ops
+
     def _merged(self, which: str) -> dict[tuple[Any, ...], list[Any]]:
         out: dict[tuple[Any, ...], list[Any]] = {}
         with self._lock:  # folding (in _new_shard) must not move rows while they are added up
@@ -308,7 +384,9 @@ class Ledger:
     def snapshot(self) -> Stats:
         entries = [LedgerEntry(p, r, op, int(v[0]), int(v[1]), float(v[2]), int(v[3]), tuple(sorted(v[4].items())))
                    for (p, r, op), v in self._merged("rows").items()]
-        return Stats.from_entries(entries)
+        peers = tuple(PeerEntry(rank, backend, int(v[0]), int(v[1]), float(v[2]))
+                      for (rank, backend), v in self._merged("peer_rows").items())
+        return Stats.from_entries(entries, peers)
 
     def device_snapshot(self) -> dict[int, dict[str, PathStats]]:
         """Totals per GPU and path, from the records that named their device."""
@@ -327,6 +405,7 @@ class Ledger:
                 # resurrect a key in the new ones.
                 shard.rows = defaultdict(_new_row)
                 shard.device_rows = defaultdict(_new_row)
+                shard.peer_rows = defaultdict(_new_row)
             self._resets += 1
 
 

@@ -130,7 +130,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
 
 def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
               device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
-              progress: ProgressArg = None, return_stats: bool = False) -> Any:
+              progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None) -> Any:
     """Load a safetensors checkpoint into memory on ``device``.
 
     Parameters
@@ -145,6 +145,9 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
         See :class:`gdskit.formats.progress.Progress`.
     return_stats : bool
         Also return the ledger delta of this load (``(tensors, stats)``).
+    process_group : torch.distributed ProcessGroup, optional
+        Every rank of the group calls ``load_file`` alike (``keys`` may differ): each byte is
+        read from storage by one rank and reaches the others over the group (docs/multigpu.md).
 
     Returns
     -------
@@ -160,7 +163,13 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
         A name in ``keys`` is not in the checkpoint.
     DeviceUnavailableError
         ``device`` is a CUDA device this process cannot use (no CUDA: pass ``device="cpu"``).
+    gdskit.errors.GroupError
+        With ``process_group``: another rank failed, or did not answer in time.
     """
+    if process_group is not None:
+        from gdskit.group.load_safetensors import load_file as group_load_file
+        return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
+                               progress=progress, return_stats=return_stats)
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats)
 

@@ -201,7 +201,7 @@ class _Target:
 
 
 def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights_only: bool = True, *,
-         progress: ProgressArg = None, return_stats: bool = False) -> Any:
+         progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None) -> Any:
     """Load a torch.save file, reading the storage bytes through the engine.
 
     Parameters
@@ -215,9 +215,13 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         True (default): only tensors, primitive types and allow-listed classes are
         unpickled (torch's weights-only unpickler). False runs arbitrary pickle code:
         only for files you trust.
-    progress, return_stats
+    progress, return_stats, process_group
         As for :func:`gdskit.safetensors.load_file`.
     """
+    if process_group is not None:
+        from gdskit.group.load_torch import load as group_load
+        return group_load(path, map_location, weights_only, process_group=process_group, progress=progress,
+                          return_stats=return_stats)
     with collector_paused():
         return _load(os.fspath(path), map_location, weights_only, progress, return_stats)
 

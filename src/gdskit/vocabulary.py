@@ -19,6 +19,7 @@ class Path(str, enum.Enum):
     BOUNCE_CACHED = "bounce-cached"    # through the page cache (a read hit, a buffered write) and the pinned ring
     BOUNCE_DIRECT = "bounce-direct"    # O_DIRECT read/write through gdskit's pinned ring
     HOST = "host"                      # the memory was host memory: no GPU involved
+    PEER = "peer"                      # arrived from another rank of a process group, not from storage
 
     def __str__(self) -> str:
         return self.value
@@ -35,6 +36,11 @@ def is_direct_path(name: str) -> bool:
     """Whether a path name (a ``Path`` or its string, e.g. from a snapshot) is a direct path.
     A name this gdskit does not know (from a newer one) is not."""
     return str(name) in _DIRECT_NAMES
+
+
+def is_peer_path(name: str) -> bool:
+    """Whether a path name is ``peer``: bytes another rank sent, which moved no storage I/O here."""
+    return str(name) == Path.PEER.value
 
 
 class Reason(str, enum.Enum):
@@ -55,6 +61,7 @@ class Reason(str, enum.Enum):
     FORCED_BY_SETTING = "forced_by_setting"
     RAID_OR_MULTIPATH = "raid_or_multipath"
     CUFILE_COMPAT_OBSERVED = "cufile_compat_observed"  # cuFile's own counters showed POSIX I/O
+    FAN_OUT = "fan_out"                        # path peer: another rank of the group read these bytes
 
     def __str__(self) -> str:
         return self.value

@@ -57,8 +57,14 @@ def paths_table(stats: Stats, rates: dict[str, float] | None = None, title: str 
         if rates is not None:
             row.append(f"{human_bytes(rates.get(path, 0.0))}/s")
         t.add_row(*row, style="green" if is_direct_path(path) else None)
-    t.caption = (f"{human_bytes(stats.total_bytes)} in all, {100.0 * stats.direct_bytes / total:.1f}% direct; "
-                 "latency: mean busy time per request")
+    if stats.peer_bytes:  # bytes from other ranks moved no storage I/O: the direct share is of the storage bytes
+        storage = stats.storage_bytes or 1
+        t.caption = (f"{human_bytes(stats.storage_bytes)} from storage, {100.0 * stats.direct_bytes / storage:.1f}% "
+                     f"direct; {human_bytes(stats.peer_bytes)} from other ranks (peer); "
+                     "latency: mean busy time per request")
+    else:
+        t.caption = (f"{human_bytes(stats.total_bytes)} in all, {100.0 * stats.direct_bytes / total:.1f}% direct; "
+                     "latency: mean busy time per request")
     t.caption_justify = "left"
     return t
 
@@ -71,6 +77,18 @@ def reasons_table(stats: Stats) -> Table:
     for reason, ps in sorted(stats.reasons.items(), key=lambda kv: -kv[1].bytes):
         t.add_row(shown(reason), human_bytes(ps.bytes), f"{100.0 * ps.bytes / total:.1f}%", str(ps.requests),
                   human_seconds(ps.mean_latency_s))
+    return t
+
+
+def peers_table(stats: Stats) -> Table | None:
+    """Bytes of path ``peer`` by the rank that sent them and the backend that carried them."""
+    if not stats.peers:
+        return None
+    t = Table(title="From other ranks (peer)", title_justify="left")
+    for col in ("from rank", "backend", "bytes", "broadcasts", "busy"):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for p in stats.peers:
+        t.add_row(str(p.source_rank), shown(p.backend), human_bytes(p.bytes), str(p.ops), human_seconds(p.busy_s))
     return t
 
 
@@ -137,6 +155,9 @@ def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = N
                          shown(f"  session {snap.session}") if snap.session else "",
                          f"  updated {age:.1f} s ago", "\n" if snap.command else "", shown(snap.command[:200]))
     parts: list[Any] = [head, paths_table(stats, rates), reasons_table(stats)]
+    peers = peers_table(stats)
+    if peers is not None:
+        parts.append(peers)
     if level >= 2:
         sizes = sizes_table(stats)
         if sizes is not None:
@@ -154,8 +175,9 @@ def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = N
 def processes_table(snaps: list[Snapshot]) -> Table:
     t = Table(title="Processes publishing gdskit figures", title_justify="left")
     sessions = any(s.session for s in snaps)
-    for col in ("pid", "level", "session", "bytes", "direct", "not direct", "updated", "command"):
-        if col == "session" and not sessions:
+    peers = any(s.doc["ledger"].get("peer_bytes") for s in snaps)
+    for col in ("pid", "level", "session", "bytes", "direct", "not direct", "peer", "updated", "command"):
+        if (col == "session" and not sessions) or (col == "peer" and not peers):
             continue
         # Figures never wrap; a long command folds onto more lines instead.
         t.add_column(col, justify="left" if col in ("session", "command") else "right",
@@ -164,7 +186,10 @@ def processes_table(snaps: list[Snapshot]) -> Table:
     for s in snaps:
         led = s.doc["ledger"]
         row = [str(s.pid), str(s.level)] + ([shown(s.session or "")] if sessions else [])
-        t.add_row(*row, human_bytes(led.get("total_bytes", 0)), human_bytes(led.get("direct_bytes", 0)),
-                  human_bytes(led.get("posix_bytes", 0)), f"{max(0.0, now - s.updated_at):.1f}s ago",
-                  shown(s.command))
+        peer = led.get("peer_bytes", 0)
+        row += [human_bytes(led.get("total_bytes", 0)), human_bytes(led.get("direct_bytes", 0)),
+                human_bytes(led.get("posix_bytes", 0) - peer)]  # "not direct" counts storage bytes only
+        if peers:
+            row.append(human_bytes(peer))
+        t.add_row(*row, f"{max(0.0, now - s.updated_at):.1f}s ago", shown(s.command))
     return t

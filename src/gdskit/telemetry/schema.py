@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from gdskit.errors import FormatError
-from gdskit.vocabulary import is_direct_path
+from gdskit.vocabulary import is_direct_path, is_peer_path
 
 SCHEMA = "gdskit.stats/1"
 
@@ -206,6 +206,26 @@ class _Checker:
         self.sums(led, entries, where)
         for key in ("paths", "reasons"):
             self.optional(led, key, self.path_table, f"{where}.")
+        self.optional(led, "peers", self.peers, f"{where}.")
+
+    def peers(self, v: Any, where: str) -> None:
+        """Bytes from other ranks of a process group: one object per (sending rank, backend)."""
+        if not isinstance(v, list) or len(v) > MAX_ENTRIES:
+            raise self.fail(where, f"a list of at most {MAX_ENTRIES} objects")
+        seen = set()
+        for i, p in enumerate(v):
+            p = self.obj(p, f"{where}[{i}]")
+            for key in ("source_rank", "backend", "bytes", "ops", "busy_s"):
+                if key not in p:
+                    raise self.fail(f"{where}[{i}].{key}", "present")
+            self.count(p["source_rank"], f"{where}[{i}].source_rank", MAX_PID)
+            self.name(p["backend"], f"{where}[{i}].backend")
+            self.count(p["bytes"], f"{where}[{i}].bytes")
+            self.count(p["ops"], f"{where}[{i}].ops")
+            self.number(p["busy_s"], f"{where}[{i}].busy_s", float(MAX_COUNT))
+            if (p["source_rank"], p["backend"]) in seen:
+                raise self.fail(f"{where}[{i}]", "the only object of its rank and backend")
+            seen.add((p["source_rank"], p["backend"]))
 
     def sums(self, led: dict[str, Any], entries: list[dict[str, Any]], where: str) -> None:
         """The totals, where given, are those of the entries (what the process table shows)."""
@@ -214,8 +234,9 @@ class _Checker:
         requests = sum(e.get("requests", 0) for e in entries)
         if total > MAX_COUNT or requests > MAX_COUNT:
             raise self.fail(f"{where}.entries", f"entries whose bytes and requests add up to at most {MAX_COUNT}")
+        peer = sum(e["bytes"] for e in entries if is_peer_path(e["path"]))
         for key, want in (("total_bytes", total), ("direct_bytes", direct), ("posix_bytes", total - direct),
-                          ("requests", requests)):
+                          ("requests", requests), ("peer_bytes", peer)):
             if key in led and (self.count(led[key], f"{where}.{key}") != want):
                 raise self.fail(f"{where}.{key}", "the sum over the entries")
 

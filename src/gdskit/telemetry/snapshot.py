@@ -2,7 +2,8 @@
 
 Schema ``gdskit.stats/1`` (docs/stats.md). Level 1: bytes, ops, requests, busy
 time and mean latency per path, per reason and per (path, reason, op) entry;
-level 2 adds each entry's size histogram; level 3 adds per-GPU figures and
+level 2 adds each entry's size histogram; a ledger with bytes from other ranks of a process group
+(path ``peer``) also carries ``peer_bytes`` and ``peers`` (bytes per sending rank and backend); level 3 adds per-GPU figures and
 cuFile's own counters. Readers keep working when later versions add keys;
 :mod:`gdskit.telemetry.schema` checks a snapshot read from a file.
 """
@@ -46,6 +47,7 @@ def ledger_dict(stats: Stats, level: int) -> dict[str, Any]:
         "paths": {k: _path_dict(v) for k, v in sorted(stats.paths.items())},
         "reasons": {k: _path_dict(v) for k, v in sorted(stats.reasons.items())},
         "entries": entries,
+        **({"peer_bytes": stats.peer_bytes, "peers": [p.to_dict() for p in stats.peers]} if stats.peers else {}),
     }
 
 

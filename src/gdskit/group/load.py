@@ -1,0 +1,128 @@
+"""The steps every group load takes, whatever the format.
+
+1. ``prepare()`` on every rank (parse the checkpoint, choose what this rank wants,
+   make its destinations) gives a :class:`LoadJob`;
+2. one exchange tells every rank what the others prepared: whether they failed, a digest
+   of the checkpoint's layout and of the plan options (they must agree), which segments
+   each wants, which memory they load into;
+3. every rank computes the same :func:`gdskit.group.plan.plan` and runs it
+   (:func:`gdskit.group.pipeline.run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from gdskit.errors import GroupError
+from gdskit.formats._gc import collector_paused
+from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.group import exchange, failure, pipeline
+from gdskit.group import config as group_options
+from gdskit.group.plan import Segment, plan
+
+
+@dataclasses.dataclass
+class LoadJob:
+    """What one rank prepared: the checkpoint's files and segments (the same on every rank),
+    which of them this rank wants and the flat uint8 tensors they land in."""
+
+    files: list[str]
+    sizes: list[int | None]          # each file's expected size (None: not checked)
+    segments: list[Segment]
+    layout: list[Any]                # JSON-able description that every rank's must match
+    wanted: list[bool]               # per segment
+    dests: dict[Hashable, torch.Tensor]
+    device_types: set[str]
+    result: Any = None               # what the format makes of the filled destinations
+
+    @property
+    def wanted_bytes(self) -> int:
+        return sum(s.nbytes for s, w in zip(self.segments, self.wanted) if w)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Told:
+    """What one rank tells the others before the plan."""
+
+    ok: bool
+    error: str = ""
+    layout: bytes = b""
+    device_types: tuple[str, ...] = ()
+    wanted: bytes = b""
+
+    def encode(self) -> bytes:
+        head = json.dumps({"ok": self.ok, "error": self.error, "layout": self.layout.hex(),
+                           "device_types": list(self.device_types)}).encode()
+        return struct.pack("<I", len(head)) + head + self.wanted
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _Told:
+        (n,) = struct.unpack_from("<I", raw)
+        head = json.loads(raw[4:4 + n].decode())
+        return cls(bool(head["ok"]), str(head["error"]), bytes.fromhex(head["layout"]),
+                   tuple(head["device_types"]), raw[4 + n:])
+
+
+def _bitmap(flags: list[bool]) -> bytes:
+    out = bytearray((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        if f:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def _bit(bitmap: bytes, i: int) -> bool:
+    return bool(bitmap[i >> 3] >> (i & 7) & 1)
+
+
+def _digest(job: LoadJob, opts: group_options.Options) -> bytes:
+    doc = [job.layout, [list(s[1:]) for s in job.segments], [opts.window_bytes, opts.piece_bytes]]
+    return hashlib.sha256(json.dumps(doc, default=repr).encode()).digest()
+
+
+def run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: ProgressArg) -> LoadJob:
+    """Prepare on this rank, agree with the group, read and share; the job with its destinations filled."""
+    with collector_paused():
+        return _run_load(process_group, prepare, progress)
+
+
+def _run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: ProgressArg) -> LoadJob:
+    opts = group_options.current()
+    info = exchange.describe(process_group, opts.timeout_s)
+    job: LoadJob | None = None
+    error: BaseException | None = None
+    try:
+        job = prepare()
+        told = _Told(True, layout=_digest(job, opts), device_types=tuple(sorted(job.device_types)),
+                     wanted=_bitmap(job.wanted))
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+        error = exc
+        told = _Told(False, error=type(exc).__name__)
+    what = "preparing the load"
+    everyone = [_Told.decode(b) for b in exchange.all_gather_blobs(info, told.encode(),
+                                                                   failure.Deadline(info.timeout_s), what)]
+    if error is not None:
+        raise error
+    failed = tuple(r for r, t in enumerate(everyone) if not t.ok)
+    if failed:
+        names = ", ".join(f"{r} ({everyone[r].error})" for r in failed)
+        raise GroupError(f"rank{'s' if len(failed) > 1 else ''} {names} of the process group failed {what}", failed)
+    if len({t.layout for t in everyone}) != 1:
+        raise GroupError("the ranks of the process group are not loading the same checkpoint "
+                         "(or not with the same gdskit.group.options)")
+    assert job is not None
+    types = {d for t in everyone for d in t.device_types}
+    comm = info.comm_device(types) if types else info.control_device()
+    wanted_by = [frozenset(r for r, t in enumerate(everyone) if _bit(t.wanted, i)) for i in range(len(job.segments))]
+    fan_plan = plan(job.segments, wanted_by, info.world, piece_bytes=opts.piece_bytes,
+                    window_bytes=opts.window_bytes)
+    with Progress(job.wanted_bytes, progress, "loading") as prog:
+        pipeline.run(fan_plan, info, comm, job.files, job.sizes, job.dests, prog)
+    return job

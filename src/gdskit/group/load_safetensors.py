@@ -1,0 +1,87 @@
+"""``gdskit.safetensors.load_file(..., process_group=pg)``: each byte read once by the group.
+
+Every rank resolves the checkpoint and parses every header (cheap), with the checks the
+one-rank loader makes; then :func:`gdskit.group.load.run_load` does the rest. Each rank
+returns the tensors it asked for (all of them, or its ``keys``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from gdskit.errors import with_path
+from gdskit.formats import require_torch, safetensors_format as fmt
+from gdskit.formats._engine import stats, stats_delta
+from gdskit.formats.progress import ProgressArg
+from gdskit.group.load import LoadJob, run_load
+from gdskit.group.plan import Segment
+
+
+def _checkpoint(path_or_paths: Any) -> tuple[list[str], list[fmt.Header], dict[str, tuple[int, fmt.TensorEntry]]]:
+    """The files, their headers, and which file holds each tensor, refused as the one-rank loader
+    (:func:`gdskit.safetensors.load_file`) refuses them."""
+    shards = fmt.resolve_checkpoint(path_or_paths)
+    files = list(shards.files)
+    headers = [fmt.read_header_file(p) for p in files]
+    where: dict[str, tuple[int, fmt.TensorEntry]] = {}
+    for i, h in enumerate(headers):
+        for e in h.entries:
+            if e.name in where:
+                raise fmt.DuplicateNameError(f"tensor {e.name!r} is also in {files[where[e.name][0]]}",
+                                             path=files[i])
+            where[e.name] = (i, e)
+    if shards.weight_map is not None:
+        for name, p in shards.weight_map.items():
+            if name not in where or os.path.abspath(files[where[name][0]]) != os.path.abspath(p):
+                raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
+    return files, headers, where
+
+
+def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iterable[str] | None = None,
+              progress: ProgressArg = None, return_stats: bool = False) -> Any:
+    """See :func:`gdskit.safetensors.load_file`; every rank of ``process_group`` calls it."""
+    torch = require_torch("gdskit.safetensors")
+    from gdskit import safetensors as st
+    from gdskit.formats.torch_io import reserve_device_memory
+
+    types: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    empty: dict[str, Any] = {}  # tensors of no bytes, made as the one-rank loader makes them
+
+    def prepare() -> LoadJob:
+        dev = st._device(torch, device)
+        files, headers, where = _checkpoint(path_or_paths)
+        if keys is None:
+            names = list(where)
+        else:
+            names = list(dict.fromkeys(keys))
+            missing = [k for k in names if k not in where]
+            if missing:
+                raise fmt.MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
+                                             + (" ..." if len(missing) > 5 else ""))
+        for n in names:  # everything that can fail does so before any rank reads anything
+            i, e = where[n]
+            try:
+                types[n] = st._torch_type(torch, e)
+                if e.nbytes == 0:
+                    empty[n] = st._empty_tensor(torch, e, *types[n], dev)
+            except fmt.FormatError as exc:
+                raise with_path(exc, files[i]) from None
+        segments = [Segment(e.name, i, h.data_start + e.start, e.nbytes)
+                    for i, h in enumerate(headers) for e in h.entries]
+        asked = set(names)
+        reserve_device_memory(dev, [where[n][1].nbytes for n in names])
+        dests = {n: torch.empty(where[n][1].nbytes, dtype=torch.uint8, device=dev) for n in names if n not in empty}
+        layout = [[h.file_size, [[e.name, e.dtype, list(e.shape)] for e in h.entries]] for h in headers]
+        return LoadJob(files, [h.file_size for h in headers], segments, layout,
+                       [s.key in asked for s in segments], dests, {dev.type})
+
+    before = stats() if return_stats else None
+    job = run_load(process_group, prepare, progress)
+    out = {}
+    for n, (dt, shape) in types.items():
+        out[n] = empty[n] if n in empty else job.dests.pop(n).view(dt).reshape(shape)
+    if return_stats:
+        return out, stats_delta(before, stats())
+    return out

@@ -1,0 +1,85 @@
+"""``gdskit.torch.load(..., process_group=pg)``: each storage byte read once by the group.
+
+Every rank opens the archive and unpickles it (the pickle is small), making each storage
+on its target device as the one-rank loader does; the storages' bytes then come through
+:func:`gdskit.group.load.run_load`. Files the one-rank loader hands to ``torch.load``
+(pre-1.6 format, TorchScript, another byte order), and a callable ``map_location``, are
+loaded by every rank on its own; the ranks still agree on the outcome, so a failure on one
+raises on all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from gdskit.errors import FormatError, from_os_error
+from gdskit.formats import require_torch
+from gdskit.formats._engine import stats, stats_delta
+from gdskit.formats.progress import ProgressArg
+from gdskit.formats.torch_zip import StorageRecords
+from gdskit.group.load import LoadJob, run_load
+from gdskit.group.plan import Segment
+
+
+def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: bool = True, *,
+         process_group: Any, progress: ProgressArg = None, return_stats: bool = False) -> Any:
+    """See :func:`gdskit.torch.load`; every rank of ``process_group`` calls it."""
+    torch = require_torch("gdskit.torch")
+    from gdskit import torch as pt
+
+    path = os.fspath(path)
+
+    def local_load() -> LoadJob:
+        out = pt.load(path, map_location, weights_only, progress=progress)
+        return LoadJob([path], [None], [], ["torch.load on every rank"], [], {}, set(), out)
+
+    def prepare() -> LoadJob:
+        try:
+            kind = pt._file_kind(path)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        if kind == "other":
+            raise FormatError(f"{path}: not a torch.save file (neither a zip archive nor a pickle stream)")
+        target = pt._Target(torch, map_location)
+        if kind == "legacy" or target.eager:
+            return local_load()
+        try:
+            reader = torch._C.PyTorchFileReader(path)
+        except RuntimeError as exc:
+            raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
+        names = set(reader.get_all_records())
+        if ("data.pkl" not in names or "constants.pkl" in names
+                or ("byteorder" in names and reader.get_record("byteorder").decode() != sys.byteorder)):
+            return local_load()
+        archive_size = os.path.getsize(path)
+        records = StorageRecords(torch, reader, path, archive_size, path)
+        slots: dict[str, tuple[Any, int, int, Any]] = {}  # key -> (typed storage, offset, nbytes, device)
+
+        def persistent_load(saved_id: Any) -> Any:
+            rec = records.resolve(saved_id)
+            if rec.key in slots:
+                return slots[rec.key][0]
+            storage = torch.UntypedStorage(rec.nbytes, device=target.device(rec.location))
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
+            slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
+            return typed
+
+        result = pt._unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location)
+        keys = sorted(slots, key=lambda k: slots[k][1])
+        segments = [Segment(k, 0, slots[k][1], slots[k][2]) for k in keys]
+        wanted = [slots[k][3].type != "meta" for k in keys]
+        dests = {k: pt._bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2])
+                 for k, w in zip(keys, wanted) if w}
+        return LoadJob([path], [archive_size], segments, [archive_size, keys], wanted, dests,
+                       {t.device.type for t in dests.values()}, result)
+
+    before = stats() if return_stats else None
+    job = run_load(process_group, prepare, progress)
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+    if return_stats:
+        return job.result, stats_delta(before, stats())
+    return job.result
