@@ -167,9 +167,10 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
         With ``process_group``: another rank failed, or did not answer in time.
     """
     if process_group is not None:
-        from gdskit.group.load_safetensors import load_file as group_load_file
+        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
-                               progress=progress, return_stats=return_stats)
+                               progress=progress, return_stats=return_stats,
+                               st=OneRank(_device, _torch_type, _empty_tensor))
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats)
 

@@ -219,9 +219,9 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         As for :func:`gdskit.safetensors.load_file`.
     """
     if process_group is not None:
-        from gdskit.group.load_torch import load as group_load
+        from gdskit.group.load_torch import OneRank, load as group_load
         return group_load(path, map_location, weights_only, process_group=process_group, progress=progress,
-                          return_stats=return_stats)
+                          return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
     with collector_paused():
         return _load(os.fspath(path), map_location, weights_only, progress, return_stats)
 
