@@ -322,11 +322,10 @@ class _ReadAhead:
     """The large storages of the archive, read on one device while the pickle is unpickled.
 
     When ``map_location`` names one device, each storage's place is known before the
-    pickle says which storages there are, so their reads need not wait for it. On the
-    H200 machine the unpickle of a 256-tensor checkpoint took 16-34 ms of a 330 ms hot
-    load. The small storages are read after the unpickle: making their read requests runs
-    Python, which would contend with the unpickler (20,000 of them loaded about 10 % slower
-    when read alongside it). torch.save writes only records the pickle refers
+    pickle says which storages there are, so their reads need not wait for it (the unpickle
+    is a good part of a hot load). The small storages are read after the unpickle: making
+    their read requests runs Python, which would contend with the unpickler (docs/engine.md,
+    "Measurements behind the defaults"). torch.save writes only records the pickle refers
     to; any other is read for nothing.
     """
 
