@@ -229,13 +229,8 @@ class HostBackend(Backend):
         # decided one by one.
         t0 = clock()  # one clock read per read: each one's end is the next one's start
         for off, bo in zip(file_offsets[fast_ops:], buf_offsets[fast_ops:]):
-            n = -1
             fd, where = _one_call_fd(f, policy, off, size, base + bo, align)
-            if fd is not None:
-                try:
-                    n = os.preadv(fd, [view[bo:bo + size]], off)
-                except OSError:
-                    pass  # interrupted or refused: the general path repeats it and reports real errors
+            n = -1 if fd is None else _preadv_once(f, fd, [view[bo:bo + size]], off)
             if n == size:
                 t1 = clock()
                 fast_ops += 1
