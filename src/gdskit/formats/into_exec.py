@@ -306,8 +306,9 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchT
 
 # -- torch.save archives --------------------------------------------------------
 
-#: ``unpickle(torch, data, persistent_load, weights_only, progress)``: gdskit.torch's unpickler.
-Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any], Any]
+#: ``unpickle(torch, data, persistent_load, weights_only, map_location, where)``: gdskit.torch's
+#: unpickler (``where``: the file its errors name).
+Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any, str], Any]
 
 
 def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str],
@@ -349,7 +350,7 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str
             typed[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
         return typed[rec.key]
 
-    obj = unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None)
+    obj = unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None, path)
     del reader
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors)")

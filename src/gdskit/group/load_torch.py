@@ -81,7 +81,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
             slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
             return typed
 
-        result = pt.unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location)
+        result = pt.unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location, path)
         keys = sorted(slots, key=lambda k: slots[k][1])
         segments = [Segment(k, 0, slots[k][1], slots[k][2]) for k in keys]
         wanted = [slots[k][3].type != "meta" for k in keys]
