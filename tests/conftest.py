@@ -66,30 +66,17 @@ def _stand_in_rules():
 @pytest.fixture(scope="module")
 def fake_cuda():
     """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
-    import gdskit
-    from gdskit import cuda, pool
+    from gdskit import cuda
 
     from fake_cuda import FakeDriver
 
     fake = FakeDriver()
-    mp = pytest.MonkeyPatch()
-    gdskit.release_resources()
-    mp.setattr(cuda, "_driver", lambda: fake)
-    mp.setattr(cuda, "_contexts", {})
-    mp.setattr(cuda, "_device_count", None)
-    mp.setattr(pool.lanes, "_register_error", None)
-    mp.setattr(cuda, "_batched_copies", None)
-    cuda._stream_ordered_copy.cache_clear()
-    _STAND_INS.append(fake)
-    try:
-        yield fake
-        gdskit.release_resources()
-    finally:
-        _STAND_INS.remove(fake)
-        cuda._stream_ordered_copy.cache_clear()
-        gdskit.release_resources()
-        mp.undo()
-        cuda._device_count = None
+    with cuda.use_driver(fake):  # frees the workers and lanes of the driver before, and then the stand-in's
+        _STAND_INS.append(fake)
+        try:
+            yield fake
+        finally:
+            _STAND_INS.remove(fake)
     found = _breaches(fake)
     assert not found, "the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found)
 
@@ -104,6 +91,23 @@ def compat_cufile(monkeypatch, fake_cuda):
     lib = use_cufile(monkeypatch, fake)
     yield fake
     lib.close()
+
+
+@pytest.fixture
+def route_is():
+    """``route_is(route)``: every part of gdskit sees ``route`` (a ``DirectRoute``) as this
+    machine's direct route until the test ends (``gdskit.direct_route.override``)."""
+    from gdskit import direct_route
+
+    made = []
+
+    def use(route):
+        made.append(direct_route.override(route))
+        return route
+
+    yield use
+    for o in reversed(made):
+        o.__exit__(None, None, None)
 
 
 @pytest.fixture

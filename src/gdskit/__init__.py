@@ -46,12 +46,25 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, "cuda"})
 
 
-if settings.stats_level > 0:
-    # GDSKIT_STATS at start-up publishes from import on (so `gdskit stats` sees the process at
-    # once); the ledger starts the publisher when it loads. Nothing of telemetry loads otherwise.
-    importlib.import_module("gdskit.ledger")
-
 __version__ = "0.1.0"
+
+_telemetry_follows = False
+
+
+def _stats_level_changed(names: frozenset[str]) -> None:
+    """Live statistics follow settings.stats_level (GDSKIT_STATS); the engine never calls up into
+    them. Telemetry is imported only once the level is on, and from then on follows the settings
+    itself: a process that never publishes never loads it."""
+    global _telemetry_follows
+    if not _telemetry_follows and "stats_level" in names and settings.stats_level > 0:
+        from gdskit.telemetry import follow_settings  # noqa: PLC0415
+
+        _telemetry_follows = True
+        follow_settings()
+
+
+settings.subscribe(_stats_level_changed)
+_stats_level_changed(frozenset({"stats_level"}))  # GDSKIT_STATS at start-up: publish from import on
 
 
 def resources() -> ResourceUsage:

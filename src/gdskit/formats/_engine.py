@@ -1,11 +1,29 @@
-"""The formats' one door to the I/O engine (``gdskit.open``, the ledger)."""
+"""The formats' one door to the I/O engine: files (``gdskit.open``), the views of the
+destinations handed to it, the ledger, and the settings a loader plans with. The formats,
+the data loaders and the checkpoint layers import the engine through here only (the import
+graph test holds them to it)."""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gdskit.buffers import BufferView, ScatterList, adapt, scattered_device_view, synchronized_device_view
+
+# The destinations the formats hand the engine: loaded with the first of them a loader uses,
+# not with the loaders' modules (the buffers module imports the CUDA layer).
+_BUFFERS = ("BufferView", "ScatterList", "adapt", "scattered_device_view", "synchronized_device_view")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BUFFERS:
+        from gdskit import buffers
+
+        return getattr(buffers, name)
+    raise AttributeError(f"module 'gdskit.formats._engine' has no attribute {name!r}")
 
 
 def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> Any:
@@ -24,6 +42,12 @@ def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
     from gdskit.ledger import stats_delta as delta
     return delta(before, after)
+
+
+def worker_threads() -> int:
+    """The engine's I/O worker threads (``settings.threads``)."""
+    from gdskit.settings import settings
+    return settings.threads
 
 
 def can_scatter() -> bool:
@@ -64,10 +88,10 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     function that waits for it.
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
-    a call while a warm-up of the device is under way waits for that one. Measured on the
-    H200 machine, this set-up is about 30 ms of a fresh process's first 8 GiB read. Started
-    before a large header is parsed it took 130-170 ms instead: its worker threads wait for
-    the interpreter the parse holds. A failure here is left for the read itself to report.
+    a call while a warm-up of the device is under way waits for that one. Start it after a
+    large header is parsed, not before: its worker threads would wait for the interpreter the
+    parse holds, and take several times longer (docs/engine.md, "Measurements behind the
+    defaults"). A failure here is left for the read itself to report.
     """
     from gdskit import pool, prepare
     from gdskit.settings import settings

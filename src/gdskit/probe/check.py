@@ -11,8 +11,8 @@ import os
 from collections.abc import Sequence
 
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError
-from gdskit.probe.gds import gds_stack
-from gdskit.probe.gpus import gpu_facts
+from gdskit.probe.gds import gds_stack, query_cufile_library
+from gdskit.probe.gpus import gpu_facts, query_nvml
 from gdskit.probe.mounts import (
     MountEntry, ODirectResult, is_listed_by_default, mount_block_tree, mount_for_path, network_rdma,
     odirect_dir_for, probe_odirect, read_mounts,
@@ -86,6 +86,8 @@ def run_check(
         raise InvalidArgumentError(f"require must be one of {REQUIREMENTS}, not {require!r}")
     if not isinstance(root, SystemRoot):
         root = SystemRoot(root or "/")
+    if root.is_live:
+        root = root.with_sources(nvml=query_nvml, cufile=query_cufile_library)
     if not os.path.isdir(root.prefix):
         raise InvalidArgumentError(f"root {root.prefix!r} is not a directory")
     gpu = gpu_facts(root)
