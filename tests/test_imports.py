@@ -168,13 +168,12 @@ def test_first_gpu_read_after_a_lazy_import_on_the_stand_in_driver(tmp_path):
             "from gdskit import cuda\n"
             "from fake_cuda import FakeDriver\n"
             "fake = FakeDriver()\n"
-            "cuda._driver = lambda: fake  # the stand-in, as the tests' fixture installs it\n"
-            f"buf = cuda.DeviceArray({len(data)})\n"
-            "with gdskit.settings.set(mode='bounce', chunk_size='256KiB', threads=3):\n"
+            "with cuda.use_driver(fake), gdskit.settings.set(mode='bounce', chunk_size='256KiB', threads=3):\n"
+            f"    buf = cuda.DeviceArray({len(data)})\n"
             f"    with gdskit.open({str(raw)!r}) as f:\n"
             f"        assert f.read(buf) == {len(data)}\n"
-            f"open({str(tmp_path / 'out.bin')!r}, 'wb').write(buf.to_numpy().tobytes())\n"
-            "gdskit.release_resources()\n"
+            f"    open({str(tmp_path / 'out.bin')!r}, 'wb').write(buf.to_numpy().tobytes())\n"
+            "    buf.free()\n"
             "print(json.dumps({'paths': sorted(gdskit.stats().paths), 'violations': list(fake.violations),\n"
             "                  'bindings': 'cuda.bindings.driver' in sys.modules}))\n")
     result = json.loads(_run(code, _env_without_stats()))
