@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gdskit.buffers import BufferView, ScatterList, adapt, scattered_device_view, synchronized_device_view
+    from gdskit.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
+                                synchronized_device_view)
 
 # The destinations the formats hand the engine: loaded with the first of them a loader uses,
 # not with the loaders' modules (the buffers module imports the CUDA layer).
