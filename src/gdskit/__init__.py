@@ -19,8 +19,23 @@ from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
     from gdskit.backends.cufile import BufferRegistration
+    from gdskit.routing import StorageFacts
 
 __version__ = "0.1.0"
+
+
+def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageFacts":
+    """Where a file's storage sits relative to each GPU, read from sysfs (gdskit.probe.routes)."""
+    from gdskit.probe.routes import live_storage_facts  # noqa: PLC0415 - read only when a read may be routed
+
+    return live_storage_facts(st_dev, gpu_bus_ids)
+
+
+# Routing takes its facts about the machine from the probes' sysfs readers: the engine never
+# reads the topology itself (gdskit.routing).
+from gdskit.routing import use_facts as _use_facts  # noqa: E402
+
+_use_facts(_machine_route_facts)
 
 
 def resources() -> ResourceUsage:
@@ -71,10 +86,12 @@ def register_buffer(buf: object) -> "BufferRegistration":
 
 
 def release_resources() -> None:
-    """Free idle pinned buffers, streams and worker threads (they come back on the next request)."""
-    from gdskit import pool  # noqa: PLC0415
+    """Free idle pinned buffers, routing's device staging, streams and worker threads (they come
+    back on the next request)."""
+    from gdskit import pool, routed  # noqa: PLC0415
 
     pool.shutdown()
+    routed.rings.release_idle()
 
 
 __all__ = [

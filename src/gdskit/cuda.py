@@ -12,12 +12,14 @@ each device's primary context, the one every runtime in the process shares.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import functools
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +120,19 @@ def current_device() -> int:
         set_device(0)
         return 0
     return int(check(result, "cuCtxGetDevice"))
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device``'s primary context current in the calling thread for the block, then put
+    back whatever was current before (the caller's, or none): a caller's thread keeps its device."""
+    drv = _driver()
+    before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    set_device(device)
+    try:
+        yield
+    finally:
+        check(drv.cuCtxSetCurrent(before), "cuCtxSetCurrent")
 
 
 def _in_context() -> Any:
@@ -313,6 +328,13 @@ class Stream:
     def copy_d2h(self, dst: int, src: int, nbytes: int) -> None:
         check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, self.handle), "cuMemcpyDtoHAsync")
 
+    def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int) -> None:
+        """A device-to-device copy from memory of ``src_device`` into memory of ``dst_device``
+        (``cuMemcpyPeerAsync``): peer to peer where :func:`enable_peer_access` has opened the
+        way, else the driver stages it through host memory."""
+        check(_driver().cuMemcpyPeerAsync(dst, _primary_context(dst_device), src, _primary_context(src_device),
+                                          nbytes, self.handle), "cuMemcpyPeerAsync")
+
     def synchronize(self) -> None:
         check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
@@ -330,12 +352,51 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
 
 
 def device_pci_bus_id(device: int) -> str:
+    """The device's PCI address in sysfs form (``0000:17:00.0``), whatever width of domain
+    and case the driver writes it in."""
     drv = _driver()
     dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
     raw = check(drv.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
     if isinstance(raw, (bytes, bytearray)):
         raw = raw.split(b"\0", 1)[0].decode()
-    return str(raw).lower()
+    text = str(raw).strip().lower()
+    domain, sep, rest = text.partition(":")
+    try:
+        return f"{int(domain, 16):04x}:{rest}" if sep else text
+    except ValueError:
+        return text
+
+
+def can_access_peer(device: int, peer: int) -> bool:
+    """Whether ``device`` can reach ``peer``'s memory directly (NVLink or PCIe peer to peer),
+    as the driver says (``cuDeviceCanAccessPeer``); False for a device and itself."""
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    other = check(drv.cuDeviceGet(peer), "cuDeviceGet")
+    return bool(check(drv.cuDeviceCanAccessPeer(dev, other), "cuDeviceCanAccessPeer"))
+
+
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+_peers_enabled: set[tuple[int, int]] = set()
+_peers_lock = threading.Lock()
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let ``device``'s primary context reach ``peer``'s memory (``cuCtxEnablePeerAccess``), once
+    per process; a pair another library (torch) has already enabled counts as enabled. The
+    calling thread's current context is left as it was."""
+    key = (device, peer)
+    if key in _peers_enabled:
+        return
+    with _peers_lock:
+        if key in _peers_enabled:
+            return
+        with on_device(device):
+            result = _driver().cuCtxEnablePeerAccess(_primary_context(peer), 0)
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) != _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            check(err, "cuCtxEnablePeerAccess")
+        _peers_enabled.add(key)
 
 
 class Event:
