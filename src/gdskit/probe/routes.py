@@ -241,9 +241,30 @@ def peer_links(root: SystemRoot, bus_ids: Sequence[str]) -> dict[frozenset[str],
 # --------------------------------------------------------------------------- the check's table
 POOR = (Distance.CROSS_ROOT_COMPLEX, Distance.CROSS_SOCKET)
 
-PAIRING_FIX = ("Pair drives and NICs with GPUs by slot: put each GPU's data on an NVMe (or an RDMA NIC) under "
-               "the GPU's own PCIe switch or root port, moving cards to the slots beside the GPUs or re-cabling "
-               "the drive backplane; until then NVLink between the GPUs lets the nearest one read for the others.")
+PAIRING_FIX = ("Pair drives and NICs with GPUs by slot: move the NVMe drive (or RDMA NIC) to a slot under each "
+               "GPU's own PCIe switch or root port, or re-cable the drive backplane to it.")
+PEER_FIX = " Meanwhile GPUs with peer access (NVLink) let the nearest one read for the others."
+
+_WHY_WORDS = {
+    RouteWhy.OFF: "routing is off",
+    RouteWhy.ONE_GPU: "one GPU, nothing to route through",
+    RouteWhy.TARGET_NEAREST: "no GPU is nearer the storage",
+    RouteWhy.DISTANCE_UNKNOWN: "its place relative to the storage is unknown",
+    RouteWhy.NO_PEER_ACCESS: "no nearer GPU reaches it peer to peer",
+    RouteWhy.NO_DIRECT_PATH: "no direct path: bounce reads pass through host memory",
+    RouteWhy.STORAGE_UNKNOWN: "the storage's PCI device is unknown",
+}
+
+
+def describe(decision: RouteDecision) -> str:
+    """One line for people: where reads into the decision's GPU go, and why."""
+    if decision.routed:
+        link = decision.peer
+        over = " over NVLink" if link and link.nvlink else " over PCIe" if link and link.nvlink is False else ""
+        if decision.why is RouteWhy.FORCED:
+            return f"through GPU {decision.via}{over} (forced: routing=force)"
+        return f"through GPU {decision.via}{over} (nearer the storage)"
+    return f"straight ({_WHY_WORDS.get(decision.why, decision.why.value)})"
 
 
 @dataclass
@@ -368,6 +389,6 @@ def route_findings(table: RouteTable) -> list[Finding]:
                            + " cross the CPU interconnect at reduced bandwidth; no route around it ("
                            + ", ".join(sorted({r.why.value for r in stuck})) + ").")
             severity = "warning"
-        out.append(Finding("routing.poor_pairing", severity, f"mount {m.mountpoint}", title, consequence,
-                           PAIRING_FIX))
+        fix = PAIRING_FIX + (PEER_FIX if any(r.why is RouteWhy.NO_PEER_ACCESS for r in stuck) else "")
+        out.append(Finding("routing.poor_pairing", severity, f"mount {m.mountpoint}", title, consequence, fix))
     return out
