@@ -63,26 +63,28 @@ def _stand_in_rules():
             pytest.fail("the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found), pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def fake_cuda():
-    """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
+def use_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
+    """Put gdskit on the stand-in driver ``fake`` until ``mp.undo()`` (then call :func:`leave_stand_in`)."""
     import gdskit
-    from gdskit import cuda, pool
+    from gdskit import cuda, pool, routing
 
-    from fake_cuda import FakeDriver
-
-    fake = FakeDriver()
-    mp = pytest.MonkeyPatch()
     gdskit.release_resources()
     mp.setattr(cuda, "_driver", lambda: fake)
     mp.setattr(cuda, "_contexts", {})
     mp.setattr(cuda, "_device_count", None)
+    mp.setattr(cuda, "_peers_enabled", set())
     mp.setattr(pool.lanes, "_register_error", None)
     mp.setattr(cuda, "_batched_copies", None)
     cuda._stream_ordered_copy.cache_clear()
+    routing.use_facts(routing.fact_source())  # forget the GPUs' addresses and peer links learnt before
     _STAND_INS.append(fake)
+
+
+def leave_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
+    import gdskit
+    from gdskit import cuda, routing
+
     try:
-        yield fake
         gdskit.release_resources()
     finally:
         _STAND_INS.remove(fake)
@@ -90,6 +92,21 @@ def fake_cuda():
         gdskit.release_resources()
         mp.undo()
         cuda._device_count = None
+        routing.use_facts(routing.fact_source())
+
+
+@pytest.fixture(scope="module")
+def fake_cuda():
+    """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
+    from fake_cuda import FakeDriver
+
+    fake = FakeDriver()
+    mp = pytest.MonkeyPatch()
+    use_stand_in(mp, fake)
+    try:
+        yield fake
+    finally:
+        leave_stand_in(mp, fake)
     found = _breaches(fake)
     assert not found, "the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found)
 

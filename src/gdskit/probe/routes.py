@@ -290,7 +290,8 @@ class MountRoutes:
 
     @property
     def poor_pairing(self) -> bool:
-        return any(r.target_distance in POOR for r in self.routes)
+        """Some GPU's direct path to this storage crosses root complexes or sockets."""
+        return self.direct and any(r.target_distance in POOR for r in self.routes)
 
     def to_dict(self, gpu_ids: dict[int, str]) -> dict[str, Any]:
         return {
@@ -371,9 +372,9 @@ def route_findings(table: RouteTable) -> list[Finding]:
     if len(table.gpus) < 2:
         return out  # one GPU: the topology findings already name a far drive or NIC
     for m in table.mounts:
+        if not m.poor_pairing:
+            continue  # without a direct path the bytes pass through host memory wherever the drive sits
         far = [r for r in m.routes if r.target_distance in POOR]
-        if not far or not m.storage.devices:
-            continue
         names = ", ".join(d.name for d in m.storage.devices)
         routed = [r for r in far if r.routed]
         stuck = [r for r in far if not r.routed]
