@@ -261,9 +261,11 @@ class FakeDriver:
                 return "pinned" if kind == CUmemorytype.CU_MEMORYTYPE_HOST else "device"
         return "pageable"
 
-    def _device_of(self, ptr: int) -> int | None:
+    def device_of(self, ptr: int) -> int | None:
         """The device whose memory ``ptr`` is (``None``: host memory)."""
-        for base, (_raw, size, kind, dev) in self._allocs.items():
+        with self._lock:
+            allocs = list(self._allocs.items())
+        for base, (_raw, size, kind, dev) in allocs:
             if base <= ptr < base + max(size, 1):
                 return None if kind == CUmemorytype.CU_MEMORYTYPE_HOST else dev
         return None
@@ -692,7 +694,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
             for name, ptr, dev in (("source", src, src_dev), ("destination", dst, dst_dev)):
                 self._memory(ptr, n, what)
-                owner = self._device_of(ptr)
+                owner = self.device_of(ptr)
                 if n and owner != dev:
                     self._violate(f"{what}: the {name} {ptr:#x} is not memory of device {dev} "
                                   f"({'host memory' if owner is None else f'device {owner}'})")
