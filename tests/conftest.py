@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # -- the stand-in CUDA driver and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
 
-_STAND_INS: list = []  # the stand-in drivers in use now (each test checks they saw no breach)
+from stand_in import STAND_INS as _STAND_INS, leave_stand_in, use_stand_in  # noqa: E402
 
 
 def _breaches(fake) -> list[str]:
@@ -61,38 +61,6 @@ def _stand_in_rules():
         found = _breaches(fake)
         if found:
             pytest.fail("the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found), pytrace=False)
-
-
-def use_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
-    """Put gdskit on the stand-in driver ``fake`` until ``mp.undo()`` (then call :func:`leave_stand_in`)."""
-    import gdskit
-    from gdskit import cuda, pool, routing
-
-    gdskit.release_resources()
-    mp.setattr(cuda, "_driver", lambda: fake)
-    mp.setattr(cuda, "_contexts", {})
-    mp.setattr(cuda, "_device_count", None)
-    mp.setattr(cuda, "_peers_enabled", set())
-    mp.setattr(pool.lanes, "_register_error", None)
-    mp.setattr(cuda, "_batched_copies", None)
-    cuda._stream_ordered_copy.cache_clear()
-    routing.use_facts(routing.fact_source())  # forget the GPUs' addresses and peer links learnt before
-    _STAND_INS.append(fake)
-
-
-def leave_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
-    import gdskit
-    from gdskit import cuda, routing
-
-    try:
-        gdskit.release_resources()
-    finally:
-        _STAND_INS.remove(fake)
-        cuda._stream_ordered_copy.cache_clear()
-        gdskit.release_resources()
-        mp.undo()
-        cuda._device_count = None
-        routing.use_facts(routing.fact_source())
 
 
 @pytest.fixture(scope="module")

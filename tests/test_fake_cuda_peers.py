@@ -11,7 +11,7 @@ import pytest
 
 from gdskit import cuda
 
-from conftest import leave_stand_in, use_stand_in
+from stand_in import leave_stand_in, use_stand_in
 from fake_cuda import CUresult, FakeDriver, StandInViolation
 
 N = 64 << 10

@@ -17,7 +17,7 @@ from gdskit.probe.routes import FixtureFacts
 from gdskit.vocabulary import Path
 
 from check_helpers import fixture_root
-from conftest import leave_stand_in, use_stand_in
+from stand_in import leave_stand_in, use_stand_in
 from fake_cuda import FakeDriver
 from fake_cufile import FakeCufile
 from fake_stack import use_cufile
