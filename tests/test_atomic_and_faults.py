@@ -116,3 +116,46 @@ def test_real_enospc_on_a_full_filesystem(tmp_path):
         assert _leftovers(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_atomic_temp_of_a_live_writer_survives_a_sweep(tmp_path):
+    # Another writer to the same destination (gdskit.torch.save, or a second atomic File)
+    # sweeps away stale temporaries: the temp of a File still being written is not one.
+    from gdskit.durable import remove_stale_temps
+
+    target = tmp_path / "out.bin"
+    data = np.arange(1 << 16, dtype=np.uint8)
+    with gdskit.open(target, "w", atomic=True) as f:
+        f.write(data)
+        assert remove_stale_temps(tmp_path, "out.bin") == []
+        f.write(data, file_offset=data.nbytes)
+    assert target.read_bytes() == data.tobytes() * 2
+    assert _leftovers(tmp_path) == []
+
+
+def test_next_atomic_open_removes_what_a_killed_writer_left(tmp_path):
+    import sys
+    import textwrap
+
+    target = tmp_path / "out.bin"
+    code = textwrap.dedent(f"""
+        import os, sys, numpy as np, gdskit
+        f = gdskit.open({str(target)!r}, "w", atomic=True)
+        f.write(np.ones(1 << 20, dtype=np.uint8))
+        print("written", flush=True)
+        sys.stdin.read()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "written"
+        assert len(_leftovers(tmp_path)) == 1
+        live = gdskit.open(target, "w", atomic=True)  # the child still holds its temp: it stays
+        live.abort()
+        assert len(_leftovers(tmp_path)) == 1
+    finally:
+        child.kill()
+        child.wait()
+    with gdskit.open(target, "w", atomic=True) as f:
+        f.write(np.zeros(16, dtype=np.uint8))
+    assert target.read_bytes() == bytes(16)
+    assert _leftovers(tmp_path) == []

@@ -307,6 +307,27 @@ def test_parse_refuses_other_objects(tmp_path: Path) -> None:
         _archive.parse(fh.fileno(), 0, len(blob), blob, blob, "x")
 
 
+def test_parse_refuses_a_deflated_storage_record(tmp_path: Path) -> None:
+    # Its bytes in the file are compressed: reading them at the record's offset would give
+    # wrong values, so the item is refused.
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(4096, dtype=torch.float32) % 7, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info.filename), compress_type=method)
+    blob = out.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), torch.arange(4096, dtype=torch.float32) % 7)
+    p = tmp_path / "x"
+    p.write_bytes(blob)
+    with open(p, "rb") as fh, pytest.raises(FormatError):
+        _archive.parse(fh.fileno(), 0, len(blob), blob, blob, "x")
+
+
 def test_validate_checkpoint_id(tmp_path: Path) -> None:
     assert gdskit.dcp.StorageWriter.validate_checkpoint_id(tmp_path / "new")
     assert gdskit.dcp.StorageReader.validate_checkpoint_id(str(tmp_path / "new"))

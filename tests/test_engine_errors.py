@@ -208,3 +208,14 @@ def test_numpy_integer_arrays_are_accepted_by_read_batch(small_file):
     assert bytes(buf) == small_file[1][0:4] + small_file[1][100:104]
     with gdskit.open(small_file[0]) as f, pytest.raises(errors.InvalidArgumentError):
         f.read_batch(buf, np.array([True, False]), 4)
+
+
+def test_one_device_error_for_every_loader():
+    # `except gdskit.torch.DeviceUnavailableError` must also catch the safetensors loader's.
+    pytest.importorskip("torch")
+    import gdskit.errors
+    import gdskit.safetensors
+    import gdskit.torch
+
+    assert gdskit.torch.DeviceUnavailableError is gdskit.errors.DeviceUnavailableError
+    assert issubclass(gdskit.torch.DeviceUnavailableError, RuntimeError)

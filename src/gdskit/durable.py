@@ -1,13 +1,29 @@
-"""Small pieces of crash-safe file handling shared by the engine and the checkpoint writers."""
+"""Small pieces of crash-safe file handling shared by the engine and the checkpoint writers.
+
+A file is written under a hidden temporary name beside its destination, fsynced and
+renamed over the destination: a reader sees the old file or the new one, never half of
+one. A writer killed before its rename (``kill -9``, a crash, a lost node) leaves its
+temporary behind, up to the full size of the file. Writers therefore hold an advisory
+lock (``flock``) on their temporary for as long as they write it; the lock goes with the
+process, however it ends. :func:`remove_stale_temps` removes the temporaries of a
+destination whose lock it can take: no live process is writing them.
+"""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
+import stat
 import uuid
+from dataclasses import dataclass
 
 #: Files being written carry this ending (and a leading dot) until they are complete.
 TEMP_SUFFIX = ".gdskit-tmp"
+
+# What :func:`temp_name` puts between the name and the suffix (random or given hex).
+_TOKEN = re.compile(r"[0-9a-f]{1,32}")
 
 
 def temp_name(name: str, token: str | None = None) -> str:
@@ -19,6 +35,15 @@ def temp_name(name: str, token: str | None = None) -> str:
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` is one of :func:`temp_name`'s (left behind by a writer that died)."""
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def is_temp_of(entry: str, name: str) -> bool:
+    """Whether directory entry ``entry`` is a :func:`temp_name` of destination ``name``
+    (and of no other destination: ``.a.pt.<hex>.gdskit-tmp`` belongs to ``a.pt``, not ``a``)."""
+    prefix = f".{name}."
+    if not (entry.startswith(prefix) and entry.endswith(TEMP_SUFFIX)):
+        return False
+    return _TOKEN.fullmatch(entry[len(prefix):-len(TEMP_SUFFIX)]) is not None
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -44,3 +69,112 @@ def remove_if_present(path: str | os.PathLike[str]) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+@dataclass
+class OwnedTemp:
+    """A temporary file this process is writing: ``path``, and ``fd``, the descriptor
+    whose open file holds the lock (other descriptors of the file may come and go).
+
+    Call :meth:`close` once the file has been renamed into place, or :meth:`discard`
+    on failure: both release the descriptor at once, so that no error path keeps a
+    deleted file's space in use until the garbage collector runs.
+    """
+
+    path: str
+    fd: int
+
+    def close(self) -> None:
+        """Release the descriptor (and with it the lock)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Remove the file, then release the descriptor; raises nothing."""
+        try:
+            remove_if_present(self.path)
+        except OSError:
+            pass
+        finally:
+            try:
+                self.close()
+            except OSError:
+                pass
+
+
+def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: str | None = None,
+                       mode: int = 0o666) -> OwnedTemp:
+    """Create ``directory``/:func:`temp_name` (``name``, ``token``) exclusively, open for
+    reading and writing, and lock it for as long as the returned descriptor stays open.
+
+    A concurrent :func:`remove_stale_temps` can take the lock of a new file in the instant
+    between its creation and the lock; the file is then gone by the time the lock is ours,
+    which is checked, and another one is made. On filesystems without ``flock`` the file is
+    made unlocked, and no sweep ever removes it.
+    """
+    directory = os.fspath(directory)
+    for _attempt in range(16):
+        path = os.path.join(directory, temp_name(name, token))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweep looks at this very file
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                return OwnedTemp(path, fd)
+            try:
+                still_ours = _same_file(os.stat(path, follow_symlinks=False), os.fstat(fd))
+            except FileNotFoundError:
+                still_ours = False
+            if still_ours:
+                return OwnedTemp(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # a sweep removed it before the lock was ours
+    raise FileExistsError(errno.EEXIST, "could not keep a temporary file", os.path.join(directory, name))
+
+
+def remove_stale_temps(directory: str | os.PathLike[str], name: str) -> list[str]:
+    """Remove the temporaries of destination ``name`` in ``directory`` that no live
+    process is writing; returns their paths.
+
+    Each candidate (a regular file named by :func:`temp_name` for ``name``) is locked
+    without waiting: a live writer holds its lock, so only the leftovers of writers that
+    died give it up. Anything that cannot be opened, locked or checked is left alone.
+    """
+    directory = os.fspath(directory)
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if not is_temp_of(entry, name):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it (or the filesystem cannot say)
+            if _same_file(os.stat(path, follow_symlinks=False), st) and remove_if_present(path):
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed

@@ -14,7 +14,7 @@ from typing import Any
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.buffers import BufferView, adapt
-from gdskit.durable import fsync_dir, remove_if_present, temp_name
+from gdskit.durable import create_locked_temp, fsync_dir, remove_if_present, remove_stale_temps
 from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
@@ -128,13 +128,19 @@ class File:
             d, name = os.path.split(os.path.abspath(self.path))
             if os.path.isdir(self.path):
                 raise GdskitIsADirectoryError(21, "Is a directory", self.path)
-            open_path = os.path.join(d, temp_name(name))
-        self._open_path = open_path
         flags = _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(open_path, flags | (os.O_EXCL if atomic else 0), 0o666)
+            if atomic:
+                # The temporary stays locked while it is written, so that another writer's sweep
+                # (this one's, below) removes only what writers that died left behind.
+                remove_stale_temps(d, name)
+                owned = create_locked_temp(d, name)
+                open_path, fd = owned.path, owned.fd
+            else:
+                fd = os.open(open_path, flags, 0o666)
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
+        self._open_path = open_path
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -388,19 +394,22 @@ class File:
             os.fsync(self._of.fd)
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
+        try:
+            os.replace(self._open_path, self._target)  # still locked: no sweep can take it first
+        except OSError as exc:
+            raise from_os_error(exc, self.path) from exc
         self._of.close()
         try:
-            os.replace(self._open_path, self._target)
             fsync_dir(os.path.dirname(os.path.abspath(self._target)))
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
 
     def _discard(self) -> None:
         try:
+            remove_if_present(self._open_path)  # before the descriptor (and its lock) goes
+        finally:
             if self._of.fd >= 0:
                 self._of.close()
-        finally:
-            remove_if_present(self._open_path)
 
     def __del__(self) -> None:
         try:

@@ -21,19 +21,21 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from gdskit.durable import fsync_dir, remove_if_present, temp_name
-from gdskit.errors import FormatError, GdskitError
+from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, remove_stale_temps
+from gdskit.errors import DeviceUnavailableError, FormatError, GdskitError, GdskitIOError, from_os_error
 from gdskit.formats import read_plan, require_torch, weights_pickle
+from gdskit.formats._device import torch_device
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
-from gdskit.formats.torch_zip import RecordSizes, StorageRecords
+from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
 
 __all__ = ["save", "load", "UnsafeCheckpointError", "DeviceUnavailableError", "STORAGE_ALIGNMENT"]
 
@@ -54,10 +56,6 @@ class UnsafeCheckpointError(GdskitError, pickle.UnpicklingError):
     Load it with ``weights_only=False`` only if you trust its source, or allow the
     classes with ``torch.serialization.add_safe_globals``.
     """
-
-
-class DeviceUnavailableError(GdskitError, RuntimeError):
-    """A storage maps to a device this process cannot use (e.g. CUDA without a GPU)."""
 
 
 def _torch() -> Any:
@@ -93,47 +91,102 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
     """Save ``obj`` like ``torch.save``, with 4 KiB-aligned storages written through the engine.
 
     The result is an ordinary torch.save archive: ``torch.load`` reads it. The write
-    is atomic (a temporary file beside ``path``, fsynced, then renamed). Storages
+    is atomic (a temporary file beside ``path``, locked while it is written, fsynced,
+    then renamed); temporaries that earlier saves to ``path`` left behind when they
+    were killed are removed first (:func:`gdskit.durable.remove_stale_temps`). Storages
     on the GPU are written straight from device memory. Changes the process-wide
     ``torch.utils.serialization.config.save.storage_alignment`` for the duration
     of the call, so do not run ``torch.save`` in other threads meanwhile.
     """
     torch = _torch()
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(path)
+    remove_stale_temps(directory, name)
+    try:
+        tmp = create_locked_temp(directory, name)
+    except OSError as exc:
+        raise from_os_error(exc, path) from None
+    try:
+        captured: dict[str, Any] = {}
+        _write_archive(torch, obj, tmp, captured)
+        _fill_storages(torch, tmp.path, captured, progress)
+        os.replace(tmp.path, path)
+        fsync_dir(directory)
+    except BaseException as exc:
+        tmp.discard()  # its space comes back now, not when a traceback is collected
+        io_error = _os_error_in(exc)
+        if io_error is None:
+            raise
+        raise from_os_error(io_error, path) from exc
+    tmp.close()
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The operating-system error behind ``exc``: itself, or one it was raised while handling
+    (torch.save reports a failed write as the RuntimeError of its archive's clean-up)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, GdskitError) and not isinstance(e, GdskitIOError):
+            return None
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any]) -> None:
+    """torch.save ``obj`` into ``tmp`` with space reserved for every storage at a 4 KiB boundary.
+
+    torch writes through a file object over a second descriptor of ``tmp``, closed here
+    on every path: a writer torch opened itself would stay open, with the file's blocks,
+    for as long as an error's traceback keeps its frames alive.
+    """
     import torch.serialization as ser
     from torch.utils.serialization import config
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, temp_name(os.path.basename(path)))
-    captured: dict[str, Any] = {}
+    fh = os.fdopen(os.dup(tmp.fd), "wb", buffering=1 << 20)
     old_alignment = config.save.storage_alignment
     try:
         config.save.storage_alignment = STORAGE_ALIGNMENT
-        try:
-            with ser.skip_data():
-                torch.save(obj, tmp, pickle_module=_recording_pickle_module(torch, captured))
-        finally:
-            config.save.storage_alignment = old_alignment
-        _fill_storages(torch, tmp, captured, progress)
-        os.replace(tmp, path)
-        fsync_dir(directory)
+        with ser.skip_data():
+            torch.save(obj, fh, pickle_module=_recording_pickle_module(torch, captured))
+        fh.close()
     except BaseException:
-        remove_if_present(tmp)
+        try:
+            fh.close()  # closes the descriptor even when the flush fails
+        except OSError:
+            pass
         raise
+    finally:
+        config.save.storage_alignment = old_alignment
+
+
+def _storage_places(torch: Any, tmp: str, captured: dict[str, Any]) -> list[tuple[int, int, Any]]:
+    """``(offset, nbytes, storage)`` of every storage with bytes to write, as the archive places them.
+    torch's reader is let go of before returning or raising: it holds the file open."""
+    reader = torch._C.PyTorchFileReader(tmp)
+    sizes = RecordSizes(reader, tmp)
+    try:
+        jobs = []
+        for key, storage in captured.items():
+            name = f"data/{key}"
+            nbytes = storage.nbytes()
+            if sizes(name) != nbytes:
+                raise FormatError(f"record {name} has {sizes(name)} bytes, its storage {nbytes}")
+            if nbytes and storage.device.type != "meta":
+                jobs.append((reader.get_record_offset(name), nbytes, storage))
+        return jobs
+    finally:
+        sizes.close()
+        del reader
 
 
 def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: ProgressArg) -> None:
-    reader = torch._C.PyTorchFileReader(tmp)
-    record_size = RecordSizes(reader, tmp)
-    jobs = []
-    for key, storage in captured.items():
-        name = f"data/{key}"
-        nbytes = storage.nbytes()
-        if record_size(name) != nbytes:
-            raise FormatError(f"record {name} has {record_size(name)} bytes, its storage {nbytes}")
-        if nbytes and storage.device.type != "meta":
-            jobs.append((reader.get_record_offset(name), nbytes, storage))
-    del reader
+    from gdskit.formats.torch_io import wait_for_all
+    jobs = _storage_places(torch, tmp, captured)
     for d in {s.device for _o, _n, s in jobs if s.device.type == "cuda"}:
         torch.cuda.synchronize(d)  # the engine reads device memory outside torch's streams
     futures: list[tuple[Any, int]] = []
@@ -148,7 +201,7 @@ def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: Pro
                 if fut.result() != nbytes:
                     raise GdskitError(f"short write to {tmp}: {fut.result()} of {nbytes} bytes")
         finally:
-            concurrent.futures.wait([fut for fut, _n in futures])
+            wait_for_all([fut for fut, _n in futures])
         f.fsync()
 
 
@@ -165,8 +218,18 @@ def _file_kind(path: str) -> str:
     return "other"
 
 
+# torch's deserializer for CUDA takes "cuda", "cuda:N" and "cudaN..." (then checks the index).
+_CUDA_LOCATION = re.compile(r"cuda(:|[0-9]+)")
+
+
 class _Target:
-    """Where each storage goes, following torch.load's ``map_location`` rules."""
+    """Where each storage goes, following torch.load's ``map_location`` rules.
+
+    A location that comes from the file is restored by torch's own rule
+    (``torch.serialization.default_restore_location``): exactly ``"cpu"``, exactly
+    ``"meta"``, or a CUDA location whose device exists. Devices the caller names are read
+    as ``torch.device`` reads them.
+    """
 
     def __init__(self, torch: Any, map_location: MapLocation) -> None:
         self.torch = torch
@@ -177,27 +240,33 @@ class _Target:
     def device(self, location: str) -> Any:
         torch = self.torch
         ml = self.map_location
-        if ml is None or self.eager:
-            name: Any = location
-        elif isinstance(ml, dict):
-            name = ml.get(location, location)
-        elif isinstance(ml, bytes):
-            name = ml.decode()
-        else:
-            name = ml
+        if self.eager:
+            return torch.device("cpu")  # the callable receives CPU storages, as with torch.load
+        if ml is None or (isinstance(ml, dict) and location not in ml):
+            return self._saved_device(location)
+        name = ml[location] if isinstance(ml, dict) else ml.decode() if isinstance(ml, bytes) else ml
         try:
             dev = torch.device(name)
         except (RuntimeError, TypeError) as exc:
             raise DeviceUnavailableError(f"cannot map storage location {location!r} to {name!r}: {exc}") from None
-        if self.eager:
-            dev = torch.device("cpu")  # the callable receives CPU storages, as with torch.load
         if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise DeviceUnavailableError(f"storage saved on {location!r} maps to {dev}, "
-                                             "but CUDA is not available (pass map_location='cpu')")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch_device(torch, dev, argument="map_location")
+        elif dev.type not in ("cpu", "meta"):
+            raise DeviceUnavailableError(f"storage saved on {location!r} maps to {dev}: gdskit reads "
+                                         "storages into CPU and CUDA memory only (use torch.load)")
         return dev
+
+    def _saved_device(self, location: str) -> Any:
+        torch = self.torch
+        if location in ("cpu", "meta"):
+            return torch.device(location)
+        if location == "cuda" or _CUDA_LOCATION.match(location):
+            try:
+                return torch.device("cuda", torch.serialization.validate_cuda_device(location))
+            except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
+                raise DeviceUnavailableError(f"storage saved on {location!r}: {exc}") from None
+        raise DeviceUnavailableError(f"storage saved on {location!r}: gdskit reads storages into CPU and "
+                                     "CUDA memory only (pass map_location, or use torch.load)")
 
 
 def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights_only: bool = True, *,
@@ -217,6 +286,10 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
         only for files you trust.
     progress, return_stats, process_group
         As for :func:`gdskit.safetensors.load_file`.
+
+    Every storage is made at the size its record holds and cannot grow: a tensor that
+    reaches past its storage is refused (``FormatError``) as torch.load refuses it,
+    before any of its bytes are read into it.
     """
     if process_group is not None:
         from gdskit.group.load_torch import load as group_load
@@ -231,8 +304,8 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
     torch = _torch()
     try:
         kind = _file_kind(path)
+        archive_size = os.path.getsize(path)
     except OSError as exc:
-        from gdskit.errors import from_os_error
         raise from_os_error(exc, path) from None
     if kind == "other":
         raise FormatError(f"{path}: not a torch.save file (neither a zip archive nor a pickle stream)")
@@ -240,66 +313,160 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
         return _fallback(torch, path, map_location, weights_only, return_stats)
     try:
         reader = torch._C.PyTorchFileReader(path)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
-    records = set(reader.get_all_records())
-    if "data.pkl" not in records or "constants.pkl" in records:
-        return _fallback(torch, path, map_location, weights_only, return_stats)
-    if "byteorder" in records and reader.get_record("byteorder").decode() != sys.byteorder:
-        return _fallback(torch, path, map_location, weights_only, return_stats)
+    archive = StorageRecords(torch, reader, path, archive_size, path)
+    del reader
+    try:
+        if not archive.has("data.pkl") or "constants.pkl" in archive.names():
+            return _fallback(torch, path, map_location, weights_only, return_stats)
+        # The small records torch.load reads before the pickle: it refuses the archive where they cannot be read.
+        if archive.has(".format_version"):
+            archive.record(".format_version")
+        if archive.has("byteorder"):
+            order = archive.record("byteorder")
+            if order not in (b"little", b"big"):
+                raise FormatError(f"{path}: unknown byte order {order[:16]!r}")
+            if order.decode() != sys.byteorder:
+                return _fallback(torch, path, map_location, weights_only, return_stats)
+        if archive.has(".storage_alignment"):
+            alignment = archive.record(".storage_alignment")
+            try:
+                int(alignment)
+            except ValueError:
+                raise FormatError(f"{path}: the archive's .storage_alignment record is not a number") from None
+        archive.serialization_id()
+        return _ZipLoad(torch, path, archive, _Target(torch, map_location), progress).run(
+            weights_only, return_stats)
+    finally:
+        archive.close()  # whatever an error's traceback keeps alive, the file is closed now
 
-    target = _Target(torch, map_location)
-    archive_size = os.path.getsize(path)
-    records = StorageRecords(torch, reader, path, archive_size, path)
-    ahead = _ReadAhead.start(torch, path, records, target, progress) if target.single_device else None
-    slots: dict[str, tuple[Any, int, int, Any]] = {}   # key -> (typed storage, offset, nbytes, device)
-    before = stats() if return_stats else None
-    eager_file: list[Any] = []
 
-    def persistent_load(saved_id: Any) -> Any:
-        rec = records.resolve(saved_id)
-        if rec.key in slots:
-            return slots[rec.key][0]
-        nbytes = rec.nbytes
-        if ahead is not None:  # every record of the archive has its storage, read during or after the unpickle
-            storage = ahead.storages[rec.key]
-        else:
-            storage = torch.UntypedStorage(nbytes, device=target.device(rec.location))
-            if target.eager:
-                if nbytes:
-                    if not eager_file:
-                        eager_file.append(open_file(path, "r"))
-                    n = eager_file[0].read(_bytes_of(torch, storage, nbytes), size=nbytes, file_offset=rec.offset)
-                    if n != nbytes:
-                        raise TruncatedFileError(f"{path}: short read of storage {rec.key}")
-                mapped = target.map_location(storage, rec.location)
-                if mapped is None:
-                    mapped = torch.serialization.default_restore_location(storage, rec.location)
-                storage = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
+class _ZipLoad:
+    """One load of a torch.save zip archive: its storages, the reads into them, the unpickle.
+
+    Every storage is a view of an allocation of exactly its record's size that cannot be
+    resized (a slice of the allocation, as torch.load's own CPU storages are views of
+    their records): torch's ``Tensor.set_`` then refuses, before it makes the tensor, any
+    view that reaches past the storage, by torch's own arithmetic (which is torch.load's
+    rule, since its storages cannot grow either). A storage that could grow would be
+    reallocated instead, and a read still under way would write into the freed memory.
+    The load holds every read's destination until the read has ended, whatever fails.
+    """
+
+    def __init__(self, torch: Any, path: str, archive: StorageRecords, target: _Target,
+                 progress: ProgressArg) -> None:
+        self.torch, self.path, self.archive, self.target, self.progress = torch, path, archive, target, progress
+        self.cache: dict[Any, Any] = {}              # key -> typed storage, as torch.load keeps them
+        self.pending: list[tuple[Any, StorageRecord]] = []   # storages read after the unpickle
+        self.ahead: _ReadAhead | None = None
+        self._file: Any = None                       # for storages read one by one
+
+    def run(self, weights_only: bool, return_stats: bool) -> Any:
+        torch = self.torch
+        before = stats() if return_stats else None
+        try:
+            if self.target.single_device:
+                self.ahead = _ReadAhead.start(torch, self.path, self.archive, self.target, self.progress)
+            data = self.archive.record("data.pkl")
+            result = _unpickle(torch, data, self.persistent_load, weights_only, self.target.map_location, self.path)
+            if self.ahead is not None:
+                self.ahead.complete()
+            else:
+                _read_storages(torch, self.path, self.pending, self.progress)
+        except BaseException:
+            if self.ahead is not None:
+                self.ahead.abandon()  # no read may outlive the call or its destination
+            raise
+        finally:
+            if self._file is not None:
+                self._file.close()
+        _validate_sparse(torch, self.path)
+        if return_stats:
+            return result, stats_delta(before, stats())
+        return result
+
+    def persistent_load(self, saved_id: Any) -> Any:
+        torch = self.torch
+        identified = self.archive.identify(saved_id)
+        try:
+            hit = self.cache.get(identified[0])
+        except TypeError:
+            raise FormatError(f"{self.path}: a storage key of the pickle is not hashable") from None
+        if hit is not None:
+            return hit
+        rec = self.archive.resolve(saved_id, identified)
+        storage = self._storage(rec)
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-        slots[rec.key] = (typed, rec.offset, nbytes, storage.device)
+        if typed._data_ptr() != 0:  # torch.load shares only storages with memory (not empty or meta ones)
+            self.cache[rec.key] = typed
         return typed
 
-    try:
-        result = _unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location)
-    except BaseException:
-        if ahead is not None:
-            ahead.abandon()  # no I/O may outlive the call
-        raise
-    finally:
-        for f in eager_file:
-            f.close()
-    reader = records = None  # close the archive before the storages are read
-    if ahead is not None:
-        ahead.complete()
-    elif not target.eager:
-        _read_storages(torch, path, slots, progress)
-    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
-    if validate is not None:
-        validate()
-    if return_stats:
-        return result, stats_delta(before, stats())
-    return result
+    def _storage(self, rec: StorageRecord) -> Any:
+        """The storage of record ``rec`` on its device: read now, queued, or being read ahead."""
+        torch = self.torch
+        if self.ahead is not None:
+            found = self.ahead.storages.get(rec.name) if rec.nbytes and rec.raw else None
+            if found is not None:
+                return found
+            storage = new_storage(torch, rec.nbytes, self.ahead.device)
+            self._fill_now(storage, rec)
+            return storage
+        storage = new_storage(torch, rec.nbytes, self.target.device(rec.location))
+        if not self.target.eager:
+            if rec.raw:
+                self.pending.append((storage, rec))
+            else:
+                self._fill_now(storage, rec)
+            return storage
+        self._fill_now(storage, rec)
+        try:
+            mapped = self.target.map_location(storage, rec.location)
+            if mapped is None:
+                mapped = torch.serialization.default_restore_location(storage, rec.location)
+        except RuntimeError as exc:
+            raise DeviceUnavailableError(f"{self.path}: storage {rec.name} saved on {rec.location!r}: {exc}") from None
+        mapped = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
+        return fixed_size(torch, mapped)
+
+    def _fill_now(self, storage: Any, rec: StorageRecord) -> None:
+        """Read ``rec``'s bytes into ``storage`` before going on: records torch's reader must
+        inflate, and every storage handed to a ``map_location`` callable."""
+        torch = self.torch
+        if storage.device.type == "meta":
+            return
+        if not rec.raw:
+            data = self.archive.read(rec)  # even an empty record: torch.load refuses one it cannot read
+            if rec.nbytes:
+                _bytes_of(torch, storage, rec.nbytes).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return
+        if not rec.nbytes:
+            return
+        dest = _bytes_of(torch, storage, rec.nbytes)
+        from gdskit.formats.torch_io import wait_for_all
+        if self._file is None:
+            self._file = open_file(self.path, "r")
+        fut = self._file.pread(dest, size=rec.nbytes, file_offset=rec.offset)
+        wait_for_all([fut])
+        if fut.result() != rec.nbytes:
+            raise TruncatedFileError(f"{self.path}: short read of storage {rec.name}")
+
+
+def new_storage(torch: Any, nbytes: int, device: Any) -> Any:
+    """An untyped storage of ``nbytes`` bytes on ``device`` that cannot be resized (but on the
+    meta device, as with torch.load: a meta storage holds no memory)."""
+    storage = torch.UntypedStorage(nbytes, device=device)
+    if device.type == "meta":
+        return storage
+    return torch._C.StorageBase.__getitem__(storage, slice(0, nbytes))  # the slice, without the meta check
+
+
+def fixed_size(torch: Any, storage: Any) -> Any:
+    """``storage``, or a view of all of it that cannot be resized (it keeps ``storage``'s
+    memory alive). Meta storages hold no memory and stay as they are, as with torch.load."""
+    if not storage.resizable() or storage.device.type == "meta":
+        return storage
+    return storage[0:storage.nbytes()]
 
 
 class _Abandoned(Exception):
@@ -328,13 +495,18 @@ class _ReadAhead:
     Python, which would contend with the unpickler (20,000 of them loaded about 10 % slower
     when read alongside it). torch.save writes only records the pickle refers
     to; any other is read for nothing.
+
+    The reads land in storages of exactly their records' sizes that cannot be resized, so
+    nothing the pickle does can free memory a read is writing into; :meth:`abandon` and
+    :meth:`complete` return only once every read has ended.
     """
 
     def __init__(self, path: str, device: Any, storages: dict[str, Any], dests: dict[str, Any],
                  small: read_plan.ReadPlan, prog: _AbandonableProgress,
                  read_large: Callable[[], None]) -> None:
-        self.storages = storages
-        self._path, self._device, self._dests, self._small = path, device, dests, small
+        self.storages = storages  # record name ("data/0") -> storage
+        self.device = device
+        self._path, self._dests, self._small = path, dests, small
         self._prog = prog
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-load")
         self._job = self._pool.submit(read_large)
@@ -350,8 +522,8 @@ class _ReadAhead:
             return None
         from gdskit.formats.torch_io import execute, reserve_device_memory
         reserve_device_memory(dev, [n for _k, _o, n in spans])
-        storages = {k: torch.UntypedStorage(n, device=dev) for k, _o, n in spans}
-        dests = {k: _bytes_of(torch, storages[k], n) for k, _o, n in spans}
+        storages = {f"data/{k}": new_storage(torch, n, dev) for k, _o, n in spans}
+        dests = {k: _bytes_of(torch, storages[f"data/{k}"], n) for k, _o, n in spans}
         plan = read_plan.plan([read_plan.Extent(k, o, n) for k, o, n in spans], small=SMALL_STORAGE_BYTES,
                               max_group=MAX_GROUP_BYTES, max_gap=MAX_GAP_BYTES)
         large = dataclasses.replace(plan, groups=())
@@ -365,7 +537,9 @@ class _ReadAhead:
         return cls(path, dev, storages, dests, dataclasses.replace(plan, direct=(), empty=()), prog, read_large)
 
     def _end(self) -> None:
-        """Wait for the job to end and its thread to go; close the bar."""
+        """Wait for the job to end and its thread to go, through any interruption; close the bar."""
+        from gdskit.formats.torch_io import wait_for_all
+        wait_for_all([self._job])  # from here on no read is under way
         self._pool.shutdown(wait=True)
         self._prog.close()
 
@@ -377,12 +551,16 @@ class _ReadAhead:
 
     def complete(self) -> None:
         """Raise what the large reads raised, if anything; then read the small storages."""
-        from gdskit.formats.torch_io import execute
+        from gdskit.formats.torch_io import execute, wait_for_all
         try:
+            wait_for_all([self._job])
             self._job.result()
             if self._small.groups:
                 with open_file(self._path, "r") as f:
-                    execute(f, self._small, self._device, dests=self._dests, progress=self._prog)
+                    execute(f, self._small, self.device, dests=self._dests, progress=self._prog)
+        except BaseException:
+            self._prog.abandoned = True
+            raise
         finally:
             self._end()
 
@@ -393,7 +571,7 @@ def _bytes_of(torch: Any, storage: Any, nbytes: int) -> Any:
 
 
 def _unpickle(torch: Any, data: bytes, persistent_load: Callable[[Any], Any], weights_only: bool,
-              map_location: MapLocation) -> Any:
+              map_location: MapLocation, where: str) -> Any:
     tls = getattr(torch.serialization, "_serialization_tls", None)
     if tls is not None:
         tls.map_location = map_location  # used by tensors rebuilt outside a storage (numpy, subclasses)
@@ -405,21 +583,22 @@ def _unpickle(torch: Any, data: bytes, persistent_load: Callable[[Any], Any], we
                 pass
             from torch import _weights_only_unpickler
             up = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-            up.persistent_load = persistent_load
-            try:
-                return up.load()
-            except pickle.UnpicklingError as exc:
-                raise UnsafeCheckpointError(
-                    f"weights_only load refused the checkpoint: {exc}. Load it with weights_only=False "
-                    "only if you trust its source, or allow its classes with "
-                    "torch.serialization.add_safe_globals.") from None
-            except (GdskitError, MemoryError):
-                raise
-            except Exception as exc:  # allowed objects built from values that do not fit them
-                raise FormatError(f"the checkpoint's pickle is damaged: {type(exc).__name__}: {exc}") from None
-        up = _FullUnpickler(torch, io.BytesIO(data), encoding="utf-8")
+        else:
+            up = _FullUnpickler(torch, io.BytesIO(data), encoding="utf-8")
         up.persistent_load = persistent_load
-        return up.load()
+        try:
+            return up.load()
+        except pickle.UnpicklingError as exc:
+            if not weights_only:
+                raise FormatError(f"{where}: the checkpoint's pickle is damaged: {exc}") from None
+            raise UnsafeCheckpointError(
+                f"{where}: weights_only load refused the checkpoint: {exc}. Load it with weights_only=False "
+                "only if you trust its source, or allow its classes with "
+                "torch.serialization.add_safe_globals.") from None
+        except (GdskitError, MemoryError):
+            raise
+        except Exception as exc:  # values that do not fit what they build (a view past its storage...)
+            raise FormatError(f"{where}: the checkpoint's pickle is damaged: {type(exc).__name__}: {exc}") from exc
     finally:
         if tls is not None:
             tls.map_location = None
@@ -443,21 +622,34 @@ class _FullUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_storages(torch: Any, path: str, slots: Mapping[str, tuple[Any, int, int, Any]],
-                   progress: ProgressArg) -> None:
+def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord]], progress: ProgressArg) -> None:
+    """Read the storages the unpickle made, grouped by device."""
     from gdskit.formats.torch_io import execute
-    by_device: dict[Any, list[str]] = {}
-    for key, (_t, _o, _n, dev) in slots.items():
-        if dev.type != "meta":
-            by_device.setdefault(dev, []).append(key)
-    total = sum(slots[k][2] for keys in by_device.values() for k in keys)
+    by_device: dict[Any, list[tuple[int, Any, StorageRecord]]] = {}
+    for i, (storage, rec) in enumerate(pending):
+        if rec.nbytes and storage.device.type != "meta":
+            by_device.setdefault(storage.device, []).append((i, storage, rec))
+    if not by_device:
+        return
+    total = sum(rec.nbytes for items in by_device.values() for _i, _s, rec in items)
     with Progress(total, progress, "loading") as prog, open_file(path, "r") as f:
-        for dev, keys in by_device.items():
-            extents = [read_plan.Extent(k, slots[k][1], slots[k][2]) for k in keys]
-            dests = {k: _bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2]) for k in keys}
+        for dev, items in by_device.items():
+            extents = [read_plan.Extent(i, rec.offset, rec.nbytes) for i, _s, rec in items]
+            dests = {i: _bytes_of(torch, storage, rec.nbytes) for i, storage, rec in items}
             plan = read_plan.plan(extents, small=SMALL_STORAGE_BYTES, max_group=MAX_GROUP_BYTES,
                                   max_gap=MAX_GAP_BYTES)
             execute(f, plan, dev, dests=dests, progress=prog)
+
+
+def _validate_sparse(torch: Any, where: str) -> None:
+    """torch.load's check of the sparse tensors the pickle built, once their bytes are in."""
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is None:
+        return
+    try:
+        validate()
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise FormatError(f"{where}: a sparse tensor of the checkpoint is invalid: {exc}") from None
 
 
 def _fallback(torch: Any, path: str, map_location: MapLocation, weights_only: bool, return_stats: bool) -> Any:
@@ -466,10 +658,14 @@ def _fallback(torch: Any, path: str, map_location: MapLocation, weights_only: bo
         out = torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         if weights_only:
-            raise UnsafeCheckpointError(str(exc)) from None
+            raise UnsafeCheckpointError(f"{path}: {exc}") from None
         raise FormatError(f"{path}: {exc}") from None
-    except (EOFError, RuntimeError) as exc:
-        raise FormatError(f"{path}: torch.load cannot read it: {exc}") from None
+    except OSError as exc:
+        raise from_os_error(exc, path) from None
+    except (GdskitError, MemoryError):
+        raise
+    except Exception as exc:  # whatever torch.load's reading of a damaged file raises
+        raise FormatError(f"{path}: torch.load cannot read it: {type(exc).__name__}: {exc}") from exc
     return (out, None) if return_stats else out
 
 

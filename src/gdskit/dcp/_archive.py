@@ -185,6 +185,9 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
 
     def persistent_load(saved_id: Any) -> Any:
         rec = records.resolve(saved_id)
+        if not rec.raw:  # compressed in the file: its bytes are not at its offset as they are
+            raise FormatError(f"{where}: storage record {rec.name} is compressed; the reader reads "
+                              "records stored as they are")
         storages[rec.key] = (rec.offset, rec.nbytes)
         storage = torch.UntypedStorage(rec.nbytes, device="meta")
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)

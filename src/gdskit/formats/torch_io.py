@@ -97,9 +97,20 @@ def _check(n: int, want: int, what: str) -> None:
                                  "(the file is truncated or shrank while being read)")
 
 
-def _wait_all(futures: list[concurrent.futures.Future[Any]]) -> None:
-    """Let every submitted I/O finish before its memory can be freed, whatever failed."""
-    concurrent.futures.wait([f for f in futures if f is not None])
+def wait_for_all(futures: Iterable[concurrent.futures.Future[Any] | None]) -> None:
+    """Let every submitted I/O finish before its memory can be freed, whatever failed: the
+    wait goes on through a KeyboardInterrupt (or any exception a signal handler raises),
+    which is raised once nothing is left under way."""
+    pending = [f for f in futures if f is not None]
+    interrupted: BaseException | None = None
+    while pending:
+        try:
+            concurrent.futures.wait(pending)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the I/O has ended
+            interrupted = exc
+        pending = [f for f in pending if not f.done()]
+    if interrupted is not None:
+        raise interrupted
 
 
 def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -237,9 +248,9 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
             for e, n in zip(plan.direct, job.result()):
-                _check(n, e.nbytes, repr(e.key))
+                _check(n, e.nbytes, f"{e.key!r} of {f.path}")
     except BaseException:
-        _wait_all(futures)
+        wait_for_all(futures)
         if on_cuda:
             torch.cuda.current_stream(device).synchronize()
         raise
@@ -264,7 +275,7 @@ def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Exten
     def finish_oldest() -> None:
         batch, fut = jobs.popleft()
         for g, n in zip(batch, fut.result()):
-            _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
+            _check(n, g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset} of {f.path}")
 
     batch: list[Group] = []
     reads: list[tuple[Any, int, int]] = []
@@ -312,7 +323,7 @@ def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
         if not pending:
             return
         g, slot, fut = pending.popleft()
-        _check(fut.result(), g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset}")
+        _check(fut.result(), g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset} of {f.path}")
         split = _Split(g)
         parts = torch.split_with_sizes(ring[slot][:g.nbytes], split.sizes)
         srcs = [parts[i] for i in split.keep]
