@@ -11,7 +11,7 @@ STAND_INS: list = []  # the stand-in drivers in use now (each test checks they s
 def use_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
     """Put gdskit on the stand-in driver ``fake`` until ``mp.undo()`` (then call :func:`leave_stand_in`)."""
     import gdskit
-    from gdskit import cuda, pool, routing
+    from gdskit import cuda, numa, pool, routing
 
     gdskit.release_resources()
     mp.setattr(cuda, "_driver", lambda: fake)
@@ -22,6 +22,7 @@ def use_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
     mp.setattr(cuda, "_batched_copies", None)
     cuda._stream_ordered_copy.cache_clear()
     routing.use_facts(routing.fact_source())  # forget the GPUs' addresses and peer links learnt before
+    fake.numa_restore = numa.use_facts(None)  # stand-in GPUs are on no node of this machine
     STAND_INS.append(fake)
 
 
@@ -38,3 +39,5 @@ def leave_stand_in(mp: pytest.MonkeyPatch, fake) -> None:
         mp.undo()
         cuda._device_count = None
         routing.use_facts(routing.fact_source())
+        with fake.numa_restore:
+            pass

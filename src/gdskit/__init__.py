@@ -19,6 +19,7 @@ from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
     from gdskit.backends.cufile import BufferRegistration
+    from gdskit.numa import NumaPlace
     from gdskit.routing import StorageFacts
 
 __version__ = "0.1.0"
@@ -31,11 +32,20 @@ def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageF
     return live_storage_facts(st_dev, gpu_bus_ids)
 
 
-# Routing takes its facts about the machine from the probes' sysfs readers: the engine never
-# reads the topology itself (gdskit.routing).
+def _gpu_numa_place(pci_bus_id: str) -> "NumaPlace":
+    """A GPU's NUMA node and its CPUs, read from sysfs (gdskit.probe.routes)."""
+    from gdskit.probe.routes import live_numa_place  # noqa: PLC0415 - read when a device lane is first made
+
+    return live_numa_place(pci_bus_id)
+
+
+# Routing and the bounce path's NUMA placement take their facts about the machine from the
+# probes' sysfs readers: the engine never reads the topology itself (gdskit.routing, gdskit.numa).
+from gdskit import numa as _numa  # noqa: E402
 from gdskit.routing import use_facts as _use_facts  # noqa: E402
 
 _use_facts(_machine_route_facts)
+_numa.use_facts(_gpu_numa_place)
 
 
 def resources() -> ResourceUsage:

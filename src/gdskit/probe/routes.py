@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gdskit.probe.mounts import NETWORK_FS, block_node, device_name, mount_block_tree, network_rdma, read_mounts
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.topology import PciPlace, PeerDevice, Topology, pci_place, rdma_devices
+from gdskit.numa import UNKNOWN as NUMA_UNKNOWN, NumaPlace, parse_cpulist
 from gdskit.routing import (
     UNKNOWN_PEER, Distance, PeerLink, RouteDecision, RouteWhy, StorageFacts, decide,
 )
@@ -167,6 +168,20 @@ class FixtureFacts:
 
     def __call__(self, st_dev: int, gpu_bus_ids: tuple[str, ...]) -> StorageFacts:
         return storage_facts(self.root, self.storage, gpu_bus_ids)
+
+
+# --------------------------------------------------------------------------- NUMA
+def numa_place(root: SystemRoot, bdf: str) -> NumaPlace:
+    """The NUMA node of the PCI function ``bdf`` and that node's CPUs (sysfs)."""
+    node = _numa_of(root, bdf)
+    if node is None:
+        return NUMA_UNKNOWN
+    return NumaPlace(node, parse_cpulist(root.read_value(f"/sys/devices/system/node/node{node}/cpulist") or ""))
+
+
+def live_numa_place(bdf: str) -> NumaPlace:
+    """The engine's NUMA fact source on the running machine (gdskit.numa)."""
+    return numa_place(SystemRoot("/"), bdf)
 
 
 # --------------------------------------------------------------------------- peer access
