@@ -749,6 +749,9 @@ class FakeDriver:
         return (OK,)
 
     def cuDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802
+        err = self._count("cuDeviceGetPCIBusId")
+        if err:
+            return (err, b"")
         if not 0 <= int(device) < self.devices:
             return (CUresult.CUDA_ERROR_INVALID_DEVICE, b"")
         return (OK, self.bus_ids[int(device)].upper().encode()[:length - 1] + b"\0")

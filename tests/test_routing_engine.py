@@ -224,3 +224,22 @@ def test_one_gpu_is_a_no_op_that_asks_the_driver_nothing(tmp_path, direct, machi
         assert got == data and delta.routed == ()
     assert machine.peer_copies == []
     assert machine.calls.get("cuDeviceCanAccessPeer", 0) == 0 and machine.calls.get("cuCtxEnablePeerAccess", 0) == 0
+
+
+def test_managed_memory_is_never_routed(tmp_path, direct, machine):
+    path, data = _file(tmp_path, 1 << 20)
+    buf = cuda.DeviceArray(len(data), 0, managed=True)
+    before = gdskit.stats()
+    with gdskit.settings.set(**SMALL, routing="force"), gdskit.open(path) as f:
+        assert f.read(buf) == len(data)
+    assert buf.to_numpy().tobytes() == data and (gdskit.stats() - before).routed == ()
+    assert machine.peer_copies == []
+
+
+def test_a_driver_that_cannot_name_the_gpus_addresses_leaves_reads_unrouted(tmp_path, direct, machine):
+    from fake_cuda import CUresult
+
+    machine.fail["cuDeviceGetPCIBusId"] = CUresult.CUDA_ERROR_INVALID_VALUE
+    path, data = _file(tmp_path, 1 << 20)
+    got, delta, _ = _read(path, 0, len(data))
+    assert got == data and delta.routed == () and machine.calls["cuDeviceGetPCIBusId"] == 2

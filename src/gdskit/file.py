@@ -537,7 +537,7 @@ class File:
             _wait_for_producer(view, synced)
             routes = plan_routes(self._of, view, size, file_offset, buf_offset, cfg)
             if route:
-                decision = route_for_read(self._of, view.device, any(r.backend == "cufile" for r in routes),
+                decision = route_for_read(self._of, view, any(r.backend == "cufile" for r in routes),
                                           cfg.routing)
                 if decision is not None and decision.routed:
                     routed.setdefault(decision, []).append(i)

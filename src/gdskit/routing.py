@@ -24,6 +24,8 @@ from typing import Any
 
 from gdskit import cuda
 from gdskit.backends.base import OpenFile
+from gdskit.buffers import BufferView
+from gdskit.cuda import MemoryKind
 from gdskit.vocabulary import Routing
 
 
@@ -240,12 +242,20 @@ def fact_source() -> FactSource | None:
     return _source
 
 
+def _bus_id(device: int) -> str:
+    try:
+        return cuda.device_pci_bus_id(device)
+    except Exception:  # noqa: BLE001 - an address the driver cannot give: that GPU's place is unknown
+        return ""
+
+
 def gpu_bus_ids() -> tuple[str, ...]:
-    """Every GPU's PCI address, by CUDA device number (asked of the driver once)."""
+    """Every GPU's PCI address, by CUDA device number (asked of the driver once; "" where it
+    cannot say)."""
     global _bus_ids
     found = _bus_ids
     if found is None:
-        found = tuple(cuda.device_pci_bus_id(d) for d in range(cuda.device_count()))
+        found = tuple(_bus_id(d) for d in range(cuda.device_count()))
         with _lock:
             _bus_ids = found
     return found
@@ -305,17 +315,20 @@ class _FileRoutes:
         return found
 
 
-def route_for_read(f: OpenFile, target: int | None, direct: bool, policy: Routing) -> RouteDecision | None:
-    """The route of a read from ``f`` into GPU ``target``; ``None`` when it goes straight
-    there without asking anything (routing off, one GPU: the common case costs nothing).
+def route_for_read(f: OpenFile, target: BufferView, direct: bool, policy: Routing) -> RouteDecision | None:
+    """The route of a read from ``f`` into the device memory ``target``; ``None`` when it goes
+    straight there without asking anything (routing off, one GPU, managed memory: the common
+    case costs nothing).
 
     ``direct``: whether the engine would read these bytes into the target along the direct
     path (cuFile). Without one, ``auto`` does not route: a bounce read's bytes pass through
     host memory, where the storage's distance to the GPU does not decide their speed.
     """
-    if policy is Routing.OFF or target is None or cuda.device_count() < 2:
+    if policy is Routing.OFF or target.kind is not MemoryKind.DEVICE or target.device is None:
         return None
-    return f.state("routing", _FileRoutes).decision(target, policy, direct)
+    if cuda.device_count() < 2:
+        return None
+    return f.state("routing", _FileRoutes).decision(target.device, policy, direct)
 
 
 def distances_by_gpu(facts: StorageFacts, bus_ids: Iterable[str]) -> dict[int, Distance]:
