@@ -565,7 +565,7 @@ class File:
         for decision, idx in routed.items():
             got = read_routed([items[i] for i in idx], decision,
                               lambda staged: self._execute_many(staged, synced, None, route=False),
-                              cfg.chunk_size, cfg.alignment, on_bytes)
+                              cfg.threads, cfg.chunk_size, cfg.alignment, on_bytes)
             for i, n in zip(idx, got):
                 out[i] = n
         return out

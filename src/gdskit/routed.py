@@ -25,11 +25,10 @@ from gdskit.ledger import ledger
 from gdskit.plan import align_up
 from gdskit.routing import RouteDecision
 
-#: The largest staging slot; a ring holds two on the GPU it reads through. Small beside a
-#: GPU's memory; a slot also holds no more than :data:`CHUNKS_PER_SLOT` of the engine's
-#: chunks, enough to keep the workers reading side by side into one slot.
-SLOT_BYTES = 64 << 20
-CHUNKS_PER_SLOT = 8
+#: The largest staging slot; a ring holds two on the GPU it reads through. A slot holds one
+#: chunk per worker (``threads * chunk_size``, 128 MiB at the defaults), so every worker reads
+#: into it side by side, and never more than this.
+SLOT_BYTES = 256 << 20
 _MIN_SLOT = 256 << 10
 
 #: One staged read: (slot view, bytes, file offset, offset in the slot) -> the byte count of each.
@@ -128,10 +127,10 @@ class _Piece:
     slot_offset: int   # where its first byte lands in the slot
 
 
-def _slot_size(total: int, chunk_size: int, alignment: int) -> int:
+def _slot_size(total: int, threads: int, chunk_size: int, alignment: int) -> int:
     """Bytes of one slot: room for a power of two of at least 256 KiB that holds ``total``, up
-    to :data:`SLOT_BYTES` or :data:`CHUNKS_PER_SLOT` chunks, plus alignment slack."""
-    cap = max(_MIN_SLOT, min(SLOT_BYTES, CHUNKS_PER_SLOT * chunk_size))
+    to a chunk per worker or :data:`SLOT_BYTES`, plus alignment slack."""
+    cap = max(_MIN_SLOT, min(SLOT_BYTES, threads * chunk_size))
     room = _MIN_SLOT
     while room < total and room < cap:
         room *= 2
@@ -187,7 +186,7 @@ def _open_peer_access(via: int, target: int) -> None:
 
 
 def read_routed(jobs: Sequence[tuple[BufferView, int, int, int]], decision: RouteDecision,
-                read_staged: ReadStaged, chunk_size: int, alignment: int,
+                read_staged: ReadStaged, threads: int, chunk_size: int, alignment: int,
                 on_bytes: Callable[[int], None] | None = None) -> list[int]:
     """Read ``jobs`` (target view, size, file offset, offset in the view), all into GPU
     ``decision.target``, through GPU ``decision.via``; the byte count of each (short only at end
@@ -201,7 +200,7 @@ def read_routed(jobs: Sequence[tuple[BufferView, int, int, int]], decision: Rout
     total = sum(size for _v, size, _fo, _bo in jobs)
     if total == 0:
         return counts
-    ring = rings.acquire(via, _slot_size(total, chunk_size, alignment))
+    ring = rings.acquire(via, _slot_size(total, threads, chunk_size, alignment))
     ok = False
     try:
         with cuda.on_device(via):
