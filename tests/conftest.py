@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # -- the stand-in CUDA driver and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
 
-from stand_in import STAND_INS as _STAND_INS, leave_stand_in, use_stand_in  # noqa: E402
+_STAND_INS: list = []  # the stand-in drivers in use now (each test checks they saw no breach)
 
 
 def _breaches(fake) -> list[str]:
@@ -66,17 +66,49 @@ def _stand_in_rules():
 @pytest.fixture(scope="module")
 def fake_cuda():
     """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
+    from gdskit import cuda
+
     from fake_cuda import FakeDriver
 
     fake = FakeDriver()
-    mp = pytest.MonkeyPatch()
-    use_stand_in(mp, fake)
-    try:
-        yield fake
-    finally:
-        leave_stand_in(mp, fake)
+    with cuda.use_driver(fake):  # frees the workers and lanes of the driver before, and then the stand-in's
+        _STAND_INS.append(fake)
+        try:
+            yield fake
+        finally:
+            _STAND_INS.remove(fake)
     found = _breaches(fake)
     assert not found, "the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found)
+
+
+@pytest.fixture
+def stand_in_gpus():
+    """``stand_in_gpus(fake)``: gdskit on the stand-in driver ``fake`` (several devices, say) until
+    the test ends, held to CUDA's rules as ``fake_cuda``'s is. Stand-in GPUs sit on no NUMA node of
+    this machine: none is looked up."""
+    import contextlib
+
+    from gdskit import cuda, numa
+
+    made: list = []
+    with contextlib.ExitStack() as stack:
+
+        def use(fake):
+            stack.enter_context(numa.use_facts(None))
+            stack.enter_context(cuda.use_driver(fake))
+            _STAND_INS.append(fake)
+            made.append(fake)
+            return fake
+
+        try:
+            yield use
+            found = [b for fake in made for b in _breaches(fake)]
+            if found:
+                pytest.fail("the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found),
+                            pytrace=False)
+        finally:
+            for fake in made:
+                _STAND_INS.remove(fake)
 
 
 @pytest.fixture
@@ -89,6 +121,23 @@ def compat_cufile(monkeypatch, fake_cuda):
     lib = use_cufile(monkeypatch, fake)
     yield fake
     lib.close()
+
+
+@pytest.fixture
+def route_is():
+    """``route_is(route)``: every part of gdskit sees ``route`` (a ``DirectRoute``) as this
+    machine's direct route until the test ends (``gdskit.direct_route.override``)."""
+    from gdskit import direct_route
+
+    made = []
+
+    def use(route):
+        made.append(direct_route.override(route))
+        return route
+
+    yield use
+    for o in reversed(made):
+        o.__exit__(None, None, None)
 
 
 @pytest.fixture

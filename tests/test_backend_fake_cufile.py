@@ -48,9 +48,8 @@ def _file(tmp_path, nbytes=4 << 20):
     return str(p), data
 
 
-def test_compat_is_named_by_the_counters_and_auto_then_uses_the_ring(tmp_path, compat_cufile, monkeypatch):
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
-    monkeypatch.setattr(cufile_backend, "direct_route", lambda: NVFS_ROUTE)
+def test_compat_is_named_by_the_counters_and_auto_then_uses_the_ring(tmp_path, compat_cufile, route_is):
+    route_is(NVFS_ROUTE)
     path, data = _file(tmp_path)
     buf = cuda.DeviceArray(len(data))
     before = gdskit.stats()
@@ -66,10 +65,10 @@ def test_compat_is_named_by_the_counters_and_auto_then_uses_the_ring(tmp_path, c
     assert set(second.reasons) == {"cufile_compat_observed"}
 
 
-def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_cuda):
+def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_cuda, route_is):
     fake = FakeCufile(route="nvfs")
     lib = use_cufile(monkeypatch, fake)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
+    route_is(NVFS_ROUTE)
     path, data = _file(tmp_path)
     buf = cuda.DeviceArray(len(data))
     before = gdskit.stats()
@@ -82,9 +81,9 @@ def test_direct_counters_give_a_direct_path(tmp_path, monkeypatch, fake_cuda):
     lib.close()
 
 
-def test_registration_failure_falls_back_with_its_reason(tmp_path, monkeypatch, fake_cuda):
+def test_registration_failure_falls_back_with_its_reason(tmp_path, monkeypatch, fake_cuda, route_is):
     use_cufile(monkeypatch, FakeCufile(register_fails=True))
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
+    route_is(NVFS_ROUTE)
     monkeypatch.setattr(cufile_backend, "udev_database_present", lambda: False)
     path, data = _file(tmp_path)
     buf = cuda.DeviceArray(len(data))

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is p
 
 
 @pytest.fixture(autouse=True)
-def _fake(fake_cuda, monkeypatch):
+def _fake(fake_cuda):
     fake_cuda.fail.clear()
     # A refused registration is remembered for the process: each test starts from none.
-    monkeypatch.setattr(pool.lanes, "_register_error", None)
+    pool.lanes.forget_register_error()
     yield fake_cuda
+    pool.lanes.forget_register_error()
 
 
 def _spy_libc(monkeypatch, **calls):

@@ -114,7 +114,7 @@ def test_small_read_of_a_partly_cached_range(small_io_file):
 def test_a_small_unaligned_miss_asks_the_page_cache_once(small_io_file, monkeypatch, how):
     """The one-call check asks for the range's residency; the general path it hands over to uses
     that answer instead of asking again."""
-    from gdskit.backends import host
+    from gdskit.backends import staged
     from gdskit.residency import Residency
 
     path, data = small_io_file
@@ -124,7 +124,7 @@ def test_a_small_unaligned_miss_asks_the_page_cache_once(small_io_file, monkeypa
         asked.append((pos, n))
         return Residency.NONE
 
-    monkeypatch.setattr(host, "file_residency", not_cached)
+    monkeypatch.setattr(staged, "file_residency", not_cached)  # where every CPU-path read asks
     buf = bytearray(1000)
     with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
         if how == "read":

@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 import gdskit
-from gdskit.bench import runner
+from gdskit.bench import runner, worker
 from gdskit.bench.memory import pattern
 from gdskit.bench.params import MiB, PathUnavailableError, make_params
 from gdskit.errors import GdskitIOError, InvalidArgumentError
@@ -203,7 +203,7 @@ def test_cli_default_run_is_quick_and_tidy(tmp_path, monkeypatch):
 def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkeypatch):
     from gdskit.bench import runner as r
     from gdskit.bench.memory import HostBuffer
-    monkeypatch.setattr(r, "allocate", lambda on_device, n, d, huge_pages=False: HostBuffer(n))
+    monkeypatch.setattr(worker, "allocate", lambda on_device, n, d, huge_pages=False: HostBuffer(n))
 
     def boom(device):
         raise gdskit.errors.CudaError("no device", code="cudaErrorNoDevice")
@@ -220,14 +220,14 @@ def test_a_worker_failing_before_the_start_is_reported_not_hung(tmp_path, monkey
 
 def test_offset_batches_cover_a_slice_in_order_or_draw_the_same_random_offsets():
     seq = make_params(size="4M", io_size="64K", workers=1, paths="host", op="read")
-    gen = runner._offset_batches(seq, 64 * 1024, 1 << 20, 1 << 20, 0, 0, 5)
+    gen = worker._offset_batches(seq, 64 * 1024, 1 << 20, 1 << 20, 0, 0, 5)
     offs = [o for _ in range(4) for o in next(gen)][:16]
     assert offs == [(1 << 20) + i * 65536 for i in range(16)]
     assert next(gen)[:1] == [(1 << 20) + 4 * 65536]  # wraps around the 16 slots
 
     rnd = make_params(size="4M", io_size="4K", workers=2, paths="host", op="randread")
-    a = next(runner._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
-    b = next(runner._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
+    a = next(worker._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
+    b = next(worker._offset_batches(rnd, 4096, 2 << 20, 2 << 20, 1, 0, 64))
     assert a == b, "every path must do the very same I/O"
     assert all((2 << 20) <= o < (4 << 20) and o % 4096 == 0 for o in a) and len(set(a)) > 32
 

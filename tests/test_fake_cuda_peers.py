@@ -11,7 +11,6 @@ import pytest
 
 from gdskit import cuda
 
-from stand_in import leave_stand_in, use_stand_in
 from fake_cuda import CUresult, FakeDriver, StandInViolation
 
 N = 64 << 10
@@ -128,25 +127,21 @@ def test_an_event_is_recorded_only_on_a_stream_of_its_own_context(drv):
     _ok(drv.cuEventRecord(mine, s))
 
 
-def test_gdskit_cuda_over_several_devices(drv):
-    mp = pytest.MonkeyPatch()
-    use_stand_in(mp, drv)
-    try:
-        assert [cuda.device_pci_bus_id(d) for d in range(3)] == ["0000:03:00.0", "0000:83:00.0", "0001:c4:00.0"]
-        assert cuda.can_access_peer(0, 1) and not cuda.can_access_peer(0, 2) and not cuda.can_access_peer(1, 1)
-        # Another library (torch) opened the pair already: that counts as open.
-        _on(drv, 1)
-        _ok(drv.cuCtxEnablePeerAccess(1000, 0))
-        cuda.enable_peer_access(1, 0)
-        cuda.enable_peer_access(0, 1)
-        cuda.enable_peer_access(0, 1)  # once per process
-        assert drv.calls["cuCtxEnablePeerAccess"] == 3
-        with pytest.raises(cuda.CudaError):
-            cuda.enable_peer_access(0, 2)
-        # The caller's context is back as it was, even none at all.
-        drv._tls.ctx = None
-        with cuda.on_device(2):
-            assert int(drv.cuCtxGetCurrent()[1]) == 1002
-        assert int(drv.cuCtxGetCurrent()[1]) == 0
-    finally:
-        leave_stand_in(mp, drv)
+def test_gdskit_cuda_over_several_devices(drv, stand_in_gpus):
+    stand_in_gpus(drv)
+    assert [cuda.device_pci_bus_id(d) for d in range(3)] == ["0000:03:00.0", "0000:83:00.0", "0001:c4:00.0"]
+    assert cuda.can_access_peer(0, 1) and not cuda.can_access_peer(0, 2) and not cuda.can_access_peer(1, 1)
+    # Another library (torch) opened the pair already: that counts as open.
+    _on(drv, 1)
+    _ok(drv.cuCtxEnablePeerAccess(1000, 0))
+    cuda.enable_peer_access(1, 0)
+    cuda.enable_peer_access(0, 1)
+    cuda.enable_peer_access(0, 1)  # once per process
+    assert drv.calls["cuCtxEnablePeerAccess"] == 3
+    with pytest.raises(cuda.CudaError):
+        cuda.enable_peer_access(0, 2)
+    # The caller's context is back as it was, even none at all.
+    drv._tls.ctx = None
+    with cuda.on_device(2):
+        assert int(drv.cuCtxGetCurrent()[1]) == 1002
+    assert int(drv.cuCtxGetCurrent()[1]) == 0

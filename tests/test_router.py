@@ -9,7 +9,7 @@ import pytest
 import gdskit
 from gdskit import direct_route as dr
 from gdskit.backends import cufile as cufile_backend
-from gdskit.backends.base import OpenFile
+from gdskit.backends.base import UNKNOWN, OpenFile
 from gdskit.buffers import BufferView
 from gdskit.cuda import MemoryKind
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
@@ -49,12 +49,11 @@ def open_file(tmp_path):
 
 
 @pytest.fixture
-def direct_machine(monkeypatch):
-    """A machine with nvidia-fs whose cuFile registers every file."""
-    route = dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: route)
+def direct_machine(monkeypatch, route_is, tmp_path):
+    """A machine with nvidia-fs whose cuFile registers every file, and no measured cut-off."""
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
     monkeypatch.setattr(cufile_backend, "register", lambda f: cufile_backend.FileRegistration(1234, None))
-    monkeypatch.setattr("gdskit.router._direct_threshold", lambda f, cfg: cfg.direct_threshold)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no profile store: the setting's cut-off
 
 
 def _routes(of, buf, size, foff, boff=0, **settings):
@@ -85,14 +84,13 @@ def test_small_requests_skip_cufile(open_file, direct_machine):
 
 
 def test_compat_seen_sends_later_requests_to_the_ring(open_file, direct_machine):
-    open_file.extras["cufile_compat_seen"] = True
+    open_file.compat_seen = True
     assert _routes(open_file, _device_buf(), 8 * MiB, 0)[0][:2] == ("bounce", Reason.CUFILE_COMPAT_OBSERVED)
 
 
-def test_registration_failure_reason(open_file, monkeypatch):
-    route = dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, False)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: route)
-    monkeypatch.setattr("gdskit.router._direct_threshold", lambda f, cfg: 0)
+def test_registration_failure_reason(open_file, monkeypatch, route_is, tmp_path):
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, False))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no profile store
     monkeypatch.setattr(cufile_backend, "register",
                         lambda f: cufile_backend.FileRegistration(None, Reason.UDEV_MISSING, "udev property not found"))
     assert _routes(open_file, _device_buf(), 8 * MiB, 0)[0][:2] == ("bounce", Reason.UDEV_MISSING)
@@ -101,9 +99,8 @@ def test_registration_failure_reason(open_file, monkeypatch):
     assert ei.value.reason is Reason.UDEV_MISSING
 
 
-def test_no_direct_route_machine(open_file, monkeypatch):
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING,
-                                                                             False, False, False))
+def test_no_direct_route_machine(open_file, route_is):
+    route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, False))
     assert _routes(open_file, _device_buf(), 8 * MiB, 0) == [("bounce", Reason.NVIDIA_FS_MISSING, 0, 0, 8 * MiB)]
 
 
@@ -135,11 +132,10 @@ def test_cufile_evidence_classification():
     assert cufile_backend._classify("read", None, after) is None
 
 
-def test_cufile_ledger_names_compat_with_the_platform_reason(monkeypatch):
+def test_cufile_ledger_names_compat_with_the_platform_reason(route_is):
     from gdskit.backends.base import Request
 
-    monkeypatch.setattr(cufile_backend, "direct_route",
-                        lambda: dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
+    route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
     req = Request("read", _device_buf(), 8 * MiB, 0, 0, Reason.DIRECT)
     before = gdskit.stats()
     cufile_backend.CufileBackend._record(req, 8 * MiB, 4, 0.01, {Path.CUFILE_COMPAT: 3, Path.CUFILE_NVFS: 1})
@@ -147,3 +143,27 @@ def test_cufile_ledger_names_compat_with_the_platform_reason(monkeypatch):
     got = {(e.path, e.reason): e.bytes for e in delta.entries}
     assert got == {("cufile-compat", "nvidia_fs_missing"): 6 * MiB, ("cufile-nvfs", "direct"): 2 * MiB}
     assert delta.direct_bytes == 2 * MiB
+
+
+def test_the_mounts_measured_cut_off_is_looked_up_once_per_file_even_when_there_is_none(open_file, monkeypatch,
+                                                                                        route_is):
+    from gdskit import profiles
+
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
+    monkeypatch.setattr(cufile_backend, "register", lambda f: cufile_backend.FileRegistration(1234, None))
+    asked: list[str] = []
+    monkeypatch.setattr(profiles, "threshold_for", lambda path: asked.append(path))  # no profile: None
+    assert open_file.threshold.value is UNKNOWN
+    for _ in range(3):
+        assert _routes(open_file, _device_buf(), 8 * MiB, 0)[0][:2] == ("cufile", Reason.DIRECT)
+    assert asked == [open_file.path] and open_file.threshold.value is None
+
+
+def test_per_file_state_starts_unknown_and_is_worked_out_once():
+    from gdskit.backends.base import Once
+
+    cell: Once[int | None] = Once()
+    made: list[int] = []
+    assert cell.value is UNKNOWN
+    assert cell.get(lambda: made.append(1)) is None  # None is a value like any other
+    assert cell.get(lambda: made.append(2)) is None and made == [1]

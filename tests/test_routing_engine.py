@@ -11,13 +11,11 @@ import pytest
 
 import gdskit
 from gdskit import cuda, direct_route as dr, routed, routing
-from gdskit.backends import cufile as cufile_backend
 from gdskit.buffers import ScatterList, scattered_device_view
 from gdskit.probe.routes import FixtureFacts
 from gdskit.vocabulary import Path
 
 from check_helpers import fixture_root
-from stand_in import leave_stand_in, use_stand_in
 from fake_cuda import FakeDriver
 from fake_cufile import FakeCufile
 from fake_stack import use_cufile
@@ -30,29 +28,22 @@ SMALL = {"chunk_size": "64KiB", "threads": 4, "direct_threshold": 0}
 
 
 @pytest.fixture
-def machine(request, monkeypatch):
+def machine(request, stand_in_gpus):
     """Two stand-in GPUs, the drive under GPU 1's switch; ``peers``: which GPUs reach each other."""
     opts = getattr(request, "param", {})
-    fake = FakeDriver(devices=opts.get("devices", 2), bus_ids=opts.get("bus_ids", BUS_IDS[:opts.get("devices", 2)]),
-                      peers=opts.get("peers"))
-    mp = pytest.MonkeyPatch()
-    use_stand_in(mp, fake)
-    restore = routing.use_facts(FixtureFacts(fixture_root("two-gpus-nvlink"), 259, 1))
-    try:
+    devices = opts.get("devices", 2)
+    fake = stand_in_gpus(FakeDriver(devices=devices, bus_ids=BUS_IDS[:devices], peers=opts.get("peers")))
+    with routing.use_facts(FixtureFacts(fixture_root("two-gpus-nvlink"), 259, 1)):
         yield fake
-    finally:
-        with restore:
-            pass
-        leave_stand_in(mp, fake)
+        gdskit.release_resources()
 
 
 @pytest.fixture
-def direct(machine, monkeypatch):
+def direct(machine, monkeypatch, route_is):
     """cuFile with a direct route (nvidia-fs), counting each GPU's reads as libcufile does."""
     fake = FakeCufile(route="nvfs", gpu_of=lambda ptr: machine.device_of(ptr) or 0)
     lib = use_cufile(monkeypatch, fake)
-    monkeypatch.setattr("gdskit.router.direct_route", lambda: NVFS_ROUTE)
-    monkeypatch.setattr(cufile_backend, "direct_route", lambda: NVFS_ROUTE)
+    route_is(NVFS_ROUTE)
     yield fake
     lib.close()
 

@@ -362,6 +362,30 @@ def test_gpu_first_load_sets_the_engine_up_in_the_background(tmp_path, monkeypat
 
 
 @pytest.mark.gpu
+def test_gpu_hot_load_asks_the_page_cache_once(tmp_path, monkeypatch) -> None:
+    from gdskit.backends import bounce, staged
+    from gdskit.formats import torch_io
+
+    tensors = {f"s{i}": torch.randn(5000 + i) for i in range(2000)}  # about 40 MB of small tensors
+    path = tmp_path / "hot.safetensors"
+    gs.save_file(tensors, path)
+    gs.load_file(path, device="cuda:0")  # now every byte is in the page cache
+    monkeypatch.setattr(torch_io, "SCATTER_BATCH_BYTES", 4 << 20)  # several scattered jobs
+    spans: list[int] = []
+    real = staged.file_residency
+    monkeypatch.setattr(bounce, "file_residency", lambda f, pos, n: spans.append(n) or real(f, pos, n))
+    lanes: list[int] = []
+    run = bounce.run_requests
+    monkeypatch.setattr(bounce, "run_requests", lambda *a, **k: lanes.append(k["max_lanes"]) or run(*a, **k))
+    with gdskit.settings.set(mode="bounce"):
+        out = gs.load_file(path, device="cuda:0")
+    for k, v in tensors.items():
+        assert same(out[k].cpu(), v), k
+    assert len(lanes) > 2 and set(lanes) == {bounce.SCATTERED_HOT_WORKERS}
+    assert spans == []  # the loader's one question stood for every job
+
+
+@pytest.mark.gpu
 def test_gpu_peak_memory_close_to_checkpoint_size(tmp_path) -> None:
     tensors = {f"t{i}": torch.randn(25_000) for i in range(400)}
     tensors.update({f"big{i}": torch.randn(1 << 21) for i in range(4)})

@@ -104,16 +104,17 @@ class TestOnStandInGpu:
     def test_copies_are_batched_where_the_driver_can_and_one_by_one_where_not(self, data_file, fake_cuda,
                                                                                 batches, monkeypatch):
         path, data = data_file
-        monkeypatch.setattr(cuda, "_batched_copies", None)  # not yet tried
         if not batches:  # a driver older than CUDA 12.8
             monkeypatch.setitem(fake_cuda.fail, "cuMemcpyBatchAsync", fake_cuda.CUresult.CUDA_ERROR_NOT_SUPPORTED)
-        arrays = [cuda.DeviceArray(1000) for _ in range(40)]
-        view = scattered_device_view(_targets(arrays, range(0, 80_000, 2000)), 80_000, 0, arrays)
-        before = dict(fake_cuda.calls)
-        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
-            assert f.read(view, 80_000) == 80_000
-        assert all(_device_bytes(a) == data[i * 2000:i * 2000 + 1000] for i, a in enumerate(arrays))
-        assert cuda._batched_copies is batches
+        with cuda.use_driver(fake_cuda):  # the driver afresh: batching not tried yet
+            assert cuda.copies_batched() is None
+            arrays = [cuda.DeviceArray(1000) for _ in range(40)]
+            view = scattered_device_view(_targets(arrays, range(0, 80_000, 2000)), 80_000, 0, arrays)
+            before = dict(fake_cuda.calls)
+            with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
+                assert f.read(view, 80_000) == 80_000
+            assert all(_device_bytes(a) == data[i * 2000:i * 2000 + 1000] for i, a in enumerate(arrays))
+            assert cuda.copies_batched() is batches
         calls = {k: v - before.get(k, 0) for k, v in fake_cuda.calls.items()}
         # A batch per chunk, or (after one refused batch) a call per copy.
         if batches:
@@ -138,6 +139,29 @@ class TestOnStandInGpu:
             assert f.read(cuda.DeviceArray(1_000_000), 1_000_000) == 1_000_000  # not scattered: every worker
         assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
         assert asked == [bounce.SCATTERED_HOT_WORKERS if held else 8, 8]
+
+    @pytest.mark.parametrize("told", [True, False])
+    def test_the_callers_answer_about_the_page_cache_stands(self, data_file, monkeypatch, told):
+        # A loader asks once whether the page cache holds all its groups and says so in each
+        # scattered view: the engine takes that answer for every job instead of asking again.
+        from gdskit.backends import bounce
+
+        path, data = data_file
+        asked_cache: list[tuple[int, int]] = []
+        real_residency = bounce.file_residency
+        monkeypatch.setattr(bounce, "file_residency",
+                            lambda f, pos, n: asked_cache.append((pos, n)) or real_residency(f, pos, n))
+        lanes: list[int] = []
+        real = bounce.run_requests
+        monkeypatch.setattr(bounce, "run_requests", lambda *a, **k: lanes.append(k["max_lanes"]) or real(*a, **k))
+        arrays = [cuda.DeviceArray(4000) for _ in range(100)]
+        view = scattered_device_view(_targets(arrays, range(0, 1_000_000, 10_000)), 1_000_000, 0, arrays,
+                                     source_cached=told)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=8), gdskit.open(path) as f:
+            assert f.read(view, 1_000_000) == 1_000_000
+        assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
+        assert lanes == [bounce.SCATTERED_HOT_WORKERS if told else 8]
+        assert asked_cache == []  # the job's bytes are not asked about again, held or not
 
     def test_short_at_end_of_file_and_later_targets_untouched(self, data_file):
         path, data = data_file

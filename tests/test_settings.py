@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 
@@ -69,3 +71,31 @@ def test_parse_size(n, unit):
 def test_parse_size_rejects(text):
     with pytest.raises(ConfigError):
         parse_size(text)
+
+
+
+def test_subscribers_hear_every_change_of_their_settings(monkeypatch):
+    s = Settings()
+    heard: list[tuple[frozenset[str], int]] = []
+    s.subscribe(lambda names: heard.append((names, s.threads)))
+    with s.set(threads=3, mode="bounce"):
+        assert heard == [(frozenset({"threads", "mode"}), 3)]
+    assert heard[-1] == (frozenset({"threads", "mode"}), Settings().threads)  # told after the restore
+    with pytest.raises(ConfigError):
+        s.set(threads=0)
+    assert len(heard) == 2  # a refused change changes nothing and tells no one
+    monkeypatch.delenv("GDSKIT_THREADS", raising=False)
+    s.reset()
+    assert heard[-1][0] == frozenset(f.name for f in dataclasses.fields(Settings))
+    assert s.snapshot()._subscribers == []  # a request's copy tells no one
+
+
+def test_stats_publication_follows_the_setting_from_the_package(tmp_path):
+    # The engine's settings never import telemetry: the package subscribes it to them.
+    code = ("import sys, gdskit\n"
+            "print('gdskit.telemetry.publish' in sys.modules)\n"
+            "gdskit.settings.set(stats_level=1)\n"
+            "print('gdskit.telemetry.publish' in sys.modules)\n")
+    env = {**os.environ, "GDSKIT_STATS": "0", "GDSKIT_STATS_DIR": str(tmp_path / "stats")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["False", "True"]

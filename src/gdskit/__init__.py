@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# Live statistics follow settings.stats_level (GDSKIT_STATS): the engine never calls up into them.
+from gdskit.telemetry import follow_settings as _follow_settings  # noqa: E402
+
+_follow_settings()
+
 
 def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageFacts":
     """Where a file's storage sits relative to each GPU, read from sysfs (gdskit.probe.routes)."""

@@ -42,6 +42,9 @@ class BufferView:
     producer_sync: bool = False
     # Device memory in several separate allocations (see scattered_device_view); ``ptr`` is then 0.
     scatter: ScatterList | None = None
+    # For a scattered read: whether its caller found all the bytes it reads in the page cache
+    # (None: not asked). The engine takes that answer instead of asking again.
+    source_cached: bool | None = None
 
     @property
     def on_device(self) -> bool:
@@ -199,12 +202,16 @@ class ScatterList:
         return out
 
 
-def scattered_device_view(targets: ScatterList, nbytes: int, device: int, owner: Any) -> BufferView:
+def scattered_device_view(targets: ScatterList, nbytes: int, device: int, owner: Any, *,
+                          source_cached: bool | None = None) -> BufferView:
     """A read of ``nbytes`` whose bytes land in ``targets`` (memory of GPU ``device``), whose
-    producer work the caller has already waited for (as :func:`synchronized_device_view`)."""
+    producer work the caller has already waited for (as :func:`synchronized_device_view`).
+    ``source_cached``: whether the caller found the bytes it will read all in the page cache
+    (``File.cached``), so that the engine need not ask again."""
     if targets.end > nbytes:
         raise UnsupportedBufferError(f"scatter targets reach byte {targets.end} of a {nbytes}-byte read")
-    return BufferView(0, nbytes, MemoryKind.DEVICE, device, False, None, owner, scatter=targets)
+    return BufferView(0, nbytes, MemoryKind.DEVICE, device, False, None, owner, scatter=targets,
+                      source_cached=source_cached)
 
 
 def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:

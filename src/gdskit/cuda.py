@@ -5,21 +5,21 @@ machine with no GPU, no driver and no bindings. Every call checks the CUDA error
 code and raises :class:`gdskit.errors.CudaError` on failure.
 
 Why the driver API and not the runtime: a process with torch already has a runtime
-and a context; importing the bindings' runtime module took 62-119 ms on the H200
-machine (the driver module 18-25 ms), paid inside the first load. gdskit works in
-each device's primary context, the one every runtime in the process shares.
+and a context, and importing the bindings' runtime module costs several times the
+driver module's import, paid inside the first load (docs/engine.md, "Measurements
+behind the defaults"). gdskit works in each device's primary context, the one every
+runtime in the process shares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import enum
-import functools
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +37,75 @@ class MemoryKind(str, enum.Enum):
     MANAGED = "managed"    # unified (managed) memory
 
 
-@functools.lru_cache(maxsize=1)
-def _driver() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+class _DriverState:
+    """What gdskit holds of one CUDA driver: the driver module, the primary contexts retained
+    on it, its device count and whether it batches copies. One per driver (:func:`use_driver`)."""
 
-    check(driver.cuInit(0), "cuInit")
-    return driver
+    __slots__ = ("batched_copies", "contexts", "device_count", "driver", "ordered_copy", "peers_enabled")
+
+    def __init__(self, driver: Any = None) -> None:
+        self.driver = driver                         # None: the bindings, loaded on first use
+        self.contexts: dict[int, Any] = {}
+        self.device_count: int | None = None
+        # Whether cuMemcpyBatchAsync works here: None until first tried, then True or False for good.
+        self.batched_copies: bool | None = None
+        self.ordered_copy: list[Any] | None = None   # cuMemcpyBatchAsync's attributes, made once
+        self.peers_enabled: set[tuple[int, int]] = set()  # (device, peer) opened by enable_peer_access
+
+
+_state = _DriverState()
+_state_lock = threading.Lock()
+_driver_change_hooks: list[Callable[[], None]] = []
+
+
+def _driver() -> Any:
+    drv = _state.driver
+    return drv if drv is not None else _load_bindings(_state)
+
+
+def _load_bindings(state: _DriverState) -> Any:
+    with _state_lock:
+        if state.driver is None:
+            from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+
+            check(driver.cuInit(0), "cuInit")
+            state.driver = driver
+        return state.driver
+
+
+def on_driver_change(hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook()`` before gdskit moves to another driver (:func:`use_driver`), while the one
+    it leaves is still in place: what was made on it (streams, pinned memory) goes with it.
+    Returns the function that stops calling it."""
+    if hook not in _driver_change_hooks:
+        _driver_change_hooks.append(hook)
+    return lambda: _driver_change_hooks.remove(hook) if hook in _driver_change_hooks else None
+
+
+@contextmanager
+def use_driver(driver: Any) -> Iterator[Any]:
+    """Run gdskit on ``driver`` until the block ends, then on the driver before it again.
+
+    ``driver`` stands for ``cuda.bindings.driver`` (the functions gdskit calls, initialised):
+    a stand-in in tests, a driver with faults injected. It starts with nothing known about it
+    (no contexts, device count or copy batching yet), and the state learnt of the driver
+    before it is kept for its return. :func:`on_driver_change` hooks (the worker pool frees its
+    workers and lanes) run before each switch.
+    """
+    global _state
+    for hook in list(_driver_change_hooks):
+        hook()
+    with _state_lock:
+        previous, _state = _state, _DriverState(driver)
+    try:
+        yield driver
+    finally:
+        try:
+            for hook in list(_driver_change_hooks):
+                hook()
+        finally:
+            with _state_lock:
+                _state = previous
 
 
 def driver_or_none() -> Any | None:
@@ -67,43 +130,38 @@ def check(result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-_count_lock = threading.Lock()
-_device_count: int | None = None
-
-
 def device_count() -> int:
     """Number of CUDA devices; 0 when there is no GPU, driver or bindings. Never raises."""
-    global _device_count
-    if _device_count is not None:
-        return _device_count
-    with _count_lock:
-        if _device_count is None:
-            try:
-                _device_count = int(check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
-            except Exception:
-                _device_count = 0
-        return _device_count
+    state = _state
+    if state.device_count is None:
+        try:
+            count = int(check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
+        except Exception:
+            count = 0
+        with _state_lock:
+            if state.device_count is None:
+                state.device_count = count
+    return state.device_count
 
 
 def available() -> bool:
     return device_count() > 0
 
 
-_contexts: dict[int, Any] = {}
-_context_lock = threading.Lock()
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def _primary_context(device: int) -> Any:
     """The device's primary context, retained once for the life of the process (as a runtime does)."""
-    ctx = _contexts.get(device)
+    state = _state
+    ctx = state.contexts.get(device)
     if ctx is None:
         drv = _driver()
-        with _context_lock:
-            ctx = _contexts.get(device)
+        with _state_lock:
+            ctx = state.contexts.get(device)
             if ctx is None:
                 dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
-                ctx = _contexts[device] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                ctx = state.contexts[device] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     return ctx
 
 
@@ -122,7 +180,7 @@ def current_device() -> int:
     return int(check(result, "cuCtxGetDevice"))
 
 
-@contextlib.contextmanager
+@contextmanager
 def on_device(device: int) -> Iterator[None]:
     """Make ``device``'s primary context current in the calling thread for the block, then put
     back whatever was current before (the caller's, or none): a caller's thread keeps its device."""
@@ -207,10 +265,11 @@ class RegisteredHostBuffer:
     """Page-locked host memory made by hand: anonymous memory on transparent huge pages,
     faulted in by the calling thread, then ``cuMemHostRegister``-ed. Freed exactly once.
 
-    Why not ``cuMemHostAlloc``: on the H200 machine (a VM, where the first touch of guest
-    memory is slow) 128 MiB from ``cudaHostAlloc`` took 54-114 ms, and allocations from
-    several threads serialise; the same memory made this way by 16 threads at once took
-    10-13 ms. Each worker makes its own stage, so the faults run in parallel.
+    Why not ``cuMemHostAlloc``: its allocations from several threads serialise, and in a VM,
+    where the first touch of guest memory is slow, that dominates a first read; memory made
+    this way by many threads at once is ready several times sooner (docs/engine.md,
+    "Measurements behind the defaults"). Each worker makes its own stage, so the faults run
+    in parallel.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -268,37 +327,39 @@ class RegisteredHostBuffer:
             pass
 
 
-# Whether cuMemcpyBatchAsync works here: None until first tried, then True or False for good.
-_batched_copies: bool | None = None
+def copies_batched() -> bool | None:
+    """Whether this driver queues many copies with one ``cuMemcpyBatchAsync`` (None: not tried yet)."""
+    return _state.batched_copies
 
 
-@functools.lru_cache(maxsize=1)
-def _stream_ordered_copy() -> list[Any]:
-    drv = _driver()
-    attrs = drv.CUmemcpyAttributes()
-    attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    return [attrs]
+def _stream_ordered_copy(state: _DriverState) -> list[Any]:
+    if state.ordered_copy is None:
+        drv = _driver()
+        attrs = drv.CUmemcpyAttributes()
+        attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        state.ordered_copy = [attrs]
+    return state.ordered_copy
 
 
 def _copy_batch(stream: Any, copies: list[tuple[int, int, int]]) -> bool:
     """Queue ``copies`` with one cuMemcpyBatchAsync; False (and never again) where the driver or
     the bindings have none. An error after batches have worked is raised."""
-    global _batched_copies
+    state = _state
     drv = _driver()
     try:
         ptr = drv.CUdeviceptr
         result = drv.cuMemcpyBatchAsync([ptr(d) for d, _s, _n in copies], [ptr(s) for _d, s, _n in copies],
-                                        [n for _d, _s, n in copies], len(copies), _stream_ordered_copy(),
+                                        [n for _d, _s, n in copies], len(copies), _stream_ordered_copy(state),
                                         [0], 1, stream)
     except (AttributeError, TypeError):  # bindings without it, or with another signature
-        _batched_copies = False
+        state.batched_copies = False
         return False
     err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0 and not _batched_copies:
-        _batched_copies = False  # a driver older than the bindings: one call per copy
+    if int(err) != 0 and not state.batched_copies:
+        state.batched_copies = False  # a driver older than the bindings: one call per copy
         return False
     check(err, "cuMemcpyBatchAsync")
-    _batched_copies = True
+    state.batched_copies = True
     return True
 
 
@@ -316,10 +377,9 @@ class Stream:
 
     def copy_h2d_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Host-to-device copies ``(dst, src, nbytes)``, in one driver call where the driver
-        batches copies (``cuMemcpyBatchAsync``, CUDA 12.8+). On the H200 machine, 16 threads
-        each queueing 80 copies of 100 KiB took 1.9-2.0 us a copy that way (51-53 GB/s) and
-        8-10 us with a call per copy (10-13 GB/s)."""
-        if len(copies) > 1 and _batched_copies is not False:
+        batches copies (``cuMemcpyBatchAsync``, CUDA 12.8+): a fraction of the cost of a call
+        per copy (docs/engine.md, "Measurements behind the defaults")."""
+        if len(copies) > 1 and _state.batched_copies is not False:
             if _copy_batch(self.handle, copies):
                 return
         for dst, src, nbytes in copies:
@@ -377,7 +437,6 @@ def can_access_peer(device: int, peer: int) -> bool:
 
 
 _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
-_peers_enabled: set[tuple[int, int]] = set()
 _peers_lock = threading.Lock()
 
 
@@ -386,17 +445,18 @@ def enable_peer_access(device: int, peer: int) -> None:
     per process; a pair another library (torch) has already enabled counts as enabled. The
     calling thread's current context is left as it was."""
     key = (device, peer)
-    if key in _peers_enabled:
+    enabled = _state.peers_enabled
+    if key in enabled:
         return
     with _peers_lock:
-        if key in _peers_enabled:
+        if key in enabled:
             return
         with on_device(device):
             result = _driver().cuCtxEnablePeerAccess(_primary_context(peer), 0)
         err = result[0] if isinstance(result, tuple) else result
         if int(err) != _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
             check(err, "cuCtxEnablePeerAccess")
-        _peers_enabled.add(key)
+        enabled.add(key)
 
 
 class Event:

@@ -39,21 +39,50 @@ def udev_database_present() -> bool:
 
 _route_lock = threading.Lock()
 _route: DirectRoute | None = None
+_overrides: list[override] = []  # the one made last holds
 
 
 def direct_route() -> DirectRoute:
-    """The direct route of this machine, worked out once per process.
+    """The direct route of this machine, worked out once per process (or the one an
+    :func:`override` names).
 
     Threads that ask while it is being worked out (a loader's background warm-up and its
     first reads) wait for that answer instead of each reading the facts again.
     """
     global _route
     with _route_lock:
+        if _overrides:
+            return _overrides[-1].route
         if _route is None:
             from gdskit.probe.root import SystemRoot  # noqa: PLC0415
 
             _route = route_of(SystemRoot("/"))
         return _route
+
+
+class override:  # noqa: N801 - used like a function, as settings.set is
+    """Make every part of gdskit (routing, the cuFile backend's evidence, the benchmark) see
+    ``route`` as this machine's direct route: from now on, or, used as a context manager,
+    until the block ends.
+
+    For tests and fault injection (``gdskit accept``'s "a direct route exists but cuFile
+    refuses the file"): the machine's facts are not read while an override holds.
+    """
+
+    def __init__(self, route: DirectRoute) -> None:
+        if not isinstance(route, DirectRoute):
+            raise TypeError(f"override takes a DirectRoute, not {type(route).__name__}")
+        self.route = route
+        with _route_lock:
+            _overrides.append(self)
+
+    def __enter__(self) -> DirectRoute:
+        return self.route
+
+    def __exit__(self, *exc: object) -> None:
+        with _route_lock:
+            if self in _overrides:  # wherever it is: an override made later without ``with`` stays
+                _overrides.remove(self)
 
 
 def route_of(root: Any) -> DirectRoute:

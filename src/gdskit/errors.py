@@ -22,10 +22,6 @@ class InvalidArgumentError(GdskitError, ValueError):
     """An argument is out of range or of the wrong shape (negative offset, bad mode...)."""
 
 
-class AlignmentError(InvalidArgumentError):
-    """A request must be aligned (to 4 KiB by default) and is not."""
-
-
 class BufferTooSmallError(InvalidArgumentError):
     """The buffer cannot hold the requested number of bytes."""
 

@@ -37,6 +37,28 @@ _MODES = {
     "a": os.O_RDWR | os.O_CREAT,
 }
 
+def _host() -> type[Backend]:
+    from gdskit.backends.host import HostBackend  # noqa: PLC0415
+
+    return HostBackend
+
+
+def _bounce() -> type[Backend]:
+    from gdskit.backends.bounce import BounceBackend  # noqa: PLC0415
+
+    return BounceBackend
+
+
+def _cufile() -> type[Backend]:
+    from gdskit.backends.cufile import CufileBackend  # noqa: PLC0415
+
+    return CufileBackend
+
+
+#: Each backend's class by the name routes use, imported on first use (a process that never
+#: reads into GPU memory never imports the GPU backends).
+BACKEND_CLASSES: dict[str, Callable[[], type[Backend]]] = {"host": _host, "bounce": _bounce, "cufile": _cufile}
+
 _backends: dict[str, Backend] = {}
 _backends_lock = threading.Lock()
 
@@ -46,17 +68,11 @@ def backend(name: str) -> Backend:
     found = _backends.get(name)
     if found is not None:
         return found
+    if name not in BACKEND_CLASSES:
+        raise InvalidArgumentError(f"unknown backend {name!r}")
     with _backends_lock:
         if name not in _backends:
-            if name == "host":
-                from gdskit.backends.host import HostBackend as cls  # noqa: PLC0415
-            elif name == "bounce":
-                from gdskit.backends.bounce import BounceBackend as cls  # type: ignore[assignment]  # noqa: PLC0415
-            elif name == "cufile":
-                from gdskit.backends.cufile import CufileBackend as cls  # type: ignore[assignment]  # noqa: PLC0415
-            else:
-                raise InvalidArgumentError(f"unknown backend {name!r}")
-            _backends[name] = cls()
+            _backends[name] = BACKEND_CLASSES[name]()()
         return _backends[name]
 
 
@@ -270,9 +286,8 @@ class File:
         For loading the many tensors of a checkpoint: the pieces of all items share the
         worker threads on every path, and reads into device memory that take the CPU path
         also share their pinned staging buffers; the same reads made one by one pay a
-        hand-over of those buffers per read (an 8 GiB checkpoint of 256 tensors loaded at
-        18 GB/s that way and 23.5 as a few jobs on an H200). Every item is checked before
-        anything is read.
+        hand-over of those buffers per read (docs/engine.md has the figures). Every item is
+        checked before anything is read.
 
         ``on_bytes``, if given, is called with the byte count of each piece as it is read
         (from the I/O threads: keep it quick), for progress reporting. An exception it raises

@@ -527,13 +527,3 @@ def stats_reset() -> None:
 def stats_delta(before: Stats, after: Stats) -> Stats:
     return after - before
 
-
-def _publish_if_asked() -> None:
-    """``GDSKIT_STATS`` set at start-up: publish from import on, so ``gdskit stats`` sees the process
-    at once (here, not in settings: the publisher needs this module)."""
-    from gdskit.settings import publish_if_on, settings  # noqa: PLC0415 - settings does not import the ledger
-
-    publish_if_on(settings)
-
-
-_publish_if_asked()

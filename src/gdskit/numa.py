@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from gdskit import cuda
 from gdskit.residency import libc
 
 
@@ -78,13 +79,20 @@ def place_of(device: int) -> NumaPlace:
     place = UNKNOWN
     if source is not None:
         try:
-            from gdskit.cuda import device_pci_bus_id  # noqa: PLC0415 - cuda imports nothing from here
-
-            place = source(device_pci_bus_id(device))
+            place = source(cuda.device_pci_bus_id(device))
         except Exception:  # noqa: BLE001 - a place that cannot be read: not known
             place = UNKNOWN
     _places[device] = place
     return place
+
+
+def _leave_driver() -> None:
+    """Another CUDA driver numbers its GPUs its own way: their places are asked again."""
+    with _lock:
+        _places.clear()
+
+
+cuda.on_driver_change(_leave_driver)
 
 
 def parse_cpulist(text: str) -> frozenset[int]:

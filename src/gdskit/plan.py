@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -12,10 +11,6 @@ def align_down(value: int, alignment: int) -> int:
 
 def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
-
-
-def is_aligned(value: int, alignment: int) -> bool:
-    return value % alignment == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +85,3 @@ def split_aligned(file_offset: int, buf_offset: int, size: int, alignment: int) 
     tail = Chunk(body_end, buf_offset + body_end - file_offset, end - body_end) if end > body_end else None
     return SplitRange(head, body, tail)
 
-
-def iter_sizes(total: int, step: int) -> Iterator[tuple[int, int]]:
-    """``(offset, size)`` pairs covering ``total`` bytes in ``step``-byte pieces."""
-    off = 0
-    while off < total:
-        n = min(step, total - off)
-        yield off, n
-        off += n

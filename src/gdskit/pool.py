@@ -49,8 +49,7 @@ def anonymous_memory(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
 class _HostStage:
     """Page-aligned anonymous memory (O_DIRECT needs aligned buffers), on transparent huge pages
     where the system allows: an O_DIRECT read into physically contiguous memory can reach the
-    device as fewer, larger requests (where the destination's pages lay moved 1 MiB reads on
-    the H200 machine's virtio disk between 1.0 and 1.7 GiB/s)."""
+    device as fewer, larger requests (measured: docs/engine.md, "Measurements behind the defaults")."""
 
     def __init__(self, nbytes: int) -> None:
         import ctypes  # noqa: PLC0415
@@ -81,8 +80,8 @@ class Lane:
     :class:`cuda.PinnedBuffer` (``cudaHostAlloc``).
     """
 
-    # One pinned stage per device lane: measured on the H200 machine, a second stage per lane
-    # bought no throughput (48 vs 42 GB/s hot, repeated calls) and doubled the set-up cost.
+    # One pinned stage per device lane: a second one bought no throughput and doubled the
+    # set-up cost (docs/engine.md, "Measurements behind the defaults").
     stages_per_device_lane = 1
 
     def __init__(self, device: int | None, stage_bytes: int, pinned: Callable[[int], Any] | None = None) -> None:
@@ -176,9 +175,8 @@ class LanePool:
         self._busy = 0
         self._creating: dict[tuple[int | None, int], int] = {}
         self._creating_pinned = 0
-        # cudaHostAlloc calls made at once do not finish sooner (16 x 8 MiB took 66 ms from 16
-        # threads at once and 50 ms from one on the H200 machine), but made one after another
-        # the first lanes are ready in a few ms and their workers start.
+        # cudaHostAlloc calls made at once do not finish sooner, but made one after another the
+        # first lanes are ready soon and their workers start (docs/engine.md, "Measurements").
         self._pin_lock = threading.Lock()
         self._register_error: str | None = None  # set once registration is refused
 
@@ -300,6 +298,11 @@ class LanePool:
             nodes = tuple(sorted({ln.numa_node for ln in self._all if ln.numa_node is not None}))
             return ResourceUsage(len(self._all), self._busy, self._pinned(), threads, how, self._register_error,
                                  nodes)
+
+    def forget_register_error(self) -> None:
+        """Try registering pinned memory again (a refusal was the driver's, and the driver changed)."""
+        with self._cond:
+            self._register_error = None
 
     def release_idle(self) -> None:
         """Free every idle lane (pinned memory, streams). Busy lanes are left alone."""
@@ -502,6 +505,15 @@ def shutdown() -> None:
     stop_workers()
     lanes.release_idle()
 
+
+def _leave_driver() -> None:
+    """Before gdskit moves to another CUDA driver (``cuda.use_driver``): the workers stop and the
+    lanes made on the driver left (streams, pinned memory) are freed while it is still there."""
+    shutdown()
+    lanes.forget_register_error()
+
+
+cuda.on_driver_change(_leave_driver)
 
 # Workers stop before the cuFile driver closes; the pinned stages go after it, CUDA still running.
 exit_order.at_exit(exit_order.STOP_WORK, stop_workers)

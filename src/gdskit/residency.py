@@ -68,7 +68,7 @@ def _cachestat(fd: int, offset: int, length: int) -> tuple[int, int] | None:
     return int(cs.nr_cache), last - first
 
 
-class _FileMapping:
+class FileMapping:
     """A read-only mapping of a file for mincore(2); remapped when the file grows."""
 
     def __init__(self) -> None:
@@ -100,7 +100,7 @@ class _FileMapping:
             self.close_locked()
 
 
-def _mincore(mapping: _FileMapping, fd: int, offset: int, length: int) -> tuple[int, int] | None:
+def _mincore(mapping: FileMapping, fd: int, offset: int, length: int) -> tuple[int, int] | None:
     addr = mapping.ensure(fd, offset + length)
     if addr is None:
         return None
@@ -115,7 +115,7 @@ def _mincore(mapping: _FileMapping, fd: int, offset: int, length: int) -> tuple[
     return sum(b & 1 for b in vec.raw), pages
 
 
-def residency(fd: int, offset: int, length: int, mapping: _FileMapping | None = None) -> Residency | None:
+def residency(fd: int, offset: int, length: int, mapping: FileMapping | None = None) -> Residency | None:
     """Whether ``[offset, offset + length)`` of the file is all, none or partly in the page cache."""
     if length <= 0:
         return Residency.ALL
@@ -130,5 +130,5 @@ def residency(fd: int, offset: int, length: int, mapping: _FileMapping | None = 
     return Residency.NONE if cached == 0 else Residency.SOME
 
 
-def new_mapping() -> _FileMapping:
-    return _FileMapping()
+def new_mapping() -> FileMapping:
+    return FileMapping()

@@ -115,6 +115,7 @@ class _Rings:
 
 
 rings = _Rings()
+cuda.on_driver_change(rings.release_idle)  # the rings are the leaving driver's memory and streams
 exit_order.at_exit(exit_order.FREE_MEMORY, rings.release_idle)
 
 

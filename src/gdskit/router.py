@@ -38,12 +38,12 @@ def host_reason() -> Reason:
 def _direct_threshold(f: OpenFile, cfg: Settings) -> int:
     """The measured cut-off for this file's mount (``gdskit bench --save-profile``), else the setting."""
 
-    def lookup(of: OpenFile) -> tuple[int | None]:
-        from gdskit.bench.profile import threshold_for  # noqa: PLC0415
+    def lookup() -> int | None:
+        from gdskit.profiles import threshold_for  # noqa: PLC0415
 
-        return (threshold_for(of.path),)
+        return threshold_for(f.path)
 
-    (measured,) = f.state("direct_threshold_profile", lookup)
+    measured = f.threshold.get(lookup)
     return cfg.direct_threshold if measured is None else measured
 
 
@@ -67,12 +67,9 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     if cfg.mode is Mode.CUFILE and buf.scatter is not None:
         raise DirectPathUnavailable("a scattered destination cannot take the cuFile path", Reason.BELOW_THRESHOLD)
     if cfg.mode is Mode.CUFILE:
-        from gdskit.backends.cufile import register  # noqa: PLC0415
+        from gdskit.backends.cufile import registered_handle  # noqa: PLC0415
 
-        reg = register(f)
-        if reg.handle is None:
-            assert reg.reason is not None
-            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+        registered_handle(f)  # raises where cuFile cannot serve this file
         return [Route("cufile", Reason.FORCED_BY_SETTING, *whole)]
     # auto
     route = direct_route()
@@ -85,7 +82,7 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     reg = register(f)
     if reg.handle is None:
         return [Route("bounce", reg.reason or Reason.HANDLE_REGISTER_FAILED, *whole)]
-    if f.extras.get("cufile_compat_seen"):
+    if f.compat_seen:
         return [Route("bounce", Reason.CUFILE_COMPAT_OBSERVED, *whole)]
     # The direct path needs 4 KiB-aligned file offsets, sizes and memory: send the aligned body there
     # and the ragged edges through the bounce ring.

@@ -242,6 +242,15 @@ def fact_source() -> FactSource | None:
     return _source
 
 
+def _leave_driver() -> None:
+    """Before gdskit moves to another CUDA driver: what was learnt of this one (its GPUs'
+    addresses, their peer access, the decisions made with them) is forgotten."""
+    use_facts(_source)
+
+
+cuda.on_driver_change(_leave_driver)
+
+
 def _bus_id(device: int) -> str:
     try:
         return cuda.device_pci_bus_id(device)
@@ -328,7 +337,7 @@ def route_for_read(f: OpenFile, target: BufferView, direct: bool, policy: Routin
         return None
     if cuda.device_count() < 2:
         return None
-    return f.state("routing", _FileRoutes).decision(target.device, policy, direct)
+    return f.routing.get(lambda: _FileRoutes(f)).decision(target.device, policy, direct)
 
 
 def distances_by_gpu(facts: StorageFacts, bus_ids: Iterable[str]) -> dict[int, Distance]:

@@ -37,6 +37,7 @@ __all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutErro
 SMALL_TENSOR_BYTES = 1 << 20
 #: Largest single coalesced read (and the size of one staging buffer).
 MAX_GROUP_BYTES = 16 << 20
+_READ_SHAPE = read_plan.ReadShape(SMALL_TENSOR_BYTES, MAX_GROUP_BYTES, 0)
 
 
 class UnsupportedDtypeError(fmt.FormatError):
@@ -166,9 +167,10 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
         With ``process_group``: another rank failed, or did not answer in time.
     """
     if process_group is not None:
-        from gdskit.group.load_safetensors import load_file as group_load_file
+        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
-                               progress=progress, return_stats=return_stats)
+                               progress=progress, return_stats=return_stats,
+                               st=OneRank(_device, _torch_type, _empty_tensor))
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats)
 
@@ -351,8 +353,8 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
     """
     _torch()
     from gdskit.formats.into_exec import load_safetensors_into
-    return load_safetensors_into(target, path_or_paths, strict=strict, cast=cast, progress=progress,
-                                 return_stats=return_stats)
+    return load_safetensors_into(target, path_or_paths, torch_type=_torch_type, shape=_READ_SHAPE, strict=strict,
+                                 cast=cast, progress=progress, return_stats=return_stats)
 
 
 def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -381,4 +383,5 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
     """
     torch = _torch()
     from gdskit.formats.stream import TensorStream
-    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes)
+    return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
+                        torch_type=_torch_type, shape=_READ_SHAPE)

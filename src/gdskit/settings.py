@@ -8,7 +8,7 @@
 
 ``settings.set(...)`` also works without ``with``: the change then stays.
 Every field can be set from the environment before import, e.g.
-``GDSKIT_MODE=bounce GDSKIT_CHUNK_SIZE=16MiB``. docs/settings.md lists them all.
+``GDSKIT_MODE=bounce GDSKIT_CHUNK_SIZE=16MiB``. docs/engine.md ("Settings") lists them all.
 An invalid value does not break the import: the first request (and
 ``settings.check_environment()``) raises :class:`~gdskit.errors.EnvironmentVariableError`,
 which names the variable and what it takes.
@@ -20,8 +20,7 @@ import dataclasses
 import os
 import re
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
@@ -161,6 +160,7 @@ class Settings:
         self._version = 0
         self._snapshot: Settings | None = None
         self._env_problem: tuple[str, str, str] | None = None  # (variable, value, accepts) of a bad one
+        self._subscribers: list[Callable[[frozenset[str]], None]] = []
 
     # -- validation -------------------------------------------------------
     @staticmethod
@@ -224,9 +224,22 @@ class Settings:
             for k, v in coerced.items():
                 object.__setattr__(self, k, v)
             self._version += 1
-        if "stats_level" in coerced:
-            publish_if_on(self)
+        self._changed(frozenset(coerced))
         return _Restorer(self, before)
+
+    def subscribe(self, callback: Callable[[frozenset[str]], None]) -> None:
+        """Call ``callback(names)`` after every change of these settings: by :meth:`set`, by the
+        end of a ``with settings.set(...)`` block, and by :meth:`reset`. ``names`` are the
+        settings the change touched (their values may be unchanged). Layers above the engine
+        follow settings this way (live statistics follow ``stats_level``) instead of the
+        settings calling them."""
+        with self._lock:
+            if callback not in self._subscribers:
+                self._subscribers.append(callback)
+
+    def _changed(self, names: frozenset[str]) -> None:
+        for callback in list(self._subscribers):
+            callback(names)
 
     def as_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready copy of the current values."""
@@ -263,6 +276,7 @@ class Settings:
             self._version += 1
             self._env_problem = None
             self._apply_env(os.environ)
+        self._changed(frozenset(self._names()))
 
     def check_environment(self) -> None:
         """Raise :class:`~gdskit.errors.EnvironmentVariableError` if a ``GDSKIT_*`` variable
@@ -296,18 +310,7 @@ class _Restorer:
             for k, v in self._before.items():
                 object.__setattr__(self._owner, k, v)
             self._owner._version += 1
-        if "stats_level" in self._before:
-            publish_if_on(self._owner)  # back on after `with settings.set(stats_level=0)`
-
-
-def publish_if_on(owner: Settings) -> None:
-    """Start publishing this process's ledger for ``gdskit stats`` if the process-wide settings
-    ask for it. The one place publication starts: when ``stats_level`` is switched on, switched
-    back on, or set at start-up (``GDSKIT_STATS``); the publisher stops itself when it is off."""
-    if owner.stats_level > 0 and owner is globals().get("settings"):
-        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default, so lazy
-
-        start_publishing()
+        self._owner._changed(frozenset(self._before))
 
 
 ENV_VARS = {env_name(f.name): f.name for f in dataclasses.fields(Settings)}
@@ -324,9 +327,3 @@ def _load() -> Settings:
 
 settings: Settings = _load()
 
-
-@contextmanager
-def overridden(**changes: Any) -> Iterator[Settings]:
-    """Shorthand for ``with settings.set(**changes)``."""
-    with settings.set(**changes) as s:
-        yield s

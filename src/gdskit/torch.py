@@ -292,9 +292,9 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights
     before any of its bytes are read into it.
     """
     if process_group is not None:
-        from gdskit.group.load_torch import load as group_load
+        from gdskit.group.load_torch import OneRank, load as group_load
         return group_load(path, map_location, weights_only, process_group=process_group, progress=progress,
-                          return_stats=return_stats)
+                          return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
     with collector_paused():
         return _load(os.fspath(path), map_location, weights_only, progress, return_stats)
 
@@ -489,11 +489,10 @@ class _ReadAhead:
     """The large storages of the archive, read on one device while the pickle is unpickled.
 
     When ``map_location`` names one device, each storage's place is known before the
-    pickle says which storages there are, so their reads need not wait for it. On the
-    H200 machine the unpickle of a 256-tensor checkpoint took 16-34 ms of a 330 ms hot
-    load. The small storages are read after the unpickle: making their read requests runs
-    Python, which would contend with the unpickler (20,000 of them loaded about 10 % slower
-    when read alongside it). torch.save writes only records the pickle refers
+    pickle says which storages there are, so their reads need not wait for it (the unpickle
+    is a good part of a hot load). The small storages are read after the unpickle: making
+    their read requests runs Python, which would contend with the unpickler (docs/engine.md,
+    "Measurements behind the defaults"). torch.save writes only records the pickle refers
     to; any other is read for nothing.
 
     The reads land in storages of exactly their records' sizes that cannot be resized, so
@@ -685,5 +684,7 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
     """
     _torch()
     from gdskit.formats.into_exec import load_torch_into
-    return load_torch_into(target, path, strict=strict, cast=cast, progress=progress,
-                           return_stats=return_stats, weights_only=weights_only)
+    return load_torch_into(target, path, file_kind=_file_kind, unpickle=_unpickle,
+                           shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),
+                           strict=strict, cast=cast, progress=progress, return_stats=return_stats,
+                           weights_only=weights_only)

@@ -161,7 +161,6 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     torch = require_torch("gdskit.transformers")
     transformers = _transformers()
     from gdskit import safetensors as gs
-    from gdskit.formats.into_exec import load_safetensors_into
     from gdskit.formats.shard_index import index_checkpoint
 
     path = os.fspath(path)
@@ -183,7 +182,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     params = model.state_dict(keep_vars=True)
     renamed = _checkpoint_names(model, set(index.tensors), params)
     target = {renamed[k]: v for k, v in params.items()}
-    result = load_safetensors_into(target, weights, strict=False, cast=True, progress=None, return_stats=False)
+    result = gs.load_into(target, weights, strict=False, cast=True)
     model_name = {v: k for k, v in renamed.items()}
     not_loaded = [model_name[k] for k in result.missing_keys]  # in the model's own names
     missing_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_missing", None))

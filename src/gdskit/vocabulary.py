@@ -82,7 +82,7 @@ class Mode(str, enum.Enum):
 class ODirectPolicy(str, enum.Enum):
     """When the CPU paths use O_DIRECT (``settings.odirect``)."""
 
-    AUTO = "auto"      # reads: page-cache hits buffered, misses O_DIRECT; writes buffered
+    AUTO = "auto"      # reads: page-cache hits buffered, misses O_DIRECT; writes: aligned body O_DIRECT
     ALWAYS = "always"  # aligned parts of reads and writes always O_DIRECT
     NEVER = "never"    # always through the page cache
 

@@ -11,8 +11,8 @@ back, compares every byte and prints one JSON line with the ledger. The faults:
     ``mode="cufile"`` to show that cuFile itself now runs its POSIX path.
 ``register``
     ``cuFileHandleRegister`` is replaced, in this process only, by a function that
-    fails, and the router is told a direct route exists, so that ``auto`` mode
-    reaches the registration even on a machine with no direct route.
+    fails, and gdskit is told a direct route exists (``direct_route.override``), so
+    that ``auto`` mode reaches the registration even on a machine with no direct route.
 ``tmpfs``
     Nothing here: the parent passes a directory on tmpfs.
 """
@@ -46,15 +46,19 @@ def refuse_registration(bindings: Any = None) -> dict[str, Any]:
         raise OSError(errno.EIO, "cuFileHandleRegister refused (gdskit accept fault injection)")
 
     bindings.handle_register = refuse
+    return hits
 
-    import gdskit.router as router
-    from gdskit.direct_route import DirectRoute, direct_route
+
+def pretend_direct_route() -> Any:
+    """Tell every part of gdskit (the router, the cuFile backend) that this machine has a direct
+    route, so that ``auto`` mode tries cuFile; for the rest of the process, or until the
+    returned override ends (used as a context manager)."""
+    from gdskit import direct_route as route
     from gdskit.vocabulary import Path
 
-    real = direct_route()
-    pretend = DirectRoute(real.route or Path.CUFILE_NVFS, None, real.nvidia_fs, real.p2pdma, real.udev)
-    router.direct_route = lambda: pretend  # auto mode looks the route up through this name
-    return hits
+    real = route.direct_route()
+    return route.override(route.DirectRoute(real.route or Path.CUFILE_NVFS, None, real.nvidia_fs, real.p2pdma,
+                                            real.udev))
 
 
 def forced_cufile_pass(directory: str, nbytes: int, device: int) -> dict[str, Any]:
@@ -83,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device if cuda.device_count() > args.device else None
     out: dict[str, Any] = {"case": args.case, "memory": "device" if device is not None else "host"}
-    hits = refuse_registration() if args.case == "register" else None
+    hits = None
+    if args.case == "register":
+        hits = refuse_registration()
+        pretend_direct_route()
     out["auto"] = raw_round_trip(args.dir, args.size, device)
     if hits is not None:
         out["registration"] = hits

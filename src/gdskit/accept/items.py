@@ -16,32 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
-from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult, write_json
+from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult, not_applicable, result, write_json
 from gdskit.settings import format_size
-
-TITLES = {
-    1: "GDS platform ready: nvidia-fs or PCI P2PDMA, no ACS blockage, BAR1 and RDMA",
-    2: "Every target mount has a direct verdict",
-    3: "A/B benchmark: direct path against the CPU path, same parameters",
-    4: "I/O-size sweep 4 KiB to 1 MiB and the cut-off it implies",
-    5: "Real workload: direct bytes grow, POSIX bytes stay flat",
-    6: "Checkpoint round trip: plain torch.load and safetensors read gdskit's files",
-    7: "Fault injection: without the direct path the workload degrades and completes",
-}
-KEYS = {1: "platform", 2: "mounts", 3: "ab_benchmark", 4: "io_size_sweep", 5: "workload",
-        6: "checkpoint_round_trip", 7: "fault_injection"}
 
 CHECK_ARTIFACT = Artifact("json", "check.json", "gdskit check report (JSON)")
 _NO_GPU = "no GPU on this machine"
 _CAPTURED = "a captured tree (--root) was judged: measurements on this machine would not describe it"
-
-
-def result(item: int, status: str, summary: str, **kw: Any) -> ItemResult:
-    return ItemResult(item, KEYS[item], TITLES[item], status, summary, **kw)
-
-
-def not_applicable(item: int, why: str, **kw: Any) -> ItemResult:
-    return result(item, NA, f"not applicable: {why}", **kw)
 
 
 class _Checks:

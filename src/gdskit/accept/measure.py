@@ -12,8 +12,7 @@ import json
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
-from gdskit.accept.items import result
-from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, write_json
+from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json
 
 #: The two paths compared: the direct path and the CPU path it must beat.
 AB_PATHS = "cufile,bounce"

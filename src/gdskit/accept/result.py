@@ -64,6 +64,29 @@ class ItemResult:
         }
 
 
+#: The checklist: each item's title and its key in the JSON report.
+TITLES = {
+    1: "GDS platform ready: nvidia-fs or PCI P2PDMA, no ACS blockage, BAR1 and RDMA",
+    2: "Every target mount has a direct verdict",
+    3: "A/B benchmark: direct path against the CPU path, same parameters",
+    4: "I/O-size sweep 4 KiB to 1 MiB and the cut-off it implies",
+    5: "Real workload: direct bytes grow, POSIX bytes stay flat",
+    6: "Checkpoint round trip: plain torch.load and safetensors read gdskit's files",
+    7: "Fault injection: without the direct path the workload degrades and completes",
+}
+KEYS = {1: "platform", 2: "mounts", 3: "ab_benchmark", 4: "io_size_sweep", 5: "workload",
+        6: "checkpoint_round_trip", 7: "fault_injection"}
+
+
+def result(item: int, status: str, summary: str, **kw: Any) -> ItemResult:
+    """Item ``item``'s outcome, under its key and title."""
+    return ItemResult(item, KEYS[item], TITLES[item], status, summary, **kw)
+
+
+def not_applicable(item: int, why: str, **kw: Any) -> ItemResult:
+    return result(item, NA, f"not applicable: {why}", **kw)
+
+
 @dataclasses.dataclass
 class AcceptReport:
     """Everything one ``gdskit accept`` run found."""

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.accept.context import ALL_ITEMS, AcceptContext, AcceptOptions
-from gdskit.accept.items import ITEMS, TITLES, not_applicable, result
+from gdskit.accept.items import ITEMS
 from gdskit.accept.report import write_report
-from gdskit.accept.result import FAIL, AcceptReport, ItemResult, write_json
+from gdskit.accept.result import FAIL, TITLES, AcceptReport, ItemResult, not_applicable, result, write_json
 
 #: ``progress(item, title, result)``: called with ``result=None`` when an item starts, then with its result.
 ProgressFn = Callable[[int, str, "ItemResult | None"], None]

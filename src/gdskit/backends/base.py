@@ -8,23 +8,90 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from gdskit.buffers import BufferView
 from gdskit.errors import from_os_error
+from gdskit.residency import FileMapping
 from gdskit.vocabulary import Reason
 
 # Linux: O_DIRECT is 0o40000 on x86 and most others; os exposes it where it exists.
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
+T = TypeVar("T")
+
+
+class Unknown:
+    """The state of a :class:`Once` not worked out yet (``None`` can be a value)."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = Unknown()
+
+
+class Once(Generic[T]):
+    """A per-file fact worked out once, on first use, under its own lock: :data:`UNKNOWN`
+    until then, whatever the value (``None`` included) after."""
+
+    __slots__ = ("_lock", "_value")
+
+    def __init__(self) -> None:
+        self._value: T | Unknown = UNKNOWN
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> T | Unknown:
+        """The value, or :data:`UNKNOWN` when it has not been worked out."""
+        return self._value
+
+    def get(self, make: Callable[[], T]) -> T:
+        """The value; ``make()`` works it out the first time (one caller at a time)."""
+        value = self._value
+        if value is UNKNOWN:
+            with self._lock:
+                value = self._value
+                if value is UNKNOWN:
+                    value = self._value = make()
+        return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class FileRegistration:
+    """A cuFile handle for one open file, or why there is none (``reason``, ``detail``)."""
+
+    handle: int | None
+    reason: Reason | None
+    detail: str = ""
+
 
 class OpenFile:
-    """The file descriptors (and backend state) behind one :class:`gdskit.File`.
+    """The file descriptors and the per-file state behind one :class:`gdskit.File`.
 
     ``fd`` is an ordinary buffered descriptor. ``direct_fd()`` opens a second,
     O_DIRECT descriptor on first use (``None`` where the filesystem refuses
-    O_DIRECT, e.g. tmpfs). Backends hang their own per-file state in ``extras``.
+    O_DIRECT, e.g. tmpfs). What the engine learns about the file lives in typed fields:
+
+    ``direct_refused``
+        O_DIRECT I/O failed with EINVAL (the filesystem or device wants another
+        alignment): the CPU paths read and write this file buffered from then on.
+    ``nowait_supported``
+        Whether buffered ``RWF_NOWAIT`` reads work here (False once refused).
+    ``compat_seen``
+        cuFile's own counters showed its POSIX compat mode serving a request of this
+        file that was routed direct: ``auto`` sends the file's later requests to the ring.
+        Set by the cuFile backend, read by the router.
+    ``registration``
+        The file's cuFile handle (:class:`FileRegistration`), registered on first use.
+    ``page_map``
+        The mapping ``mincore`` asks the page cache through, made on first use.
+    ``threshold``
+        The measured direct-path cut-off of the file's mount (``None``: no profile).
+    ``routing``
+        Where the file's storage sits relative to each GPU and the routes decided for it
+        (``gdskit.routing``), made on first use.
 
     Every operation that uses a descriptor runs between :meth:`enter` and :meth:`leave`;
     :meth:`shut` refuses new ones and waits for those under way, so no descriptor is
@@ -38,9 +105,14 @@ class OpenFile:
         self._direct_fd: int | None = None
         self._direct_tried = False
         self._lock = threading.Lock()
-        self._state_lock = threading.RLock()
+        self.direct_refused = False
         self.nowait_supported = bool(RWF_NOWAIT)
-        self.extras: dict[str, Any] = {}
+        self.compat_seen = False
+        self.registration: Once[FileRegistration] = Once()
+        self.page_map: Once[FileMapping] = Once()
+        self.threshold: Once[int | None] = Once()
+        self.routing: Once[Any] = Once()  # gdskit.routing's per-file state (it imports this module)
+        self._closers: list[Callable[[], None]] = []
         self._users = 0             # operations under way
         self._shut = False          # no new operation may start
         self._idle = threading.Condition(threading.Lock())
@@ -91,7 +163,7 @@ class OpenFile:
     def close(self) -> None:
         """Wait for the operations under way (:meth:`shut`), then release every descriptor."""
         self.shut()
-        closers = self.extras.pop("closers", [])
+        closers, self._closers = self._closers, []
         errors: list[BaseException] = []
         for close in closers:
             try:
@@ -108,19 +180,10 @@ class OpenFile:
         if errors:
             raise errors[0]
 
-    def on_close(self, fn: Any) -> None:
-        self.extras.setdefault("closers", []).append(fn)
-
-    def state(self, key: str, factory: Any) -> Any:
-        """Per-file backend state, made once (under a lock) by ``factory(self)``."""
-        value = self.extras.get(key)
-        if value is None:
-            with self._state_lock:
-                value = self.extras.get(key)
-                if value is None:
-                    value = factory(self)
-                    self.extras[key] = value
-        return value
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the file closes (before its descriptors go)."""
+        with self._lock:
+            self._closers.append(fn)
 
 
 @dataclass(slots=True)
@@ -138,12 +201,11 @@ class Request:
 class Backend(ABC):
     """Moves bytes for one request. Implementations record what they did in the ledger.
 
-    Capability flags say what memory a backend can serve.
+    Which backend serves which memory is the router's decision (:func:`gdskit.router.plan_routes`):
+    host memory goes to ``host``, device memory to ``bounce`` or ``cufile``.
     """
 
     name: str = "backend"
-    serves_host_memory: bool = False
-    serves_device_memory: bool = False
 
     @abstractmethod
     def read(self, f: OpenFile, req: Request) -> int:
@@ -178,11 +240,15 @@ def pwrite_all(fd: int, view: memoryview, offset: int, path: str | None = None) 
     return done
 
 
-def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, flags: int = 0) -> int:
-    """Read into ``view`` until it is full or end of file; return the count.
+def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, flags: int = 0,
+               alignment: int = 1) -> int:
+    """Read into ``view`` until it is full or end of file; return the count. The one ``preadv``
+    loop of every chunk read.
 
-    With ``flags=RWF_NOWAIT`` stop early (without error) at the first byte
-    that is not in the page cache.
+    With ``flags=RWF_NOWAIT`` stop early (without error) at the first byte that is not in
+    the page cache; a refusal of the flag itself (EOPNOTSUPP, EINVAL) is raised as it came.
+    ``alignment``: an O_DIRECT descriptor's, where a count that is not a multiple of it means
+    end of file (the next aligned read would be refused).
     """
     done = 0
     total = len(view)
@@ -197,7 +263,7 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str | None = None, 
             if flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             raise from_os_error(exc, path) from exc
-        if n == 0:
-            break
         done += n
+        if n == 0 or n % alignment:
+            break
     return done

@@ -24,10 +24,9 @@ from gdskit.vocabulary import Path
 
 # Workers for a job of scattered reads whose bytes the page cache holds. Such a job is many
 # small copies, and each costs Python in its worker, which shares the interpreter with the
-# caller making the destinations. On the H200 machine a hot 20,000-tensor (2 GB) checkpoint
-# loaded at 5.6-6.3 GB/s with 4 threads in all and 4.5-5.2 with 16; with this limit (and the
-# loaders' one hot job at a time) at 4.4-5.5 against 4.1-4.5 before. From the disk every
-# worker stays: there the disk's queue depth is what counts.
+# caller making the destinations: past a few workers they only crowd it (docs/engine.md,
+# "Measurements behind the defaults"). From the disk every worker stays: there the disk's
+# queue depth is what counts.
 SCATTERED_HOT_WORKERS = 4
 
 
@@ -47,9 +46,14 @@ def _record(req: Request, op: str, results: list[ChunkResult], total: int, elaps
 
 
 def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
-    """Whether every request scatters into many destinations and the page cache holds all their bytes."""
+    """Whether every request scatters into many destinations and the page cache holds all their
+    bytes: the callers' answer where they asked (a loader asks once for all its jobs), else the
+    page cache's."""
     if any(r.buf.scatter is None for r in reqs):
         return False
+    told = {r.buf.source_cached for r in reqs}
+    if None not in told:
+        return told == {True}
     lo = min(r.file_offset for r in reqs)
     hi = max(r.file_offset + r.size for r in reqs)
     return file_residency(f, lo, hi - lo) is Residency.ALL
@@ -57,7 +61,6 @@ def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
 
 class BounceBackend(Backend):
     name = "bounce"
-    serves_device_memory = True
 
     @staticmethod
     def _layout(req: Request) -> tuple[Settings, int, int, int]:

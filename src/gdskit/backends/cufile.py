@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit import shutdown as exit_order
-from gdskit.backends.base import Backend, OpenFile, Request
+from gdskit.backends.base import Backend, FileRegistration, OpenFile, Request
 from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, from_os_error
@@ -271,18 +271,19 @@ def _failed_call(op: str, code: int, path: str) -> GdskitIOError:
     return from_os_error(OSError(code, os.strerror(code)), path)
 
 
-class FileRegistration:
-    """A cuFile handle for one open file, or why there is none."""
-
-    def __init__(self, handle: int | None, reason: Reason | None, detail: str = "") -> None:
-        self.handle = handle
-        self.reason = reason
-        self.detail = detail
-
-
 def register(f: OpenFile) -> FileRegistration:
     """Register ``f`` with cuFile once; remember a failure so it is not retried."""
-    return f.state("cufile", _register)
+    return f.registration.get(lambda: _register(f))
+
+
+def registered_handle(f: OpenFile) -> int:
+    """``f``'s cuFile handle, registered on first use; where cuFile cannot serve the file,
+    :class:`~gdskit.errors.DirectPathUnavailable` with the reason."""
+    reg = register(f)
+    if reg.handle is None:
+        assert reg.reason is not None
+        raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
+    return reg.handle
 
 
 def _register(f: OpenFile) -> FileRegistration:
@@ -310,14 +311,6 @@ def _register(f: OpenFile) -> FileRegistration:
 
 class CufileBackend(Backend):
     name = "cufile"
-    serves_device_memory = True
-
-    def _handle(self, f: OpenFile) -> int:
-        reg = register(f)
-        if reg.handle is None:
-            assert reg.reason is not None
-            raise DirectPathUnavailable(f"cuFile cannot serve {f.path}: {reg.reason.value} ({reg.detail})", reg.reason)
-        return reg.handle
 
     def _run_many(self, f: OpenFile, reqs: Sequence[Request],
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:
@@ -326,7 +319,7 @@ class CufileBackend(Backend):
         cfg = settings.snapshot()
         lib = cufile_library()
         mod = lib.module
-        handle = self._handle(f)
+        handle = registered_handle(f)
 
         def gpu_of(req: Request) -> int:
             return req.buf.device or 0
@@ -369,7 +362,7 @@ class CufileBackend(Backend):
             total = contiguous_prefix(sizes, plan)
             seen = evidence[gpu_of(req)]
             if seen is not None and Path.CUFILE_COMPAT in seen and req.reason is Reason.DIRECT:
-                f.extras["cufile_compat_seen"] = True  # auto mode sends this file's later requests to the bounce ring
+                f.compat_seen = True  # auto mode sends this file's later requests to the bounce ring
             self._record(req, total, len(plan), elapsed * req.size / all_bytes,
                          _share(seen, req.size, job_bytes[gpu_of(req)]))
             totals.append(total)

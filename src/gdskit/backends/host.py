@@ -1,9 +1,11 @@
 """The host path: the memory is host memory, so no GPU is involved.
 
-Page-cache hits are read straight into the caller's memory by parallel
-``preadv`` calls; misses (and ``odirect="always"``) go O_DIRECT through a
-page-aligned scratch area per worker, because the caller's memory is rarely
-aligned the way O_DIRECT needs.
+Every read is a chunk plan run by the CPU paths' one chunk reader
+(:func:`gdskit.backends.staged.read_chunk`): page-cache hits are read straight into the
+caller's memory by parallel ``preadv`` calls; misses (and ``odirect="always"``) go
+O_DIRECT, straight into the caller's memory where it is aligned like the file, else
+through a page-aligned scratch area per worker. A small read first tries to be one
+system call, on the descriptor the same decision picks (:func:`_one_call_fd`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from gdskit.backends.base import RWF_NOWAIT, Backend, OpenFile, Request, pread_full, pwrite_all
+from gdskit.backends.base import UNKNOWN, Backend, OpenFile, Request, Unknown, pwrite_all
+from gdskit.backends.staged import (ChunkResult, MemoryTarget, Via, choose, contiguous_prefix, direct_usable,
+                                    read_chunk, write_from_stage)
 from gdskit.buffers import BufferView
-from gdskit.backends.staged import (ChunkResult, contiguous_prefix, direct_usable, file_residency, read_direct,
-                                    read_to_stage, write_from_stage)
-from gdskit.residency import Residency
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, align_down, chunks
+from gdskit.plan import Chunk, chunks
+from gdskit.residency import Residency
 from gdskit.pool import LaneRef, run_chunks, run_requests
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import ODirectPolicy, Path, Reason
@@ -32,33 +34,21 @@ from gdskit.vocabulary import ODirectPolicy, Path, Reason
 _SMALL_MAX = 64 << 10  # requests up to this size try the one-syscall path first
 
 
-def _direct_fd(f: OpenFile, cfg: Settings, size: int) -> int | None:
-    """The O_DIRECT descriptor for reads of ``size`` bytes, if the policy and size allow one."""
-    return None if size % cfg.alignment else direct_usable(f, cfg.odirect)
-
-
-def _one_call_fd(f: OpenFile, policy: ODirectPolicy, dfd: int | None, pos: int, size: int, addr: int,
-                 align: int) -> tuple[int | None, Residency | None]:
+def _one_call_fd(f: OpenFile, policy: ODirectPolicy, pos: int, size: int, addr: int,
+                 align: int) -> tuple[int | None, Residency | None | Unknown]:
     """The descriptor one system call can read ``size`` bytes at ``pos`` into ``addr`` from, or None;
     and the range's residency where it was asked (the general path then need not ask again).
 
-    Buffered when the policy is ``never`` or every page is cached (asked with ``cachestat``,
-    never probed with RWF_NOWAIT, which would start readahead that races the O_DIRECT read);
-    O_DIRECT when the range and the memory are aligned and nothing is cached. None (unaligned
-    miss, partly cached range) sends the read the general way.
+    As :func:`~gdskit.backends.staged.choose` says, where that is one call: buffered, or
+    O_DIRECT when the range and the memory are aligned. Where the page cache cannot say,
+    None: it is never probed with RWF_NOWAIT here (readahead would race the O_DIRECT read).
     """
-    where = None
-    if policy is ODirectPolicy.NEVER:
+    via, where = choose(f, policy, pos, size)
+    if via is Via.BUFFERED:
         return f.fd, where
-    if policy is ODirectPolicy.AUTO:
-        where = file_residency(f, pos, size)
-        if where is Residency.ALL:
-            return f.fd, where
-        if where is not Residency.NONE:
-            return None, where
-    if dfd is None or pos % align or addr % align:
-        return None, where
-    return dfd, where
+    if via is Via.DIRECT and not (pos | addr | size) & (align - 1):
+        return f.direct_fd(), where
+    return None, where
 
 
 def _preadv_once(f: OpenFile, fd: int, iov: list[memoryview], pos: int) -> int:
@@ -108,7 +98,6 @@ def _tight_reads(fd: int, view: memoryview, file_offsets: list[int], buf_offsets
 
 class HostBackend(Backend):
     name = "host"
-    serves_host_memory = True
 
     def read(self, f: OpenFile, req: Request) -> int:
         if req.size <= _SMALL_MAX:
@@ -117,8 +106,7 @@ class HostBackend(Backend):
             cfg = settings.snapshot()
             buf, pos = req.buf, req.file_offset
             view = buf.host_view
-            fd, where = _one_call_fd(f, cfg.odirect, _direct_fd(f, cfg, req.size), pos, req.size,
-                                     buf.ptr + req.buf_offset, cfg.alignment)
+            fd, where = _one_call_fd(f, cfg.odirect, pos, req.size, buf.ptr + req.buf_offset, cfg.alignment)
             if fd is not None and view is not None:
                 n = _preadv_once(f, fd, [view[req.buf_offset:req.buf_offset + req.size]], pos)
                 if n == req.size:
@@ -164,7 +152,7 @@ class HostBackend(Backend):
             counts.append(total)
         return counts
 
-    def _read_general(self, f: OpenFile, req: Request, where: Residency | None = None) -> int:
+    def _read_general(self, f: OpenFile, req: Request, where: Residency | None | Unknown = UNKNOWN) -> int:
         """Any read into host memory; ``where``: the request's residency, if already asked."""
         cfg = settings.snapshot()
         view = req.buf.host_view
@@ -220,7 +208,8 @@ class HostBackend(Backend):
         view = buf.host_view
         if view is None:
             raise InvalidArgumentError("the host path needs host memory")
-        policy, align, dfd = cfg.odirect, cfg.alignment, _direct_fd(f, cfg, size)
+        policy, align = cfg.odirect, cfg.alignment
+        dfd = None if size % align else direct_usable(f, policy)
         base, clock = buf.ptr, time.perf_counter_ns
         # Where the policy alone picks the descriptor (never: buffered; always: O_DIRECT, if
         # every read is aligned), the reads run in a loop with nothing else in it: with several
@@ -240,13 +229,8 @@ class HostBackend(Backend):
         # decided one by one.
         t0 = clock()  # one clock read per read: each one's end is the next one's start
         for off, bo in zip(file_offsets[fast_ops:], buf_offsets[fast_ops:]):
-            n = -1
-            fd, where = _one_call_fd(f, policy, dfd, off, size, base + bo, align)
-            if fd is not None:
-                try:
-                    n = os.preadv(fd, [view[bo:bo + size]], off)
-                except OSError:
-                    pass  # interrupted or refused: the general path repeats it and reports real errors
+            fd, where = _one_call_fd(f, policy, off, size, base + bo, align)
+            n = -1 if fd is None else _preadv_once(f, fd, [view[bo:bo + size]], off)
             if n == size:
                 t1 = clock()
                 fast_ops += 1
@@ -263,58 +247,9 @@ class HostBackend(Backend):
         return counts
 
     def _read_chunk(self, f: OpenFile, req: Request, view: memoryview, cfg: Settings, ref: LaneRef,
-                    ch: Chunk, where: Residency | None = None) -> ChunkResult:
-        """One chunk into host memory: page-cache hits buffered, misses O_DIRECT. ``where``: the
-        chunk's residency, if already asked."""
-        align = cfg.alignment
-        dst = view[ch.buf_offset:ch.buf_offset + ch.size]
-        policy = cfg.odirect
-        dfd = f.direct_fd() if policy is not ODirectPolicy.NEVER and not f.extras.get("direct_broken") else None
-        if dfd is None:
-            got = pread_full(f.fd, dst, ch.file_offset, f.path)
-            return ChunkResult(got, got)
-        cached = 0
-        if policy is ODirectPolicy.AUTO:
-            if where is None:
-                where = file_residency(f, ch.file_offset, ch.size)
-            if where is None and f.nowait_supported:
-                try:
-                    cached = pread_full(f.fd, dst, ch.file_offset, f.path, flags=RWF_NOWAIT)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    f.nowait_supported = False
-                if cached == ch.size:
-                    return ChunkResult(cached, cached)
-            elif where is not Residency.NONE or (where is None and not f.nowait_supported):
-                got = pread_full(f.fd, dst, ch.file_offset, f.path)
-                return ChunkResult(got, got)
-        pos = ch.file_offset + cached
-        rest = ch.size - cached
-        addr = req.buf.ptr + ch.buf_offset + cached
-        direct = 0
-        if pos % align == 0 and addr % align == 0 and rest >= align:
-            # The caller's memory is aligned like the file: O_DIRECT straight into it.
-            body = align_down(rest, align)
-            try:
-                direct = read_direct(dfd, dst[cached:cached + body], pos, align, f.path)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                f.extras["direct_broken"] = True
-                direct = 0
-            if direct < body:
-                if f.extras.get("direct_broken"):
-                    got = pread_full(f.fd, dst[cached:], pos, f.path)
-                    return ChunkResult(cached + got, cached + got)
-                return ChunkResult(cached + direct, cached)
-            pos += direct
-            rest -= direct
-            if rest == 0:
-                return ChunkResult(ch.size, cached)
-        stage = ref.get().stages[0]
-        res = read_to_stage(f, stage.view, pos, rest, ODirectPolicy.ALWAYS, align)
-        if res.nbytes:
-            ctypes.memmove(addr + direct, stage.ptr + pos % align, res.nbytes)
-        return ChunkResult(cached + direct + res.nbytes, cached + res.cached)
-
+                    ch: Chunk, where: Residency | None | Unknown = UNKNOWN) -> ChunkResult:
+        """One chunk into host memory (:func:`~gdskit.backends.staged.read_chunk`): page-cache hits
+        buffered, misses O_DIRECT. ``where``: the chunk's residency, if already asked."""
+        target = MemoryTarget(view[ch.buf_offset:ch.buf_offset + ch.size], req.buf.ptr + ch.buf_offset,
+                              ch.file_offset, cfg.alignment, lambda: ref.get().stages[0])
+        return read_chunk(f, target, ch.file_offset, ch.size, cfg.odirect, where)

@@ -1,20 +1,25 @@
-"""Moving one chunk between a file and an aligned staging buffer.
+"""Moving one chunk between a file and memory: the one chunk reader of the CPU paths.
 
-Layout rule: file byte ``pos`` sits at stage offset ``pos % alignment``. Then any
-aligned file range maps to an aligned stage range, so the same buffer serves
+:func:`choose` decides which descriptor serves a read (page cache or O_DIRECT) and
+:func:`read_chunk` reads a chunk that way, into a staging buffer (the bounce ring) or
+into the caller's host memory (the host path).
+
+Layout rule for staging buffers: file byte ``pos`` sits at stage offset ``pos % alignment``.
+Then any aligned file range maps to an aligned stage range, so the same buffer serves
 page-cache reads, O_DIRECT reads and O_DIRECT writes without extra copies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import errno
-import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from gdskit.backends.base import RWF_NOWAIT, OpenFile, pread_full, pwrite_all
-from gdskit.errors import from_os_error
-from gdskit.residency import Residency, new_mapping, residency
+from gdskit.backends.base import RWF_NOWAIT, UNKNOWN, OpenFile, Unknown, pread_full, pwrite_all
+from gdskit.residency import FileMapping, Residency, new_mapping, residency
 from gdskit.plan import Chunk, align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
@@ -37,85 +42,162 @@ def contiguous_prefix(counts: Iterable[int], plan: Iterable[Chunk]) -> int:
     return total
 
 
-def read_direct(fd: int, view: memoryview, offset: int, alignment: int, path: str) -> int:
-    """O_DIRECT read of an aligned range; a short, unaligned count means end of file."""
-    done = 0
-    total = len(view)
-    while done < total:
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            raise from_os_error(exc, path) from exc
-        done += n
-        if n == 0 or n % alignment:
-            break
-    return done
+class Via(enum.Enum):
+    """How one chunk of a read is served (:func:`choose`)."""
+
+    BUFFERED = "buffered"  # the page cache: the policy says so, it holds some of the chunk, or no O_DIRECT here
+    DIRECT = "direct"      # O_DIRECT: the policy says so, or the page cache holds none of the chunk
+    PROBE = "probe"        # the kernel cannot say: a buffered RWF_NOWAIT read takes what is cached, O_DIRECT the rest
 
 
 def direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
     """The file's O_DIRECT descriptor, unless the policy or an earlier refusal rules it out."""
-    if policy is ODirectPolicy.NEVER or f.extras.get("direct_broken"):
+    if policy is ODirectPolicy.NEVER or f.direct_refused:
         return None
     return f.direct_fd()
 
 
 def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
-    def make(of: OpenFile) -> object:
+    """Whether the page cache holds all, none or part of ``[pos, pos + n)`` of ``f`` (None: the
+    kernel cannot say), asked without causing I/O."""
+    def make() -> FileMapping:
         mapping = new_mapping()
-        of.on_close(mapping.close)
+        f.on_close(mapping.close)
         return mapping
 
-    return residency(f.fd, pos, n, f.state("residency_map", make))
+    return residency(f.fd, pos, n, f.page_map.get(make))
+
+
+def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
+           where: Residency | None | Unknown = UNKNOWN) -> tuple[Via, Residency | None | Unknown]:
+    """How to read ``[pos, pos + n)`` of ``f``: the one decision of which descriptor serves a
+    read, for every CPU path. Also returns the range's residency where it was asked
+    (:data:`UNKNOWN` where the policy needed no answer), so that a later read of the same
+    range need not ask again; ``where``: the answer, if the caller already has it.
+
+    ``never``, a refused or missing O_DIRECT: buffered. ``always``: O_DIRECT. ``auto``: the
+    page cache is asked without causing I/O (:mod:`gdskit.residency`): a range it holds
+    all or part of is read buffered, one it holds none of with O_DIRECT; where the kernel
+    cannot say, a buffered RWF_NOWAIT probe decides (it may start readahead, but is correct).
+    """
+    if policy is ODirectPolicy.NEVER or f.direct_refused or f.direct_fd() is None:
+        return Via.BUFFERED, where
+    if policy is ODirectPolicy.ALWAYS:
+        return Via.DIRECT, where
+    if where is UNKNOWN:
+        where = file_residency(f, pos, n)
+    if where is Residency.NONE:
+        return Via.DIRECT, where
+    if where is None and f.nowait_supported:
+        return Via.PROBE, where
+    return Via.BUFFERED, where
+
+
+class ChunkTarget:
+    """Where a chunk's bytes land: :meth:`view` is the memory for file bytes ``[pos, pos + n)``
+    (buffered reads go there), :meth:`read_direct` reads such a range with O_DIRECT."""
+
+    def view(self, pos: int, n: int) -> memoryview:
+        raise NotImplementedError
+
+    def read_direct(self, f: OpenFile, dfd: int, pos: int, n: int) -> int:
+        """O_DIRECT read of file bytes ``[pos, pos + n)``; the count from ``pos`` (short only at
+        end of file). An ``OSError`` with EINVAL means the file refuses O_DIRECT I/O."""
+        raise NotImplementedError
+
+
+class StageTarget(ChunkTarget):
+    """An aligned staging buffer laid out by the module's rule for a chunk starting at ``start``:
+    O_DIRECT reads the aligned span around any range straight into it."""
+
+    __slots__ = ("_alignment", "_base", "_stage")
+
+    def __init__(self, stage: memoryview, start: int, alignment: int) -> None:
+        self._stage = stage
+        self._base = align_down(start, alignment)  # the file offset of stage byte 0
+        self._alignment = alignment
+
+    def view(self, pos: int, n: int) -> memoryview:
+        s = pos - self._base
+        return self._stage[s:s + n]
+
+    def read_direct(self, f: OpenFile, dfd: int, pos: int, n: int) -> int:
+        a = self._alignment
+        span_start, span_end = align_down(pos, a), align_up(pos + n, a)
+        s0 = span_start - self._base
+        got = pread_full(dfd, self._stage[s0:s0 + (span_end - span_start)], span_start, f.path, alignment=a)
+        return max(0, min(pos + n, span_start + got) - pos)
+
+
+class MemoryTarget(ChunkTarget):
+    """Host memory the caller owns (``view`` at address ``addr`` holds the chunk starting at
+    file offset ``start``), rarely aligned as O_DIRECT needs: the aligned part of a range goes
+    straight into it, the ragged rest through a staging buffer (``stage()``, taken only then)."""
+
+    __slots__ = ("_addr", "_alignment", "_stage", "_start", "_view")
+
+    def __init__(self, view: memoryview, addr: int, start: int, alignment: int, stage: Callable[[], Any]) -> None:
+        self._view, self._addr, self._start = view, addr, start
+        self._alignment = alignment
+        self._stage = stage
+
+    def view(self, pos: int, n: int) -> memoryview:
+        s = pos - self._start
+        return self._view[s:s + n]
+
+    def read_direct(self, f: OpenFile, dfd: int, pos: int, n: int) -> int:
+        a = self._alignment
+        addr = self._addr + (pos - self._start)
+        direct = 0
+        if pos % a == 0 and addr % a == 0 and n >= a:
+            # The caller's memory is aligned like the file: O_DIRECT straight into it.
+            body = align_down(n, a)
+            direct = pread_full(dfd, self.view(pos, body), pos, f.path, alignment=a)
+            if direct < body or direct == n:
+                return direct  # end of file, or all of it
+            pos, n, addr = pos + direct, n - direct, addr + direct
+        stage = self._stage()
+        got = StageTarget(stage.view, pos, a).read_direct(f, dfd, pos, n)
+        if got:
+            ctypes.memmove(addr, stage.ptr + pos % a, got)
+        return direct + got
+
+
+def read_chunk(f: OpenFile, target: ChunkTarget, pos: int, n: int, policy: ODirectPolicy,
+               where: Residency | None | Unknown = UNKNOWN) -> ChunkResult:
+    """Read file bytes ``[pos, pos + n)`` into ``target``, the way :func:`choose` says: the one
+    chunk reader of the host path and the bounce ring. ``where``: the range's residency, if
+    already asked. An O_DIRECT refusal (EINVAL) turns the file buffered for good."""
+    via, _ = choose(f, policy, pos, n, where)
+    cached = 0
+    if via is Via.PROBE:
+        try:
+            cached = pread_full(f.fd, target.view(pos, n), pos, f.path, flags=RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            f.nowait_supported = False
+            via = Via.BUFFERED
+        if cached == n:
+            return ChunkResult(n, n)
+    if via is not Via.BUFFERED:
+        dfd = f.direct_fd()
+        assert dfd is not None
+        try:
+            return ChunkResult(cached + target.read_direct(f, dfd, pos + cached, n - cached), cached)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # This filesystem or device wants other O_DIRECT alignment: go buffered for this file.
+            f.direct_refused = True
+    got = cached + pread_full(f.fd, target.view(pos + cached, n - cached), pos + cached, f.path)
+    return ChunkResult(got, got)
 
 
 def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
                   alignment: int) -> ChunkResult:
-    """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)``.
-
-    ``auto``: a chunk the page cache holds (all or part of it, asked without
-    causing I/O: see :mod:`gdskit.residency`) is read buffered, one it does not
-    hold with O_DIRECT. ``always``: all O_DIRECT. ``never``, or no O_DIRECT on
-    this filesystem: all buffered.
-    """
-    head = pos % alignment
-    cached = 0
-    dfd = direct_usable(f, policy)
-    if policy is ODirectPolicy.AUTO and dfd is not None:
-        where = file_residency(f, pos, n)
-        if where is None and f.nowait_supported:
-            # Neither cachestat nor mincore: probe with RWF_NOWAIT (may start readahead, but is correct).
-            try:
-                cached = pread_full(f.fd, stage[head:head + n], pos, f.path, flags=RWF_NOWAIT)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                f.nowait_supported = False
-                dfd = None
-            if cached == n:
-                return ChunkResult(n, n)
-        elif where is not Residency.NONE:
-            dfd = None  # all (or partly) cached: the page cache serves it fastest
-    if dfd is None:
-        got = cached + pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
-        return ChunkResult(got, got)
-    rest = pos + cached
-    span_start = align_down(rest, alignment)
-    span_end = align_up(pos + n, alignment)
-    s0 = align_down(head + cached, alignment)
-    try:
-        got = read_direct(dfd, stage[s0:s0 + (span_end - span_start)], span_start, alignment, f.path)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        # This filesystem or device wants other O_DIRECT alignment: go buffered for this file.
-        f.extras["direct_broken"] = True
-        got2 = pread_full(f.fd, stage[head + cached:head + n], pos + cached, f.path)
-        return ChunkResult(cached + got2, cached + got2)
-    valid_end = min(pos + n, span_start + got)
-    total = max(cached, valid_end - pos)
-    return ChunkResult(total, cached)
+    """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)`` (:func:`read_chunk`)."""
+    return read_chunk(f, StageTarget(stage, pos, alignment), pos, n, policy)
 
 
 def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
@@ -142,7 +224,7 @@ def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: O
     except OSError as exc:
         if getattr(exc, "errno", None) != errno.EINVAL:
             raise
-        f.extras["direct_broken"] = True
+        f.direct_refused = True
         pwrite_all(f.fd, stage[s0:s0 + (body_end - body_start)], body_start, f.path)
         buffered += body_end - body_start
     if pos + n > body_end:

@@ -36,17 +36,9 @@ def parse_mountinfo(text: str) -> list[MountInfo]:
 
 def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
     """The mount holding ``path`` (the longest mount point that is a prefix; last one wins)."""
-    from gdskit.probe.mounts import mount_for_path  # noqa: PLC0415
-    from gdskit.probe.mounts import parse_mountinfo as parse  # noqa: PLC0415
+    from gdskit.probe.mounts import mount_of  # noqa: PLC0415
 
-    try:
-        if mountinfo_text is None:
-            with open("/proc/self/mountinfo") as fh:
-                mountinfo_text = fh.read()
-        real = os.path.realpath(path)
-    except OSError:
-        return None
-    m = mount_for_path(parse(mountinfo_text), real)
+    m = mount_of(path, mountinfo_text)
     return None if m is None else _mount_info(m)
 
 

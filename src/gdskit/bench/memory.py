@@ -41,8 +41,7 @@ class HostBuffer:
 
     Not a numpy allocation: that may come from the heap, whose pages are scattered in
     physical memory, and an O_DIRECT read into scattered pages can be split into more, smaller
-    device requests. On the H200 machine, 1 MiB sequential O_DIRECT reads ran at 1.0 GiB/s
-    into a numpy buffer and 1.4-1.7 into fresh mappings.
+    device requests (docs/bench.md, "Host buffers", has the figures).
     """
 
     on_device = False

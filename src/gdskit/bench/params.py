@@ -152,12 +152,6 @@ class BenchParams:
         """True when the user named the paths (then an unavailable one is an error)."""
         return bool(self.paths)
 
-    def bytes_per_run(self) -> int:
-        """Bytes one run moves when it is not time-bound."""
-        if self.total_bytes is not None:
-            return self.total_bytes
-        return self.size * (self.workers if self.directory else 1)
-
     def as_dict(self) -> dict[str, object]:
         """JSON-ready form (enums as their names)."""
         out = dataclasses.asdict(self)

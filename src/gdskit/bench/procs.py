@@ -4,7 +4,7 @@ Worker threads of one Python process take turns at the interpreter lock between
 I/Os. When the disk answers a 4 KiB read in tens of microseconds, those turns
 cost throughput the storage has, so a thread-mode figure says "what one Python
 process gets", not "what the storage gives". With ``--processes`` each worker is
-its own Python process running the very same loop (:func:`runner.work`) through
+its own Python process running the very same loop (:func:`gdskit.bench.worker.work`) through
 its own gdskit engine, and the numbers compare with fio's ``numjobs`` and with
 gdsio's C threads.
 
@@ -34,7 +34,7 @@ from typing import IO, Any
 import gdskit
 from gdskit import cuda
 from gdskit.bench import cpu as cpu_mod
-from gdskit.bench import runner
+from gdskit.bench import worker
 from gdskit.bench.params import PathUnavailableError
 from gdskit.errors import GdskitError, GdskitIOError, WorkerProcessError
 
@@ -98,7 +98,7 @@ class WorkerProcesses:
         return WorkerProcessError(f"bench worker process {child.pid} ended unexpectedly ({how}); "
                                   "its error, if any, is on stderr above")
 
-    def run(self, plan: runner.RunPlan, targets: runner.Targets, deadline_s: float | None) -> runner.RunWindow:
+    def run(self, plan: worker.RunPlan, targets: worker.Targets, deadline_s: float | None) -> worker.RunWindow:
         """One run with every process as one worker; see the module docstring."""
         kids = self._children
         for w, child in enumerate(kids):
@@ -114,7 +114,7 @@ class WorkerProcesses:
                 raise PathUnavailableError(*rest)
             raise rest[0]
         if plan.cold:
-            runner.make_cold(targets.files, False)
+            worker.make_cold(targets.files, False)
         cpu_before = cpu_mod.sample()
         t_start = time.perf_counter()
         # CLOCK_MONOTONIC, which perf_counter reads on Linux, is the same clock in every process.
@@ -138,7 +138,7 @@ class WorkerProcesses:
             for d in done:
                 for k, v in d[3].items():
                     counters[k] = counters.get(k, 0) + v
-        return runner.RunWindow([d[1] for d in done], t_end - t_start, cost, ledger, counters)
+        return worker.RunWindow([d[1] for d in done], t_end - t_start, cost, ledger, counters)
 
     def close(self, now: bool = False) -> None:
         """Ask every process to exit; kill those that do not within a few seconds (at once
@@ -180,14 +180,14 @@ def _cpu_s() -> tuple[float, float]:
     return ru.ru_utime, ru.ru_stime
 
 
-def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: IO[bytes],
+def _serve_run(plan: worker.RunPlan, w: int, slice_: tuple[str, int, int], rin: IO[bytes],
                send: Any) -> None:
     """Prepare, wait for the start, run, answer: one run of this worker."""
     with gdskit.settings.set(**{**plan.settings, **plan.forced}), contextlib.ExitStack() as stack:
         try:
             if plan.on_device:
                 cuda.set_device(plan.params.device)
-            f, b = runner.open_worker(plan, w, slice_, stack)
+            f, b = worker.open_worker(plan, w, slice_, stack)
         except PathUnavailableError as exc:
             send(("unavailable", str(exc), exc.path, exc.reason))
             return
@@ -198,20 +198,20 @@ def _serve_run(plan: runner.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
         cmd = pickle.load(rin)
         if cmd[0] != "go":
             return
-        out = runner.WorkerOut()
-        counters_before = runner.run_counters(plan)
+        out = worker.WorkerOut()
+        counters_before = worker.run_counters(plan)
         ledger_before = gdskit.stats()
         user0, sys0 = _cpu_s()
         try:
-            runner.work(plan, w, slice_, f, b, out, threading.Event(), cmd[1])
+            worker.work(plan, w, slice_, f, b, out, threading.Event(), cmd[1])
             if not plan.params.op.is_read and plan.cold:
                 f.fsync()  # cold writes count until the data is on the device
         except Exception as exc:  # noqa: BLE001 - handed to the parent
             out.error = _portable(exc)
         user1, sys1 = _cpu_s()
         ledger = gdskit.stats() - ledger_before
-        counters_after = runner.run_counters(plan)
-    send(("done", out, ledger, runner.counter_delta(counters_before, counters_after), user1 - user0,
+        counters_after = worker.run_counters(plan)
+    send(("done", out, ledger, worker.counter_delta(counters_before, counters_after), user1 - user0,
           sys1 - sys0))
 
 

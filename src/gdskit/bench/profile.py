@@ -1,70 +1,28 @@
 """Per-mount profiles: the measured direct-path cut-off, kept for the engine's ``auto`` mode.
 
 ``gdskit bench --sweep --save-profile`` stores, for the mount the benchmark
-file lived on, the I/O size from which the direct path paid. The engine calls
-:func:`threshold_for` with a file's path to use that cut-off instead of the
-global ``direct_threshold``.
-
-The store is one JSON file, ``$XDG_CONFIG_HOME/gdskit/profiles.json``
-(``~/.config/gdskit/profiles.json`` by default)::
-
-    {"schema_version": 1,
-     "profiles": {"<mount point>|<major:minor>": {"mount_point": ..., "dev": ..., "fstype": ...,
-                   "source": ..., "direct_threshold": 65536, "direct_pays": true, ...}}}
-
-Keys hold the device number as well as the mount point, so a different disk
-later mounted at the same place does not inherit the profile.
+file lived on, the I/O size from which the direct path paid (:func:`save_profile`).
+The store itself, and :func:`threshold_for` that the engine asks with a file's
+path, live in :mod:`gdskit.profiles` (the engine's own module: it reads the
+store without importing the benchmark); they are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import threading
 import time
 from typing import Any
 
-from gdskit.bench.knee import DIRECT_NEVER, KneeResult
+from gdskit.bench.knee import KneeResult
 from gdskit.bench.machine import MountInfo, mount_for
-from gdskit.errors import ConfigError, from_os_error
+from gdskit.errors import ConfigError
+from gdskit.profiles import SCHEMA_VERSION, load, profile_for, store_entry, store_path, threshold_for
+from gdskit.profiles import profile_key as _key
 
-SCHEMA_VERSION = 1
-
-_lock = threading.Lock()
-# threshold_for runs on the engine's request path: cache the parsed store per (path, mtime)
-_cache: dict[str, tuple[float, dict[str, Any]]] = {}
-
-
-def store_path() -> str:
-    """Where profiles live: ``$XDG_CONFIG_HOME/gdskit/profiles.json``."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return os.path.join(base, "gdskit", "profiles.json")
+__all__ = ["SCHEMA_VERSION", "load", "profile_for", "profile_key", "save_profile", "store_path", "threshold_for"]
 
 
 def profile_key(mount: MountInfo) -> str:
-    return f"{mount.mount_point}|{mount.dev}"
-
-
-def load(path: str | None = None) -> dict[str, Any]:
-    """The whole store; an empty one when absent.
-
-    Raises
-    ------
-    ConfigError
-        The file exists but is not a profile store.
-    """
-    path = path or store_path()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        return {"schema_version": SCHEMA_VERSION, "profiles": {}}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the profile store {path}: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
-        raise ConfigError(f"{path} is not a gdskit profile store")
-    return data
+    return _key(mount.mount_point, mount.dev)
 
 
 def save_profile(target: str, knee: KneeResult, *, extra: dict[str, Any] | None = None,
@@ -79,7 +37,6 @@ def save_profile(target: str, knee: KneeResult, *, extra: dict[str, Any] | None 
         raise ConfigError(f"cannot tell which mount {target} is on; no profile saved")
     if not knee.verdicts:
         raise ConfigError("the sweep has no size measured on both paths; no profile saved")
-    path = path or store_path()
     entry = {
         "mount_point": mount.mount_point,
         "dev": mount.dev,
@@ -93,66 +50,5 @@ def save_profile(target: str, knee: KneeResult, *, extra: dict[str, Any] | None 
     }
     if extra:
         entry.update(extra)
-    with _lock:
-        store = load(path)
-        store["schema_version"] = SCHEMA_VERSION
-        store["profiles"][profile_key(mount)] = entry
-        directory = os.path.dirname(path)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".profiles.", suffix=".json", dir=directory)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump(store, fh, indent=2, sort_keys=True)
-                    fh.write("\n")
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-        except OSError as exc:
-            raise from_os_error(exc, path) from exc
-        _cache.pop(path, None)
+    store_entry(profile_key(mount), entry, path)
     return entry
-
-
-def profile_for(target: str, *, path: str | None = None,
-                mountinfo_text: str | None = None) -> dict[str, Any] | None:
-    """The stored profile of the mount holding ``target``, or None. Never raises."""
-    path = path or store_path()
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return None
-    mount = mount_for(target, mountinfo_text)
-    if mount is None:
-        return None
-    with _lock:
-        cached = _cache.get(path)
-        if cached is None or cached[0] != mtime:
-            try:
-                cached = (mtime, load(path))
-            except ConfigError:
-                return None
-            _cache[path] = cached
-    entry = cached[1]["profiles"].get(profile_key(mount))
-    return entry if isinstance(entry, dict) else None
-
-
-def threshold_for(target: str, *, path: str | None = None,
-                  mountinfo_text: str | None = None) -> int | None:
-    """The measured direct-path cut-off (bytes) for ``target``'s mount, or None without a profile.
-
-    Requests smaller than the value should skip the direct path. A mount where
-    the direct path never paid gives :data:`gdskit.bench.knee.DIRECT_NEVER`.
-    Never raises: an unreadable store counts as no profile.
-    """
-    entry = profile_for(target, path=path, mountinfo_text=mountinfo_text)
-    if entry is None:
-        return None
-    value = entry.get("direct_threshold")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return None
-    return min(value, DIRECT_NEVER)

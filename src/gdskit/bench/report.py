@@ -241,10 +241,6 @@ class BenchReport:
             return None
         return all(v.ok for v in checked)
 
-    @property
-    def any_fell_back(self) -> bool:
-        return any(r.fell_back for r in self.runs)
-
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form (see ``schema_version``)."""
         return {

@@ -13,10 +13,9 @@ from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, batch_view, from_numpy
 from gdskit.data.read import FileReads, Job, abandon, engine_view, target_device, wait
 from gdskit.data.sources import Files, Source, resolve
-from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats._engine import open_file, stats, stats_delta, worker_threads
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.settings import settings
 
 __all__ = ["preload"]
 
@@ -38,7 +37,7 @@ def _layout_and_offset(src: Source) -> tuple[Layout, int]:
 def jobs_at_once() -> int:
     """Files read at once: enough to keep every engine worker busy with small files, few enough
     to bound the open descriptors."""
-    return max(4, 2 * settings.threads)
+    return max(4, 2 * worker_threads())
 
 
 def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], None] | None = None,

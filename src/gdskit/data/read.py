@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdskit.buffers import BufferView, adapt, synchronized_device_view
 from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
-from gdskit.formats._engine import open_file
+from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view
 
 #: Files a loader keeps open at once (the least recently used is closed first).
 OPEN_FILES = 64

@@ -1,4 +1,7 @@
-"""The formats' one door to the I/O engine (``gdskit.open``, the ledger)."""
+"""The formats' one door to the I/O engine: files (``gdskit.open``), the views of the
+destinations handed to it, the ledger, and the settings a loader plans with. The formats,
+the data loaders and the checkpoint layers import the engine through here only (the import
+graph test holds them to it)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+# The destinations the formats hand the engine (the buffers module is loaded with gdskit anyway).
+from gdskit.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
+                            synchronized_device_view)
+
 
 def _import_what_a_first_load_needs() -> None:
     """Import the CUDA driver's bindings and the direct-route facts' readers with the loaders
-    (15 and 12 ms on the H200 machine), not inside their first load. A loader's module is
+    (tens of milliseconds: docs/engine.md), not inside their first load. A loader's module is
     imported well before it loads anything (torch alone takes seconds to import); the driver
     itself is only initialised when a load needs it."""
     import importlib
@@ -41,6 +48,12 @@ def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
     from gdskit.ledger import stats_delta as delta
     return delta(before, after)
+
+
+def worker_threads() -> int:
+    """The engine's I/O worker threads (``settings.threads``)."""
+    from gdskit.settings import settings
+    return settings.threads
 
 
 def can_scatter() -> bool:
@@ -81,10 +94,10 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     function that waits for it.
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
-    a call while a warm-up of the device is under way waits for that one. Measured on the
-    H200 machine, this set-up is about 30 ms of a fresh process's first 8 GiB read. Started
-    before a large header is parsed it took 130-170 ms instead: its worker threads wait for
-    the interpreter the parse holds. A failure here is left for the read itself to report.
+    a call while a warm-up of the device is under way waits for that one. Start it after a
+    large header is parsed, not before: its worker threads would wait for the interpreter the
+    parse holds, and take several times longer (docs/engine.md, "Measurements behind the
+    defaults"). A failure here is left for the read itself to report.
     """
     from gdskit import pool, prepare
     from gdskit.settings import settings

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
+from gdskit.formats.read_plan import ReadShape
 from gdskit.formats._engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError, SourceInfo,
@@ -73,14 +74,6 @@ class Source(NamedTuple):
 
 #: The record of a checkpoint tensor no target asks for: reported as unexpected, never read.
 _UNPAIRED = SourceInfo("", None, ())
-
-
-class ReadShape(NamedTuple):
-    """How a format's reads are planned (see :func:`gdskit.formats.read_plan.plan`)."""
-
-    small: int
-    max_group: int
-    max_gap: int
 
 
 # -- targets --------------------------------------------------------------------
@@ -276,10 +269,14 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
 
 # -- safetensors ----------------------------------------------------------------
 
-def load_safetensors_into(target: Any, path_or_paths: Any, *, strict: bool, cast: bool, progress: ProgressArg,
-                          return_stats: bool) -> Any:
-    """:func:`gdskit.safetensors.load_into`."""
-    from gdskit import safetensors as gs  # noqa: PLC0415 - its dtype table; it imports this module lazily
+#: ``torch_type(torch, entry)``: the torch dtype and shape of a safetensors header entry.
+TorchType = Callable[[Any, Any], tuple[Any, tuple[int, ...]]]
+
+
+def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchType, shape: ReadShape,
+                          strict: bool, cast: bool, progress: ProgressArg, return_stats: bool) -> Any:
+    """:func:`gdskit.safetensors.load_into`, which passes its dtype table (``torch_type``) and
+    read shape: this module never imports the API modules above it."""
     from gdskit.formats.shard_index import index_checkpoint
 
     with collector_paused():
@@ -297,31 +294,35 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, strict: bool, cast
             e = loc.entry
             dt = dtypes.get(e.dtype)
             if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
-                dt, shp = gs._torch_type(torch, e)  # UnsupportedDtypeError for F6_*
+                dt, shp = torch_type(torch, e)  # UnsupportedDtypeError for F6_*
                 dtypes[e.dtype] = dt
             else:
                 shp = e.shape
             records[name] = sources[name] = Source(loc.path, loc.file_offset, e.end - e.start, dt, shp)
         file_sizes = {p: h.file_size for p, h in index.headers}
-        shape = ReadShape(gs.SMALL_TENSOR_BYTES, gs.MAX_GROUP_BYTES, 0)
         return _finish(items, infos, records, sources, file_sizes, shape, strict=strict, cast=cast,
                        progress=progress, return_stats=return_stats)
 
 
 # -- torch.save archives --------------------------------------------------------
 
-def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, Source], list[str], int]:
+#: ``unpickle(torch, data, persistent_load, weights_only, map_location, where)``: gdskit.torch's
+#: unpickler (``where``: the file its errors name).
+Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any, str], Any]
+
+
+def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str],
+                   unpickle: Unpickle) -> tuple[dict[str, Source], list[str], int]:
     """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
     the names of entries that are not tensors, and the archive's size.
 
     The pickle is unpickled onto storages on the meta device, which gives every tensor's
     storage, offset, shape and strides without reading or allocating any data.
     """
-    from gdskit import torch as gt  # noqa: PLC0415 - its unpickler and archive checks
     from gdskit.formats.torch_zip import StorageRecords
 
     try:
-        kind = gt._file_kind(path)
+        kind = file_kind(path)
         archive_size = os.path.getsize(path)
     except OSError as exc:
         raise from_os_error(exc, path) from None
@@ -349,7 +350,7 @@ def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, Source], li
             typed[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
         return typed[rec.key]
 
-    obj = gt._unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None)
+    obj = unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None, path)
     del reader
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors)")
@@ -378,19 +379,18 @@ def _torch_records(path: str, weights_only: bool) -> tuple[dict[str, Source], li
     return where, others, archive_size
 
 
-def load_torch_into(target: Any, path: str | os.PathLike[str], *, strict: bool, cast: bool,
-                    progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
-    """:func:`gdskit.torch.load_into`."""
-    from gdskit import torch as gt  # noqa: PLC0415
-
+def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Callable[[str], str],
+                    unpickle: Unpickle, shape: ReadShape, strict: bool, cast: bool, progress: ProgressArg,
+                    return_stats: bool, weights_only: bool) -> Any:
+    """:func:`gdskit.torch.load_into`, which passes its archive check (``file_kind``), its
+    unpickler and its read shape: this module never imports the API modules above it."""
     path = os.fspath(path)
     with collector_paused():
         items = target_tensors(target)
         infos = describe(items)
-        records, others, size = _torch_records(path, weights_only)
+        records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
         wanted = {name for name, _ in items}
         sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
-        shape = ReadShape(gt.SMALL_STORAGE_BYTES, gt.MAX_GROUP_BYTES, gt.MAX_GAP_BYTES)
         return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
                        progress=progress, return_stats=return_stats, extra_unexpected=others)
 

@@ -14,6 +14,14 @@ from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 
+class ReadShape(NamedTuple):
+    """How a format's reads are planned: :func:`plan`'s ``small``, ``max_group`` and ``max_gap``."""
+
+    small: int
+    max_group: int
+    max_gap: int
+
+
 class Extent(NamedTuple):
     """``nbytes`` bytes at ``file_offset`` that belong to ``key`` (a tensor or a storage).
 
@@ -41,9 +49,6 @@ class Group:
     file_offset: int
     nbytes: int
     members: tuple[Extent, ...]
-
-    def member_offset(self, member: Extent) -> int:
-        return member.file_offset - self.file_offset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import concurrent.futures
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -102,8 +102,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     """
 
     def __init__(self, path_or_paths: Any, device: torch.device, *, keys: Iterable[str] | None = None,
-                 max_inflight_bytes: int | None = None) -> None:
-        from gdskit import safetensors as gs  # noqa: PLC0415 - its dtype table
+                 max_inflight_bytes: int | None = None, torch_type: Callable[[Any, Any], tuple[Any, tuple[int, ...]]],
+                 shape: read_plan.ReadShape) -> None:
+        """``torch_type`` and ``shape``: :mod:`gdskit.safetensors`' dtype table and read shape
+        (passed in, as this module is below it)."""
+        self._shape = shape
 
         index = index_checkpoint(path_or_paths)
         if keys is None:
@@ -116,7 +119,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                                          + (" ..." if len(unknown) > 5 else ""))
             chosen = [loc for name, loc in index.tensors.items() if name in wanted]
         # Every dtype checked before anything is read.
-        self._types = {loc.entry.name: gs._torch_type(torch, loc.entry) for loc in chosen}
+        self._types = {loc.entry.name: torch_type(torch, loc.entry) for loc in chosen}
         largest = max((loc.entry.nbytes for loc in chosen), default=0)
         if max_inflight_bytes is None:
             budget = max(DEFAULT_INFLIGHT_BYTES, 2 * largest)
@@ -201,8 +204,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             items.append((name, t))
             dests[name] = t if raw else t.reshape(-1).view(torch.uint8)
             extents.append(read_plan.Extent(name, loc.file_offset, loc.entry.nbytes))
-        from gdskit import safetensors as gs  # noqa: PLC0415
-        plan = read_plan.plan(extents, small=gs.SMALL_TENSOR_BYTES, max_group=gs.MAX_GROUP_BYTES, max_gap=0)
+        plan = read_plan.plan(extents, small=self._shape.small, max_group=self._shape.max_group,
+                              max_gap=self._shape.max_gap)
         self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests]), items))
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from gdskit.buffers import ScatterList, scattered_device_view, synchronized_device_view
-from gdskit.formats._engine import can_scatter, no_wait, scattered_hot_workers, start_warm_up
+from gdskit.formats._engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
+                                    start_warm_up, synchronized_device_view)
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -63,10 +63,10 @@ def _allocator_splits_blocks() -> bool:
 def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
     """Let torch's allocator take, in one ``cudaMalloc``, the memory of the large tensors about to be made.
 
-    On the H200 machine, 256 separate 32 MiB allocations made while the engine's copies were
-    in flight took 0.28 s (0.05 s this way). One block of the total, freed at once, stays in
-    torch's cache and each later allocation is split from it; every tensor still owns its
-    memory. Nothing is reserved where that would not hold, or when the block does not fit.
+    Separate allocations made while the engine's copies are in flight cost several times as
+    much (docs/engine.md, "Measurements behind the defaults"). One block of the total, freed
+    at once, stays in torch's cache and each later allocation is split from it; every tensor
+    still owns its memory. Nothing is reserved where that would not hold, or when the block does not fit.
     """
     if device.type != "cuda":
         return
@@ -117,7 +117,7 @@ def _clone_all(srcs: list[torch.Tensor]) -> list[torch.Tensor]:
     # On the GPU batched calls save a launch per tensor; on the CPU a plain loop is as fast and
     # avoids the batched ops' slow CPU fallback. Where torch has no _foreach_clone (2.11), the
     # byte views are copied by adding 0: new tensors, each owning its memory, made in C++
-    # (2.5 us a tensor on the H200 machine, against 3.6 for empty_like plus one _foreach_copy_).
+    # (cheaper than empty_like plus one _foreach_copy_: docs/engine.md).
     if not srcs or srcs[0].device.type != "cuda":
         return [s.clone() for s in srcs]
     fn = getattr(torch, "_foreach_clone", None)
@@ -243,7 +243,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             futures.append(job)
         if scatter:
             _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures,
-                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups))
+                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups), source_cached=groups_hot)
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
@@ -266,10 +266,13 @@ def _held_in_page_cache(f: Any, groups: tuple[Group, ...]) -> bool:
 
 def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
                     device: int, on_bytes: Callable[[int], None] | None,
-                    futures: list[concurrent.futures.Future[Any]], jobs_at_once: int) -> None:
+                    futures: list[concurrent.futures.Future[Any]], jobs_at_once: int, *,
+                    source_cached: bool | None = None) -> None:
     """Read each group of GPU ``device`` in one request whose bytes land straight in its
     members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job, at
-    most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile)."""
+    most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile).
+    ``source_cached``: whether the page cache holds all the groups' bytes, where asked (the
+    engine then does not ask again for each job)."""
     jobs: deque[tuple[list[Group], concurrent.futures.Future[list[int]]]] = deque()
 
     def finish_oldest() -> None:
@@ -284,7 +287,8 @@ def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Exten
         members = [dest_for(m) for m in g.members]
         targets = ScatterList((m.file_offset - g.file_offset, t.data_ptr(), m.nbytes)
                               for m, t in zip(g.members, members))
-        reads.append((scattered_device_view(targets, g.nbytes, device, members), g.nbytes, g.file_offset))
+        reads.append((scattered_device_view(targets, g.nbytes, device, members, source_cached=source_cached),
+                      g.nbytes, g.file_offset))
         batch.append(g)
         pending += g.nbytes
         if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:

@@ -8,7 +8,8 @@ returns the tensors it asked for (all of them, or its ``keys``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from gdskit.errors import with_path
@@ -39,18 +40,29 @@ def _checkpoint(path_or_paths: Any) -> tuple[list[str], list[fmt.Header], dict[s
     return files, headers, where
 
 
+@dataclass(frozen=True)
+class OneRank:
+    """What a group load takes from :mod:`gdskit.safetensors`, which passes it (that module calls
+    this one, so this one does not import it): how it names a device, a header entry's torch
+    type, and its empty tensors."""
+
+    device: Callable[[Any, Any], Any]
+    torch_type: Callable[[Any, Any], tuple[Any, tuple[int, ...]]]
+    empty_tensor: Callable[..., Any]
+
+
 def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iterable[str] | None = None,
-              progress: ProgressArg = None, return_stats: bool = False) -> Any:
-    """See :func:`gdskit.safetensors.load_file`; every rank of ``process_group`` calls it."""
+              progress: ProgressArg = None, return_stats: bool = False, st: OneRank) -> Any:
+    """See :func:`gdskit.safetensors.load_file`; every rank of ``process_group`` calls it (``st``:
+    what it needs of gdskit.safetensors)."""
     torch = require_torch("gdskit.safetensors")
-    from gdskit import safetensors as st
     from gdskit.formats.torch_io import reserve_device_memory
 
     types: dict[str, tuple[Any, tuple[int, ...]]] = {}
     empty: dict[str, Any] = {}  # tensors of no bytes, made as the one-rank loader makes them
 
     def prepare() -> LoadJob:
-        dev = st._device(torch, device)
+        dev = st.device(torch, device)
         files, headers, where = _checkpoint(path_or_paths)
         if keys is None:
             names = list(where)
@@ -63,9 +75,9 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
         for n in names:  # everything that can fail does so before any rank reads anything
             i, e = where[n]
             try:
-                types[n] = st._torch_type(torch, e)
+                types[n] = st.torch_type(torch, e)
                 if e.nbytes == 0:
-                    empty[n] = st._empty_tensor(torch, e, *types[n], dev)
+                    empty[n] = st.empty_tensor(torch, e, *types[n], dev)
             except fmt.FormatError as exc:
                 raise with_path(exc, files[i]) from None
         segments = [Segment(e.name, i, h.data_start + e.start, e.nbytes)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from gdskit.errors import FormatError, from_os_error
@@ -23,11 +25,24 @@ from gdskit.group.load import LoadJob, run_load
 from gdskit.group.plan import Segment
 
 
+@dataclass(frozen=True)
+class OneRank:
+    """What a group load takes from :mod:`gdskit.torch`, which passes it (that module calls this
+    one, so this one does not import it): its one-rank ``load``, archive check, map_location
+    target, unpickler and storage bytes."""
+
+    load: Callable[..., Any]
+    file_kind: Callable[[str], str]
+    target: Callable[[Any, Any], Any]
+    unpickle: Callable[..., Any]
+    bytes_of: Callable[[Any, Any, int], Any]
+
+
 def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: bool = True, *,
-         process_group: Any, progress: ProgressArg = None, return_stats: bool = False) -> Any:
-    """See :func:`gdskit.torch.load`; every rank of ``process_group`` calls it."""
+         process_group: Any, progress: ProgressArg = None, return_stats: bool = False, pt: OneRank) -> Any:
+    """See :func:`gdskit.torch.load`; every rank of ``process_group`` calls it (``pt``: what it
+    needs of gdskit.torch)."""
     torch = require_torch("gdskit.torch")
-    from gdskit import torch as pt
 
     path = os.fspath(path)
 
@@ -37,12 +52,12 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
 
     def prepare() -> LoadJob:
         try:
-            kind = pt._file_kind(path)
+            kind = pt.file_kind(path)
         except OSError as exc:
             raise from_os_error(exc, path) from None
         if kind == "other":
             raise FormatError(f"{path}: not a torch.save file (neither a zip archive nor a pickle stream)")
-        target = pt._Target(torch, map_location)
+        target = pt.target(torch, map_location)
         if kind == "legacy" or target.eager:
             return local_load()
         try:
@@ -66,11 +81,11 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
             slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
             return typed
 
-        result = pt._unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location)
+        result = pt.unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location, path)
         keys = sorted(slots, key=lambda k: slots[k][1])
         segments = [Segment(k, 0, slots[k][1], slots[k][2]) for k in keys]
         wanted = [slots[k][3].type != "meta" for k in keys]
-        dests = {k: pt._bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2])
+        dests = {k: pt.bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2])
                  for k, w in zip(keys, wanted) if w}
         return LoadJob([path], [archive_size], segments, [archive_size, keys], wanted, dests,
                        {t.device.type for t in dests.values()}, result)

@@ -11,9 +11,8 @@ import os
 from collections.abc import Sequence
 
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError
-from gdskit.settings import settings
-from gdskit.probe.gds import gds_stack
-from gdskit.probe.gpus import gpu_facts
+from gdskit.probe.gds import gds_stack, query_cufile_library
+from gdskit.probe.gpus import gpu_facts, query_nvml
 from gdskit.probe.mounts import (
     MountEntry, ODirectResult, is_listed_by_default, mount_block_tree, mount_for_path, network_rdma,
     odirect_dir_for, probe_odirect, read_mounts,
@@ -23,6 +22,7 @@ from gdskit.probe.root import SystemRoot
 from gdskit.probe.routes import route_findings, route_table
 from gdskit.probe.topology import topology
 from gdskit.probe.verdict import Finding, MountCheck, is_network, judge_mount, platform_findings, udev_entry_for
+from gdskit.settings import settings
 
 __all__ = ["CheckReport", "Finding", "MountCheck", "SystemRoot", "run_check"]
 
@@ -88,6 +88,8 @@ def run_check(
         raise InvalidArgumentError(f"require must be one of {REQUIREMENTS}, not {require!r}")
     if not isinstance(root, SystemRoot):
         root = SystemRoot(root or "/")
+    if root.is_live:
+        root = root.with_sources(nvml=query_nvml, cufile=query_cufile_library)
     if not os.path.isdir(root.prefix):
         raise InvalidArgumentError(f"root {root.prefix!r} is not a directory")
     gpu = gpu_facts(root)

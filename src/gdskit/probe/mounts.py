@@ -122,6 +122,19 @@ def mount_for_path(mounts: list[MountEntry], path: str) -> MountEntry | None:
     return best
 
 
+def mount_of(path: str, mountinfo_text: str | None = None) -> MountEntry | None:
+    """The mount holding ``path`` on this machine (``mountinfo_text``: the text of
+    ``/proc/self/mountinfo`` to use instead of reading it); None when it cannot be read."""
+    try:
+        if mountinfo_text is None:
+            with open(MOUNTINFO) as fh:
+                mountinfo_text = fh.read()
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    return mount_for_path(parse_mountinfo(mountinfo_text), real)
+
+
 # --------------------------------------------------------------------------- block devices
 @dataclass
 class BlockNode:

@@ -3,8 +3,10 @@
 All probes go through :class:`SystemRoot`, so a test (or an operator analysing a
 tree captured on another machine) points the whole inspection at a directory
 that mimics the real one. Facts that do not live in files (NVML, the cuFile
-library) come from injectable sources: on the real root they are queried live,
-under a fixture root they are read from ``<root>/.gdskit-fixture/*.json``.
+library) come from sources passed in: ``gdskit check`` passes the live queries
+(:func:`gdskit.probe.gpus.query_nvml`, :func:`gdskit.probe.gds.query_cufile_library`)
+for the real root; under a fixture root they are read from
+``<root>/.gdskit-fixture/*.json``. This module imports no other probe.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class SystemRoot:
         ``env.json`` (or nothing) elsewhere.
     nvml, cufile:
         Callables returning GPU facts / cuFile library facts as plain dicts
-        (``None`` when the source is absent). Defaults: live queries on the real
-        root, ``nvml.json`` / ``cufile.json`` from the fixture directory otherwise.
+        (``None`` when the source is absent). Defaults: ``nvml.json`` /
+        ``cufile.json`` from the fixture directory; none on the real root, whose
+        live sources the caller passes (:meth:`with_sources`).
     """
 
     def __init__(
@@ -51,6 +54,11 @@ class SystemRoot:
         self.env: dict[str, str] = {str(k): str(v) for k, v in env.items()}
         self._nvml = nvml
         self._cufile = cufile
+
+    def with_sources(self, *, nvml: FactSource | None = None, cufile: FactSource | None = None) -> SystemRoot:
+        """This root, taking its NVML and cuFile facts from ``nvml`` and ``cufile`` where it
+        was given none of its own."""
+        return SystemRoot(self.prefix, env=self.env, nvml=self._nvml or nvml, cufile=self._cufile or cufile)
 
     # -- paths -------------------------------------------------------------
     def host_path(self, path: str) -> str:
@@ -142,21 +150,13 @@ class SystemRoot:
         """GPU facts (see :mod:`gdskit.probe.gpus` for the shape)."""
         if self._nvml is not None:
             return self._nvml()
-        if self.is_live:
-            from gdskit.probe.gpus import query_nvml
-
-            return query_nvml()
-        return self._fixture_json("nvml.json")
+        return None if self.is_live else self._fixture_json("nvml.json")
 
     def cufile_facts(self) -> dict[str, Any] | None:
         """cuFile library facts (see :mod:`gdskit.probe.gds` for the shape)."""
         if self._cufile is not None:
             return self._cufile()
-        if self.is_live:
-            from gdskit.probe.gds import query_cufile_library
-
-            return query_cufile_library()
-        return self._fixture_json("cufile.json")
+        return None if self.is_live else self._fixture_json("cufile.json")
 
     def odirect_results(self) -> dict[str, Any] | None:
         """Injected O_DIRECT probe results for a fixture (mountpoint -> bool)."""
