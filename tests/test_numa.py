@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda, numa
+from gdskit import cuda, numa, pool
 from gdskit.numa import NumaPlace, parse_cpulist
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.routes import numa_place
@@ -96,13 +96,29 @@ def test_a_bounce_read_stages_on_the_gpus_node_with_its_workers_there(tmp_path, 
         with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
             assert f.read_many([(buf, len(data), 0)], on_bytes=record) == [len(data)]
             usage = gdskit.resources()
+            # The workers' affinity is theirs again: each of the two answers from its own thread.
+            both = threading.Barrier(2)
+
+            def affinity() -> frozenset[int]:
+                both.wait(timeout=30)
+                return frozenset(os.sched_getaffinity(0))
+
+            ex = pool.io_executor(2)
+            after = [f.result() for f in [ex.submit(affinity), ex.submit(affinity)]]
         gdskit.release_resources()
     assert buf.to_numpy().tobytes() == data
     assert seen and all(s == node_cpus for s in seen), "the workers ran on the GPU's node"
     assert frozenset(os.sched_getaffinity(0)) == caller, "the caller's affinity is its own again"
+    assert after == [caller, caller], "so is the workers'"
     if numa.current_policy() is not None:
         assert usage.numa_nodes == (0,)
         assert numa.current_policy() == (numa.MPOL_DEFAULT, frozenset())
+    # A read of one chunk runs in the calling thread, which gets its own affinity back.
+    with numa.use_facts(lambda bus: NumaPlace(0, node_cpus)):
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
+            assert f.read_many([(buf, 4096, 0)], on_bytes=record) == [4096]
+        gdskit.release_resources()
+    assert seen[-1] == node_cpus and frozenset(os.sched_getaffinity(0)) == caller
     # Without a known node nothing is placed.
     gdskit.release_resources()
     with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
