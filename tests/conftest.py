@@ -82,6 +82,36 @@ def fake_cuda():
 
 
 @pytest.fixture
+def stand_in_gpus():
+    """``stand_in_gpus(fake)``: gdskit on the stand-in driver ``fake`` (several devices, say) until
+    the test ends, held to CUDA's rules as ``fake_cuda``'s is. Stand-in GPUs sit on no NUMA node of
+    this machine: none is looked up."""
+    import contextlib
+
+    from gdskit import cuda, numa
+
+    made: list = []
+    with contextlib.ExitStack() as stack:
+
+        def use(fake):
+            stack.enter_context(numa.use_facts(None))
+            stack.enter_context(cuda.use_driver(fake))
+            _STAND_INS.append(fake)
+            made.append(fake)
+            return fake
+
+        try:
+            yield use
+            found = [b for fake in made for b in _breaches(fake)]
+            if found:
+                pytest.fail("the stand-in CUDA driver saw CUDA's rules broken:\n  " + "\n  ".join(found),
+                            pytrace=False)
+        finally:
+            for fake in made:
+                _STAND_INS.remove(fake)
+
+
+@pytest.fixture
 def compat_cufile(monkeypatch, fake_cuda):
     """cuFile that works only in compat mode, as on a machine without nvidia-fs or P2PDMA."""
     from fake_cufile import FakeCufile

@@ -28,6 +28,16 @@ The fake keeps CUDA's ordering rules, and is never more forgiving than a GPU:
   Pageable host memory follows the driver: a copy from it takes the bytes during the
   call, a copy into it returns only once done.
 
+Several devices (``devices=``) each have a PCI bus id (``bus_ids=``) and reach the others'
+memory as ``peers=`` says (pairs ``(device, peer)``; by default every pair). As in the
+driver, ``cuDeviceCanAccessPeer`` reports it, ``cuCtxEnablePeerAccess`` opens it from the
+current context (refusing a device and itself, a pair that cannot, and a second opening),
+and ``cuMemcpyPeerAsync`` is a device-to-device copy on a stream, ordered like every other
+copy; its source and destination must be memory of the devices it names, and its stream
+belong to one of them. Where the stream's device has not opened access to the other one,
+the driver stages the copy through host memory: it still lands, and ``peer_copies`` records
+it as not direct. An event is recorded only on a stream of the context it was made in.
+
 Each breach of these rules is recorded in ``violations`` and raised as
 :class:`StandInViolation` from the call that found it; the test fixtures fail a test
 that leaves any recorded, so an engine that swallows the exception still fails.
@@ -61,9 +71,12 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_NOT_SUPPORTED = 801
 
@@ -148,8 +161,16 @@ class FakeDriver:
     CUmemcpyAttributes = CUmemcpyAttributes
     CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=_SRC_ACCESS_ORDER_STREAM)
 
-    def __init__(self, devices: int = 1, seed: int | None = None) -> None:
+    def __init__(self, devices: int = 1, seed: int | None = None, bus_ids: list[str] | None = None,
+                 peers: set[tuple[int, int]] | None = None) -> None:
         self.devices = devices
+        if bus_ids is not None and len(bus_ids) != devices:
+            raise ValueError(f"{devices} devices need {devices} bus ids, not {len(bus_ids)}")
+        self.bus_ids = list(bus_ids) if bus_ids is not None else [f"0000:{6 + d:02x}:00.0" for d in range(devices)]
+        self.peers = ({(a, b) for a in range(devices) for b in range(devices) if a != b} if peers is None
+                      else set(peers))
+        self._peer_enabled: set[tuple[int, int]] = set()  # (context's device, peer device) opened
+        self.peer_copies: list[tuple[int, int, int, bool]] = []  # (from device, to device, bytes, direct)
         self.seed = int(os.environ.get("GDSKIT_STAND_IN_SEED", "0")) if seed is None else seed
         self._rng = random.Random(self.seed)
         self._poison = np.random.default_rng(self.seed ^ 0x5EED).integers(0, 256, _POISON_PERIOD, dtype=np.uint8)
@@ -162,6 +183,7 @@ class FakeDriver:
         self._allocs: dict[int, tuple[Any, int, CUmemorytype, int]] = {}  # ptr -> (buffer, size, kind, device)
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, tuple[int, int] | None] = {}  # event -> (stream, position) of its last record
+        self._event_device: dict[int, int | None] = {}  # event -> the device of the context it was made in
         self._next_handle = 100
         self._tls = threading.local()
         self.fail: dict[str, CUresult] = {}  # function name -> error to return (once set, every call)
@@ -238,6 +260,15 @@ class FakeDriver:
                                   f"[{base:#x}, +{size})")
                 return "pinned" if kind == CUmemorytype.CU_MEMORYTYPE_HOST else "device"
         return "pageable"
+
+    def device_of(self, ptr: int) -> int | None:
+        """The device whose memory ``ptr`` is (``None``: host memory)."""
+        with self._lock:
+            allocs = list(self._allocs.items())
+        for base, (_raw, size, kind, dev) in allocs:
+            if base <= ptr < base + max(size, 1):
+                return None if kind == CUmemorytype.CU_MEMORYTYPE_HOST else dev
+        return None
 
     def _free_checked(self, ptr: int, what: str) -> bool:
         """Forget allocation ``ptr``; False if there is none. Queued copies that use it are a breach."""
@@ -622,10 +653,66 @@ class FakeDriver:
     def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
         return self._enqueue("cuMemcpyDtoHAsync", dst, src, n, stream, "d2h")
 
+    # -- several devices ----------------------------------------------------------------------
+    def cuDeviceCanAccessPeer(self, dev: int, peer: int):  # noqa: N802
+        if not (0 <= int(dev) < self.devices and 0 <= int(peer) < self.devices):
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, 0)
+        return (OK, int(int(dev) != int(peer) and (int(dev), int(peer)) in self.peers))
+
+    def cuCtxEnablePeerAccess(self, peer_ctx: int, flags: int):  # noqa: N802
+        with self._api():
+            err = self._count("cuCtxEnablePeerAccess")
+            if err:
+                return (err,)
+            ctx = self._context()
+            if ctx is None:
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+            peer = int(peer_ctx) - 1000
+            if int(flags) != 0 or not 0 <= peer < self.devices:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            if peer == ctx:
+                return (CUresult.CUDA_ERROR_INVALID_DEVICE,)
+            if (ctx, peer) not in self.peers:
+                return (CUresult.CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,)
+            if (ctx, peer) in self._peer_enabled:
+                return (CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,)
+            self._peer_enabled.add((ctx, peer))
+        return (OK,)
+
+    def cuMemcpyPeerAsync(self, dst: int, dst_ctx: int, src: int, src_ctx: int, n: int, stream: int):  # noqa: N802
+        what = "cuMemcpyPeerAsync"
+        dst, src, n = int(dst), int(src), int(n)
+        with self._api():
+            err = self._count(what)
+            if err:
+                return (err,)
+            s = self._stream(stream)
+            if s is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            dst_dev, src_dev = int(dst_ctx) - 1000, int(src_ctx) - 1000
+            if not (0 <= dst_dev < self.devices and 0 <= src_dev < self.devices):
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+            for name, ptr, dev in (("source", src, src_dev), ("destination", dst, dst_dev)):
+                self._memory(ptr, n, what)
+                owner = self.device_of(ptr)
+                if n and owner != dev:
+                    self._violate(f"{what}: the {name} {ptr:#x} is not memory of device {dev} "
+                                  f"({'host memory' if owner is None else f'device {owner}'})")
+            if s.device not in (src_dev, dst_dev) and s.handle not in _DEFAULT_STREAMS:
+                self._violate(f"{what}: stream {s.handle} belongs to device {s.device}, neither device "
+                              f"{src_dev} nor {dst_dev}")
+            self._check_race(what, s.handle, (src, n), (dst, n))
+            s.queue.append(_Op(s.handle, s.queued, what, dst, src, n))
+            s.queued += 1
+            other = dst_dev if s.device == src_dev else src_dev
+            self.peer_copies.append((src_dev, dst_dev, n, src_dev == dst_dev or (s.device, other) in self._peer_enabled))
+        return (OK,)
+
     def cuEventCreate(self, flags: int):  # noqa: N802
         h = self._handle()
         with self._lock:
             self._events[h] = None
+            self._event_device[h] = self._context()
         return (OK, h)
 
     def cuEventRecord(self, event: int, stream: int):  # noqa: N802
@@ -633,6 +720,9 @@ class FakeDriver:
             s = self._stream(stream)
             if s is None or int(event) not in self._events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            made_in = self._event_device.get(int(event))
+            if s.handle not in _DEFAULT_STREAMS and made_in is not None and made_in != s.device:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)  # the event and the stream are of two contexts
             self._events[int(event)] = (s.handle, s.queued)  # the work queued so far, no more
         return (OK,)
 
@@ -655,7 +745,13 @@ class FakeDriver:
             if int(event) not in self._events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             del self._events[int(event)]
+            self._event_device.pop(int(event), None)
         return (OK,)
 
     def cuDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802
-        return (OK, b"0000:00:06.0\0")
+        err = self._count("cuDeviceGetPCIBusId")
+        if err:
+            return (err, b"")
+        if not 0 <= int(device) < self.devices:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, b"")
+        return (OK, self.bus_ids[int(device)].upper().encode()[:length - 1] + b"\0")

@@ -105,8 +105,12 @@ class FakeCufile:
     OpError = OpError
     cuFileError = cuFileError
 
-    def __init__(self, route: str = "posix", register_fails: bool = False, max_io: int | None = None) -> None:
+    def __init__(self, route: str = "posix", register_fails: bool = False, max_io: int | None = None,
+                 gpu_of=None) -> None:
         self.route = route
+        # Which GPU a device pointer's memory is on (the counters are per GPU); default: all GPU 0.
+        self.gpu_of = gpu_of
+        self.other_gpus: dict[int, dict[str, int]] = {}  # the counters of GPUs 1..15
         self.max_io = max_io  # each read or write moves at most this much (a short count, as POSIX may)
         self.register_fails = register_fails
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -185,7 +189,13 @@ class FakeCufile:
 
     def get_stats_l3(self, ptr: int) -> None:
         obj = self._objects[ptr]
-        obj.per_gpu_stats = SimpleNamespace(**{k: np.array([v, 0]) for k, v in self.counters.items()})
+        per_gpu = {k: np.array([v] + [self.other_gpus.get(g, {}).get(k, 0) for g in range(1, 16)])
+                   for k, v in self.counters.items()}
+        obj.per_gpu_stats = SimpleNamespace(**per_gpu)
+
+    def _count(self, base: int, name: str) -> None:
+        gpu = self.gpu_of(base) if self.gpu_of is not None else 0
+        (self.counters if gpu == 0 else self.other_gpus.setdefault(gpu, dict.fromkeys(COUNTERS, 0)))[name] += 1
 
     # -- handles and buffers ---------------------------------------------------------------------
     def handle_register(self, descr_ptr: int) -> int:
@@ -224,7 +234,7 @@ class FakeCufile:
         if status is None:
             data = os.pread(self.handles[fh], min(size, self.max_io or size), file_offset)
             ctypes.memmove(base + buf_offset, data, len(data))
-            self.counters[f"n_{self.route}_reads"] += 1
+            self._count(base, f"n_{self.route}_reads")
             status = len(data)
         return self._check_ssize(status)
 
@@ -233,5 +243,5 @@ class FakeCufile:
         if status is None:
             data = ctypes.string_at(base + buf_offset, min(size, self.max_io or size))
             status = os.pwrite(self.handles[fh], data, file_offset)
-            self.counters[f"n_{self.route}_writes"] += 1
+            self._count(base, f"n_{self.route}_writes")
         return self._check_ssize(status)

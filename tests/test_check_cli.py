@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from check_helpers import fixture_root
 from gdskit.cli import check as check_cli
 
-TOP_KEYS = {"schema", "schema_version", "gdskit_version", "root", "platform", "gpus", "topology", "mounts",
+TOP_KEYS = {"schema", "schema_version", "gdskit_version", "root", "platform", "gpus", "topology", "mounts", "routing",
             "findings", "summary", "probed", "notes"}
 MOUNT_KEYS = {"mountpoint", "requested", "fstype", "source", "options", "device", "device_chain",
               "physical_devices", "raid_or_multipath", "network", "rdma", "odirect", "udev_entry", "verdict",

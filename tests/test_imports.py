@@ -157,6 +157,19 @@ def test_first_host_read_load_and_batch_after_a_lazy_import(tmp_path):
     assert np.array_equal(batch.numpy(), np.stack([tokens[0:9], tokens[8:17]]))
 
 
+def test_routing_and_numa_get_the_machine_facts_when_the_engine_loads(tmp_path):
+    # Through the formats' door (gdskit.file directly), not through the package's names.
+    (tmp_path / "f.bin").write_bytes(b"x" * 4096)
+    code = ("import os, sys, gdskit\n"
+            "assert 'gdskit.routing' not in sys.modules and 'gdskit.numa' not in sys.modules\n"
+            "from gdskit.formats._engine import open_file\n"
+            f"open_file({str(tmp_path / 'f.bin')!r}).close()\n"
+            "from gdskit import numa, routing\n"
+            f"facts = routing.fact_source()(os.stat({str(tmp_path)!r}).st_dev, ())\n"
+            "print(isinstance(facts, routing.StorageFacts), callable(numa._source))\n")
+    assert _run(code, _env_without_stats()).split() == ["True", "True"]
+
+
 @pytest.mark.stand_in_gpu
 def test_first_gpu_read_after_a_lazy_import_on_the_stand_in_driver(tmp_path):
     data = os.urandom((3 << 20) + 4097)

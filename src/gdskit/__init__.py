@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 # Eager, and first: the submodule gdskit.settings shares its name with the settings object
@@ -24,7 +26,9 @@ if TYPE_CHECKING:
     from gdskit.backends.cufile import BufferRegistration
     from gdskit.file import File, open
     from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
+    from gdskit.numa import NumaPlace
     from gdskit.pool import ResourceUsage
+    from gdskit.routing import StorageFacts
 
 # The engine loads on first use, not at import: `import gdskit.safetensors` (or a program that
 # only reads settings) does not pay for the modules its first call does not touch.
@@ -65,6 +69,39 @@ def _stats_level_changed(names: frozenset[str]) -> None:
 
 settings.subscribe(_stats_level_changed)
 _stats_level_changed(frozenset({"stats_level"}))  # GDSKIT_STATS at start-up: publish from import on
+
+
+def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageFacts":
+    """Where a file's storage sits relative to each GPU, read from sysfs (gdskit.probe.routes)."""
+    from gdskit.probe.routes import live_storage_facts  # noqa: PLC0415 - read only when a read may be routed
+
+    return live_storage_facts(st_dev, gpu_bus_ids)
+
+
+def _gpu_numa_place(pci_bus_id: str) -> "NumaPlace":
+    """A GPU's NUMA node and its CPUs, read from sysfs (gdskit.probe.routes)."""
+    from gdskit.probe.routes import live_numa_place  # noqa: PLC0415 - read when a device lane is first made
+
+    return live_numa_place(pci_bus_id)
+
+
+_FACT_SOURCES = {"routing": _machine_route_facts, "numa": _gpu_numa_place}
+
+
+class _Package(types.ModuleType):
+    """Routing and the bounce path's NUMA placement take their facts about the machine from the
+    probes' sysfs readers: the engine never reads the topology itself (gdskit.routing, gdskit.numa).
+    Each gets its source as it loads, with the engine's first use (the import system sets every
+    submodule it loads on its package), so that ``import gdskit`` loads neither."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        source = _FACT_SOURCES.get(name)
+        if source is not None and isinstance(value, types.ModuleType):
+            value.use_facts(source)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def resources() -> ResourceUsage:
@@ -115,10 +152,12 @@ def register_buffer(buf: object) -> BufferRegistration:
 
 
 def release_resources() -> None:
-    """Free idle pinned buffers, streams and worker threads (they come back on the next request)."""
-    from gdskit import pool  # noqa: PLC0415
+    """Free idle pinned buffers, routing's device staging, streams and worker threads (they come
+    back on the next request)."""
+    from gdskit import pool, routed  # noqa: PLC0415
 
     pool.shutdown()
+    routed.rings.release_idle()
 
 
 __all__ = [

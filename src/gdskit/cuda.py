@@ -41,7 +41,7 @@ class _DriverState:
     """What gdskit holds of one CUDA driver: the driver module, the primary contexts retained
     on it, its device count and whether it batches copies. One per driver (:func:`use_driver`)."""
 
-    __slots__ = ("batched_copies", "contexts", "device_count", "driver", "ordered_copy")
+    __slots__ = ("batched_copies", "contexts", "device_count", "driver", "ordered_copy", "peers_enabled")
 
     def __init__(self, driver: Any = None) -> None:
         self.driver = driver                         # None: the bindings, loaded on first use
@@ -50,6 +50,7 @@ class _DriverState:
         # Whether cuMemcpyBatchAsync works here: None until first tried, then True or False for good.
         self.batched_copies: bool | None = None
         self.ordered_copy: list[Any] | None = None   # cuMemcpyBatchAsync's attributes, made once
+        self.peers_enabled: set[tuple[int, int]] = set()  # (device, peer) opened by enable_peer_access
 
 
 _state = _DriverState()
@@ -177,6 +178,19 @@ def current_device() -> int:
         set_device(0)
         return 0
     return int(check(result, "cuCtxGetDevice"))
+
+
+@contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device``'s primary context current in the calling thread for the block, then put
+    back whatever was current before (the caller's, or none): a caller's thread keeps its device."""
+    drv = _driver()
+    before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    set_device(device)
+    try:
+        yield
+    finally:
+        check(drv.cuCtxSetCurrent(before), "cuCtxSetCurrent")
 
 
 def _in_context() -> Any:
@@ -374,6 +388,13 @@ class Stream:
     def copy_d2h(self, dst: int, src: int, nbytes: int) -> None:
         check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, self.handle), "cuMemcpyDtoHAsync")
 
+    def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int) -> None:
+        """A device-to-device copy from memory of ``src_device`` into memory of ``dst_device``
+        (``cuMemcpyPeerAsync``): peer to peer where :func:`enable_peer_access` has opened the
+        way, else the driver stages it through host memory."""
+        check(_driver().cuMemcpyPeerAsync(dst, _primary_context(dst_device), src, _primary_context(src_device),
+                                          nbytes, self.handle), "cuMemcpyPeerAsync")
+
     def synchronize(self) -> None:
         check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
@@ -388,6 +409,54 @@ class Stream:
 def memcpy(dst: int, src: int, nbytes: int) -> None:
     """A blocking copy in any direction (unified addressing)."""
     check(_in_context().cuMemcpy(dst, src, nbytes), "cuMemcpy")
+
+
+def device_pci_bus_id(device: int) -> str:
+    """The device's PCI address in sysfs form (``0000:17:00.0``), whatever width of domain
+    and case the driver writes it in."""
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    raw = check(drv.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
+    if isinstance(raw, (bytes, bytearray)):
+        raw = raw.split(b"\0", 1)[0].decode()
+    text = str(raw).strip().lower()
+    domain, sep, rest = text.partition(":")
+    try:
+        return f"{int(domain, 16):04x}:{rest}" if sep else text
+    except ValueError:
+        return text
+
+
+def can_access_peer(device: int, peer: int) -> bool:
+    """Whether ``device`` can reach ``peer``'s memory directly (NVLink or PCIe peer to peer),
+    as the driver says (``cuDeviceCanAccessPeer``); False for a device and itself."""
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    other = check(drv.cuDeviceGet(peer), "cuDeviceGet")
+    return bool(check(drv.cuDeviceCanAccessPeer(dev, other), "cuDeviceCanAccessPeer"))
+
+
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+_peers_lock = threading.Lock()
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let ``device``'s primary context reach ``peer``'s memory (``cuCtxEnablePeerAccess``), once
+    per process; a pair another library (torch) has already enabled counts as enabled. The
+    calling thread's current context is left as it was."""
+    key = (device, peer)
+    enabled = _state.peers_enabled
+    if key in enabled:
+        return
+    with _peers_lock:
+        if key in enabled:
+            return
+        with on_device(device):
+            result = _driver().cuCtxEnablePeerAccess(_primary_context(peer), 0)
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) != _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            check(err, "cuCtxEnablePeerAccess")
+        enabled.add(key)
 
 
 class Event:

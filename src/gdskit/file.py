@@ -25,7 +25,9 @@ from gdskit.errors import (
     from_os_error,
 )
 from gdskit.pool import request_executor
+from gdskit.routed import read_routed
 from gdskit.router import host_reason, plan_routes
+from gdskit.routing import RouteDecision, route_for_read
 from gdskit.settings import settings
 
 _MODES = {
@@ -531,12 +533,14 @@ class File:
 
     def _execute_many(self, items: list[tuple[BufferView, int, int, int]],
                       synced: set[Any] | None = None,
-                      on_bytes: Callable[[int], None] | None = None) -> list[int]:
+                      on_bytes: Callable[[int], None] | None = None, route: bool = True) -> list[int]:
         """``synced``: producer streams already waited for (a batch's later calls skip the wait).
-        ``on_bytes``: called with the byte count of each piece as it lands."""
+        ``on_bytes``: called with the byte count of each piece as it lands. ``route``: False for
+        the staged part of a routed read, which goes straight into the GPU it names."""
         cfg = settings.snapshot()
         pieces: list[list[int]] = [[] for _ in items]   # per item: indexes into ``reqs``
         reqs: list[tuple[str, Request]] = []
+        routed: dict[RouteDecision, list[int]] = {}     # items read through another GPU (gdskit.routing)
         synced = set() if synced is None else synced
         for i, (view, size, file_offset, buf_offset) in enumerate(items):
             if size == 0:
@@ -546,9 +550,15 @@ class File:
                 pieces[i].append(len(reqs) - 1)
                 continue
             _wait_for_producer(view, synced)
-            for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
-                reqs.append((route.backend, Request("read", view, route.size, route.file_offset, route.buf_offset,
-                                                    route.reason)))
+            routes = plan_routes(self._of, view, size, file_offset, buf_offset, cfg)
+            if route:
+                decision = route_for_read(self._of, view, any(r.backend == "cufile" for r in routes),
+                                          cfg.routing)
+                if decision is not None and decision.routed:
+                    routed.setdefault(decision, []).append(i)
+                    continue
+            for r in routes:
+                reqs.append((r.backend, Request("read", view, r.size, r.file_offset, r.buf_offset, r.reason)))
                 pieces[i].append(len(reqs) - 1)
         counts = [0] * len(reqs)
         # One job per backend (and per device for the bounce ring, whose lanes belong to one):
@@ -567,6 +577,12 @@ class File:
                 if counts[k] < reqs[k][1].size:  # end of file: later pieces would leave a gap
                     break
             out.append(total)
+        for decision, idx in routed.items():
+            got = read_routed([items[i] for i in idx], decision,
+                              lambda staged: self._execute_many(staged, synced, None, route=False),
+                              cfg.threads, cfg.chunk_size, cfg.alignment, on_bytes)
+            for i, n in zip(idx, got):
+                out[i] = n
         return out
 
     def _submit(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int) -> Future[int]:

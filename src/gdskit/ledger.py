@@ -13,9 +13,11 @@ takes. ``gdskit stats`` publishes them (gdskit.telemetry).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +157,50 @@ def _merge_peers(a: tuple[PeerEntry, ...], b: tuple[PeerEntry, ...], sign: int) 
     return tuple(sorted((p for p in out.values() if p.bytes or p.ops), key=lambda p: p.key))
 
 
+@dataclass(frozen=True)
+class RoutedEntry:
+    """Bytes read for GPU ``target_gpu`` through GPU ``via_gpu`` (a routed read, gdskit.routing):
+    they took ``path`` from storage into ``via_gpu``, then a device-to-device copy to the target.
+    The same bytes are in the entries under that path, on the target's per-GPU figures."""
+
+    via_gpu: int
+    target_gpu: int
+    path: str
+    op: str
+    bytes: int
+    ops: int
+    busy_s: float
+
+    @property
+    def key(self) -> tuple[int, int, str, str]:
+        return (self.via_gpu, self.target_gpu, self.path, self.op)
+
+    def _combine(self, other: RoutedEntry, sign: int) -> RoutedEntry:
+        return RoutedEntry(self.via_gpu, self.target_gpu, self.path, self.op, self.bytes + sign * other.bytes,
+                           self.ops + sign * other.ops, self.busy_s + sign * other.busy_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"via_gpu": self.via_gpu, "target_gpu": self.target_gpu, "path": self.path, "op": self.op,
+                "bytes": self.bytes, "ops": self.ops, "busy_s": round(self.busy_s, 6)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RoutedEntry:
+        return cls(int(d["via_gpu"]), int(d["target_gpu"]), str(d["path"]), str(d["op"]), int(d["bytes"]),
+                   int(d["ops"]), float(d["busy_s"]))
+
+
+def _merge_routed(a: tuple[RoutedEntry, ...], b: tuple[RoutedEntry, ...], sign: int) -> tuple[RoutedEntry, ...]:
+    """``a + b`` or ``a - b`` row by row, as :func:`_merge_peers`."""
+    out = {r.key: r for r in a}
+    for r in b:
+        mine = out.get(r.key)
+        if mine is not None:
+            out[r.key] = mine._combine(r, sign)
+        elif sign > 0:
+            out[r.key] = r
+    return tuple(sorted((r for r in out.values() if r.bytes or r.ops), key=lambda r: r.key))
+
+
 def _group(entries: list[LedgerEntry], key: str) -> dict[str, PathStats]:
     out: dict[str, PathStats] = {}
     for e in entries:
@@ -172,24 +218,29 @@ class Stats:
     ``entries`` holds one row per (path, reason, op); ``paths`` and ``reasons``
     are the same totals grouped by path and by reason. ``peers`` splits the bytes of
     path ``peer`` by the rank that sent them and the backend that carried them.
+    ``routed`` lists the bytes that went through another GPU (``via_gpu``) on their way.
     """
 
     entries: tuple[LedgerEntry, ...] = ()
     paths: dict[str, PathStats] = field(default_factory=dict)
     reasons: dict[str, PathStats] = field(default_factory=dict)
     peers: tuple[PeerEntry, ...] = ()
+    routed: tuple[RoutedEntry, ...] = ()
 
     @classmethod
-    def from_entries(cls, entries: list[LedgerEntry], peers: tuple[PeerEntry, ...] = ()) -> Stats:
+    def from_entries(cls, entries: list[LedgerEntry], peers: tuple[PeerEntry, ...] = (),
+                     routed: tuple[RoutedEntry, ...] = ()) -> Stats:
         entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
         return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"),
-                   _merge_peers((), tuple(peers), 1))
+                   _merge_peers((), tuple(peers), 1), _merge_routed((), tuple(routed), 1))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Stats:
-        """Rebuild a snapshot from :meth:`to_dict` output (the ``entries`` and ``peers`` carry everything)."""
+        """Rebuild a snapshot from :meth:`to_dict` output (the ``entries``, ``peers`` and
+        ``routed`` carry everything)."""
         return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())],
-                                tuple(PeerEntry.from_dict(p) for p in d.get("peers", ())))
+                                tuple(PeerEntry.from_dict(p) for p in d.get("peers", ())),
+                                tuple(RoutedEntry.from_dict(r) for r in d.get("routed", ())))
 
     @property
     def total_bytes(self) -> int:
@@ -219,6 +270,11 @@ class Stats:
         return self.total_bytes - self.peer_bytes
 
     @property
+    def routed_bytes(self) -> int:
+        """Bytes read through another GPU than their target (``routed``); part of the paths' bytes."""
+        return sum(r.bytes for r in self.routed)
+
+    @property
     def requests(self) -> int:
         return sum(e.requests for e in self.entries)
 
@@ -228,13 +284,15 @@ class Stats:
         for e in self.entries:
             o = theirs.get(e.key)
             out.append(e if o is None else e - o)
-        return Stats.from_entries(out, _merge_peers(self.peers, other.peers, -1))
+        return Stats.from_entries(out, _merge_peers(self.peers, other.peers, -1),
+                                  _merge_routed(self.routed, other.routed, -1))
 
     def __add__(self, other: Stats) -> Stats:
         out = {e.key: e for e in self.entries}
         for e in other.entries:
             out[e.key] = out[e.key] + e if e.key in out else e
-        return Stats.from_entries(list(out.values()), _merge_peers(self.peers, other.peers, 1))
+        return Stats.from_entries(list(out.values()), _merge_peers(self.peers, other.peers, 1),
+                                  _merge_routed(self.routed, other.routed, 1))
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -247,6 +305,9 @@ class Stats:
         if self.peers:
             d["peer_bytes"] = self.peer_bytes
             d["peers"] = [p.to_dict() for p in self.peers]
+        if self.routed:
+            d["routed_bytes"] = self.routed_bytes
+            d["routed"] = [r.to_dict() for r in self.routed]
         return d
 
     def summary(self) -> str:
@@ -261,6 +322,9 @@ class Stats:
                          f"over {p.backend}")
         if self.peer_bytes:
             lines.append(f"  storage {self.storage_bytes / 2**20:.1f} MiB, from peers {self.peer_bytes / 2**20:.1f} MiB")
+        for r in self.routed:
+            lines.append(f"  {r.op:5s} {r.path:14s} {r.bytes / 2**20:12.1f} MiB {r.ops:8d} ops  "
+                         f"for GPU {r.target_gpu} through GPU {r.via_gpu}")
         return "\n".join(lines)
 
 
@@ -271,12 +335,14 @@ def _new_row() -> list[Any]:
 class _Shard:
     """One thread's rows: each thread adds to its own, so a record takes no lock."""
 
-    __slots__ = ("rows", "device_rows", "peer_rows", "records", "thread")
+    __slots__ = ("rows", "device_rows", "peer_rows", "routed_rows", "route", "records", "thread")
 
     def __init__(self, thread: threading.Thread | None) -> None:
         self.rows: dict[tuple[str, str, str], list[Any]] = defaultdict(_new_row)
         self.device_rows: dict[tuple[int, str, str], list[Any]] = defaultdict(_new_row)
         self.peer_rows: dict[tuple[int, str], list[Any]] = defaultdict(_new_row)  # (source rank, backend)
+        self.routed_rows: dict[tuple[int, int, str, str], list[Any]] = defaultdict(_new_row)  # (via, target, path, op)
+        self.route: tuple[int, int] | None = None  # (via GPU, target GPU) while a routed read records
         self.records = 0
         self.thread = thread  # None: the rows of threads that have ended
 
@@ -326,6 +392,7 @@ class Ledger:
                     _add_rows(self._retired.rows, s.rows)
                     _add_rows(self._retired.device_rows, s.device_rows)
                     _add_rows(self._retired.peer_rows, s.peer_rows)
+                    _add_rows(self._retired.routed_rows, s.routed_rows)
                     self._retired.records += s.records
             live.append(shard)
             self._shards = live
@@ -354,6 +421,9 @@ class Ledger:
         row[3] += requests
         hist = row[4]
         hist[bucket] = hist.get(bucket, 0) + requests
+        route = shard.route
+        if route is not None:
+            device = self._record_routed(shard, route, path, op, nbytes, ops, busy_s)
         if device is not None:
             drow = shard.device_rows[(device, path.value, op)]
             drow[0] += nbytes
@@ -361,6 +431,32 @@ class Ledger:
             drow[2] += busy_s
             drow[3] += requests
         shard.records += 1
+
+    # -- routed reads (gdskit.routed) -----------------------------------------------------------
+    @contextlib.contextmanager
+    def routing(self, via_gpu: int, target_gpu: int) -> Iterator[None]:
+        """Records this thread makes inside the block are of bytes read into GPU ``via_gpu`` for
+        GPU ``target_gpu``: they also go to the ``routed`` rows, and to the target's per-GPU
+        figures (not the via GPU's)."""
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._new_shard()
+        before, shard.route = shard.route, (int(via_gpu), int(target_gpu))
+        try:
+            yield
+        finally:
+            shard.route = before
+
+    @staticmethod
+    def _record_routed(shard: _Shard, route: tuple[int, int], path: Path, op: str, nbytes: int, ops: int,
+                       busy_s: float) -> int:
+        row = shard.routed_rows[(route[0], route[1], path.value, op)]
+        row[0] += nbytes
+        row[1] += ops
+        row[2] += busy_s
+        row[3] += 1
+        return route[1]
 
     # -- bytes from other ranks (gdskit.group) -------------------------------------------------
     def record_peer(self, nbytes: int, source_rank: int, backend: str, busy_s: float = 0.0,
@@ -386,7 +482,9 @@ class Ledger:
                    for (p, r, op), v in self._merged("rows").items()]
         peers = tuple(PeerEntry(rank, backend, int(v[0]), int(v[1]), float(v[2]))
                       for (rank, backend), v in self._merged("peer_rows").items())
-        return Stats.from_entries(entries, peers)
+        routed = tuple(RoutedEntry(via, target, path, op, int(v[0]), int(v[1]), float(v[2]))
+                       for (via, target, path, op), v in self._merged("routed_rows").items())
+        return Stats.from_entries(entries, peers, routed)
 
     def device_snapshot(self) -> dict[int, dict[str, PathStats]]:
         """Totals per GPU and path, from the records that named their device."""
@@ -406,6 +504,7 @@ class Ledger:
                 shard.rows = defaultdict(_new_row)
                 shard.device_rows = defaultdict(_new_row)
                 shard.peer_rows = defaultdict(_new_row)
+                shard.routed_rows = defaultdict(_new_row)
             self._resets += 1
 
 

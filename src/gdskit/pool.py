@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gdskit import cuda, shutdown as exit_order
+from gdskit import cuda, numa, shutdown as exit_order
 from gdskit.errors import CudaError
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.settings import settings
@@ -91,6 +91,7 @@ class Lane:
         self.stages: list[Any] = []
         self.events: list[cuda.Event] = []
         self.stream: cuda.Stream | None = None
+        self.numa_node: int | None = None  # the NUMA node the stages were made on, where one was chosen
         self.turn = 0
         try:
             if device is None:
@@ -98,9 +99,13 @@ class Lane:
             else:
                 cuda.set_device(device)
                 self.stream = cuda.Stream(device)
-                for _ in range(self.stages_per_device_lane):
-                    self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
-                    self.events.append(cuda.Event())
+                # The stages' pages are faulted in here, by this thread: on the GPU's NUMA node.
+                node = numa.place_of(device).node
+                with numa.memory_on(node) as bound:
+                    for _ in range(self.stages_per_device_lane):
+                        self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
+                        self.events.append(cuda.Event())
+                self.numa_node = node if bound else None
         except BaseException:
             self.free()
             raise
@@ -157,6 +162,7 @@ class ResourceUsage:
     threads: int
     pinned_alloc: str = "none"
     register_error: str | None = None
+    numa_nodes: tuple[int, ...] = ()  # the NUMA nodes pinned stages were placed on (gdskit.numa)
 
 
 class LanePool:
@@ -289,7 +295,9 @@ class LanePool:
             made = {"register" if isinstance(st, cuda.RegisteredHostBuffer) else "hostalloc"
                     for ln in self._all if ln.device is not None for st in ln.stages}
             how = made.pop() if len(made) == 1 else "mixed" if made else "none"
-            return ResourceUsage(len(self._all), self._busy, self._pinned(), threads, how, self._register_error)
+            nodes = tuple(sorted({ln.numa_node for ln in self._all if ln.numa_node is not None}))
+            return ResourceUsage(len(self._all), self._busy, self._pinned(), threads, how, self._register_error,
+                                 nodes)
 
     def forget_register_error(self) -> None:
         """Try registering pinned memory again (a refusal was the driver's, and the driver changed)."""
@@ -343,6 +351,7 @@ class LaneRef:
     def __init__(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> None:
         self._args = (device, stage_bytes, max_lanes, budget)
         self.lane: Lane | None = None
+        self._cpus: frozenset[int] | None = None  # the thread's affinity before it ran on the GPU's node
 
     def get(self) -> Lane:
         if self.lane is None:
@@ -351,10 +360,17 @@ class LaneRef:
                 # Copies go to the lane's stream, which belongs to the lane's device: make it this
                 # thread's current device (worker threads serve requests for any GPU).
                 cuda.set_device(self.lane.device)
+                self._cpus = numa.run_on(numa.place_of(self.lane.device).cpus)
         return self.lane
+
+    def restore_cpus(self) -> None:
+        """Put the thread's CPU affinity back as it was before :meth:`get` moved it."""
+        before, self._cpus = self._cpus, None
+        numa.restore_cpus(before)
 
     def release(self) -> None:
         """Give the lane back (drained) if one was taken; discard it if it cannot be drained."""
+        self.restore_cpus()
         lane, self.lane = self.lane, None
         if lane is None:
             return
@@ -399,6 +415,7 @@ def run_chunks(chunk_list: Sequence[C], work: Callable[[LaneRef, C], T], *, devi
         except BaseException as exc:
             failed.append(exc)
         finally:
+            ref.restore_cpus()
             if ref.lane is not None:
                 if ok:
                     lanes.release(ref.lane)

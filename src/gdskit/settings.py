@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
-from gdskit.vocabulary import Mode, ODirectPolicy, PinnedAlloc
+from gdskit.vocabulary import Mode, ODirectPolicy, PinnedAlloc, Routing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -92,6 +92,7 @@ _ACCEPTS = {
     "cufile_stats": "1, 0, true, false, yes, no, on or off",
     "stats_level": "0, 1, 2 or 3 (on, yes, true: 1; off, no, false: 0)",
     "stats_interval": "seconds from 0.05 to 3600",
+    "routing": _one_of(Routing),
 }
 
 
@@ -134,6 +135,11 @@ class Settings:
         an I/O size histogram, 3 adds per-GPU figures and cuFile's own counters.
     stats_interval : float
         Seconds between two published snapshots (``GDSKIT_STATS_INTERVAL``).
+    routing : Routing
+        Reads into a GPU far from the file's storage go through a GPU nearer it and a
+        device-to-device copy (``GDSKIT_ROUTING``): ``auto`` where that GPU is strictly
+        nearer and reaches the target peer to peer, ``off`` never, ``force`` through the
+        nearest other GPU whenever there are two (for testing the routed path).
     """
 
     mode: Mode = Mode.AUTO
@@ -147,6 +153,7 @@ class Settings:
     cufile_stats: bool = True
     stats_level: int = 0
     stats_interval: float = 0.5
+    routing: Routing = Routing.AUTO
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -165,6 +172,8 @@ class Settings:
                 return ODirectPolicy(str(value).lower())
             if name == "pinned_alloc":
                 return PinnedAlloc(str(value).lower())
+            if name == "routing":
+                return Routing(str(value).lower())
             if name == "cufile_stats":
                 if isinstance(value, str):
                     low = value.strip().lower()
@@ -237,7 +246,7 @@ class Settings:
         out: dict[str, Any] = {}
         for k in self._names():
             v = getattr(self, k)
-            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc)) else v
+            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing)) else v
         return out
 
     def snapshot(self) -> Settings:

@@ -98,3 +98,14 @@ class PinnedAlloc(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Routing(str, enum.Enum):
+    """Whether reads go through the GPU nearest the storage (``settings.routing``)."""
+
+    AUTO = "auto"    # when a GPU strictly nearer the file's storage reaches the target peer to peer
+    OFF = "off"      # never
+    FORCE = "force"  # through the nearest other GPU whenever there are two, even on ties (for testing)
+
+    def __str__(self) -> str:
+        return self.value

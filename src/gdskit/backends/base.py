@@ -8,7 +8,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from gdskit.buffers import BufferView
 from gdskit.errors import from_os_error
@@ -89,6 +89,9 @@ class OpenFile:
         The mapping ``mincore`` asks the page cache through, made on first use.
     ``threshold``
         The measured direct-path cut-off of the file's mount (``None``: no profile).
+    ``routing``
+        Where the file's storage sits relative to each GPU and the routes decided for it
+        (``gdskit.routing``), made on first use.
 
     Every operation that uses a descriptor runs between :meth:`enter` and :meth:`leave`;
     :meth:`shut` refuses new ones and waits for those under way, so no descriptor is
@@ -108,6 +111,7 @@ class OpenFile:
         self.registration: Once[FileRegistration] = Once()
         self.page_map: Once[FileMapping] = Once()
         self.threshold: Once[int | None] = Once()
+        self.routing: Once[Any] = Once()  # gdskit.routing's per-file state (it imports this module)
         self._closers: list[Callable[[], None]] = []
         self._users = 0             # operations under way
         self._shut = False          # no new operation may start

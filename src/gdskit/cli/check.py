@@ -119,6 +119,9 @@ def render(report: Any, console: Any) -> None:
         mt.add_row(*row)
     console.print(mt)
 
+    if report.routes is not None:
+        render_routes(report.routes, console)
+
     problems = [f for f in d["findings"] if f["severity"] != "ok"]
     if problems:
         ft = Table(title="Findings", title_justify="left", show_lines=True)
@@ -143,6 +146,43 @@ def render(report: Any, console: Any) -> None:
         else:
             console.print(Text(f"Requirement '{s['require']}' NOT met on: {', '.join(s['failing_mounts'])}",
                                style="bold red"))
+
+
+def render_routes(table: Any, console: Any) -> None:
+    """The route table: per mount, each GPU's distance to the storage and where its reads go."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from gdskit.probe.routes import describe
+
+    why = table.why
+    if why is not None:
+        words = {"one_gpu": f"{len(table.gpus)} GPU: nothing to route through, reads go straight (a no-op)",
+                 "off": "off (settings.routing / GDSKIT_ROUTING): reads go straight"}
+        console.print(Text(f"Routing: {words.get(why.value, why.value)}.", style="cyan"))
+        return
+    rt = Table(title=f"Routes (routing={table.policy.value})", title_justify="left")
+    for col in ("mount", "storage", "nearest GPU(s)", "GPU", "distance", "reads go"):
+        rt.add_column(col)
+    for m in table.mounts:
+        storage = ", ".join(f"{dev.name} ({dev.pci_bus_id})" for dev in m.storage.devices)
+        if not m.storage.devices:
+            rt.add_row(m.mountpoint, Text(f"unknown: {m.storage.why_unknown}", style="yellow"), "-", "all", "-",
+                       "straight")
+            continue
+        near = ", ".join(str(g) for g in m.nearest) or "unknown"
+        near += f" ({m.nearest_distance.value})" if m.nearest else ""
+        for i, r in enumerate(m.routes):
+            far = r.target_distance.value in ("cross-root-complex", "cross-socket")
+            rt.add_row(m.mountpoint if i == 0 else "", storage if i == 0 else "", near if i == 0 else "",
+                       str(r.target), Text(r.target_distance.value, style="yellow" if far else ""),
+                       Text(describe(r), style="green" if r.routed else ""))
+    console.print(rt)
+    if table.peers:
+        pairs = ", ".join(f"{a}-{b}: " + ("NVLink" if link.nvlink else "peer access" if link.access else
+                                         "no peer access" if link.access is False else "unknown")
+                          for (a, b), link in sorted(table.peers.items()))
+        console.print(Text(f"GPU peer links: {pairs}", style="cyan"))
 
 
 def check(

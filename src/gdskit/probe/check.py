@@ -19,8 +19,10 @@ from gdskit.probe.mounts import (
 )
 from gdskit.probe.report import REQUIREMENTS, CheckReport
 from gdskit.probe.root import SystemRoot
+from gdskit.probe.routes import route_findings, route_table
 from gdskit.probe.topology import topology
 from gdskit.probe.verdict import Finding, MountCheck, is_network, judge_mount, platform_findings, udev_entry_for
+from gdskit.settings import settings
 
 __all__ = ["CheckReport", "Finding", "MountCheck", "SystemRoot", "run_check"]
 
@@ -119,8 +121,10 @@ def run_check(
         findings.extend(judge_mount(m, mc, gpu, gds, topo))
         checks.append(mc)
 
+    routes = route_table(root, gpu, topo, checks, settings.routing)
+    findings.extend(route_findings(routes))
     report = CheckReport(root=root.prefix, gpu=gpu, gds=gds, topology=topo, mounts=checks,
-                         findings=findings, require=require)
+                         findings=findings, require=require, routes=routes)
     if probe:
         from gdskit.probe.live import live_probe
 

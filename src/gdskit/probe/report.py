@@ -7,6 +7,7 @@ from typing import Any
 
 from gdskit.probe.gds import GdsStack
 from gdskit.probe.gpus import GpuFacts
+from gdskit.probe.routes import RouteTable
 from gdskit.probe.topology import Topology
 from gdskit.probe.verdict import SEVERITIES, VERDICTS, Finding, MountCheck
 
@@ -26,6 +27,7 @@ class CheckReport:
     mounts: list[MountCheck]
     findings: list[Finding]
     require: str | None = None
+    routes: RouteTable | None = None
     probed: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -79,6 +81,7 @@ class CheckReport:
             "gpus": [g.to_dict() for g in self.gpu.gpus],
             "topology": self.topology.to_dict(),
             "mounts": [m.to_dict() for m in self.mounts],
+            "routing": self.routes.to_dict() if self.routes is not None else None,
             "findings": [f.to_dict() for f in self.findings],
             "summary": self.summary(),
             "probed": self.probed,

@@ -164,5 +164,12 @@ class SystemRoot:
             return None
         return self._fixture_json("odirect.json")
 
+    def peer_facts(self) -> dict[str, Any] | None:
+        """Injected GPU peer-access facts for a fixture (``peers.json``; shape in
+        :mod:`gdskit.probe.routes`); the live machine's come from the driver."""
+        if self.is_live:
+            return None
+        return self._fixture_json("peers.json")
+
     def __repr__(self) -> str:
         return f"SystemRoot({self.prefix!r})"
