@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gdskit import shutdown as exit_order
+from gdskit.shutdown import exiting
 from gdskit.errors import CudaError
 from gdskit.residency import MAP_FAILED, libc
 
@@ -245,7 +245,7 @@ class PinnedBuffer:
             self.ptr = 0
 
     def __del__(self) -> None:  # last resort; pools free explicitly
-        if exit_order.exiting():
+        if exiting():
             return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()
@@ -319,7 +319,7 @@ class RegisteredHostBuffer:
             check(err, "cuMemHostUnregister")
 
     def __del__(self) -> None:  # last resort; pools free explicitly
-        if exit_order.exiting():
+        if exiting():
             return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()
@@ -559,7 +559,7 @@ class DeviceArray:
             self.ptr = 0
 
     def __del__(self) -> None:
-        if exit_order.exiting():
+        if exiting():
             return  # modules are being torn down; the exiting process returns the memory
         try:
             self.free()

@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gdskit import cuda, numa, shutdown as exit_order
+from gdskit import cuda, numa
+from gdskit.shutdown import FREE_MEMORY, STOP_WORK, at_exit
 from gdskit.errors import CudaError
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.settings import settings
@@ -516,5 +517,5 @@ def _leave_driver() -> None:
 cuda.on_driver_change(_leave_driver)
 
 # Workers stop before the cuFile driver closes; the pinned stages go after it, CUDA still running.
-exit_order.at_exit(exit_order.STOP_WORK, stop_workers)
-exit_order.at_exit(exit_order.FREE_MEMORY, lambda: lanes.release_idle())
+at_exit(STOP_WORK, stop_workers)
+at_exit(FREE_MEMORY, lambda: lanes.release_idle())

@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gdskit import cuda, shutdown as exit_order
+from gdskit import cuda
+from gdskit.shutdown import FREE_MEMORY, at_exit
 from gdskit.buffers import BufferView
 from gdskit.cuda import MemoryKind
 from gdskit.errors import CudaError
@@ -116,7 +117,7 @@ class _Rings:
 
 rings = _Rings()
 cuda.on_driver_change(rings.release_idle)  # the rings are the leaving driver's memory and streams
-exit_order.at_exit(exit_order.FREE_MEMORY, rings.release_idle)
+at_exit(FREE_MEMORY, rings.release_idle)
 
 
 @dataclass(frozen=True, slots=True)

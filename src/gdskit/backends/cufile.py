@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gdskit import shutdown as exit_order
+from gdskit.shutdown import CLOSE_DRIVERS, at_exit
 from gdskit.backends.base import Backend, FileRegistration, OpenFile, Request
 from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
@@ -94,7 +94,7 @@ class CufileLibrary:
                     self._mod = cufile
                     # Close in order at exit (after the workers stop, before pinned memory goes):
                     # libcufile crashes the interpreter's exit if left open.
-                    exit_order.at_exit(exit_order.CLOSE_DRIVERS, self.close)
+                    at_exit(CLOSE_DRIVERS, self.close)
                     if settings.cufile_stats:
                         try:
                             cufile.set_stats_level(3)

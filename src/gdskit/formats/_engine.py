@@ -107,9 +107,9 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 
-    from gdskit import shutdown as exit_order
+    from gdskit.shutdown import STOP_WORK, at_exit
 
-    exit_order.at_exit(exit_order.STOP_WORK, _join_warm_ups)
+    at_exit(STOP_WORK, _join_warm_ups)
     with _warm_ups_lock:
         worker = _warm_ups.get(device)
         if worker is None or not worker.is_alive():

@@ -385,8 +385,8 @@ def _install_hooks() -> None:
         atexit.register(_at_exit)
         # Also in the ordered exit, before the workers stop and cuFile closes: the thread
         # must not be inside a cuFile counter query when the driver goes.
-        from gdskit import shutdown as exit_order  # noqa: PLC0415
+        from gdskit.shutdown import STOP_WORK, at_exit  # noqa: PLC0415
 
-        exit_order.at_exit(exit_order.STOP_WORK, _at_exit)
+        at_exit(STOP_WORK, _at_exit)
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
                             after_in_child=_after_fork_child)
