@@ -11,6 +11,8 @@ page-cache reads, O_DIRECT reads and O_DIRECT writes without extra copies.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import ctypes
 import enum
 import errno
@@ -93,17 +95,17 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
     return Via.BUFFERED, where
 
 
-class ChunkTarget:
+class ChunkTarget(ABC):
     """Where a chunk's bytes land: :meth:`view` is the memory for file bytes ``[pos, pos + n)``
     (buffered reads go there), :meth:`read_direct` reads such a range with O_DIRECT."""
 
-    def view(self, pos: int, n: int) -> memoryview:
-        raise NotImplementedError
+    @abstractmethod
+    def view(self, pos: int, n: int) -> memoryview: ...
 
+    @abstractmethod
     def read_direct(self, f: OpenFile, dfd: int, pos: int, n: int) -> int:
         """O_DIRECT read of file bytes ``[pos, pos + n)``; the count from ``pos`` (short only at
         end of file). An ``OSError`` with EINVAL means the file refuses O_DIRECT I/O."""
-        raise NotImplementedError
 
 
 class StageTarget(ChunkTarget):

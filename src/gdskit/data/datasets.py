@@ -6,6 +6,8 @@ the loader's (:mod:`gdskit.data.loader`), by scattered reads straight into a bat
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import hashlib
 import json
 import math
@@ -49,7 +51,7 @@ def _check_readable(sources: Sequence[Source]) -> None:
         os.close(fd)
 
 
-class Dataset:
+class Dataset(ABC):
     """Samples laid out in files: sample ``i`` is ``layout`` bytes at ``locate([i])``.
 
     Subclasses fill in ``_sources``, ``_counts`` (samples per file), ``_bases`` (each file's
@@ -106,8 +108,8 @@ class Dataset:
         blob = json.dumps([type(self).__name__, self._params(), names, [s.size for s in self._sources]])
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def _params(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def _params(self) -> dict[str, Any]: ...
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Sample ``index`` as a CPU tensor (read through the engine; the loader reads batches)."""
