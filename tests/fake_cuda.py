@@ -38,6 +38,14 @@ belong to one of them. Where the stream's device has not opened access to the ot
 the driver stages the copy through host memory: it still lands, and ``peer_copies`` records
 it as not direct. An event is recorded only on a stream of the context it was made in.
 
+Host functions (``cuLaunchHostFunc``) run in stream order like any other work: only once
+everything queued before them on their stream (and what that waits for) has run, and later
+work waits for them. A CUDA call from inside a host function is a breach, as CUDA forbids
+it. A copy queued behind a host function not yet run takes its source bytes when it runs (as
+on a GPU), not when queued: the host function may be what fills its pinned source, so such a
+copy's pinned memory is not poisoned. :meth:`FakeDriver.queue_stream_work` queues other
+stream-ordered work: a test's stand-in for a kernel, the stand-in libcufile's stream I/O.
+
 Each breach of these rules is recorded in ``violations`` and raised as
 :class:`StandInViolation` from the call that found it; the test fixtures fail a test
 that leaves any recorded, so an engine that swallows the exception still fails.
@@ -49,12 +57,13 @@ import collections
 import contextlib
 import ctypes
 import enum
+import functools
 import os
 import random
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -123,6 +132,8 @@ class _Op:
     kept: bytes | None = None      # the source bytes (pinned: kept at queue time; pageable: taken then)
     wait_for: tuple[int, int] | None = None  # (stream, position) for a cuStreamWaitEvent entry
     cancelled: bool = False        # its memory was freed under it (already reported)
+    work: Callable[[], None] | None = None  # a host function or other stream work, run when the op runs
+    host_func: bool = False        # queued by cuLaunchHostFunc: CUDA calls from inside it are a breach
 
     def touches(self, lo: int, hi: int) -> bool:
         return self.wait_for is None and self.n > 0 and (
@@ -158,6 +169,7 @@ class FakeDriver:
     CU_MEMHOSTALLOC_PORTABLE = 1
     CU_MEMHOSTREGISTER_PORTABLE = 1
     CUdeviceptr = int
+    CUhostFn = int  # the bindings wrap a function's address; the stand-in calls that address
     CUmemcpyAttributes = CUmemcpyAttributes
     CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=_SRC_ACCESS_ORDER_STREAM)
 
@@ -233,6 +245,11 @@ class FakeDriver:
         with self._lock:
             self._next_handle += 1
             return self._next_handle
+
+    def live_events(self) -> int:
+        """Events made and not yet destroyed."""
+        with self._lock:
+            return len(self._events)
 
     def live_allocations(self, kind: CUmemorytype | None = None) -> int:
         with self._lock:
@@ -389,6 +406,9 @@ class FakeDriver:
                 self._execute(op)
 
     def _execute(self, op: _Op) -> None:
+        if op.work is not None:
+            self._run_work(op)
+            return
         if op.n == 0:
             return
         if op.pinned_src and not self._poison_intact(op.src, op.n):
@@ -438,6 +458,12 @@ class FakeDriver:
                 self._violate(f"{what}: the {name} {src if name == 'source' else dst:#x} is {kind} memory")
         self._check_race(what, s.handle, (src, n), (dst, n))
         op = _Op(s.handle, s.queued, what, dst, src, n)
+        if self._behind_host_work(s) and "pageable" not in (src_kind, dst_kind):
+            # A host function queued before it may fill its source or use its destination:
+            # the copy takes its bytes when it runs, as on a GPU.
+            s.queue.append(op)
+            s.queued += 1
+            return
         if src_kind == "pinned" and n:
             for earlier in self._queued_copies():
                 if earlier.stream == s.handle and earlier.pinned_dst and _overlap(earlier.dst, earlier.n, src, n):
@@ -472,6 +498,64 @@ class FakeDriver:
         blocking = {h: s.queued for h, s in self._streams.items() if s.blocking}
         self._complete(blocking)
         self._check_race(what, None, reads, writes)
+
+    # -- host functions and other stream work ---------------------------------------------------
+    def _behind_host_work(self, s: _Stream) -> bool:
+        """Whether work queued now on ``s`` would wait for host work not yet run."""
+        need = self._needs({s.handle: s.queued})
+        for h, pos in need.items():
+            for op in self._streams[h].queue:
+                if op.seq >= pos:
+                    break
+                if op.work is not None and not op.cancelled:
+                    return True
+        return False
+
+    def _run_work(self, op: _Op) -> None:
+        if op.cancelled:
+            return
+        if not op.host_func:
+            op.work()
+            return
+        self._tls.host_func = True
+        try:
+            op.work()
+        finally:
+            self._tls.host_func = False
+
+    def in_host_func(self) -> bool:
+        """Whether the calling thread is running a host function now."""
+        return bool(getattr(self._tls, "host_func", False))
+
+    def queue_stream_work(self, stream: int, what: str, fn: Callable[[], None], *,
+                          reads: tuple[int, int] = (0, 0), writes: tuple[int, int] = (0, 0)) -> CUresult:
+        """Queue ``fn()`` on ``stream`` as device-side work (a kernel, libcufile's stream I/O): it
+        runs in stream order, and races like a copy reading ``reads`` and writing ``writes``
+        (``(ptr, nbytes)``)."""
+        with self._api():
+            s = self._stream(stream)
+            if s is None:
+                return CUresult.CUDA_ERROR_INVALID_HANDLE
+            self._check_race(what, s.handle, reads, writes)
+            s.queue.append(_Op(s.handle, s.queued, what, writes[0], writes[0], writes[1], work=fn))
+            s.queued += 1
+        return OK
+
+    def cuLaunchHostFunc(self, stream: int, fn: int, user_data: int):  # noqa: N802
+        with self._api():
+            err = self._count("cuLaunchHostFunc")
+            if err:
+                return (err,)
+            s = self._stream(stream)
+            if s is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            if not int(fn):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(int(fn))  # the address, called as the driver would
+            data = int(user_data or 0)
+            s.queue.append(_Op(s.handle, s.queued, "cuLaunchHostFunc", work=lambda: call(data), host_func=True))
+            s.queued += 1
+        return (OK,)
 
     # -- the API gdskit uses --------------------------------------------------------------------
     def cuInit(self, flags: int):  # noqa: N802
@@ -755,3 +839,20 @@ class FakeDriver:
         if not 0 <= int(device) < self.devices:
             return (CUresult.CUDA_ERROR_INVALID_DEVICE, b"")
         return (OK, self.bus_ids[int(device)].upper().encode()[:length - 1] + b"\0")
+
+
+def _no_cuda_from_host_funcs(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: FakeDriver, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._tls, "host_func", False):
+            message = f"{name} called from inside a host function (cuLaunchHostFunc): CUDA forbids it"
+            self.violations.append(message)
+            raise StandInViolation(message)
+        return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name, _method in list(vars(FakeDriver).items()):
+    if _name.startswith("cu") and callable(_method):
+        setattr(FakeDriver, _name, _no_cuda_from_host_funcs(_name, _method))

@@ -15,6 +15,14 @@ driving a libcufile stub): each function is a C call followed by the bindings' c
 * Calls returning ``CUfileError_t`` raise ``cuFileError(err, cu_err)`` when either is set.
 
 :meth:`FakeCufile.fail_io` injects such failures into reads or writes.
+
+The Stream API (``read_async``/``write_async``, ``stream_register``) queues its I/O on the
+stand-in CUDA driver given as ``cuda=`` (tests/fake_cuda.py), in stream order: the size and
+offsets are read through their pointers when the I/O runs, not when it is queued (unless the
+stream was registered with the flags that fix them), and the outcome is written through
+``bytes_*_p`` then: the byte count, ``-1`` for an I/O error (errno), or ``-CUfileOpError``.
+Submission errors (an unknown handle or stream, no driver) raise ``cuFileError`` as the
+bindings' status check does. Injected failures (``fail_io``) apply to the stream I/O too.
 """
 
 from __future__ import annotations
@@ -106,8 +114,11 @@ class FakeCufile:
     cuFileError = cuFileError
 
     def __init__(self, route: str = "posix", register_fails: bool = False, max_io: int | None = None,
-                 gpu_of=None) -> None:
+                 gpu_of=None, cuda=None) -> None:
         self.route = route
+        self.cuda = cuda  # the stand-in CUDA driver the Stream API queues its I/O on
+        self.registered_streams: dict[int, int] = {}  # stream -> cuFileStreamRegister flags
+        self.async_calls = {"read": 0, "write": 0}
         # Which GPU a device pointer's memory is on (the counters are per GPU); default: all GPU 0.
         self.gpu_of = gpu_of
         self.other_gpus: dict[int, dict[str, int]] = {}  # the counters of GPUs 1..15
@@ -245,3 +256,64 @@ class FakeCufile:
             status = os.pwrite(self.handles[fh], data, file_offset)
             self._count(base, f"n_{self.route}_writes")
         return self._check_ssize(status)
+
+    # -- the Stream API (cuFileReadAsync / cuFileWriteAsync) -------------------------------------
+    # Kept apart from the synchronous and batch calls above.
+    _FIXED_BUF_OFFSET, _FIXED_FILE_OFFSET, _FIXED_FILE_SIZE, _PAGE_ALIGNED_INPUTS = 1, 2, 4, 8
+
+    def stream_register(self, stream: int, flags: int) -> None:
+        self._check_status(OpError.INVALID_VALUE if flags & ~0xF else 0)
+        self.registered_streams[int(stream)] = int(flags)
+
+    def stream_deregister(self, stream: int) -> None:
+        self._check_status(0 if int(stream) in self.registered_streams else OpError.INVALID_VALUE)
+        del self.registered_streams[int(stream)]
+
+    def _queue_async(self, op: str, fh: int, base: int, size_p: int, file_offset_p: int, buf_offset_p: int,
+                     bytes_p: int, stream: int) -> None:
+        if self.cuda is None:
+            self._check_status(OpError.ASYNC_NOT_SUPPORTED)
+        if fh not in self.handles or not (size_p and file_offset_p and buf_offset_p and bytes_p):
+            self._check_status(OpError.INVALID_VALUE)
+        self.async_calls[op] += 1
+        flags = self.registered_streams.get(int(stream), 0)
+        size_c = ctypes.c_size_t.from_address(size_p)
+        file_c = ctypes.c_int64.from_address(file_offset_p)
+        buf_c = ctypes.c_int64.from_address(buf_offset_p)
+        out_c = ctypes.c_ssize_t.from_address(bytes_p)
+        # Fixed by registration: read now; otherwise when the I/O runs.
+        fixed = (size_c.value if flags & self._FIXED_FILE_SIZE else None,
+                 file_c.value if flags & self._FIXED_FILE_OFFSET else None,
+                 buf_c.value if flags & self._FIXED_BUF_OFFSET else None)
+
+        def run() -> None:
+            size = fixed[0] if fixed[0] is not None else size_c.value
+            file_offset = fixed[1] if fixed[1] is not None else file_c.value
+            buf_offset = fixed[2] if fixed[2] is not None else buf_c.value
+            status = self._injected(op)
+            if status is not None:
+                out_c.value = status  # -1: an I/O error (errno); else -CUfileOpError or -errno
+                return
+            if op == "read":
+                data = os.pread(self.handles[fh], min(size, self.max_io or size), file_offset)
+                ctypes.memmove(base + buf_offset, data, len(data))
+                out_c.value = len(data)
+            else:
+                data = ctypes.string_at(base + buf_offset, min(size, self.max_io or size))
+                out_c.value = os.pwrite(self.handles[fh], data, file_offset)
+            self._count(base, f"n_{self.route}_{op}s")
+
+        # The range the queued I/O touches, as known now (for the driver's race checks).
+        span = (base + buf_c.value, size_c.value)
+        err = self.cuda.queue_stream_work(int(stream), f"cuFile{op.title()}Async", run,
+                                          **({"writes": span} if op == "read" else {"reads": span}))
+        if int(err) != 0:
+            self._check_status(OpError.CUDA_DRIVER_ERROR, int(err))
+
+    def read_async(self, fh: int, base: int, size_p: int, file_offset_p: int, buf_offset_p: int,
+                   bytes_read_p: int, stream: int) -> None:
+        self._queue_async("read", fh, base, size_p, file_offset_p, buf_offset_p, bytes_read_p, stream)
+
+    def write_async(self, fh: int, base: int, size_p: int, file_offset_p: int, buf_offset_p: int,
+                    bytes_written_p: int, stream: int) -> None:
+        self._queue_async("write", fh, base, size_p, file_offset_p, buf_offset_p, bytes_written_p, stream)

@@ -152,12 +152,13 @@ def register_buffer(buf: object) -> BufferRegistration:
 
 
 def release_resources() -> None:
-    """Free idle pinned buffers, routing's device staging, streams and worker threads (they come
-    back on the next request)."""
-    from gdskit import pool, routed  # noqa: PLC0415
+    """Free idle pinned buffers, routing's device staging, the stream-ordered requests' stages,
+    streams and worker threads (they come back on the next request)."""
+    from gdskit import pool, routed, streamed  # noqa: PLC0415
 
     pool.shutdown()
     routed.rings.release_idle()
+    streamed.release_idle()
 
 
 __all__ = [

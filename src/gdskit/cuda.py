@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import mmap
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -470,7 +471,11 @@ class Event:
         self.pending = False
 
     def record(self, stream: Stream) -> None:
-        check(_driver().cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        self.record_on(stream.handle)
+
+    def record_on(self, stream: int) -> None:
+        """Record on a stream given by its raw handle (a caller's stream)."""
+        check(_driver().cuEventRecord(self.handle, stream), "cuEventRecord")
         self.pending = True
 
     def wait(self) -> None:
@@ -565,3 +570,105 @@ class DeviceArray:
             self.free()
         except Exception:
             pass
+
+
+# -- stream-ordered work on the caller's streams (gdskit.streamed) --------------------------------
+
+def stream_handle(stream: Any) -> int:
+    """The driver handle of a caller's CUDA stream: a raw integer handle (0 and 1 the legacy
+    default stream, 2 the calling thread's per-thread default stream), a :class:`Stream`, an object with
+    ``cuda_stream`` (torch) or ``ptr`` (CuPy), one with ``__cuda_stream__`` (the CUDA stream
+    protocol: ``(version, handle)``), or a ``cuda.bindings`` ``CUstream``. Anything else, a
+    boolean or a negative number: :class:`~gdskit.errors.InvalidArgumentError`."""
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415
+
+    if isinstance(stream, bool):
+        raise InvalidArgumentError("stream must be a CUDA stream or its integer handle, not a boolean")
+    value: Any = stream
+    if isinstance(stream, Stream):  # gdskit's own
+        value = stream.handle
+    elif not isinstance(stream, int):
+        protocol = getattr(stream, "__cuda_stream__", None)
+        if callable(protocol):
+            try:
+                _version, value = protocol()
+            except Exception as exc:  # noqa: BLE001 - the object's own protocol failed
+                raise InvalidArgumentError(f"__cuda_stream__ of {type(stream).__name__} failed: {exc}") from None
+        elif hasattr(stream, "cuda_stream"):
+            value = stream.cuda_stream
+        elif type(stream).__name__.endswith("Stream") and isinstance(getattr(stream, "ptr", None), int):
+            value = stream.ptr  # CuPy
+        elif hasattr(stream, "getPtr"):  # a cuda.bindings CUstream: its int() is the handle
+            value = stream
+    try:
+        # A handle is an integer (``__index__``), never a float; a bindings' CUstream has ``int()``.
+        handle = int(value) if hasattr(value, "getPtr") else operator.index(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"stream must be a CUDA stream (torch, CuPy, __cuda_stream__) or its integer "
+                                   f"handle; got {type(stream).__name__}") from None
+    if isinstance(value, bool) or handle < 0:
+        raise InvalidArgumentError(f"a CUDA stream handle is a non-negative integer, got {value!r}")
+    return handle
+
+
+#: The one host-function trampoline: CUDA calls it with ``userData`` = a key into
+#: ``_host_funcs``. A single callback that lives as long as the module, so no ctypes callback
+#: object can be freed while CUDA still holds its address.
+_HOST_FN_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_host_funcs: dict[int, Callable[[], None]] = {}
+_host_funcs_lock = threading.Lock()
+_host_func_keys = iter(range(1, 1 << 62))
+
+
+def _run_host_func(key: int | None) -> None:
+    with _host_funcs_lock:
+        fn = _host_funcs.pop(int(key or 0), None)
+    if fn is not None:
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - nothing may unwind into the driver's thread
+            pass
+
+
+_host_fn_trampoline = _HOST_FN_TYPE(_run_host_func)
+HOST_FN_ADDRESS: int = ctypes.cast(_host_fn_trampoline, ctypes.c_void_p).value or 0
+
+
+def launch_host_func(stream: int, fn: Callable[[], None]) -> None:
+    """Queue ``fn()`` on ``stream`` (``cuLaunchHostFunc``): it runs on a driver thread once the
+    work queued before it on the stream is done, and work queued after it waits for it.
+
+    CUDA's rule: ``fn`` must make no CUDA call (and so must nothing it calls). Exceptions it
+    raises are dropped: it reports its own failures.
+    """
+    drv = _driver()
+    key = next(_host_func_keys)
+    with _host_funcs_lock:
+        _host_funcs[key] = fn
+    try:
+        check(drv.cuLaunchHostFunc(stream, drv.CUhostFn(HOST_FN_ADDRESS), key), "cuLaunchHostFunc")
+    except BaseException:
+        with _host_funcs_lock:
+            _host_funcs.pop(key, None)
+        raise
+
+
+def host_funcs_pending() -> int:
+    """Host functions queued and not yet run (for leak checks)."""
+    with _host_funcs_lock:
+        return len(_host_funcs)
+
+
+def copy_h2d_on(stream: int, dst: int, src: int, nbytes: int) -> None:
+    """A host-to-device copy queued on a caller's stream (a raw handle)."""
+    check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def copy_d2h_on(stream: int, dst: int, src: int, nbytes: int) -> None:
+    """A device-to-host copy queued on a caller's stream (a raw handle)."""
+    check(_driver().cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+
+def stream_wait_event(stream: int, event: Event) -> None:
+    """Make later work on ``stream`` wait for ``event``'s last record (no host wait)."""
+    check(_driver().cuStreamWaitEvent(stream, event.handle, 0), "cuStreamWaitEvent")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import operator
 import threading
 import time
@@ -313,13 +314,28 @@ class File:
             raise
         return self._track(fut)
 
-    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> Future[int]:
-        """Like :meth:`read`, in the background: returns a ``Future`` of the byte count."""
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0, *,
+              stream: Any = None) -> Future[int]:
+        """Like :meth:`read`, in the background: returns a ``Future`` of the byte count.
+
+        ``stream``: a CUDA stream (torch, CuPy, ``__cuda_stream__``, or a raw handle). The read
+        is then queued on it, after the work already queued there, and work queued on it
+        afterwards sees the bytes; the call never waits for the stream, and every error,
+        argument errors included, arrives on the future (docs/engine.md, "Stream-ordered I/O").
+        """
+        if stream is not None:
+            return self._submit_on_stream("read", buf, size, file_offset, buf_offset, stream)
         return self._submit("read", buf, size, file_offset, buf_offset)
 
     def pwrite(self, buf: Any, size: int | None = None, file_offset: int | None = None,
-               buf_offset: int = 0) -> Future[int]:
-        """Like :meth:`write`, in the background: returns a ``Future`` of the byte count."""
+               buf_offset: int = 0, *, stream: Any = None) -> Future[int]:
+        """Like :meth:`write`, in the background: returns a ``Future`` of the byte count.
+
+        ``stream``: as for :meth:`pread`: the write takes the bytes the work queued before it
+        on the stream left, without a host-side wait.
+        """
+        if stream is not None:
+            return self._submit_on_stream("write", buf, size, file_offset, buf_offset, stream)
         return self._submit("write", buf, size, file_offset, buf_offset)
 
     def cached(self, file_offset: int = 0, size: int | None = None) -> bool:
@@ -357,6 +373,7 @@ class File:
         if pending is None:
             return
         try:
+            _wait_on_streams(pending)
             self._of.shut()
             errors = [fut.exception() for fut in pending if not fut.cancelled() and fut.exception() is not None]
             if self.atomic and self._failed_write is not None and self._failed_write not in errors:
@@ -384,6 +401,7 @@ class File:
         if pending is None:
             return
         try:
+            _wait_on_streams(pending)
             self._of.shut()
             self._discard() if self.atomic else self._of.close()
         finally:
@@ -595,6 +613,30 @@ class File:
             raise
         return self._track(fut)
 
+    def _submit_on_stream(self, op: str, buf: Any, size: int | None, file_offset: int | None, buf_offset: int,
+                          stream: Any) -> Future[int]:
+        """Queue a request on a caller's CUDA stream (:mod:`gdskit.streamed`); every error goes
+        to the future, so that a caller's stream code has one place to look."""
+        from gdskit import streamed  # noqa: PLC0415
+
+        try:
+            self._enter()
+        except ClosedFileError as exc:
+            return streamed.failed(exc)
+        try:
+            handle = cuda.stream_handle(stream)
+            view, size, file_offset, buf_offset = self._validate(op, buf, size, file_offset, buf_offset)
+            fut = streamed.submit(self._of, op, view, size, file_offset, buf_offset, handle, settings.snapshot(),
+                                  self._write_failed if op == "write" and self.atomic else None)
+        except Exception as exc:  # noqa: BLE001 - nothing was queued: the error is the future's
+            self._of.leave()
+            return streamed.failed(exc)
+        return self._track(fut)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        with self._lock:  # the file now has a hole or stale bytes: close() must not publish it
+            self._failed_write = self._failed_write or exc
+
     def _track(self, fut: Future[Any]) -> Future[Any]:
         """Remember a background request, which holds the file open (entered by the caller),
         until it is done or cancelled: ``close`` waits for it and collects its error."""
@@ -607,6 +649,13 @@ class File:
         self._of.leave()
         with self._lock:
             self._pending.discard(fut)
+
+
+def _wait_on_streams(pending: list[Future[Any]]) -> None:
+    """Let stream-ordered requests among ``pending`` run on their streams (a closing file waits
+    for them as for its other background requests)."""
+    if pending and "gdskit.streamed" in sys.modules:
+        sys.modules["gdskit.streamed"].wait_for(pending)
 
 
 def _wait_for_producer(view: BufferView, done: set[Any] | None = None) -> None:

@@ -436,3 +436,48 @@ class BufferRegistration:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# -- the Stream API: cuFileReadAsync / cuFileWriteAsync (gdskit.streamed) -------------------------------
+# Kept apart from the synchronous job above: gdskit.streamed queues these on a caller's stream.
+
+def enqueue_async(f: OpenFile, op: str, base: int, size_p: int, file_offset_p: int, buf_offset_p: int,
+                  bytes_p: int, stream: int) -> None:
+    """Queue ``cuFileReadAsync``/``cuFileWriteAsync`` of ``f`` on ``stream``. The four pointers
+    name memory the caller keeps valid until the stream has run the I/O: cuFile reads the size
+    and offsets through them then, and writes the outcome through ``bytes_p`` (see
+    :func:`async_outcome`). A refusal raises :class:`~gdskit.errors.GdskitIOError` (EIO), or
+    :class:`~gdskit.errors.DirectPathUnavailable` where the bindings have no Stream API."""
+    mod = cufile_library().module
+    handle = registered_handle(f)
+    call = getattr(mod, "read_async" if op == "read" else "write_async", None)
+    if call is None:
+        raise DirectPathUnavailable("this libcufile's bindings have no Stream API (cuFileReadAsync)",
+                                    Reason.CUFILE_MISSING)
+    try:
+        call(handle, base, size_p, file_offset_p, buf_offset_p, bytes_p, stream)
+    except (ValueError, getattr(mod, "cuFileError", ValueError)) as exc:
+        raise GdskitIOError(errno.EIO, f"cuFile {op} on a stream refused: {exc}", f.path) from exc
+
+
+def async_outcome(op: str, nbytes: int, path: str) -> int:
+    """The byte count cuFile's Stream API wrote back, or the error it stands for: ``-1`` an I/O
+    error, another negative value an errno or a ``CUfileOpError`` (as for :func:`_failed_call`).
+    Makes no CUDA call: it runs in a host function."""
+    if nbytes == -1:
+        raise GdskitIOError(errno.EIO, f"cuFile {op} on a stream failed with an I/O error", path)
+    if nbytes < 0:
+        raise _failed_call(op, -nbytes, path)
+    return nbytes
+
+
+def record_async(f: OpenFile, req: Request, total: int, ops: int, elapsed: float,
+                 before: dict[str, int] | None) -> None:
+    """Record a stream-ordered cuFile request in the ledger, its path from cuFile's counters taken
+    when it was queued (``before``) and now; compat mode seen on a direct request turns the
+    file's later ``auto`` requests to the ring, as for the synchronous path."""
+    gpu = req.buf.device or 0
+    evidence = _classify(req.op, before, cufile_library().counters(gpu))
+    if evidence is not None and Path.CUFILE_COMPAT in evidence and req.reason is Reason.DIRECT:
+        f.compat_seen = True
+    CufileBackend._record(req, total, ops, elapsed, evidence)
