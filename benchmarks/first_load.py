@@ -131,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
                 steps.setdefault(name + "_end", time.perf_counter() - t_import)
         return wrapper
     real = (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
-            gdskit.file.File.pread_many)
+            gdskit.file.File.pread_many, torch_io.reserve_device_memory)
     safetensors_format.read_header_file = step("header", real[0])
     gdskit.safetensors.open_file = step("open", real[1])
 
@@ -141,12 +141,13 @@ def child(args: argparse.Namespace) -> None:
         return step("warm_up_wait", wait)
     torch_io.start_warm_up = warm_up
     gdskit.file.File.pread_many = step("submit", real[3])
+    torch_io.reserve_device_memory = step("reserve", real[4])
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
     t_first = time.perf_counter()
     timing[0] = False
     (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
-     gdskit.file.File.pread_many) = real
+     gdskit.file.File.pread_many, torch_io.reserve_device_memory) = real
     del got
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
