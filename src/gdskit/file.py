@@ -238,8 +238,11 @@ class File:
         For many small reads (random access to records, samples, embeddings): the
         buffer and the arguments are checked once, and into host memory each read that
         can be one system call is made in a tight loop, so a 4 KiB read costs little more
-        than the system call. Returns each read's byte count (short only at end of file).
-        ``latencies_ns``, when given, receives each read's duration in nanoseconds.
+        than the system call. Into device memory, reads cuFile serves whose destinations do
+        not overlap go to the engine as one job where ``settings.cufile_batch`` picks cuFile's
+        batch API for them (docs/engine.md, "Batched submission"). Returns each read's byte
+        count (short only at end of file). ``latencies_ns``, when given, receives each read's
+        duration in nanoseconds (the reads then run one after another).
         """
         self._enter()
         try:
