@@ -19,6 +19,7 @@ from gdskit.errors import ConfigError, EnvironmentVariableError, GdskitIOError, 
 from gdskit.settings import Settings
 from gdskit.vocabulary import CufileBatch, Path
 
+from backend_conformance import BackendTests
 from data_files import random_file
 from fake_cufile import IO_EVENTS, IO_PARAMS, FakeCufile, OpError, cuFileError
 from fake_stack import use_cufile
@@ -62,6 +63,28 @@ def _read_batch(path, offsets, size, places=None, **settings):
     with gdskit.settings.set(**cfg), gdskit.open(path) as f:
         counts = f.read_batch(buf, offsets, size, places)
     return counts, buf.to_numpy().tobytes()
+
+
+class TestBatchesOnFakes(BackendTests):
+    """The conformance suite with every cuFile read that a batch can take in one."""
+
+    settings_overrides = {"mode": "cufile", "chunk_size": "256KiB", "threads": 4, "cufile_batch": "always"}
+    expected_paths = {"cufile-compat"}
+
+    @pytest.fixture(autouse=True)
+    def _fakes(self, compat_cufile, fake_cuda):
+        compat_cufile.configure_batch(device_of=fake_cuda.device_of)
+        yield
+        assert compat_cufile.live_batches == 0 and compat_cufile.violations == []
+
+    def make_buffer(self, nbytes):
+        return cuda.DeviceArray(nbytes)
+
+    def buffer_bytes(self, buf):
+        return buf.to_numpy().tobytes()
+
+    def fill_buffer(self, buf, data):
+        buf.copy_from_host(data)
 
 
 # -- bytes and counts ----------------------------------------------------------------------------------
