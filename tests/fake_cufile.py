@@ -333,9 +333,11 @@ class FakeCufile:
         (default FAILED) and ``ret`` (``-errno`` or ``-CUfileOpError``, as a size_t)."""
         self._batch_state()["faults"][nth] = (self.Status.FAILED if status is None else status, ret)
 
-    def stall_batches(self, stalled: bool = True) -> None:
-        """Entries stop finishing (a hung device): polls return nothing until they are cancelled."""
+    def stall_batches(self, stalled: bool = True, cancel_works: bool = True) -> None:
+        """Entries stop finishing (a hung device): polls return nothing until they are cancelled
+        (``cancel_works=False``: not even then)."""
         self._batch_state()["stall"] = stalled
+        self._batch_state()["cancel_ignored"] = not cancel_works
 
     def interrupt_batch_poll(self, nth: int) -> None:
         """The ``nth`` get-status call (1-based) raises KeyboardInterrupt, as a signal would."""
@@ -464,6 +466,8 @@ class FakeCufile:
 
     def batch_io_cancel(self, batch_id: int) -> None:
         batch = self._live_batch(batch_id, "cancel")
+        if self._batch_state().get("cancel_ignored"):
+            return
         for e in batch["entries"]:
             if e["state"] in ("waiting", "pending"):
                 e["state"], e["status"], e["ret"] = "finished", self.Status.CANCELED, 0

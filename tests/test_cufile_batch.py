@@ -180,6 +180,17 @@ def test_one_place_for_every_read_keeps_the_last_reads_bytes(data_file, stack):
     assert fake.batch_calls["set_up"] == fake.batch_calls["entries"] == 3, "a batch of one for each read"
 
 
+def test_reads_asked_for_latencies_are_timed_one_by_one(data_file, stack):
+    path, data = data_file
+    fake, _lib = stack
+    buf = cuda.DeviceArray(4 * PAGE)
+    lat: list[int] = []
+    with gdskit.settings.set(mode="cufile", cufile_batch="always"), gdskit.open(path) as f:
+        assert f.read_batch(buf, [0, 5 * PAGE, 9 * PAGE, 2 * PAGE], PAGE, latencies_ns=lat) == [PAGE] * 4
+    assert len(lat) == 4 and buf.to_numpy().tobytes()[3 * PAGE:] == _expect(data, 2 * PAGE, PAGE)
+    assert fake.batch_calls["set_up"] == 4, "one read per job"
+
+
 def test_read_many_into_many_buffers_and_on_bytes(data_file, stack):
     path, data = data_file
     fake, _lib = stack
@@ -270,6 +281,19 @@ def test_a_hung_batch_times_out_instead_of_waiting_forever(data_file, stack):
         _read_batch(path, [i * PAGE for i in range(6)], PAGE)
     assert ei.value.errno == errno.ETIMEDOUT
     assert fake.batch_calls["destroy"] == 1
+
+
+def test_a_batch_whose_cancel_never_lands_is_destroyed_all_the_same(data_file, monkeypatch, fake_cuda):
+    path, _ = data_file
+    fake = FakeCufile()
+    fake.configure_batch(device_of=fake_cuda.device_of)
+    lib = use_cufile(monkeypatch, fake)
+    fake.stall_batches(cancel_works=False)
+    with cb.timeouts(poll_s=0.001, stall_s=0.02, drain_s=0.02), pytest.raises(GdskitIOError) as ei:
+        _read_batch(path, [i * PAGE for i in range(3)], PAGE)
+    assert ei.value.errno == errno.ETIMEDOUT and fake.live_batches == 0
+    assert len(fake.violations) == 1 and "in flight" in fake.violations[0], "the one breach left: no way out"
+    lib.close()
 
 
 def test_on_bytes_raising_abandons_the_job_after_its_group(data_file, stack):

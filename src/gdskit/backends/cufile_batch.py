@@ -195,22 +195,26 @@ def _note(**more: int) -> None:
 @dataclass(frozen=True)
 class Timeouts:
     """``poll_s``: the longest one ``cuFileBatchIOGetStatus`` waits; ``stall_s``: how long a batch
-    may go without an entry finishing before it is cancelled (and as long again for the
-    cancelled entries to be reported) and the read fails with ETIMEDOUT."""
+    may go without an entry finishing before it is cancelled and the read fails with ETIMEDOUT;
+    ``drain_s``: how long cancelled entries (after an error or an interrupt) may take to be
+    reported before the batch is destroyed anyway."""
 
     poll_s: float = 0.1
     stall_s: float = 60.0
+    drain_s: float = 5.0
 
 
 _timeouts = Timeouts()
 
 
 @contextlib.contextmanager
-def timeouts(*, poll_s: float | None = None, stall_s: float | None = None) -> Iterator[Timeouts]:
+def timeouts(*, poll_s: float | None = None, stall_s: float | None = None,
+             drain_s: float | None = None) -> Iterator[Timeouts]:
     """Other :class:`Timeouts` until the block ends (a seam for tests of a hung device)."""
     global _timeouts
     before = _timeouts
-    _timeouts = replace(before, **{k: v for k, v in (("poll_s", poll_s), ("stall_s", stall_s)) if v is not None})
+    changes = {"poll_s": poll_s, "stall_s": stall_s, "drain_s": drain_s}
+    _timeouts = replace(before, **{k: v for k, v in changes.items() if v is not None})
     try:
         yield _timeouts
     finally:
@@ -292,9 +296,12 @@ def read_batched(lib: Any, handle: int, entries: Sequence[tuple[int, int, int, i
         run.all()
     except BaseException:
         run.stop()  # cancel what is in flight and wait (bounded) until it is reported
+        try:
+            mod.batch_io_destroy(batch_id)
+        except Exception:
+            pass  # the error under way is the one to raise
         raise
-    finally:
-        mod.batch_io_destroy(batch_id)
+    mod.batch_io_destroy(batch_id)
     return [e.done for e in todo]
 
 
@@ -395,14 +402,14 @@ class _Run:
 
     def stop(self) -> None:
         """After an error or an interrupt: cancel the entries in flight and wait until libcufile
-        has reported each (at most ``stall_s``), so no DMA into the caller's memory outlives the call."""
+        has reported each (at most ``drain_s``), so no DMA into the caller's memory outlives the call."""
         if not self.outstanding:
             return
         try:
             self.mod.batch_io_cancel(self.batch_id)
         except Exception:
             pass  # still reap what finishes
-        deadline = time.monotonic() + self.limits.stall_s
+        deadline = time.monotonic() + self.limits.drain_s
         while self.outstanding and time.monotonic() < deadline:
             try:
                 n = self._poll()
