@@ -342,12 +342,15 @@ def test_the_setting_chooses_batches_or_one_call_each(data_file, stack, monkeypa
 ])
 def test_batch_chosen(size, entries, policy, want):
     assert cb.batch_chosen(policy, size, entries) is want
+    assert not cb.batches_possible(CufileBatch.AUTO), "until measured, auto batches nothing"
+    assert cb.batches_possible(CufileBatch.ALWAYS) and not cb.batches_possible(CufileBatch.NEVER)
 
 
 def test_batch_wins_reads_the_table_by_row(monkeypatch):
     for k in list(cb.BATCH_WINS):
         monkeypatch.setitem(cb.BATCH_WINS, k, k <= 16 * 1024)
     assert cb.batch_wins(1) and cb.batch_wins(16 * 1024) and not cb.batch_wins(16 * 1024 + 1)
+    assert cb.batches_possible(CufileBatch.AUTO)
     assert not cb.batch_wins(1 << 20), "larger than every row: one call each"
     assert cb.batch_chosen(CufileBatch.AUTO, 4096, 2) and not cb.batch_chosen(CufileBatch.AUTO, 4096, 1)
     assert cb.read_batch_as_one_job(CufileBatch.AUTO, 4096, [0, 4096, 8192])

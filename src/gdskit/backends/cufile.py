@@ -353,19 +353,23 @@ class CufileBackend(Backend):
             return done
 
         before = {gpu: lib.counters(gpu) for gpu in gpus}
-        batch_before = _batch_counters_before(op, cfg, lib)
         t0 = time.perf_counter()
-        if batch_before is _NO_BATCH:
+        batch_seen = None
+        if op == "read" and _may_batch(cfg):
+            done, batch_seen = _read_with_batches(f, reqs, cfg, lib, handle, work, on_bytes)
+        else:
             done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
                                 stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
-        else:
-            done = _read_with_batches(f, reqs, cfg, lib, handle, work, on_bytes)
         elapsed = time.perf_counter() - t0
         evidence = {gpu: _classify(op, before[gpu], lib.counters(gpu)) for gpu in gpus}
         job_bytes = {gpu: sum(r.size for r in reqs if gpu_of(r) == gpu) for gpu in gpus}
         all_bytes = sum(r.size for r in reqs) or 1
-        if batch_before is not _NO_BATCH:
-            _add_batch_evidence(evidence, batch_before, lib, job_bytes, all_bytes)
+        if batch_seen is not None:
+            # Where the per-GPU counters saw nothing, the path from libcufile's batch counters
+            # (one set for the process: each GPU of the job gets its share by bytes).
+            for gpu in gpus:
+                if evidence[gpu] is None:
+                    evidence[gpu] = _share(batch_seen, job_bytes[gpu], all_bytes)
         totals = []
         for req, (plan, sizes) in zip(reqs, done):
             total = contiguous_prefix(sizes, plan)
@@ -411,24 +415,23 @@ class CufileBackend(Backend):
 
 # -- batch submission (cuFileBatchIOSubmit; the rules live in gdskit.backends.cufile_batch) ---------
 
-_NO_BATCH = object()  # the job takes one cuFileRead per chunk: no batch counters to compare
+def _may_batch(cfg: Any) -> bool:
+    """Whether a read job may put any piece in a batch (else: one call each, as ever)."""
+    if cfg.cufile_batch is CufileBatch.NEVER:
+        return False
+    from gdskit.backends.cufile_batch import batches_possible  # noqa: PLC0415
 
-
-def _batch_counters_before(op: str, cfg: Any, lib: CufileLibrary) -> Any:
-    """libcufile's batch counters before a job that may batch, or ``_NO_BATCH``."""
-    if op != "read" or cfg.cufile_batch is CufileBatch.NEVER:
-        return _NO_BATCH
-    from gdskit.backends.cufile_batch import batch_counters  # noqa: PLC0415
-
-    return batch_counters(lib)
+    return batches_possible(cfg.cufile_batch)
 
 
 def _read_with_batches(f: OpenFile, reqs: Sequence[Request], cfg: Any, lib: CufileLibrary, handle: int,
                        work: Callable[[Any, tuple[Request, Chunk]], int],
-                       on_bytes: Callable[[int], None] | None) -> list[tuple[list[Chunk], list[int]]]:
+                       on_bytes: Callable[[int], None] | None
+                       ) -> tuple[list[tuple[list[Chunk], list[int]]], dict[Path, int] | None]:
     """``run_requests``' answer for a read job, the chunks a batch can take (and
     :func:`~gdskit.backends.cufile_batch.batch_chosen` picks) read through batches, the others
-    with one cuFileRead each on the workers; all of them the same way where libcufile refuses batches."""
+    with one cuFileRead each on the workers (all of them where libcufile refuses batches); and
+    the paths libcufile's batch counters saw (None: no batch, or no counters)."""
     from gdskit.backends import cufile_batch as cb  # noqa: PLC0415
 
     plans = [chunks(r.file_offset, r.buf_offset, r.size, max(cfg.chunk_size, 16 * 2**20), cfg.alignment)
@@ -439,15 +442,18 @@ def _read_with_batches(f: OpenFile, reqs: Sequence[Request], cfg: Any, lib: Cufi
                            cfg.alignment)]
     batched = [(i, j) for i, j in fit if cb.batch_chosen(cfg.cufile_batch, plans[i][j].size, len(fit))]
     results: list[list[int]] = [[0] * len(plan) for plan in plans]
+    seen = None
     if batched:
         entries = [(reqs[i].buf.ptr, plans[i][j].size, plans[i][j].file_offset, plans[i][j].buf_offset)
                    for i, j in batched]
+        counters = cb.batch_counters(lib)
         try:
             counts = cb.read_batched(lib, handle, entries, cfg.alignment,
                                      lambda code: _failed_call("read", code, f.path), f.path, on_bytes)
         except cb.BatchRefused:
             batched = []
         else:
+            seen = cb.batch_evidence(counters, cb.batch_counters(lib))
             for (i, j), n in zip(batched, counts):
                 results[i][j] = n
     taken = set(batched)
@@ -457,19 +463,7 @@ def _read_with_batches(f: OpenFile, reqs: Sequence[Request], cfg: Any, lib: Cufi
                             threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         for (i, j), n in zip(single, counts):
             results[i][j] = n
-    return list(zip(plans, results))
-
-
-def _add_batch_evidence(evidence: dict[int, dict[Path, int] | None], before: dict[str, int] | None,
-                        lib: CufileLibrary, job_bytes: dict[int, int], all_bytes: int) -> None:
-    """Where the per-GPU counters saw nothing, the path from libcufile's batch counters (one set
-    for the process, so each GPU of the job gets its share by bytes)."""
-    from gdskit.backends.cufile_batch import batch_counters, batch_evidence  # noqa: PLC0415
-
-    seen = batch_evidence(before, batch_counters(lib))
-    for gpu in evidence:
-        if evidence[gpu] is None and seen is not None:
-            evidence[gpu] = _share(seen, job_bytes[gpu], all_bytes)
+    return list(zip(plans, results)), seen
 
 
 class BufferRegistration:

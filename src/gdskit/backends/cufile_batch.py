@@ -88,6 +88,11 @@ def batch_wins(size: int) -> bool:
     return bool(rows) and BATCH_WINS[rows[0]]
 
 
+def batches_possible(policy: CufileBatch) -> bool:
+    """Whether ``policy`` may batch any read at all (``auto`` with no winning row may not)."""
+    return policy is CufileBatch.ALWAYS or (policy is CufileBatch.AUTO and any(BATCH_WINS.values()))
+
+
 def batch_chosen(policy: CufileBatch, size: int, entries: int) -> bool:
     """Whether an entry of ``size`` bytes, in a cuFile read job of ``entries`` entries that could
     be batched, goes into a batch."""
