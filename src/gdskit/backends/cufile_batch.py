@@ -289,14 +289,14 @@ def read_batched(lib: Any, handle: int, entries: Sequence[tuple[int, int, int, i
         raise BatchRefused(support.refused)
     todo = [_Entry(ptr, off, bo, size) for ptr, size, off, bo in entries]
     cap = min(support.limit, len(todo))
+    run = _Run(mod, handle, todo, cap, alignment, fail, path, on_bytes, _timeouts, np)  # before the batch exists
     try:
-        batch_id = int(mod.batch_io_set_up(cap))
+        batch_id = run.batch_id = int(mod.batch_io_set_up(cap))
     except Exception as exc:  # cuFileError (e.g. no batches in this mode), or bindings without batches
         _refuse(lib, f"cuFileBatchIOSetUp({cap}) failed: {type(exc).__name__}: {exc}")
         _note(fallbacks=1)
         raise BatchRefused(str(exc)) from exc
     _note(batches=1)
-    run = _Run(mod, batch_id, handle, todo, cap, alignment, fail, path, on_bytes, _timeouts, np)
     try:
         run.all()
     except BaseException:
@@ -313,10 +313,11 @@ def read_batched(lib: Any, handle: int, entries: Sequence[tuple[int, int, int, i
 class _Run:
     """One batch's life: groups submitted one after another, each reaped to its last entry."""
 
-    def __init__(self, mod: Any, batch_id: int, handle: int, todo: list[_Entry], cap: int, alignment: int,
+    def __init__(self, mod: Any, handle: int, todo: list[_Entry], cap: int, alignment: int,
                  fail: Callable[[int], BaseException], path: str, on_bytes: Callable[[int], None] | None,
                  limits: Timeouts, np: Any) -> None:
-        self.mod, self.batch_id, self.todo, self.cap, self.alignment = mod, batch_id, todo, cap, alignment
+        self.mod, self.todo, self.cap, self.alignment = mod, todo, cap, alignment
+        self.batch_id = 0  # set once the batch is set up
         self.fail, self.path, self.on_bytes, self.limits = fail, path, on_bytes, limits
         self.params = np.zeros(cap, dtype=_params_dtype())
         self.events = np.zeros(cap, dtype=_events_dtype())
