@@ -109,8 +109,10 @@ def main() -> None:
     file_size = parse_size(a.file_size)
     sizes = [int(s) * KiB for s in a.sizes.split(",")]
     os.makedirs(a.outdir, exist_ok=True)
-    if not os.path.exists(a.file) or os.path.getsize(a.file) < file_size:
+    if not os.path.exists(a.file):
         fill_file(a.file, file_size, seed=7)
+    elif os.path.getsize(a.file) < file_size:  # another file of that name is only ever read
+        raise SystemExit(f"{a.file} holds {os.path.getsize(a.file)} bytes, fewer than --file-size {file_size}")
     warm([a.file])
     buf = cuda.DeviceArray(a.reads * max(sizes))
     times: dict[tuple[int, str], list[float]] = {(s, v): [] for s in sizes for v in VARIANTS}

@@ -55,8 +55,13 @@ def _summary(ns: list[int]) -> dict[str, float]:
 
 
 def _make_file(path: str, size: int) -> None:
-    if not os.path.exists(path) or os.path.getsize(path) < size:
-        with open(path, "wb") as fh:
+    """A new file of ``size`` random bytes at ``path``; an existing file is only ever read
+    (it must hold ``size`` bytes)."""
+    if os.path.exists(path):
+        if os.path.getsize(path) < size:
+            raise SystemExit(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size {size}")
+    else:
+        with open(path, "xb") as fh:
             for _ in range(size // (8 * MiB)):
                 fh.write(os.urandom(8 * MiB))
     with open(path, "rb") as fh:  # hot: every page cached
