@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""The first load of a fresh process, as a user feels it: the clock starts before
+``import gdskit.safetensors`` and stops after ``torch.cuda.synchronize()``.
+
+Each run is a fresh interpreter that has already imported torch and made its CUDA context
+(both outside the clock, as in any program that loads a checkpoint). It then imports
+gdskit, loads the checkpoint with ``gdskit.safetensors.load_file`` (the first call), drops
+the tensors and loads it again (the second call). The breakdown: the import, the lanes'
+set-up (pinned staging and streams, the slowest lane), the first and the last chunk read
+(from the start of the load), and the whole first and second calls. ``safetensors`` runs
+the same first call with ``safetensors.torch.load_file`` for reference.
+
+Sets (page cache hot): ``large``, one file of 32 MiB bf16 tensors (``--size`` GiB), and
+``llama``, a Llama-shaped two-shard checkpoint of about ``--llama-size`` GiB (made by
+``loaders.py``'s generator). ``--src`` compares source trees of gdskit in the same run,
+interleaved round by round (``before=/path/to/old/src,after=src``); each tree's bytecode is
+compiled first, as installing a package does.
+
+    python benchmarks/first_load.py --dir /data/fl --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import fresh_process  # benchmarks/ is on sys.path when run as a script
+from page_cache import warm
+
+GB = 1e9
+MiB = 1 << 20
+LOADERS = ("gdskit", "safetensors")
+
+
+def make_large(path: str, size_gib: float) -> None:
+    """A safetensors file of 32 MiB bf16 tensors; each tensor's bytes are one random block rotated,
+    so the file is made at disk speed (a hot read does not care what the bytes are)."""
+    import numpy as np
+
+    n = max(1, int(size_gib * 1024 / 32))
+    block = np.random.default_rng(0).integers(0, 256, 32 * MiB, dtype=np.uint8)
+    header = {f"layers.{i}.weight": {"dtype": "BF16", "shape": [4096, 4096],
+                                     "data_offsets": [i * 32 * MiB, (i + 1) * 32 * MiB]} for i in range(n)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        for i in range(n):
+            fh.write(np.roll(block, i * 4099).tobytes())
+    os.replace(tmp, path)
+
+
+def sets(args: argparse.Namespace) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    os.makedirs(args.dir, exist_ok=True)
+    if "large" in args.sets:
+        path = os.path.join(args.dir, f"large-{args.size:g}.safetensors")
+        if not os.path.exists(path):
+            print(f"creating {path} ...", file=sys.stderr, flush=True)
+            make_large(path, args.size)
+        out["large"] = [path]
+    if "llama" in args.sets:
+        from loaders import _shard_files, ensure_llama
+
+        out["llama"] = _shard_files(ensure_llama(os.path.join(args.dir, f"llama-{args.llama_size:g}"),
+                                                 args.llama_size))
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    dev = args.device
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    if dev.startswith("cuda"):
+        torch.cuda.init()
+        torch.empty(1, device=dev)  # the CUDA context, outside the clock
+        sync()
+    paths = args.paths.split(",")
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    out: dict = {"bytes": nbytes}
+    if args.loader == "safetensors":
+        t0 = time.perf_counter()
+        from safetensors.torch import load_file
+        got = {}
+        for p in paths:
+            got.update(load_file(p, device=dev))
+        sync()
+        out["first_s"] = time.perf_counter() - t0
+        fresh_process.report(out)
+        return
+    t0 = time.perf_counter()
+    import gdskit.safetensors
+    t_import = time.perf_counter()
+    from gdskit import pool
+    from gdskit.backends import staged
+
+    marks: list[float] = []
+    real_read = staged.read_chunk
+    timing = [True]
+
+    def read_chunk(*a, **k):  # the first and last chunk's times; two clock reads per chunk
+        if not timing[0]:
+            return real_read(*a, **k)
+        if not marks:
+            marks.append(time.perf_counter())
+        try:
+            return real_read(*a, **k)
+        finally:
+            if len(marks) < 2:
+                marks.append(0.0)
+            marks[1] = time.perf_counter()
+
+    staged.read_chunk = read_chunk
+    # When the load reaches each step (seconds from the import's end), for the breakdown.
+    steps: dict[str, float] = {}
+    from gdskit.formats import safetensors_format, torch_io
+    import gdskit.file
+
+    def step(name: str, fn):
+        def wrapper(*a, **k):
+            steps.setdefault(name + "_start", time.perf_counter() - t_import)
+            try:
+                return fn(*a, **k)
+            finally:
+                steps.setdefault(name + "_end", time.perf_counter() - t_import)
+        return wrapper
+    real = (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
+            gdskit.file.File.pread_many, torch_io.reserve_device_memory)
+    safetensors_format.read_header_file = step("header", real[0])
+    gdskit.safetensors.open_file = step("open", real[1])
+
+    def warm_up(*a, **k):
+        steps.setdefault("warm_up_start", time.perf_counter() - t_import)
+        wait = real[2](*a, **k)
+        return step("warm_up_wait", wait)
+    torch_io.start_warm_up = warm_up
+    gdskit.file.File.pread_many = step("submit", real[3])
+    torch_io.reserve_device_memory = step("reserve", real[4])
+    got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
+    sync()
+    t_first = time.perf_counter()
+    timing[0] = False
+    (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
+     gdskit.file.File.pread_many, torch_io.reserve_device_memory) = real
+    del got
+    got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
+    sync()
+    t_second = time.perf_counter()
+    out.update(import_s=t_import - t0, first_s=t_first - t0, load_s=t_first - t_import,
+               second_s=t_second - t_first,
+               first_byte_s=(marks[0] - t_import) if marks else None,
+               last_byte_s=(marks[1] - t_import) if len(marks) > 1 else None,
+               lane_setup_max_s=max(pool.setup_seconds, default=0.0), lanes=len(pool.setup_seconds),
+               steps={k: round(v, 4) for k, v in sorted(steps.items(), key=lambda kv: kv[1])},
+               paths={k: v.bytes for k, v in gdskit.stats().paths.items()})
+    fresh_process.report(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/gdskit-first-load")
+    ap.add_argument("--size", type=float, default=8, help="GiB of the large set")
+    ap.add_argument("--llama-size", type=float, default=5, help="GiB of the Llama-shaped set")
+    ap.add_argument("--sets", default="large,llama")
+    ap.add_argument("--loaders", default="gdskit,safetensors")
+    ap.add_argument("--src", default="", help="name=path,... gdskit source trees to compare (default: this one)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--child-loader", dest="loader", help=argparse.SUPPRESS)
+    ap.add_argument("--child-paths", dest="paths", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.loader:
+        child(args)
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    trees = dict(item.split("=", 1) for item in args.src.split(",") if item) or \
+        {"this": os.path.join(here, "..", "src")}
+    import compileall
+    for tree in trees.values():  # as an installed package is: bytecode made at install, not at import
+        compileall.compile_dir(tree, quiet=1)
+    files = sets(args)
+    warm([p for ps in files.values() for p in ps])
+    runs = []
+    for rnd in range(args.rounds):
+        order = [(t, s, ld) for s in files for ld in args.loaders.split(",") for t in trees
+                 if ld == "gdskit" or t == next(iter(trees))]
+        if rnd % 2:
+            order.reverse()  # alternate the order: drift of the machine falls on every case alike
+        for tree, name, loader in order:
+            env_path = os.path.abspath(trees[tree]) + os.pathsep + os.environ.get("PYTHONPATH", "")
+            os.environ["PYTHONPATH"] = env_path
+            r = fresh_process.run_child(__file__, ["--child-loader", loader, "--child-paths", ",".join(files[name]),
+                                                   "--device", args.device],
+                                        args.timeout)
+            os.environ["PYTHONPATH"] = env_path.split(os.pathsep, 1)[1]
+            r.update(round=rnd, tree=tree, set=name, loader=loader)
+            runs.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    print(f"\n{'set':6} {'tree':8} {'loader':12} {'first GB/s':>18} {'second GB/s':>12} {'import ms':>10} "
+          f"{'setup ms':>9} {'1st byte ms':>11} {'last byte ms':>12}")
+    for name in files:
+        for loader in args.loaders.split(","):
+            for tree in trees:
+                rs = [r for r in runs if r["set"] == name and r["tree"] == tree and r["loader"] == loader
+                      and "first_s" in r]
+                if not rs:
+                    continue
+                first = [r["bytes"] / r["first_s"] / GB for r in rs]
+
+                def med(key: str, scale: float = 1e3) -> str:
+                    vals = [r[key] * scale for r in rs if r.get(key) is not None]
+                    return f"{statistics.median(vals):.0f}" if vals else "-"
+                second = [r["bytes"] / r["second_s"] / GB for r in rs if r.get("second_s")]
+                first_col = f"{statistics.median(first):.1f} ({min(first):.1f}-{max(first):.1f})"
+                second_col = f"{statistics.median(second):.1f}" if second else "-"
+                print(f"{name:6} {tree:8} {loader:12} {first_col:>18} {second_col:>12} {med('import_s'):>10} "
+                      f"{med('lane_setup_max_s'):>9} {med('first_byte_s'):>11} {med('last_byte_s'):>12}")
+    errors = [r for r in runs if "error" in r]
+    for r in errors:
+        print(f"error: {r['set']} {r['tree']} {r['loader']}: {r['error']}")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"argv": sys.argv, "runs": runs}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
