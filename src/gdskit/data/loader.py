@@ -1,12 +1,13 @@
 """The :class:`Loader`: batches of a dataset in GPU (or host) memory, sharded across ranks, read ahead.
 
-How a batch travels: a producer thread plans its reads (:mod:`gdskit.data.read`), allocates
-its memory and hands the reads to the engine, up to ``prefetch`` batches ahead of the
-caller; the caller's ``next()`` waits for the oldest batch's reads, checks them and hands
-the batch over. On a GPU the batch is made on a side stream and the caller's current stream
-waits on an event recorded there after the batch is complete (a stream-ordered hand-off: no
-device-wide synchronisation). At most ``prefetch`` batches are held by the loader besides
-the one it hands over.
+How a batch travels: reader threads plan its reads (:mod:`gdskit.data.read`) and read it, up
+to ``prefetch`` batches ahead of the caller: on the CPU straight into its tensor; for a GPU,
+a batch of small reads into a pinned staging slot (:mod:`gdskit.data.staging`), one of large
+reads straight into device memory by the engine's device paths. The caller's ``next()`` takes
+the oldest batch; a staged one is then copied to the GPU in one copy on the loader's side
+stream, and the caller's current stream waits on an event recorded there after the batch is
+complete (a stream-ordered hand-off: no device-wide synchronisation, no host wait). At most
+``prefetch`` batches are held by the loader besides the one it hands over.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,9 @@ import torch
 from gdskit.data.datasets import Dataset, check_stackable
 from gdskit.data.errors import StateDictMismatchError
 from gdskit.data.layout import batch_view
-from gdskit.data.read import BatchPlan, FileCache, Job, abandon, engine_view, plan_batch, submit, target_device, wait
+from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, engine_view, plan_batch, read_now, submit,
+                              target_device, wait)
+from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats._engine import stats, stats_delta
@@ -37,40 +40,68 @@ STATE_FORMAT = "gdskit.data.Loader/1"
 
 @dataclass
 class _Batch:
-    """A batch whose reads are under way."""
+    """A batch whose reads are under way (``jobs``) or done (into ``slot``, or ``raw`` on the CPU)."""
 
     number: int        # in its epoch
     plan: BatchPlan
-    raw: torch.Tensor  # its bytes, back to back
-    jobs: list[Job]
+    raw: torch.Tensor | None = None  # its bytes, back to back (None: still in ``slot``)
+    jobs: list[Job] = field(default_factory=list)
+    slot: Slot | None = None
 
 
 class _Reader:
-    """The torch side of batches for one loader: their memory and their hand-off to the caller."""
+    """The torch side of batches for one loader: their memory and their hand-off to the caller.
 
-    def __init__(self, dataset: Dataset, device: torch.device, files: FileCache) -> None:
+    A CPU batch is read straight into its tensor. A GPU batch of small reads is read into a
+    pinned staging slot (host reads) by the thread that starts it, and copied to the GPU in
+    one copy on the loader's side stream when it is handed over, so that the GPU holds only
+    the batches handed over; a batch of large reads is read by the engine's device paths
+    straight into its tensor.
+    """
+
+    def __init__(self, dataset: Dataset, device: torch.device, files: FileCache, prefetch: int) -> None:
         self.dataset, self.device, self.files = dataset, device, files
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staging = Staging(prefetch + 2) if device.type == "cuda" else None
 
-    def start(self, number: int, indices: np.ndarray, on_bytes: Any) -> _Batch:
+    def start(self, number: int, indices: np.ndarray, on_bytes: Any, position: int) -> _Batch:
+        """Plan batch ``number`` and read it (staged or on the CPU: now, in this thread; else
+        started); ``position``: its place in the pass (which staging slot it takes)."""
         plan = plan_batch(self.dataset, indices)
-        if self.stream is not None:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                raw = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-            # Memory freed on the side stream may still be read by its own kernels (a byte swap);
-            # memory the caller's streams used comes back only after their work (record_stream).
-            # The engine writes from its own streams: let the side stream's few kernels finish.
-            self.stream.synchronize()
-        else:
+        if self.stream is None:
             raw = torch.empty(plan.nbytes, dtype=torch.uint8)
+            read_now(self.files, plan, engine_view(raw))
+            if on_bytes is not None:
+                on_bytes(plan.nbytes)
+            return _Batch(number, plan, raw)
+        if plan.staged:
+            assert self.staging is not None
+            slot = self.staging.slot(position, plan.nbytes)
+            read_now(self.files, plan, slot.view)
+            if on_bytes is not None:
+                on_bytes(plan.nbytes)
+            return _Batch(number, plan, slot=slot)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            raw = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+        # Memory freed on the side stream may still be used by its own work (a copy, a byte
+        # swap); memory the caller's streams used comes back only after their work
+        # (record_stream). The engine writes from its own streams: let the side stream finish.
+        self.stream.synchronize()
         return _Batch(number, plan, raw, submit(self.files, plan, engine_view(raw), on_bytes))
 
     def finish(self, b: _Batch) -> torch.Tensor:
         wait(b.jobs)
         if self.stream is None:
+            assert b.raw is not None
             return batch_view(b.raw, b.plan.count, b.plan.layout)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            out = batch_view(b.raw, b.plan.count, b.plan.layout)
+            raw = b.raw
+            if raw is None:  # staged: one copy of the whole batch, ordered on the side stream
+                assert b.slot is not None
+                raw = torch.empty(b.plan.nbytes, dtype=torch.uint8, device=self.device)
+                if b.plan.nbytes:
+                    b.slot.copy_to(raw.data_ptr(), b.plan.nbytes, self.stream.cuda_stream)
+            out = batch_view(raw, b.plan.count, b.plan.layout)
             done = torch.cuda.Event()
             done.record(self.stream)
         consumer = torch.cuda.current_stream(self.device)
@@ -82,46 +113,59 @@ class _Reader:
     def abandon(b: _Batch) -> None:
         abandon(b.jobs)
 
+    def close(self) -> None:
+        """Free the pinned staging (each slot once its copy has run); a later batch makes it again."""
+        if self.staging is not None:
+            self.staging.close()
+
 
 class _Failed:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
 
-_END = object()
+#: Threads that read a pass's batches side by side (at most ``prefetch`` of them): each batch
+#: is one thread's run of system calls, which let go of the interpreter lock while they copy.
+READERS = 4
 
 
 class _Pipeline:
-    """One pass's batches, started up to ``prefetch`` ahead by a producer thread (none with
-    ``prefetch=0``: each batch is then read when asked for). Holds no reference to the
+    """One pass's batches, started up to ``prefetch`` ahead by reader threads (none with
+    ``prefetch=0``: each batch is then read when asked for). Reader ``r`` of ``R`` starts
+    batches ``r, r + R, ...`` of the pass, each only while fewer than ``prefetch`` batches are
+    started and not taken; the caller takes them in order. Holds no reference to the
     iterator, so that dropping the iterator closes it."""
 
     def __init__(self, reader: _Reader, todo: list[tuple[int, np.ndarray]], prefetch: int, on_bytes: Any) -> None:
         self._reader, self._todo, self._prefetch, self._on_bytes = reader, todo, prefetch, on_bytes
-        self._ready: deque[Any] = deque()
+        self._ready: dict[int, Any] = {}  # position in the pass -> _Batch or _Failed
         self._cv = threading.Condition()
         self._closed = False
-        self._next = 0  # with prefetch=0: the next batch of ``todo`` to read
-        self._thread: threading.Thread | None = None
-        if prefetch > 0 and todo:
-            self._thread = threading.Thread(target=self._produce, name="gdskit-data-prefetch", daemon=True)
-            self._thread.start()
+        self._taken = 0  # batches handed to the caller
+        self._threads: list[threading.Thread] = []
+        count = min(prefetch, READERS, len(todo))
+        for r in range(count):
+            t = threading.Thread(target=self._produce, args=(r, count), name="gdskit-data-prefetch", daemon=True)
+            self._threads.append(t)
+        for t in self._threads:
+            t.start()
 
-    def _produce(self) -> None:
-        for number, indices in self._todo:
+    def _produce(self, first: int, step: int) -> None:
+        for pos in range(first, len(self._todo), step):
             with self._cv:
-                while not self._closed and len(self._ready) >= self._prefetch:
+                while not self._closed and pos >= self._taken + self._prefetch:
                     self._cv.wait()
                 if self._closed:
                     return
+            number, indices = self._todo[pos]
             try:
-                b: Any = self._reader.start(number, indices, self._on_bytes)
+                b: Any = self._reader.start(number, indices, self._on_bytes, pos)
             except BaseException as exc:  # noqa: BLE001 - the caller's next() raises it, in its place
                 b = _Failed(exc)
             with self._cv:
                 closed = self._closed
                 if not closed:
-                    self._ready.append(b)
+                    self._ready[pos] = b
                     self._cv.notify_all()
             if closed:
                 if isinstance(b, _Batch):
@@ -129,39 +173,39 @@ class _Pipeline:
                 return
             if isinstance(b, _Failed):
                 return
-        with self._cv:
-            self._ready.append(_END)
-            self._cv.notify_all()
 
     def take(self) -> _Batch | None:
-        """The next batch, reads under way; None after the last. Raises what starting it raised."""
-        if self._thread is None:
-            if self._next >= len(self._todo):
-                return None
-            number, indices = self._todo[self._next]
-            self._next += 1
-            return self._reader.start(number, indices, self._on_bytes)
-        with self._cv:
-            while not self._ready:
-                self._cv.wait()
-            item = self._ready.popleft()
-            self._cv.notify_all()
-        if item is _END:
+        """The next batch, its reads done or under way; None after the last. Raises what starting it raised."""
+        pos = self._taken
+        if pos >= len(self._todo):
             return None
+        if not self._threads:
+            self._taken += 1
+            number, indices = self._todo[pos]
+            return self._reader.start(number, indices, self._on_bytes, pos)
+        with self._cv:
+            while pos not in self._ready:
+                self._cv.wait()
+            item = self._ready.pop(pos)
+            self._taken += 1
+            self._cv.notify_all()
         if isinstance(item, _Failed):
             raise item.exc
         return item
 
     def close(self) -> None:
         """Stop reading ahead: batches not started are never started, those started are
-        abandoned (reads not begun are cancelled, the others waited for), the thread joined."""
+        abandoned (reads not begun are cancelled, the others waited for), the threads joined."""
         with self._cv:
             self._closed = True
-            left = list(self._ready)
-            self._ready.clear()
             self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join()
+        with self._cv:
+            left = list(self._ready.values())
+            self._ready.clear()
         for item in left:
             if isinstance(item, _Batch):
                 self._reader.abandon(item)
@@ -266,7 +310,7 @@ class Loader:
         self._position = 0
         self._lock = threading.Lock()
         self._files = FileCache()
-        self._reader = _Reader(dataset, self.device, self._files)
+        self._reader = _Reader(dataset, self.device, self._files, self.prefetch)
         self._active: weakref.ref[_Pass] | None = None
         self._fingerprint: str | None = None
         self._stats_before = stats()
@@ -390,7 +434,10 @@ class Loader:
         """End a pass under way and close the files (a later iteration opens them again)."""
         with self._lock:
             self._end_pass()
-        self._files.close()
+        try:
+            self._files.close()
+        finally:
+            self._reader.close()
 
     def __enter__(self) -> Loader:
         return self

@@ -1,9 +1,11 @@
 """Reading samples: scattered reads of a batch's samples straight into the rows of one buffer.
 
-The reads of a batch are grouped by file, neighbouring samples that are also neighbours in
-the batch merged into one read, and each file's reads go to the engine as one job
-(:meth:`gdskit.File.pread_many`): the engine shares its workers among them and routes
-device memory through its own paths. Nothing is copied sample by sample in Python.
+A batch's reads are planned with numpy (:func:`plan_batch`): neighbouring samples that are
+also neighbours in the batch merged into one read, the reads of one file and one size one
+group. Into host memory (a CPU batch, or the loader's pinned staging of a GPU batch) each
+group is one :meth:`gdskit.File.read_batch` call (:func:`read_now`); batches of large reads go
+to a GPU by the engine's device paths, one background job per group (:func:`submit`).
+Nothing is copied sample by sample in Python.
 """
 
 from __future__ import annotations
@@ -81,27 +83,61 @@ class FileCache:
 
 @dataclass(frozen=True)
 class FileReads:
-    """The reads of one batch from one file: ``(nbytes, file_offset, buf_offset)`` each."""
+    """Reads from one file: ``(nbytes, file_offset, buf_offset)`` each (a preload's)."""
 
     source: Source
     items: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
+class ReadGroup:
+    """Reads of one batch from one file, all of ``size`` bytes: ``file_offsets[i]`` into the
+    batch's buffer at ``buf_offsets[i]`` (one ``File.read_batch`` call)."""
+
+    source: Source
+    size: int
+    file_offsets: list[int]
+    buf_offsets: list[int]
+
+    @property
+    def items(self) -> list[tuple[int, int, int]]:
+        """``(nbytes, file_offset, buf_offset)`` of each read."""
+        return [(self.size, off, bo) for off, bo in zip(self.file_offsets, self.buf_offsets)]
+
+
+#: Batches whose reads are all at most this size, and that are at most ``STAGED_BATCH_MAX`` in
+#: all, go to a GPU through the loader's pinned staging (host reads, then one copy); larger
+#: reads go to the engine's device paths, where cuFile or the ring's parallel chunks serve them.
+STAGED_READ_MAX = 1 << 20
+STAGED_BATCH_MAX = 64 << 20
+
+
+@dataclass(frozen=True)
 class BatchPlan:
-    """What one batch reads: ``count`` samples of ``layout``, ``nbytes`` in all, from ``reads``."""
+    """What one batch reads: ``count`` samples of ``layout``, ``nbytes`` in all, by ``groups``."""
 
     count: int
     layout: Layout
-    reads: tuple[FileReads, ...]
+    groups: tuple[ReadGroup, ...]
 
     @property
     def nbytes(self) -> int:
         return self.count * self.layout.nbytes
 
+    @property
+    def largest_read(self) -> int:
+        return max((g.size for g in self.groups), default=0)
+
+    @property
+    def staged(self) -> bool:
+        """Whether the batch goes to a GPU through pinned staging (the one place this is decided)."""
+        return self.largest_read <= STAGED_READ_MAX and self.nbytes <= STAGED_BATCH_MAX
+
 
 def plan_batch(dataset: Any, indices: np.ndarray) -> BatchPlan:
-    """The reads that put samples ``indices`` (dataset indices, in batch order) in rows 0, 1, ... of one buffer."""
+    """The reads that put samples ``indices`` (dataset indices, in batch order) in rows 0, 1, ... of one
+    buffer: runs of samples that follow each other both in the file and in the batch are one read,
+    and the reads of one file and one size are one group. Index arithmetic in numpy, per batch."""
     idx = np.asarray(indices, dtype=np.int64)
     files, offsets = dataset.locate(idx)
     layout = dataset.layout
@@ -114,37 +150,61 @@ def plan_batch(dataset: Any, indices: np.ndarray) -> BatchPlan:
     n = len(idx)
     if n == 0 or nb == 0:
         return BatchPlan(n, layout, ())
-    # Runs of samples that follow each other both in the file and in the batch: one read each.
     starts = np.ones(n, dtype=bool)
     starts[1:] = (files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1] + nb)
     first = np.flatnonzero(starts)
-    lengths = np.diff(np.append(first, n))
-    run_files = files[first]
-    order = np.argsort(run_files, kind="stable")
-    by_file: dict[int, list[tuple[int, int, int]]] = {}
-    for f, length, off, row in zip(run_files[order].tolist(), lengths[order].tolist(),
-                                   offsets[first][order].tolist(), first[order].tolist()):
-        by_file.setdefault(f, []).append((length * nb, off, row * nb))
+    sizes = np.diff(np.append(first, n)) * nb
+    run_files, run_offsets, run_places = files[first], offsets[first], first * nb
     sources = dataset.sources
-    return BatchPlan(n, layout, tuple(FileReads(sources[f], tuple(items)) for f, items in by_file.items()))
+    if run_files[0] == run_files[-1] and (run_files == run_files[0]).all() and (sizes == sizes[0]).all():
+        # The common case (one file, no neighbours merged: a shuffled batch of token windows).
+        return BatchPlan(n, layout, (ReadGroup(sources[int(run_files[0])], int(sizes[0]), run_offsets.tolist(),
+                                               run_places.tolist()),))
+    order = np.lexsort((sizes, run_files))  # by file, then size; stable: batch order within a group
+    gf, gs = run_files[order], sizes[order]
+    cut = np.flatnonzero((gf[1:] != gf[:-1]) | (gs[1:] != gs[:-1])) + 1
+    bounds = np.concatenate(([0], cut, [len(order)])).tolist()
+    offs, places = run_offsets[order].tolist(), run_places[order].tolist()
+    fl, sl = gf.tolist(), gs.tolist()
+    return BatchPlan(n, layout, tuple(ReadGroup(sources[fl[a]], sl[a], offs[a:b], places[a:b])
+                                      for a, b in zip(bounds[:-1], bounds[1:])))
+
+
+def _truncated(group: ReadGroup, offset: int, got: int) -> TruncatedFileError:
+    return TruncatedFileError(
+        f"{group.source.path}: read {got} of {group.size} bytes at offset {offset}; the file is shorter "
+        f"than its {group.source.size} bytes when the dataset was made (truncated or shrank)")
+
+
+def read_now(files: FileCache, plan: BatchPlan, view: BufferView) -> None:
+    """Every read of ``plan`` into host memory ``view``, now, in this thread: one
+    :meth:`gdskit.File.read_batch` per group (the host path's tight loop of system calls; the
+    engine picks buffered or O_DIRECT per read by its policy). Raises the read's error, or
+    :class:`TruncatedFileError` for a short read (a file that shrank since the dataset was made)."""
+    for g in plan.groups:
+        counts = files.get(g.source.path).read_batch(view, g.file_offsets, g.size, g.buf_offsets)
+        if len(counts) and min(counts) < g.size:
+            k = next(i for i, c in enumerate(counts) if c < g.size)
+            raise _truncated(g, g.file_offsets[k], counts[k])
 
 
 @dataclass
 class Job:
-    """One file's reads of a batch, submitted."""
+    """One group's reads of a batch, submitted."""
 
-    reads: FileReads
+    reads: ReadGroup
     future: concurrent.futures.Future[list[int]]
 
 
 def submit(files: FileCache, plan: BatchPlan, view: BufferView,
            on_bytes: Callable[[int], None] | None = None) -> list[Job]:
-    """Start every read of ``plan`` into ``view``; one engine job per file."""
+    """Start every read of ``plan`` into ``view`` in the background; one engine job per group
+    (for reads into device memory by the engine's device paths)."""
     jobs: list[Job] = []
     try:
-        for r in plan.reads:
-            f = files.get(r.source.path)
-            jobs.append(Job(r, f.pread_many([(view, n, off, bo) for n, off, bo in r.items], on_bytes=on_bytes)))
+        for g in plan.groups:
+            f = files.get(g.source.path)
+            jobs.append(Job(g, f.pread_many([(view, n, off, bo) for n, off, bo in g.items], on_bytes=on_bytes)))
     except BaseException:
         abandon(jobs)
         raise
@@ -163,11 +223,9 @@ def wait(jobs: Sequence[Job]) -> None:
             continue
         if first is not None:
             continue
-        for (n, off, _bo), got in zip(job.reads.items, counts):
-            if got != n:
-                first = TruncatedFileError(
-                    f"{job.reads.source.path}: read {got} of {n} bytes at offset {off}; the file is shorter "
-                    f"than its {job.reads.source.size} bytes when the dataset was made (truncated or shrank)")
+        for off, got in zip(job.reads.file_offsets, counts):
+            if got != job.reads.size:
+                first = _truncated(job.reads, off, got)
                 break
     if first is not None:
         raise first
@@ -195,7 +253,9 @@ def read_samples(dataset: Any, indices: np.ndarray, device: torch.device, files:
     raw = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     if raw.is_cuda:
         torch.cuda.synchronize(device)
-    wait(submit(files, plan, engine_view(raw)))
+        wait(submit(files, plan, engine_view(raw)))
+    else:
+        read_now(files, plan, engine_view(raw))
     return batch_view(raw, plan.count, plan.layout)
 
 

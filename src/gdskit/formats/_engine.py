@@ -59,6 +59,19 @@ def worker_threads() -> int:
     return settings.threads
 
 
+def cuda_layer() -> Any:
+    """The engine's thin CUDA driver layer (:mod:`gdskit.cuda`): pinned host memory, events and
+    copies queued on a caller's stream (the data loader's pinned staging uses them)."""
+    from gdskit import cuda
+    return cuda
+
+
+def at_exit_free_memory(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at exit where the engine frees its own pinned memory (CUDA still runs)."""
+    from gdskit.shutdown import FREE_MEMORY, at_exit
+    at_exit(FREE_MEMORY, hook)
+
+
 def can_scatter() -> bool:
     """Whether a read's bytes may be scattered into several device allocations: on every
     path but ``mode="cufile"``, which reads into one buffer per request."""
