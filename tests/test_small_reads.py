@@ -296,3 +296,58 @@ def test_a_failed_read_gives_its_lane_back_and_a_failed_wait_drops_it(data_file,
         buf.free()
     gdskit.release_resources()
     assert fd_count() == fds
+
+
+# -- a read of one large chunk: its copy overlaps its own reading ---------------------------------
+@hsettings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pages=st.integers(0, 200), size=st.integers(512 << 10, 2 << 20), shift=st.integers(0, 5000),
+       policy=st.sampled_from(["auto", "always", "never"]), cold=st.booleans())
+def test_a_large_aligned_read_in_pieces_gives_the_bytes_of_a_plain_read(data_file, pages, size, shift, policy, cold):
+    path, data = data_file
+    offset = pages * 4096
+    if cold:
+        _drop(path)
+    else:
+        _warm(path)
+    buf = cuda.DeviceArray(size + shift)
+    try:
+        buf.fill(0xA5)
+        before = gdskit.stats()
+        with gdskit.settings.set(mode="bounce", odirect=policy), gdskit.open(path) as f:
+            n = f.read(buf, size, offset, shift)
+        want = data[offset:offset + size]
+        assert n == len(want)
+        got = buf.to_numpy()
+        assert got[shift:shift + n].tobytes() == want
+        assert (got[:shift] == 0xA5).all() and (got[shift + n:] == 0xA5).all(), "nothing else written"
+        delta = gdskit.stats() - before
+        assert sum(ps.bytes_read for ps in delta.paths.values()) == n, "every byte in the ledger once"
+    finally:
+        buf.free()
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_1mib_read_copies_in_pieces_and_waits_once(data_file, fake_cuda):
+    """The stage is filled piece by piece and each piece's copy is queued at once, so the copy
+    of one overlaps the reading of the next; one event is waited for at the end."""
+    path, data = data_file
+    _warm(path)
+    buf = cuda.DeviceArray(1 << 20)
+    try:
+        with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
+            f.read(buf, 4096, 0)  # the lane is made here
+            before = dict(fake_cuda.calls)
+            assert f.read(buf, 1 << 20, 1 << 20) == 1 << 20
+            calls = _calls(fake_cuda, before)
+        assert buf.to_numpy().tobytes() == data[1 << 20:2 << 20]
+    finally:
+        buf.free()
+    assert calls.get("cuMemcpyHtoDAsync", 0) > 1
+    assert calls.get("cuEventRecord") == 1 and calls.get("cuEventSynchronize") == 1
