@@ -25,7 +25,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -39,6 +39,9 @@ from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, Partia
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.torch_io import execute
+
+if TYPE_CHECKING:
+    from gdskit.formats.shard_index import ShardIndex
 
 #: Most bytes of staged fills (conversions, non-contiguous targets) read at once: their
 #: buffers are the only memory a load into existing tensors makes.
@@ -352,15 +355,19 @@ TorchType = Callable[[Any, Any], tuple[Any, tuple[int, ...]]]
 
 
 def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchType, shape: ReadShape,
-                          strict: bool, cast: bool, progress: ProgressArg, return_stats: bool) -> Any:
+                          strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
+                          index: ShardIndex | None = None) -> Any:
     """:func:`gdskit.safetensors.load_into`, which passes its dtype table (``torch_type``) and
-    read shape: this module never imports the API modules above it."""
+    read shape: this module never imports the API modules above it. ``index``: the
+    checkpoint's headers where the caller has read them already (each file's size is still
+    checked against its header when it is opened)."""
     from gdskit.formats.shard_index import index_checkpoint
 
     with collector_paused():
         items = target_tensors(target)
         infos = describe(items)
-        index = index_checkpoint(path_or_paths)
+        if index is None:
+            index = index_checkpoint(path_or_paths)
         located = index.tensors
         sources: dict[str, Source] = {}  # only the records a target asks for: the others are only reported
         dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
