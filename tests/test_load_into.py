@@ -698,3 +698,27 @@ def test_gpu_mixed_devices_cast_and_non_contiguous(net_files) -> None:
     for k, v in net.state_dict().items():
         assert torch.equal(v.cpu(), ref[k].to(v.dtype)), k
     assert net.big.weight.is_cuda and not net.small.weight.is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["scatter", "ring"])
+def test_gpu_small_tensors_either_way_in_place_and_within_the_ring(tmp_path, monkeypatch, how) -> None:
+    from gdskit.formats import into_exec
+
+    monkeypatch.setattr(into_exec, "GPU_SMALL_READS", how)
+    g = torch.Generator().manual_seed(9)
+    dtypes = [torch.bfloat16, torch.float32, torch.int8]
+    values = {f"p{i}": torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=g).view(dtypes[i % 3])
+              for i, n in enumerate(torch.randint(1, 20000, (2000,), generator=g) * 4)}
+    path = tmp_path / "many.safetensors"
+    st_torch.save_file(values, str(path))
+    target = {k: torch.zeros_like(v, device="cuda") for k, v in values.items()}
+    ptrs = {k: v.data_ptr() for k, v in target.items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert gs.load_into(target, path) == ([], [])
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= (into_exec.SMALL_RING_BYTES if how == "ring" else 0)
+    for k in values:
+        assert same(target[k], values[k]) and target[k].data_ptr() == ptrs[k], k

@@ -170,6 +170,7 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
     quantized = _QUANTIZED
     out: list[TargetInfo] = []
     append = out.append
+    make = tuple.__new__  # a named tuple without its Python-level __new__: a third of the cost, per tensor
     for name, t in items:
         dev = t.device
         dn = device_names.get(dev)
@@ -186,7 +187,7 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
                                          "has no plain memory to fill")
         nbytes = t.nbytes
         if t.is_contiguous():
-            append(TargetInfo(name, dtype, t.shape, dn, t.data_ptr(), nbytes, nbytes, None))
+            append(make(TargetInfo, (name, dtype, t.shape, dn, t.data_ptr(), nbytes, nbytes, None)))
             continue
         shape = t.shape
         stride = tuple(t.stride())
@@ -216,12 +217,12 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
     # staging ring, take their addresses): no view is made of them.
     dests = {}
     extents = []
-    Extent = read_plan.Extent
+    Extent, make = read_plan.Extent, tuple.__new__  # named tuples made without their Python __new__
     for fl in fills:
         name = fl.target
-        s = sources[name]
+        s = sources[fl.source]
         dests[name] = tensors[name]
-        extents.append(Extent(name, s.file_offset, s.nbytes))
+        extents.append(make(Extent, (name, s.file_offset, s.nbytes)))
     plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
     if device.type == "cuda" and GPU_SMALL_READS == "ring" and plan.groups:
         depth = max(1, min(8, SMALL_RING_BYTES // max(plan.staging_bytes, 1)))
@@ -274,8 +275,10 @@ def _mark_modified(ts: Iterable[torch.Tensor]) -> None:
 
 
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
-              file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg) -> None:
-    """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device.
+              file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
+              device: torch.device | None = None) -> None:
+    """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
+    (``device``: the one device of every target, where the caller knows there is one).
 
     Raises
     ------
@@ -283,16 +286,25 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
         A read, a file that changed size, or a copy failed; the error names what was filled.
     """
     by_file: dict[str, dict[torch.device, tuple[list[Fill], list[Fill]]]] = {p: {} for p in file_sizes}
-    total = 0
-    for fl in plan.fills:
-        s = sources[fl.source]
-        total += s.nbytes
-        per_device = by_file[s.path]
-        dev = tensors[fl.target].device
-        lists = per_device.get(dev)
-        if lists is None:
-            lists = per_device[dev] = ([], [])
-        lists[fl.staged].append(fl)  # [0]: direct, [1]: staged
+    if len(file_sizes) == 1 and plan.fills and device is not None:
+        # One file, one device (most loads): no lookups per fill to sort them.
+        (path,), dev = file_sizes, device
+        direct = [fl for fl in plan.fills if not fl.staged]
+        staged = [fl for fl in plan.fills if fl.staged]
+        if direct or staged:
+            by_file[path][dev] = (direct, staged)
+        total = sum([sources[fl.source].nbytes for fl in plan.fills])
+    else:
+        total = 0
+        for fl in plan.fills:
+            s = sources[fl.source]
+            total += s.nbytes
+            per_device = by_file[s.path]
+            dev = tensors[fl.target].device
+            lists = per_device.get(dev)
+            if lists is None:
+                lists = per_device[dev] = ([], [])
+            lists[fl.staged].append(fl)  # [0]: direct, [1]: staged
     done: list[Fill] = []
     copying: set[torch.device] = set()  # GPUs with copies queued on torch's stream
     syncing = False
@@ -341,7 +353,9 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     tensors = dict(items)
     _check_conversions(plan, tensors, sources)
     before = stats() if return_stats else None
-    run_fills(plan, tensors, sources, file_sizes, shape, progress)
+    devices = {t.device for t in infos}
+    one_device = tensors[infos[0].name].device if len(devices) == 1 else None
+    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device)
     result = LoadResult(list(plan.missing_keys), unexpected)
     if return_stats:
         return result, stats_delta(before, stats())
@@ -361,31 +375,38 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchT
     read shape: this module never imports the API modules above it. ``index``: the
     checkpoint's headers where the caller has read them already (each file's size is still
     checked against its header when it is opened)."""
+    with collector_paused():  # the function's objects are gone when the collector comes back
+        return _load_safetensors_into(target, path_or_paths, torch_type, shape, strict, cast, progress,
+                                      return_stats, index)
+
+
+def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchType, shape: ReadShape, strict: bool,
+                           cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None) -> Any:
     from gdskit.formats.shard_index import index_checkpoint
 
-    with collector_paused():
-        items = target_tensors(target)
-        infos = describe(items)
-        if index is None:
-            index = index_checkpoint(path_or_paths)
-        located = index.tensors
-        sources: dict[str, Source] = {}  # only the records a target asks for: the others are only reported
-        dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
-        for name, _t in items:
-            loc = located.get(name)
-            if loc is None:
-                continue
-            e = loc.entry
-            dt = dtypes.get(e.dtype)
-            if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
-                dt, shp = torch_type(torch, e)  # UnsupportedDtypeError for F6_*
-                dtypes[e.dtype] = dt
-            else:
-                shp = e.shape
-            sources[name] = Source(loc.path, loc.file_offset, e.end - e.start, dt, shp)
-        file_sizes = {p: h.file_size for p, h in index.headers}
-        return _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
-                       progress=progress, return_stats=return_stats, record_names=located)
+    items = target_tensors(target)
+    infos = describe(items)
+    if index is None:
+        index = index_checkpoint(path_or_paths)
+    located = index.tensors
+    sources: dict[str, Source] = {}  # only the records a target asks for: the others are only reported
+    dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
+    make = tuple.__new__  # a named tuple without its Python-level __new__, per record
+    for name, _t in items:
+        loc = located.get(name)
+        if loc is None:
+            continue
+        e = loc.entry
+        dt = dtypes.get(e.dtype)
+        if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
+            dt, shp = torch_type(torch, e)  # UnsupportedDtypeError for F6_*
+            dtypes[e.dtype] = dt
+        else:
+            shp = e.shape
+        sources[name] = make(Source, (loc.path, loc.file_offset, e.end - e.start, dt, shp, None))
+    file_sizes = {p: h.file_size for p, h in index.headers}
+    return _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
+                   progress=progress, return_stats=return_stats, record_names=located)
 
 
 # -- torch.save archives --------------------------------------------------------
@@ -469,12 +490,18 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Cal
     """:func:`gdskit.torch.load_into`, which passes its archive check (``file_kind``), its
     unpickler and its read shape: this module never imports the API modules above it."""
     path = os.fspath(path)
-    with collector_paused():
-        items = target_tensors(target)
-        infos = describe(items)
-        records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
-        wanted = {name for name, _ in items}
-        sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
-        return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
-                       progress=progress, return_stats=return_stats, extra_unexpected=others)
+    with collector_paused():  # the function's objects are gone when the collector comes back
+        return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
+                                weights_only)
+
+
+def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], str], unpickle: Unpickle, shape: ReadShape,
+                     strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
+    items = target_tensors(target)
+    infos = describe(items)
+    records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
+    wanted = {name for name, _ in items}
+    sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
+    return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
+                   progress=progress, return_stats=return_stats, extra_unexpected=others)
 

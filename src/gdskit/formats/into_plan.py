@@ -195,6 +195,7 @@ def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, Any], *, cast
             dtype_errors.append(f"{m.name!r}: checkpoint {src.dtype}, target {m.dtype}")
 
     add_fill, add_target, get = fills.append, filled_targets.append, records.get
+    make = tuple.__new__  # a named tuple without its Python-level __new__: a third of the cost, per target
     for group in _tied_groups(targets):
         if type(group) is list:
             present = [m for m in group if m.name in records]
@@ -216,8 +217,8 @@ def plan_into(targets: Sequence[TargetInfo], records: Mapping[str, Any], *, cast
             if src.shape != first.shape or src.dtype != first.dtype:
                 check(first, src)
         converts = src.dtype != first.dtype
-        add_fill(Fill(first.name, first.name, aliases,
-                      converts or first.stride is not None or not src.contiguous, converts))
+        add_fill(make(Fill, (first.name, first.name, aliases,
+                             converts or first.stride is not None or not src.contiguous, converts)))
         add_target(first)
     if shape_errors:
         raise ShapeMismatchError(f"{len(shape_errors)} tensors differ in shape: "
