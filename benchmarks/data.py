@@ -1,25 +1,28 @@
 #!/usr/bin/env python3
-"""gdskit.data against its peers: dataset preload, token streaming, and a simulated training step.
+"""gdskit.data against its peers: dataset preload, token streaming, and a training-step-shaped loop.
 
 Workloads (``--quick``: small sizes for a smoke run, on the CPU too):
-  preload-shards  8 GiB in 1,024 ``.npy`` shards           (quick: 64 MiB in 32)
-  preload-small   100,000 ``.npy`` files of 64 KiB           (quick: 2,000 of 16 KiB)
-  tokens          a 16 GiB uint16 token file, seq_len 2048, batch 64, shuffled; --batches of them
+  preload-shards  8 GiB in 1,024 ``.npy`` shards of 8 MiB     (quick: 64 MiB in 32)
+  preload-small   16,384 ``.npy`` files of 64 KiB (1 GiB)     (quick: 2,000 of 16 KiB)
+  tokens          a 4 GiB uint16 token file, seq_len 2048, batch 64, shuffled; --batches of them
                   (quick: 128 MiB, 200 batches)
-  step            the tokens workload with a fixed-duration GPU kernel per batch (a sleep on the
-                  CPU), the loader reading ahead; compared with the step alone
+  step            the tokens workload, each batch consumed by a small GPU matmul step (calibrated to
+                  --step-ms); does the loader keep the GPU busy?
 
-Peers: gdskit (``gdskit.data``); ``engine`` (preload: gdskit.open reads of the same bytes into
-preallocated memory, the engine's own ceiling; tokens: the loader's reads with no read-ahead); ``odirect`` (raw O_DIRECT reads into host
-memory, the disk's ceiling; preload only); ``kvikio`` (KvikIO reads of each file into
-preallocated device memory, 16 threads; when importable); ``numpy`` (np.load, then .to(device));
-``dataloader-N`` (torch DataLoader, N workers, pin_memory=True, .to(device, non_blocking=True)).
+Peers. preload: ``gdskit`` (gdskit.data.preload); ``engine`` (gdskit.open + pread of each file,
+2 x threads files in flight: the files one by one through the engine); ``odirect`` (raw O_DIRECT
+reads into host memory, the disk's ceiling; cold only); ``kvikio`` (KvikIO reads of each file into
+preallocated device memory, when importable); ``numpy`` (np.load, then .to(device)).
+tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2); ``dataloader-N`` (torch DataLoader, N
+workers reading the windows with numpy, pin_memory=True, .to(device, non_blocking=True)).
+step: ``memory`` (the batches already in GPU memory: the step alone), ``gdskit``, ``dataloader-8``.
 Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
-``--cold`` drops the page cache before each run. Reports GB/s (1 GB = 1e9 bytes), batches/s,
-CPU-seconds per GB for every row, peak GPU memory per batch, and the ledger's paths.
+``--cold`` also runs the preloads with the page cache dropped before each run (root:
+/proc/sys/vm/drop_caches, else posix_fadvise DONTNEED per file). Reports GB/s (1 GB = 1e9 bytes),
+batches/s, step ms, CPU-seconds per GB, peak GPU memory per batch, and the ledger's paths.
 
-    python benchmarks/data.py --device cuda:0 --dir /data/bench --cold --rounds 3 --json data.json
-    python benchmarks/data.py --device cpu --quick                       # smoke run, any machine
+    python benchmarks/data.py --device cuda:0 --cold --json /tmp/out/data.json   # about 4 minutes
+    python benchmarks/data.py --device cpu --quick                                # smoke run, any machine
 """
 
 from __future__ import annotations
@@ -40,18 +43,20 @@ MiB = 1 << 20
 WORKLOADS = ["preload-shards", "preload-small", "tokens", "step"]
 PEERS = {
     "preload-shards": ["gdskit", "engine", "odirect", "kvikio", "numpy"],
-    "preload-small": ["gdskit", "engine", "odirect", "kvikio", "numpy"],
-    "tokens": ["gdskit", "engine", "dataloader-8", "dataloader-16"],
-    "step": ["compute-only", "gdskit", "dataloader-8", "dataloader-16"],
+    "preload-small": ["gdskit", "engine", "odirect", "numpy"],
+    "tokens": ["gdskit", "dataloader-8", "dataloader-16"],
+    "step": ["memory", "gdskit", "dataloader-8"],
 }
+COLD_ONLY = {"odirect"}          # the disk's ceiling: a hot run of it measures nothing
+HOT_ONLY = {"tokens", "step"}    # streaming workloads run hot (the file fits the page cache)
 
 
 def sizes(quick: bool) -> dict:
     if quick:
         return {"shards": 32, "shard_bytes": 2 * MiB, "small": 2000, "small_bytes": 16 << 10,
                 "token_bytes": 128 * MiB, "seq_len": 2048, "batch": 64, "batches": 200, "step_ms": 2.0}
-    return {"shards": 1024, "shard_bytes": 8 * MiB, "small": 100_000, "small_bytes": 64 << 10,
-            "token_bytes": 16 << 30, "seq_len": 2048, "batch": 64, "batches": 2000, "step_ms": 20.0}
+    return {"shards": 1024, "shard_bytes": 8 * MiB, "small": 16_384, "small_bytes": 64 << 10,
+            "token_bytes": 4 << 30, "seq_len": 2048, "batch": 64, "batches": 1000, "step_ms": 5.0}
 
 
 # -- the data (made once per size; later runs reuse it) ----------------------------------------------
@@ -60,6 +65,7 @@ def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
     import numpy as np
 
     rng = np.random.default_rng(0)
+    pool = rng.random((64 * MiB) // 4, dtype=np.float32)  # each file a different window of it: fast to make
     out: dict[str, list[str]] = {}
     for name, count, nbytes in (("shards", sz["shards"], sz["shard_bytes"]), ("small", sz["small"], sz["small_bytes"])):
         d = os.path.join(directory, f"{name}-{count}x{nbytes}")
@@ -67,19 +73,22 @@ def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
         if not os.path.exists(paths[-1]):
             print(f"making {count} .npy files of {nbytes} bytes in {d} ...", file=sys.stderr, flush=True)
             os.makedirs(d, exist_ok=True)
-            rows = nbytes // (4 * 256)
-            for p in paths:
-                np.save(p, rng.random((rows, 256), dtype=np.float32))
+            n = nbytes // 4
+            for i, p in enumerate(paths):
+                start = (i * 4099) % (len(pool) - n)
+                np.save(p, pool[start:start + n].reshape(-1, 256))
         out[name] = paths
     tok = os.path.join(directory, f"tokens-{sz['token_bytes']}.bin")
     if not os.path.exists(tok) or os.path.getsize(tok) != sz["token_bytes"]:
         print(f"making {tok} ...", file=sys.stderr, flush=True)
-        with open(tok, "wb") as f:
+        block = rng.integers(0, 50257, (64 * MiB) // 2, dtype=np.uint16).tobytes()
+        with open(tok + ".part", "wb") as f:
             left = sz["token_bytes"]
             while left:
-                n = min(left, 256 * MiB)
-                f.write(rng.integers(0, 50257, n // 2, dtype=np.uint16).tobytes())
+                n = min(left, len(block))
+                f.write(block[:n])
                 left -= n
+        os.replace(tok + ".part", tok)
     out["tokens"] = [tok]
     return out
 
@@ -160,40 +169,76 @@ class _Windows:
         return torch.from_numpy(np.frombuffer(os.pread(self.fd, nb, i * self.seq_len * 2), dtype=np.uint16).copy())
 
 
-def _step(device: str, step_ms: float):
-    """A fixed-duration stand-in for a training step: a GPU kernel of ``step_ms``, or a sleep on the CPU."""
-    if device.startswith("cuda"):
+class _Step:
+    """A training-step-shaped piece of work that consumes a batch: the batch's tokens as a
+    [64, 2048] half-precision matrix, widened to square and multiplied by a weight matrix
+    ``repeats`` times, the repeats calibrated so the step alone takes about ``step_ms``."""
+
+    def __init__(self, device: str, step_ms: float, seq_len: int) -> None:
         import torch
-        # torch.cuda._sleep spins for a number of cycles: calibrate cycles per ms once.
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        cycles = int(10_000_000 / start.elapsed_time(end) * step_ms)
-        return lambda: torch.cuda._sleep(cycles)
-    return lambda: time.sleep(step_ms / 1000)
+        self.torch = torch
+        self.cuda = device.startswith("cuda")
+        self.dtype = torch.float16 if self.cuda else torch.float32
+        self.width = 2048 if self.cuda else 256
+        self.cols = min(seq_len, self.width)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.w = (torch.randn(self.width, self.width, generator=gen) / self.width ** 0.5).to(device, self.dtype)
+        self.out = torch.zeros((), device=device, dtype=torch.float32)
+        self.repeats = 1
+        probe = torch.zeros(64, seq_len + 1, dtype=torch.int64, device=device)
+        for _ in range(3):
+            self(probe)  # warm: kernels chosen, memory cached
+        self._sync()
+        n = 20
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self(probe)
+        self._sync()
+        per = (time.perf_counter() - t0) / n
+        self.repeats = max(1, round(step_ms / 1000 / per))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def __call__(self, batch) -> None:
+        x = batch[:, :self.cols].to(self.dtype) / 50257
+        rows = max(1, self.width // x.shape[0])
+        h = x.repeat(rows, self.width // self.cols or 1)[:, :self.width]
+        for _ in range(self.repeats):
+            h = self.torch.tanh(h @ self.w)
+        self.out += h.float().mean()  # the step's result depends on every batch
 
 
 def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step: bool) -> tuple[int, int]:
     """Batches of the token file through ``peer``; (batches, bytes)."""
     import torch
     n_batches, bs, seq = sz["batches"], sz["batch"], sz["seq_len"]
-    step = _step(device, sz["step_ms"]) if with_step else None
+    step = _Step(device, sz["step_ms"], seq) if with_step else None
+    _restart_clock()  # the step's calibration is not the peer's time
     batch_bytes = bs * (seq + 1) * 2
-    if peer == "compute-only":
-        for _ in range(n_batches):
-            step()
-        return n_batches, 0
-    if peer in ("gdskit", "engine"):
+    if peer == "memory":
+        import numpy as np
+        # The batches the loader would give, already in device memory: the step alone.
+        rng = np.random.default_rng(0)
+        n_windows = (os.path.getsize(path) // 2 - 1) // seq
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        ring = min(n_batches, 64)
+        batches = [torch.from_numpy(np.stack([tokens[i * seq:i * seq + seq + 1] for i in
+                                              rng.integers(0, n_windows, bs)])).to(device) for _ in range(ring)]
+        _sync(device)
+        _restart_clock()  # the clock starts once the data is in memory
+        for k in range(n_batches):
+            step(batches[k % ring])
+        return n_batches, n_batches * batch_bytes
+    if peer == "gdskit":
         import gdskit.data as gd
         ds = gd.TokenDataset(path, dtype="uint16", seq_len=seq)
-        prefetch = 2 if peer == "gdskit" else 0  # engine: the same reads, none ahead
-        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=prefetch)
+        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=2)
         done = 0
         for b in loader:
             if step is not None:
-                step()
+                step(b)
             done += 1
             if done == n_batches:
                 break
@@ -212,13 +257,21 @@ def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step
         for b in dl:
             b = b.to(device, non_blocking=True)
             if step is not None:
-                step()
+                step(b)
             done += 1
             if done == n_batches:
                 break
         del dl
         return done, done * batch_bytes
     raise SystemExit(f"unknown peer {peer}")
+
+
+_CLOCK: dict[str, float] = {}  # wall and CPU time at the start of the measurement
+
+
+def _restart_clock() -> None:
+    """Start the measurement now (after a peer's set-up that is not part of it)."""
+    _CLOCK.update(wall=time.perf_counter(), cpu=_cpu_s())
 
 
 def child(args: argparse.Namespace) -> None:
@@ -239,14 +292,14 @@ def child(args: argparse.Namespace) -> None:
         import gdskit.data  # noqa: F401 - imported once, outside the clock
         before = gdskit.stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    c0, t0 = _cpu_s(), time.perf_counter()
+    _restart_clock()
     batches = None
     if args.workload.startswith("preload"):
         nbytes = _preload(args.peer, paths, args.device, args.threads)
     else:
         batches, nbytes = _stream(args.peer, paths[0], args.device, sz, args.threads, args.workload == "step")
     _sync(args.device)
-    wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
+    wall, cpu = time.perf_counter() - _CLOCK["wall"], _cpu_s() - _CLOCK["cpu"]
     out = {"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "batches": batches,
            "peak_gpu_bytes": (torch.cuda.max_memory_allocated() - base) if cuda else 0}
     if args.peer in ("gdskit", "engine"):
@@ -287,15 +340,20 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
     modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
     workloads = args.workloads.split(",")
     every_path = [p for ps in data.values() for p in ps]
+    warmed: set[str] = set()  # workloads whose files are in the page cache now
     for rnd in range(args.rounds):
         for w in workloads:
             peers = [p for p in PEERS[w] if args.peers is None or p in args.peers.split(",")]
             if rnd % 2:
                 peers = peers[::-1]  # alternate the order: none always first after the data was made
             paths = data["tokens"] if w in ("tokens", "step") else data["shards" if w == "preload-shards" else "small"]
-            for peer in peers:
-                for mode in modes:
-                    if peer == "compute-only" and mode == "cold":
+            listing = os.path.join(args.dir, f"{w}.paths.json")  # many paths outgrow argv
+            with open(listing, "w") as f:
+                json.dump(paths, f)
+            for mode in modes:  # the hot runs of a workload together: its files are warmed once
+                for peer in peers:
+                    if (mode == "cold" and (w in HOT_ONLY or peer == "memory")) or \
+                            (mode == "hot" and peer in COLD_ONLY):
                         continue
                     if not installed(peer):
                         results.append({"workload": w, "peer": peer, "mode": mode, "round": rnd,
@@ -303,20 +361,23 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
                         continue
                     if mode == "cold":
                         how = drop_caches(every_path)
+                        warmed.clear()
                     else:
-                        warm(paths)
+                        if w not in warmed:
+                            warm(paths)
+                            warmed.add(w)
                         how = "warmed"
-                    listing = os.path.join(args.dir, f"{w}.paths.json")  # 100,000 paths outgrow argv
-                    with open(listing, "w") as f:
-                        json.dump(paths, f)
                     r = summarize(run_child(["--child", peer, "--workload", w, "--device", args.device,
                                              "--threads", str(args.threads), "--sizes", json.dumps(sz),
                                              "--paths", listing], args.timeout), sz)
                     r.update(workload=w, peer=peer, mode=mode, round=rnd, cache=how)
                     results.append(r)
-                    print(f"# round {rnd + 1} {w} {peer} {mode}: "
+                    print(f"# {time.perf_counter() - START:6.1f} s  round {rnd + 1} {w} {peer} {mode}: "
                           f"{r.get('gb_per_s') or r.get('step_ms') or r.get('error')}", file=sys.stderr, flush=True)
     return results
+
+
+START = time.perf_counter()
 
 
 def combine(results: list[dict]) -> list[dict]:
@@ -385,9 +446,12 @@ def targets(rows: list[dict]) -> dict[str, str]:
         best = max(dls, key=lambda r: r["batches_per_s"])
         out["tokens >= 5x DataLoader batches/s"] = f"{g['batches_per_s'] / best['batches_per_s']:.2f}x"
         out["tokens CPU-s/GB <= DataLoader's"] = f"{g['cpu_s_per_gb']:.3f} vs {best['cpu_s_per_gb']:.3f}"
-    s, c = find("step", "gdskit", "hot"), find("step", "compute-only", "hot")
-    if s and c:
-        out["step: loader adds <= 5%"] = f"{100 * (s['wall_s'] / c['wall_s'] - 1):+.1f}%"
+    s, m = find("step", "gdskit", "hot"), find("step", "memory", "hot")
+    if s and m:
+        out["step: gdskit's loader adds <= 5% to the step"] = f"{100 * (s['wall_s'] / m['wall_s'] - 1):+.1f}%"
+    d = find("step", "dataloader-8", "hot")
+    if d and m:
+        out["step: DataLoader adds (for comparison)"] = f"{100 * (d['wall_s'] / m['wall_s'] - 1):+.1f}%"
     if s and s.get("peak_gpu_batches") is not None:
         out["step: GPU memory <= prefetch + 1 = 3 batches"] = f"{s['peak_gpu_batches']:.2f}"
     return out
@@ -405,8 +469,9 @@ def main() -> None:
     ap.add_argument("--no-hot", action="store_true")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--batches", type=int, default=None, help="token batches per run")
+    ap.add_argument("--step-ms", type=float, default=None, help="the step alone, in ms (calibrated)")
     ap.add_argument("--dl-workers", type=int, default=None, help="cap on DataLoader workers (small machines)")
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=120, help="seconds per measurement")
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--child", dest="peer", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
@@ -419,6 +484,8 @@ def main() -> None:
     sz = sizes(args.quick)
     if args.batches:
         sz["batches"] = args.batches
+    if args.step_ms:
+        sz["step_ms"] = args.step_ms
     if args.dl_workers or (args.quick and not args.device.startswith("cuda")):
         sz["dl_workers"] = args.dl_workers or 2
     data = ensure_data(args.dir, sz)

@@ -13,7 +13,8 @@ the same first call with ``safetensors.torch.load_file`` for reference.
 Sets (page cache hot): ``large``, one file of 32 MiB bf16 tensors (``--size`` GiB), and
 ``llama``, a Llama-shaped two-shard checkpoint of about ``--llama-size`` GiB (made by
 ``loaders.py``'s generator). ``--src`` compares source trees of gdskit in the same run,
-interleaved round by round (``before=/path/to/old/src,after=src``).
+interleaved round by round (``before=/path/to/old/src,after=src``); each tree's bytecode is
+compiled first, as installing a package does.
 
     python benchmarks/first_load.py --dir /data/fl --rounds 3 --json out.json
 """
@@ -116,10 +117,37 @@ def child(args: argparse.Namespace) -> None:
             marks[1] = time.perf_counter()
 
     staged.read_chunk = read_chunk
+    # When the load reaches each step (seconds from the import's end), for the breakdown.
+    steps: dict[str, float] = {}
+    from gdskit.formats import safetensors_format, torch_io
+    import gdskit.file
+
+    def step(name: str, fn):
+        def wrapper(*a, **k):
+            steps.setdefault(name + "_start", time.perf_counter() - t_import)
+            try:
+                return fn(*a, **k)
+            finally:
+                steps.setdefault(name + "_end", time.perf_counter() - t_import)
+        return wrapper
+    real = (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
+            gdskit.file.File.pread_many, torch_io.reserve_device_memory)
+    safetensors_format.read_header_file = step("header", real[0])
+    gdskit.safetensors.open_file = step("open", real[1])
+
+    def warm_up(*a, **k):
+        steps.setdefault("warm_up_start", time.perf_counter() - t_import)
+        wait = real[2](*a, **k)
+        return step("warm_up_wait", wait)
+    torch_io.start_warm_up = warm_up
+    gdskit.file.File.pread_many = step("submit", real[3])
+    torch_io.reserve_device_memory = step("reserve", real[4])
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
     t_first = time.perf_counter()
     timing[0] = False
+    (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
+     gdskit.file.File.pread_many, torch_io.reserve_device_memory) = real
     del got
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
@@ -129,6 +157,7 @@ def child(args: argparse.Namespace) -> None:
                first_byte_s=(marks[0] - t_import) if marks else None,
                last_byte_s=(marks[1] - t_import) if len(marks) > 1 else None,
                lane_setup_max_s=max(pool.setup_seconds, default=0.0), lanes=len(pool.setup_seconds),
+               steps={k: round(v, 4) for k, v in sorted(steps.items(), key=lambda kv: kv[1])},
                paths={k: v.bytes for k, v in gdskit.stats().paths.items()})
     fresh_process.report(out)
 
@@ -154,6 +183,9 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     trees = dict(item.split("=", 1) for item in args.src.split(",") if item) or \
         {"this": os.path.join(here, "..", "src")}
+    import compileall
+    for tree in trees.values():  # as an installed package is: bytecode made at install, not at import
+        compileall.compile_dir(tree, quiet=1)
     files = sets(args)
     warm([p for ps in files.values() for p in ps])
     runs = []

@@ -184,6 +184,8 @@ class FakeDriver:
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, tuple[int, int] | None] = {}  # event -> (stream, position) of its last record
         self._event_device: dict[int, int | None] = {}  # event -> the device of the context it was made in
+        self.event_flags: dict[int, int] = {}  # event -> the flags it was made with
+        self.waited_events: collections.deque[int] = collections.deque(maxlen=1000)  # cuEventSynchronize'd
         self._next_handle = 100
         self._tls = threading.local()
         self.fail: dict[str, CUresult] = {}  # function name -> error to return (once set, every call)
@@ -713,10 +715,14 @@ class FakeDriver:
         with self._lock:
             self._events[h] = None
             self._event_device[h] = self._context()
+            self.event_flags[h] = int(flags)
         return (OK, h)
 
     def cuEventRecord(self, event: int, stream: int):  # noqa: N802
         with self._api():
+            err = self._count("cuEventRecord")
+            if err:
+                return (err,)
             s = self._stream(stream)
             if s is None or int(event) not in self._events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
@@ -731,6 +737,7 @@ class FakeDriver:
             if int(event) not in self._events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             err = self._count("cuEventSynchronize")
+            self.waited_events.append(int(event))
             mark = self._events[int(event)]
             if err:
                 if mark is not None:
@@ -746,6 +753,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             del self._events[int(event)]
             self._event_device.pop(int(event), None)
+            self.event_flags.pop(int(event), None)
         return (OK,)
 
     def cuDeviceGetPCIBusId(self, length: int, device: int):  # noqa: N802

@@ -23,6 +23,8 @@ import ctypes
 import enum
 import itertools
 import os
+import random
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -185,7 +187,10 @@ class FakeCufile:
         pass
 
     def driver_get_properties(self, addr: int) -> None:
-        pass  # all zeros: no nvidia-fs
+        # All zeros (no nvidia-fs) but for the batch limits, as libcufile fills them in.
+        if self.props_batch_limits:
+            ctypes.c_uint.from_address(addr + _PROPS_MAX_BATCH_IO_SIZE).value = self.io_batchsize
+            ctypes.c_uint.from_address(addr + _PROPS_MAX_BATCH_IO_SIZE + 4).value = self.batch_timeout_ms
 
     def get_stats_l3(self, ptr: int) -> None:
         obj = self._objects[ptr]
@@ -245,3 +250,266 @@ class FakeCufile:
             status = os.pwrite(self.handles[fh], data, file_offset)
             self._count(base, f"n_{self.route}_writes")
         return self._check_ssize(status)
+
+    # -- batch API (cuFileBatchIOSetUp / Submit / GetStatus / Cancel / Destroy) ----------------------
+    #
+    # The rules of libcufile's batch API, as the cuFile API reference states them, and where it
+    # says nothing, the stricter reading (the stand-in is never more forgiving than the library):
+    #
+    # * ``batch_io_set_up(nr)``: 0 < nr <= the ``io_batchsize`` limit, else INVALID_VALUE; every
+    #   set-up gives a new batch id.
+    # * ``batch_io_submit(id, nr, params, flags)``: a live id, flags 0, 0 < nr <= the set-up's nr;
+    #   each entry in mode CUFILE_BATCH, opcode read or write, a registered handle, device memory,
+    #   non-negative offsets, and 4 KiB-aligned file offset, memory and size (stricter: the
+    #   reference leaves unaligned batch entries to the implementation). An invalid entry refuses
+    #   the whole submit (INVALID_VALUE). A submit while entries of the last one are still to be
+    #   reaped is refused (BATCH_FULL): one submit at a time per batch.
+    # * Entries go WAITING -> PENDING -> COMPLETE (or FAILED, CANCELED) and finish in any order
+    #   (drawn from ``seed``), only while ``batch_io_get_status`` is called, as if the caller's
+    #   poll were what let them run. A get-status call reports each finished entry once, at most
+    #   ``*nr`` of them, and at least ``min_nr`` where that many can finish (``min_nr > *nr`` is
+    #   INVALID_VALUE). A NULL timeout (0) is a breach: it can block forever.
+    # * ``batch_io_cancel(id)``: entries not yet finished become CANCELED (reported by later polls).
+    # * ``batch_io_destroy(id)``: a second destroy, or any use after it, is a breach (undefined
+    #   behaviour in C), and so is destroying a batch with entries still in flight.
+    #
+    # Breaches are recorded in ``violations`` (the batch tests check it is empty) and raised.
+
+    BatchMode = SimpleNamespace(BATCH=1)
+    Opcode = SimpleNamespace(READ=0, WRITE=1)
+    Status = SimpleNamespace(WAITING=1, PENDING=2, INVALID=4, CANCELED=8, COMPLETE=16, TIMEOUT=32, FAILED=64)
+    SizeTConfigParameter = SimpleNamespace(PROPERTIES_IO_BATCHSIZE=9, PROPERTIES_BATCH_IO_TIMEOUT_MS=11)
+
+    io_batchsize = 128          # cufile.json "io_batchsize" (its default)
+    batch_timeout_ms = 0        # cufile.json "batch_io_timeout_msecs" (0 here: entries never time out)
+    props_batch_limits = True   # driver_get_properties fills max_batch_io_size (False: zero, as an old driver)
+    batch_counts = "l1"         # which counters a batch entry moves: "l1", "l3", "both" or "none"
+
+    def configure_batch(self, *, io_batchsize: int | None = None, counts: str | None = None,
+                        device_of=None, seed: int | None = None, parameters: bool = True,
+                        props_limits: bool | None = None) -> None:
+        """The batch API's configuration: the ``io_batchsize`` limit, which counters entries move,
+        which pointers are device memory (``device_of(ptr)`` -> device or None; default: all),
+        the completion order's ``seed``, and whether ``get_parameter_size_t`` exists
+        (``parameters=False``: an older library, the limit comes from the driver properties)."""
+        if io_batchsize is not None:
+            self.io_batchsize = io_batchsize
+        if counts is not None:
+            assert counts in ("l1", "l3", "both", "none")
+            self.batch_counts = counts
+        if props_limits is not None:
+            self.props_batch_limits = props_limits
+        state = self._batch_state()
+        state["device_of"] = device_of
+        if seed is not None:
+            state["rng"] = random.Random(seed)
+        if not parameters:
+            state["no_parameters"] = True
+
+    def _batch_state(self) -> dict:
+        state = self.__dict__.get("_batch")
+        if state is None:
+            state = self.__dict__["_batch"] = {
+                "live": {}, "destroyed": set(), "device_of": None, "no_parameters": False,
+                "rng": random.Random(int(os.environ.get("GDSKIT_STAND_IN_SEED", "0"))),
+                "submitted": 0, "faults": {}, "stall": False, "interrupt_at": None, "polls": 0,
+                "l1": dict.fromkeys(_L1_FIELDS, 0), "setups": 0, "destroys": 0}
+            self.violations = getattr(self, "violations", [])
+        return state
+
+    @property
+    def live_batches(self) -> int:
+        """Batches set up and not yet destroyed."""
+        return len(self._batch_state()["live"])
+
+    @property
+    def batch_calls(self) -> dict[str, int]:
+        state = self._batch_state()
+        return {"set_up": state["setups"], "destroy": state["destroys"], "entries": state["submitted"],
+                "polls": state["polls"]}
+
+    def fail_batch_entry(self, nth: int, status: int | None = None, ret: int = -5) -> None:
+        """The ``nth`` entry submitted (0-based, over every batch) finishes with ``status``
+        (default FAILED) and ``ret`` (``-errno`` or ``-CUfileOpError``, as a size_t)."""
+        self._batch_state()["faults"][nth] = (self.Status.FAILED if status is None else status, ret)
+
+    def stall_batches(self, stalled: bool = True, cancel_works: bool = True) -> None:
+        """Entries stop finishing (a hung device): polls return nothing until they are cancelled
+        (``cancel_works=False``: not even then)."""
+        self._batch_state()["stall"] = stalled
+        self._batch_state()["cancel_ignored"] = not cancel_works
+
+    def interrupt_batch_poll(self, nth: int) -> None:
+        """The ``nth`` get-status call (1-based) raises KeyboardInterrupt, as a signal would."""
+        self._batch_state()["interrupt_at"] = nth
+
+    def _batch_breach(self, message: str, status: int = OpError.INVALID_VALUE) -> None:
+        self.violations.append(message)
+        raise cuFileError(status)
+
+    def _live_batch(self, batch_id: int, what: str) -> dict:
+        state = self._batch_state()
+        found = state["live"].get(batch_id)
+        if found is None:
+            if batch_id in state["destroyed"]:
+                self._batch_breach(f"{what} of batch {batch_id:#x} after its destroy")
+            self._check_status(OpError.INVALID_VALUE)
+        return found
+
+    def get_parameter_size_t(self, param: int) -> int:
+        if self._batch_state()["no_parameters"]:
+            raise AttributeError("get_parameter_size_t")  # not in this (older) library
+        if param == self.SizeTConfigParameter.PROPERTIES_IO_BATCHSIZE:
+            return self.io_batchsize
+        if param == self.SizeTConfigParameter.PROPERTIES_BATCH_IO_TIMEOUT_MS:
+            return self.batch_timeout_ms
+        self._check_status(OpError.INVALID_VALUE)
+
+    def batch_io_set_up(self, nr: int) -> int:
+        state = self._batch_state()
+        if not 0 < nr <= self.io_batchsize:
+            self._check_status(OpError.INVALID_VALUE)
+        batch_id = next(self._ids) << 4
+        state["live"][batch_id] = {"capacity": nr, "entries": []}
+        state["setups"] += 1
+        return batch_id
+
+    def batch_io_submit(self, batch_id: int, nr: int, params_ptr: int, flags: int) -> None:
+        state = self._batch_state()
+        batch = self._live_batch(batch_id, "submit")
+        if flags != 0 or not 0 < nr <= batch["capacity"] or not params_ptr:
+            self._check_status(OpError.INVALID_VALUE)
+        if any(e["state"] != "reaped" for e in batch["entries"]):
+            self._check_status(OpError.BATCH_FULL)
+        params = np.frombuffer((ctypes.c_char * (nr * IO_PARAMS.itemsize)).from_address(params_ptr),
+                               dtype=IO_PARAMS).copy()  # libcufile takes the entries during the call
+        device_of = state["device_of"]
+        for p in params:
+            u = p["u"]
+            base, foff, boff, size = int(u["dev_ptr_base"]), int(u["file_offset"]), int(u["dev_ptr_offset"]), \
+                int(u["size"])
+            ok = (int(p["mode"]) == self.BatchMode.BATCH and int(p["opcode"]) in (0, 1)
+                  and int(p["fh"]) in self.handles and foff >= 0 and boff >= 0 and size > 0
+                  and (device_of is None or device_of(base) is not None)
+                  and foff % 4096 == 0 and (base + boff) % 4096 == 0 and size % 4096 == 0)
+            if not ok:
+                self._check_status(OpError.INVALID_VALUE)
+        batch["entries"] = []
+        for p in params:
+            u = p["u"]
+            fault = state["faults"].pop(state["submitted"], None)
+            state["submitted"] += 1
+            batch["entries"].append({"state": "waiting", "cookie": int(p["cookie"]), "fh": int(p["fh"]),
+                                     "op": int(p["opcode"]), "base": int(u["dev_ptr_base"]),
+                                     "file_offset": int(u["file_offset"]), "buf_offset": int(u["dev_ptr_offset"]),
+                                     "size": int(u["size"]), "fault": fault, "status": 0, "ret": 0})
+
+    def _finish_entry(self, e: dict) -> None:
+        """Run one entry's I/O (or its injected failure)."""
+        if e["fault"] is not None:
+            e["status"], ret = e["fault"]
+            e["ret"] = ret % (1 << 64)  # a size_t
+        else:
+            size = min(e["size"], self.max_io or e["size"])
+            addr = e["base"] + e["buf_offset"]
+            if e["op"] == self.Opcode.READ:
+                data = os.pread(self.handles[e["fh"]], size, e["file_offset"])
+                ctypes.memmove(addr, data, len(data))
+                n = len(data)
+            else:
+                n = os.pwrite(self.handles[e["fh"]], ctypes.string_at(addr, size), e["file_offset"])
+            e["status"], e["ret"] = self.Status.COMPLETE, n
+            kind = "reads" if e["op"] == self.Opcode.READ else "writes"
+            if self.batch_counts in ("l3", "both"):
+                self._count(e["base"], f"n_{self.route}_{kind}")
+            if self.batch_counts in ("l1", "both"):
+                l1 = self._batch_state()["l1"]
+                l1[{"posix": "batch_posix_processed_ops", "nvfs": "batch_nvfs_submit_ops",
+                    "p2p": "batch_p2p_submit_ops"}[self.route]] += 1
+                l1["batch_read_bytes" if kind == "reads" else "batch_write_bytes"] += n
+        e["state"] = "finished"
+
+    def batch_io_get_status(self, batch_id: int, min_nr: int, nr_ptr: int, events_ptr: int, timeout_ptr: int) -> None:
+        state = self._batch_state()
+        state["polls"] += 1
+        if state["interrupt_at"] is not None and state["polls"] == state["interrupt_at"]:
+            raise KeyboardInterrupt
+        batch = self._live_batch(batch_id, "get-status")
+        nr = ctypes.c_uint.from_address(nr_ptr)
+        if min_nr > nr.value or not events_ptr:
+            self._check_status(OpError.INVALID_VALUE)
+        if not timeout_ptr:
+            self._batch_breach("batch_io_get_status without a timeout: it can block forever")
+        for e in batch["entries"]:
+            if e["state"] == "waiting":
+                e["state"] = "pending"
+        running = [e for e in batch["entries"] if e["state"] == "pending"]
+        rng = state["rng"]
+        if not state["stall"] and running:
+            rng.shuffle(running)
+            ready = sum(1 for e in batch["entries"] if e["state"] == "finished")
+            # Some finish now: at least enough for min_nr (where that many are left), any number more.
+            need = max(0, min(min_nr - ready, len(running)))
+            for e in running[:rng.randint(max(need, 1), len(running))]:
+                self._finish_entry(e)
+        elif state["stall"]:
+            time.sleep(0.001)  # the poll's timeout runs out (kept short here)
+        done = [e for e in batch["entries"] if e["state"] == "finished"]
+        rng.shuffle(done)
+        done = done[:nr.value]
+        out = np.frombuffer((ctypes.c_char * (max(len(done), 1) * IO_EVENTS.itemsize)).from_address(events_ptr),
+                            dtype=IO_EVENTS)
+        for i, e in enumerate(done):
+            out[i] = (e["cookie"], e["status"], e["ret"])
+            e["state"] = "reaped"
+        nr.value = len(done)
+
+    def batch_io_cancel(self, batch_id: int) -> None:
+        batch = self._live_batch(batch_id, "cancel")
+        if self._batch_state().get("cancel_ignored"):
+            return
+        for e in batch["entries"]:
+            if e["state"] in ("waiting", "pending"):
+                e["state"], e["status"], e["ret"] = "finished", self.Status.CANCELED, 0
+
+    def batch_io_destroy(self, batch_id: int) -> None:
+        state = self._batch_state()
+        batch = state["live"].pop(batch_id, None)
+        if batch is None:
+            self._batch_breach(f"destroy of batch {batch_id:#x}, which is "
+                               + ("destroyed already" if batch_id in state["destroyed"] else "no batch"))
+        state["destroyed"].add(batch_id)
+        state["destroys"] += 1
+        in_flight = sum(1 for e in batch["entries"] if e["state"] in ("waiting", "pending"))
+        if in_flight:
+            self._batch_breach(f"destroy of batch {batch_id:#x} with {in_flight} entries still in flight")
+
+    # -- level-1 statistics (the batch counters) -------------------------------------------------
+    @property
+    def StatsLevel1(self):  # noqa: N802 - the bindings' name
+        fake = self
+
+        class StatsLevel1:
+            def __init__(self) -> None:
+                self.ptr = next(fake._ids)
+                fake._objects[self.ptr] = self
+
+        return StatsLevel1
+
+    def get_stats_l1(self, ptr: int) -> None:
+        obj = self._objects[ptr]
+        for k, v in self._batch_state()["l1"].items():
+            setattr(obj, k, v)
+
+
+#: ``CUfileIOParams_t`` and ``CUfileIOEvents_t`` as cufile.h lays them out (x86-64).
+IO_PARAMS = np.dtype({"names": ["mode", "u", "fh", "opcode", "cookie"],
+                      "formats": ["<i4", np.dtype([("dev_ptr_base", "<i8"), ("file_offset", "<i8"),
+                                                   ("dev_ptr_offset", "<i8"), ("size", "<u8")]),
+                                  "<i8", "<i4", "<i8"],
+                      "offsets": [0, 8, 40, 48, 56], "itemsize": 64})
+IO_EVENTS = np.dtype({"names": ["cookie", "status", "ret"], "formats": ["<i8", "<i4", "<u8"],
+                      "offsets": [0, 8, 16], "itemsize": 24})
+_L1_FIELDS = ("batch_posix_processed_ops", "batch_nvfs_submit_ops", "batch_p2p_submit_ops",
+              "batch_read_bytes", "batch_write_bytes")
+_PROPS_MAX_BATCH_IO_SIZE = 48  # offset of max_batch_io_size in CUfileDrvProps_t

@@ -74,3 +74,15 @@ def test_worker_processes_on_the_gpu(tmp_path, op):
         c = cufile[0].cufile_counters
         assert c["n_nvfs_reads"] + c["n_p2p_reads"] + c["n_posix_reads"] >= cufile[0].ops
     assert os.listdir(tmp_path) == []
+
+
+def test_a_read_benchmark_reports_the_engines_rate_beside_the_rows(tmp_path):
+    p = make_params(size="256M", io_size="1M", workers=4, paths="bounce,host", cache="hot", repeat=2)
+    rep = runner.run_benchmark(p, workdir=str(tmp_path))
+    e = rep.engine
+    assert e is not None and e.bytes == 256 * MiB and len(e.gib_per_s) == 2
+    assert sum(e.taken.values()) == 2 * 256 * MiB and e.path_taken is not None
+    bounce = [r.gib_per_s for r in rep.runs if r.path == "bounce"]
+    assert e.note and bounce
+    assert rep.to_dict()["engine"]["gib_per_s_median"] == e.gib_per_s_median
+    assert os.listdir(tmp_path) == []

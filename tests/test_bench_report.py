@@ -45,9 +45,9 @@ def _report():
                        created="2026-11-29T00:00:00Z")
 
 
-# The stable schema: changing these keys needs a new schema_version.
+# The stable schema: within one schema_version keys are only ever added, never changed or removed.
 TOP_KEYS = {"schema_version", "kind", "created", "params", "machine", "paths", "unavailable",
-            "summaries", "runs", "knee", "profile_saved", "verify_ok", "warnings"}
+            "summaries", "runs", "knee", "profile_saved", "engine", "verify_ok", "warnings"}
 RUN_KEYS = {"path", "io_size", "repetition", "op", "bytes", "ops", "wall_s", "gib_per_s", "latency_us",
             "cpu", "ledger", "path_taken", "fell_back", "fallback_reason", "verify", "cufile_counters"}
 SUMMARY_KEYS = {"path", "io_size", "repetitions", "gib_per_s_median", "gib_per_s_min", "gib_per_s_max",

@@ -89,3 +89,20 @@ def test_gpu_memory_stays_within_the_read_ahead(tokens, prefetch):
     round_up = lambda n: -(-n // 512) * 512  # noqa: E731 - torch's allocator's granule
     # the read-ahead and the batch in use, the caller's float copy of it (4 bytes a token) and its sum
     assert peak <= (prefetch + 1) * round_up(batch_bytes) + round_up(4 * 4097 * 4) + 2 * 512
+
+
+def test_many_shards_preload_as_one_job_into_their_tensors(tmp_path):
+    """Many one-chunk shards (an .npy header's offset each) and a few striped ones: every tensor
+    equals np.load of its file, and the ledger counts exactly the arrays' bytes."""
+    rng = np.random.default_rng(1)
+    arrays = {f"s{i:03d}.npy": rng.random((int(rng.integers(1, 300)), 257), dtype=np.float32) for i in range(150)}
+    arrays["big.npy"] = rng.random((3 << 20) // 4, dtype=np.float32)
+    for name, a in arrays.items():
+        np.save(tmp_path / name, a)
+    with gdskit.settings.set(chunk_size="1MiB"):
+        got, delta = gd.preload(tmp_path, device="cuda:0", return_stats=True)
+    assert list(got) == sorted(arrays)
+    for name, a in arrays.items():
+        assert got[name].is_cuda and np.array_equal(got[name].cpu().numpy(), a)
+    assert delta.bytes_read == sum(a.nbytes for a in arrays.values())
+    assert "host" not in delta.paths

@@ -303,3 +303,20 @@ def test_large_header_takes_a_second_read(tmp_path):
     p.write_bytes(handmade(text, (2, 0)) + b"\x07")
     h, size = npy.read_header(p)
     assert h.shape == (1,) * 40 and size == h.data_offset + 1
+
+
+def test_shards_that_share_a_header_are_each_read_and_checked(tmp_path):
+    """A header many shards share is parsed once; each file's size and validity are its own."""
+    np.save(tmp_path / "a.npy", np.zeros((4, 8), np.float32))
+    np.save(tmp_path / "b.npy", np.ones((4, 8), np.float32))
+    np.save(tmp_path / "c.npy", np.ones((5, 8), np.float32))
+    os.truncate(tmp_path / "b.npy", 140)  # its header is the same as a's; most of its data is gone
+    (ha, size_a), (hb, size_b), (hc, _size_c) = (npy.read_header(tmp_path / n) for n in ("a.npy", "b.npy", "c.npy"))
+    assert ha == hb and (ha.shape, hc.shape) == ((4, 8), (5, 8))
+    assert size_a == os.path.getsize(tmp_path / "a.npy") and size_b == 140
+    data = bytearray((tmp_path / "a.npy").read_bytes())
+    data[10:14] = b"{'de"[::-1]  # the same length, a broken dictionary
+    (tmp_path / "d.npy").write_bytes(bytes(data))
+    for _ in range(2):  # refused every time, not remembered as good
+        with pytest.raises(NpyHeaderError):
+            npy.read_header(tmp_path / "d.npy")

@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
 from gdskit.errors import GdskitFileNotFoundError  # noqa: E402
 from leak_helpers import fd_count  # noqa: E402
@@ -87,3 +88,21 @@ def test_a_file_that_shrank_since_it_was_listed(tmp_path):
     dest = torch.zeros(5000, dtype=torch.uint8)
     with pytest.raises(gd.TruncatedFileError):
         read_files([(FileReads(src, ((5000, 0, 0),)), engine_view(dest))])
+
+
+def test_many_shards_of_every_size_equal_np_load(tmp_path):
+    rng = np.random.default_rng(3)
+    arrays = {f"{i:03d}.npy": rng.random((int(rng.integers(0, 90)), 33)).astype("<f4" if i % 3 else ">i2")
+              for i in range(120)}
+    arrays["striped.npy"] = rng.random(100_000)  # several chunks at 64 KiB
+    for name, a in arrays.items():
+        np.save(tmp_path / name, a)
+    (tmp_path / "raw.bin").write_bytes(b"\x01\x02" * 40_000)
+    fds = fd_count()
+    with gdskit.settings.set(chunk_size="64KiB", threads=3):
+        got = gd.preload(tmp_path, device="cpu")
+    assert list(got) == sorted([*arrays, "raw.bin"])
+    for name, a in arrays.items():
+        assert np.array_equal(got[name].numpy(), a) and got[name].shape == a.shape
+    assert got["raw.bin"].numpy().tobytes() == b"\x01\x02" * 40_000
+    assert fd_count() == fds

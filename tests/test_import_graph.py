@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 CORE = ("gdskit.file", "gdskit.router", "gdskit.plan", "gdskit.pool", "gdskit.backends", "gdskit.buffers",
         "gdskit.cuda", "gdskit.ledger", "gdskit.settings", "gdskit.shutdown", "gdskit.direct_route",
         "gdskit.residency", "gdskit.durable", "gdskit.vocabulary", "gdskit.errors", "gdskit.profiles",
-        "gdskit.routing", "gdskit.routed", "gdskit.numa")
+        "gdskit.routing", "gdskit.routed", "gdskit.numa", "gdskit.many_files")
 
 #: What the core may read facts through besides itself: the probes' plain readers of /proc, /sys
 #: and /etc (not their verdicts, reports or live checks).

@@ -11,6 +11,7 @@ import pytest
 
 import gdskit
 from gdskit import cuda, numa, pool
+from gdskit.backends import bounce
 from gdskit.numa import NumaPlace, parse_cpulist
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.routes import numa_place
@@ -113,12 +114,18 @@ def test_a_bounce_read_stages_on_the_gpus_node_with_its_workers_there(tmp_path, 
     if numa.current_policy() is not None:
         assert usage.numa_nodes == (0,)
         assert numa.current_policy() == (numa.MPOL_DEFAULT, frozenset())
-    # A read of one chunk runs in the calling thread, which gets its own affinity back.
+    # A read of one large chunk runs in the calling thread, on the node, and the thread gets its
+    # own affinity back; a small one leaves the thread where it is (moving costs more than it saves).
     with numa.use_facts(lambda bus: NumaPlace(0, node_cpus)):
-        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:
+        with gdskit.settings.set(mode="bounce", chunk_size="2MiB", threads=2), gdskit.open(path) as f:
+            assert f.read_many([(buf, bounce.NUMA_MOVE_MIN, 0)], on_bytes=record) == [bounce.NUMA_MOVE_MIN]
+            assert seen[-1] == node_cpus and frozenset(os.sched_getaffinity(0)) == caller
             assert f.read_many([(buf, 4096, 0)], on_bytes=record) == [4096]
+            assert seen[-1] == caller and frozenset(os.sched_getaffinity(0)) == caller
+            # A batch moves once for all its reads, and back.
+            assert f.read_batch(buf, [0, 8192], 4096) == [4096, 4096]
+            assert frozenset(os.sched_getaffinity(0)) == caller
         gdskit.release_resources()
-    assert seen[-1] == node_cpus and frozenset(os.sched_getaffinity(0)) == caller
     # Without a known node nothing is placed.
     gdskit.release_resources()
     with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=2), gdskit.open(path) as f:

@@ -29,6 +29,7 @@ from gdskit.routed import read_routed
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import RouteDecision, route_for_read
 from gdskit.settings import settings
+from gdskit.vocabulary import Reason
 
 _MODES = {
     "r": os.O_RDONLY,
@@ -238,8 +239,11 @@ class File:
         For many small reads (random access to records, samples, embeddings): the
         buffer and the arguments are checked once, and into host memory each read that
         can be one system call is made in a tight loop, so a 4 KiB read costs little more
-        than the system call. Returns each read's byte count (short only at end of file).
-        ``latencies_ns``, when given, receives each read's duration in nanoseconds.
+        than the system call. Into device memory, reads cuFile serves whose destinations do
+        not overlap go to the engine as one job where ``settings.cufile_batch`` picks cuFile's
+        batch API for them (docs/engine.md, "Batched submission"). Returns each read's byte
+        count (short only at end of file). ``latencies_ns``, when given, receives each read's
+        duration in nanoseconds (the reads then run one after another).
         """
         self._enter()
         try:
@@ -268,6 +272,12 @@ class File:
             return [0] * len(offsets)
         if not view.on_device:
             return backend("host").read_batch(self._of, view, offsets, places, size, host_reason(), latencies_ns)
+        if latencies_ns is None and self._batch_job(view, size, offsets, places):
+            return self._execute_many([(view, size, off, bo) for off, bo in zip(offsets, places)])
+        bounce_reason = self._batch_bounce_reason(view, size, offsets[0], places[0])
+        if bounce_reason is not None:
+            _wait_for_producer(view)
+            return backend("bounce").read_batch(self._of, view, offsets, places, size, bounce_reason, latencies_ns)
         counts = []
         synced: set[Any] = set()  # one wait for the producer's stream, not one per read
         for off, bo in zip(offsets, places):
@@ -276,6 +286,28 @@ class File:
             if latencies_ns is not None:
                 latencies_ns.append(time.perf_counter_ns() - t0)
         return counts
+
+    def _batch_job(self, view: BufferView, size: int, offsets: list[int], places: list[int]) -> bool:
+        """Whether a batch of device reads runs as one job, so that cuFile's batch API can take
+        it (gdskit.backends.cufile_batch decides; the first read's route says cuFile serves)."""
+        from gdskit.backends.cufile_batch import read_batch_as_one_job  # noqa: PLC0415
+
+        cfg = settings.snapshot()
+        if not read_batch_as_one_job(cfg.cufile_batch, size, places):
+            return False
+        routes = plan_routes(self._of, view, size, offsets[0], places[0], cfg)
+        return any(r.backend == "cufile" for r in routes)
+
+    def _batch_bounce_reason(self, view: BufferView, size: int, file_offset: int, buf_offset: int) -> Reason | None:
+        """The reason every read of a batch into device memory takes the bounce ring, where the
+        route of its first read says so for all of them (every reason but ``unaligned`` is the
+        same for reads of one size into one buffer); else None (each read is routed alone)."""
+        cfg = settings.snapshot()
+        routes = plan_routes(self._of, view, size, file_offset, buf_offset, cfg)
+        if len(routes) != 1 or routes[0].backend != "bounce" or routes[0].reason is Reason.UNALIGNED:
+            return None
+        decision = route_for_read(self._of, view, False, cfg.routing)
+        return None if decision is not None and decision.routed else routes[0].reason
 
     def read_many(self, reads: Iterable[tuple[Any, ...]], *,
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:

@@ -9,6 +9,7 @@ memory never exceeds ``settings.pinned_budget``.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 import time
@@ -92,7 +93,12 @@ class Lane:
         self.stages: list[Any] = []
         self.events: list[cuda.Event] = []
         self.stream: cuda.Stream | None = None
+        # What a read of one small chunk in its caller's thread waits on (backends.bounce): no
+        # blocking sync, so the wait for a copy of a few KiB ends when the copy does, not when an
+        # interrupt wakes the thread (docs/engine.md, "Small reads").
+        self.quick_event: cuda.Event | None = None
         self.numa_node: int | None = None  # the NUMA node the stages were made on, where one was chosen
+        self.counted_pinned = 0  # the pinned bytes the pool counts for this lane (LanePool._add)
         self.turn = 0
         try:
             if device is None:
@@ -106,6 +112,7 @@ class Lane:
                     for _ in range(self.stages_per_device_lane):
                         self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
                         self.events.append(cuda.Event())
+                self.quick_event = cuda.Event(blocking_sync=False)
                 self.numa_node = node if bound else None
         except BaseException:
             self.free()
@@ -128,6 +135,8 @@ class Lane:
     def drain(self) -> None:
         for ev in self.events:
             ev.wait()
+        if self.quick_event is not None:
+            self.quick_event.wait()
         if self.stream is not None:
             self.stream.synchronize()
 
@@ -141,11 +150,13 @@ class Lane:
                 pass
         for ev in self.events:
             ev.destroy()
+        if self.quick_event is not None:
+            self.quick_event.destroy()
         for st in self.stages:
             st.free()
         if self.stream is not None:
             self.stream.destroy()
-        self.events, self.stages, self.stream = [], [], None
+        self.events, self.stages, self.stream, self.quick_event = [], [], None, None
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,19 @@ class ResourceUsage:
     numa_nodes: tuple[int, ...] = ()  # the NUMA nodes pinned stages were placed on (gdskit.numa)
 
 
+@functools.lru_cache(maxsize=64)
+def _device_stage_layout(threads: int, chunk_size: int, budget: int, alignment: int, k: int) -> tuple[int, int]:
+    """:meth:`LanePool.stage_layout` for device lanes of ``k`` stages: pure, and asked by every
+    request (so remembered)."""
+    lanes = threads
+    per_stage = budget // (lanes * k)
+    while lanes > 1 and per_stage - 2 * alignment < 64 * 1024:
+        lanes -= 1
+        per_stage = budget // (lanes * k)
+    chunk = min(chunk_size, align_down(per_stage - 2 * alignment, alignment))
+    return lanes, max(alignment, chunk)
+
+
 class LanePool:
     """Lanes per device (``None`` = host), bounded by count and pinned budget."""
 
@@ -173,6 +197,7 @@ class LanePool:
         self._cond = threading.Condition()
         self._idle: dict[Any, list[Lane]] = {}
         self._all: list[Lane] = []
+        self._all_pinned = 0  # the pinned bytes of the lanes in _all (a sum every request would ask for)
         self._busy = 0
         self._creating: dict[tuple[int | None, int], int] = {}
         self._creating_pinned = 0
@@ -186,14 +211,7 @@ class LanePool:
         """(lanes, chunk bytes) that fit the pinned budget; each stage holds a chunk plus alignment slack."""
         if device is None:
             return threads, chunk_size
-        lanes = threads
-        k = Lane.stages_per_device_lane
-        per_stage = budget // (lanes * k)
-        while lanes > 1 and per_stage - 2 * alignment < 64 * 1024:
-            lanes -= 1
-            per_stage = budget // (lanes * k)
-        chunk = min(chunk_size, align_down(per_stage - 2 * alignment, alignment))
-        return lanes, max(alignment, chunk)
+        return _device_stage_layout(threads, chunk_size, budget, alignment, Lane.stages_per_device_lane)
 
     def acquire(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> Lane:
         """An idle lane of this shape, or a new one if the count and the pinned budget allow; else wait.
@@ -208,8 +226,8 @@ class LanePool:
                 while self._pinned() > budget and self._drop_one_idle(keep=None):
                     pass
                 idle = self._idle.get(device, [])
-                for i, lane in enumerate(idle):
-                    if lane.stage_bytes == stage_bytes:
+                for i in range(len(idle) - 1, -1, -1):  # the last one given back: its memory is warmest
+                    if idle[i].stage_bytes == stage_bytes:
                         self._busy += 1
                         return idle.pop(i)
                 count = sum(1 for ln in self._all if (ln.device, ln.stage_bytes) == key) + self._creating.get(key, 0)
@@ -233,7 +251,7 @@ class LanePool:
                 if lane is None:
                     self._busy -= 1
                 else:
-                    self._all.append(lane)
+                    self._add(lane)
                 self._cond.notify_all()
         return lane
 
@@ -268,12 +286,22 @@ class LanePool:
         finally:
             with self._cond:
                 self._busy -= 1
-                if lane in self._all:
-                    self._all.remove(lane)
+                self._remove(lane)
                 self._cond.notify_all()
 
     def _pinned(self) -> int:
-        return sum(ln.pinned_bytes for ln in self._all) + self._creating_pinned
+        return self._all_pinned + self._creating_pinned
+
+    def _add(self, lane: Lane) -> None:
+        lane.counted_pinned = lane.pinned_bytes
+        self._all.append(lane)
+        self._all_pinned += lane.counted_pinned
+
+    def _remove(self, lane: Lane) -> None:
+        """Forget a lane (freed or about to be: its own count may already be 0)."""
+        if lane in self._all:
+            self._all.remove(lane)
+            self._all_pinned -= lane.counted_pinned
 
     def _drop_one_idle(self, keep: int | None) -> bool:
         """Free one idle device lane (not of stage size ``keep``); False when there is none."""
@@ -281,7 +309,7 @@ class LanePool:
             for i, lane in enumerate(lanes):
                 if lane.device is not None and lane.stage_bytes != keep:
                     lanes.pop(i)
-                    self._all.remove(lane)
+                    self._remove(lane)
                     lane.free()
                     return True
         return False
@@ -310,8 +338,7 @@ class LanePool:
         with self._cond:
             for lanes in self._idle.values():
                 for lane in lanes:
-                    if lane in self._all:
-                        self._all.remove(lane)
+                    self._remove(lane)
                     lane.free()
             self._idle.clear()
 

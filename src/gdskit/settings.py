@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
-from gdskit.vocabulary import Mode, ODirectPolicy, PinnedAlloc, Routing
+from gdskit.vocabulary import CufileBatch, Mode, ODirectPolicy, PinnedAlloc, Routing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -93,6 +93,7 @@ _ACCEPTS = {
     "stats_level": "0, 1, 2 or 3 (on, yes, true: 1; off, no, false: 0)",
     "stats_interval": "seconds from 0.05 to 3600",
     "routing": _one_of(Routing),
+    "cufile_batch": _one_of(CufileBatch),
 }
 
 
@@ -140,6 +141,10 @@ class Settings:
         device-to-device copy (``GDSKIT_ROUTING``): ``auto`` where that GPU is strictly
         nearer and reaches the target peer to peer, ``off`` never, ``force`` through the
         nearest other GPU whenever there are two (for testing the routed path).
+    cufile_batch : CufileBatch
+        Whether many small cuFile reads go through cuFile's batch API
+        (``GDSKIT_CUFILE_BATCH``): ``auto`` at the entry sizes where batches measured
+        faster, ``always`` whenever a batch can take them, ``never``.
     """
 
     mode: Mode = Mode.AUTO
@@ -154,6 +159,7 @@ class Settings:
     stats_level: int = 0
     stats_interval: float = 0.5
     routing: Routing = Routing.AUTO
+    cufile_batch: CufileBatch = CufileBatch.AUTO
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -174,6 +180,8 @@ class Settings:
                 return PinnedAlloc(str(value).lower())
             if name == "routing":
                 return Routing(str(value).lower())
+            if name == "cufile_batch":
+                return CufileBatch(str(value).lower())
             if name == "cufile_stats":
                 if isinstance(value, str):
                     low = value.strip().lower()
@@ -246,7 +254,7 @@ class Settings:
         out: dict[str, Any] = {}
         for k in self._names():
             v = getattr(self, k)
-            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing)) else v
+            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing, CufileBatch)) else v
         return out
 
     def snapshot(self) -> Settings:

@@ -109,3 +109,14 @@ class Routing(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class CufileBatch(str, enum.Enum):
+    """Whether many small cuFile reads are submitted through cuFile's batch API (``settings.cufile_batch``)."""
+
+    AUTO = "auto"      # at the entry sizes where batches measured faster (gdskit.backends.cufile_batch.BATCH_WINS)
+    ALWAYS = "always"  # every cuFile read job whose entries a batch can take
+    NEVER = "never"    # one cuFileRead per piece, as before batches existed
+
+    def __str__(self) -> str:
+        return self.value

@@ -5,6 +5,10 @@ worker by default, see ``Lane``) and copy them to the GPU with asynchronous
 copies on one stream per worker; with several stages a worker reads chunk
 *i+1* while chunk *i* is still being copied. Writes run the same ring
 backwards. The ring is reused across calls: pinned memory is slow to allocate.
+
+A read of one chunk (and each read of :meth:`BounceBackend.read_batch`) skips the
+workers: the calling thread takes a lane, reads into its stage, queues one copy,
+records one event and waits for it (:func:`_read_in_caller`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from gdskit import cuda
+from gdskit import cuda, numa
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.backends.staged import ChunkResult, contiguous_prefix, file_residency, read_to_stage, write_from_stage
+from gdskit.buffers import BufferView
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
 from gdskit.residency import Residency
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import Path
+from gdskit.vocabulary import Path, Reason
 
 # Workers for a job of scattered reads whose bytes the page cache holds. Such a job is many
 # small copies, and each costs Python in its worker, which shares the interpreter with the
@@ -28,6 +33,11 @@ from gdskit.vocabulary import Path
 # "Measurements behind the defaults"). From the disk every worker stays: there the disk's
 # queue depth is what counts.
 SCATTERED_HOT_WORKERS = 4
+
+# A single read done in its caller's thread moves that thread onto its GPU's NUMA node (and back)
+# only from this size: below it the two sched_setaffinity calls cost more than the few KiB the
+# thread writes into the stage across the CPUs' interconnect. A batch moves once for all its reads.
+NUMA_MOVE_MIN = 1 << 20
 
 
 def _record(req: Request, op: str, results: list[ChunkResult], total: int, elapsed: float) -> None:
@@ -43,6 +53,95 @@ def _record(req: Request, op: str, results: list[ChunkResult], total: int, elaps
                       device=req.buf.device)
     if direct:
         ledger.record(Path.BOUNCE_DIRECT, req.reason, op, direct, n_direct, share(direct), device=req.buf.device)
+
+
+def _record_reads(reason: Reason, device: int | None, results: Sequence[ChunkResult], elapsed: float) -> None:
+    """The ledger records of reads of one chunk each, as :func:`_record` makes them one by one,
+    added up into one record per path."""
+    cached_bytes = cached_reqs = direct_bytes = direct_reqs = 0
+    for r in results:
+        cached = min(r.cached, r.nbytes)
+        direct = r.nbytes - cached
+        if cached or not direct:  # one chunk each: one op per record, as _record counts it
+            cached_bytes += cached
+            cached_reqs += 1
+        if direct:
+            direct_bytes += direct
+            direct_reqs += 1
+    moved = cached_bytes + direct_bytes
+    share = (lambda b: elapsed * b / moved) if moved else (lambda b: 0.0)
+    if cached_reqs:
+        ledger.record(Path.BOUNCE_CACHED, reason, "read", cached_bytes, cached_reqs, share(cached_bytes),
+                      device=device, requests=cached_reqs)
+    if direct_reqs:
+        ledger.record(Path.BOUNCE_DIRECT, reason, "read", direct_bytes, direct_reqs, share(direct_bytes),
+                      device=device, requests=direct_reqs)
+
+
+def _fits_one_chunk(file_offset: int, size: int, chunk: int, alignment: int) -> bool:
+    """Whether :func:`gdskit.plan.chunks` makes one chunk of this read (its stage holds it)."""
+    return file_offset % alignment + size <= chunk
+
+
+def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk: int, buf: BufferView,
+                    reads: Sequence[tuple[int, int, int]], move_thread: bool,
+                    latencies_ns: list[int] | None = None,
+                    on_bytes: Callable[[int], None] | None = None) -> list[ChunkResult]:
+    """Reads ``(file_offset, buf_offset, size)`` of one chunk each into ``buf``, one after another
+    in the calling thread, on one lane held for all of them.
+
+    Each read is what it needs and no more: the chunk read the O_DIRECT policy picks
+    (:func:`~gdskit.backends.staged.read_to_stage`), one asynchronous copy, one event recorded
+    after it and waited for (the lane's spinning ``quick_event``), so that the lane is idle again
+    after each read and goes back to the pool undrained of nothing. ``move_thread``: run on the
+    GPU's NUMA node meanwhile (:mod:`gdskit.numa`), as the workers do. ``on_bytes``: called with
+    each read's count once its bytes are in ``buf``.
+    """
+    align = cfg.alignment
+    lane = lanes.acquire(device, chunk + 2 * align, n_lanes, cfg.pinned_budget)
+    queued = False  # a copy may be in flight: a lane left so must not go back to the pool as it is
+    cpus = None
+    out: list[ChunkResult] = []
+    try:
+        # The copies go to the lane's stream, which belongs to the lane's device.
+        cuda.set_device(device)
+        if move_thread:
+            cpus = numa.run_on(numa.place_of(device).cpus)
+        stream, event = lane.stream, lane.quick_event
+        assert stream is not None and event is not None
+        clock = time.perf_counter_ns
+        t0 = clock()
+        for file_offset, buf_offset, size in reads:
+            stage, _ = lane.next_stage()
+            res = read_to_stage(f, stage.view, file_offset, size, cfg.odirect, align)
+            if res.nbytes:
+                src = stage.ptr + file_offset % align
+                queued = True
+                if buf.scatter is None:
+                    stream.copy_h2d(buf.ptr + buf_offset, src, res.nbytes)
+                else:
+                    stream.copy_h2d_many([(dst, src + skip, n) for dst, skip, n
+                                          in buf.scatter.pieces(buf_offset, res.nbytes)])
+                event.record(stream)
+                event.wait()
+                queued = False
+                if on_bytes is not None:
+                    on_bytes(res.nbytes)
+            out.append(res)
+            if latencies_ns is not None:
+                t1 = clock()
+                latencies_ns.append(t1 - t0)
+                t0 = t1
+    except BaseException:
+        numa.restore_cpus(cpus)
+        if queued:
+            lanes.discard(lane)  # its copy may still read the stage: freed once its stream is done
+        else:
+            lanes.release(lane)
+        raise
+    numa.restore_cpus(cpus)
+    lanes.release(lane)
+    return out
 
 
 def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
@@ -63,15 +162,43 @@ class BounceBackend(Backend):
     name = "bounce"
 
     @staticmethod
-    def _layout(req: Request) -> tuple[Settings, int, int, int]:
-        """Settings, device, lanes and chunk bytes for requests into ``req``'s device (chunks fit the pinned budget)."""
+    def _layout(buf: BufferView) -> tuple[Settings, int, int, int]:
+        """Settings, device, lanes and chunk bytes for requests into ``buf``'s device (chunks fit the pinned budget)."""
         cfg = settings.snapshot()
-        device = req.buf.device if req.buf.device is not None else cuda.current_device()
+        device = buf.device if buf.device is not None else cuda.current_device()
         n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
         return cfg, device, n_lanes, chunk
 
     def read(self, f: OpenFile, req: Request) -> int:
         return self.read_many(f, [req])[0]
+
+    def read_batch(self, f: OpenFile, buf: BufferView, file_offsets: Sequence[int], buf_offsets: Sequence[int],
+                   size: int, reason: Reason, latencies_ns: list[int] | None = None) -> list[int]:
+        """Reads of ``size`` bytes at ``file_offsets`` into ``buf`` at ``buf_offsets``, one after
+        another, each done (its copy finished) before the next starts; the byte count of each.
+        See :meth:`gdskit.File.read_batch`.
+
+        Where every read fits one chunk they run in the calling thread on one lane, taken
+        once for the batch; otherwise each is an ordinary request.
+        """
+        if not file_offsets:
+            return []
+        cfg, device, n_lanes, chunk = self._layout(buf)
+        align = cfg.alignment
+        if size + max(o % align for o in file_offsets) > chunk:
+            counts = []
+            for off, bo in zip(file_offsets, buf_offsets):
+                t0 = time.perf_counter_ns()
+                counts.append(self.read_many(f, [Request("read", buf, size, off, bo, reason)])[0])
+                if latencies_ns is not None:
+                    latencies_ns.append(time.perf_counter_ns() - t0)
+            return counts
+        t0 = time.perf_counter()
+        results = _read_in_caller(f, cfg, device, n_lanes, chunk, buf,
+                                  [(off, bo, size) for off, bo in zip(file_offsets, buf_offsets)], True,
+                                  latencies_ns)
+        _record_reads(reason, buf.device, results, time.perf_counter() - t0)
+        return [r.nbytes for r in results]
 
     def read_many(self, f: OpenFile, reqs: Sequence[Request],
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:
@@ -84,7 +211,16 @@ class BounceBackend(Backend):
         """
         if not reqs:
             return []
-        cfg, device, n_lanes, chunk = self._layout(reqs[0])
+        cfg, device, n_lanes, chunk = self._layout(reqs[0].buf)
+        if len(reqs) == 1 and _fits_one_chunk(reqs[0].file_offset, reqs[0].size, chunk, cfg.alignment):
+            # One chunk: the calling thread reads it, without the workers' machinery.
+            req = reqs[0]
+            t0 = time.perf_counter()
+            res = _read_in_caller(f, cfg, device, n_lanes, chunk, req.buf,
+                                  [(req.file_offset, req.buf_offset, req.size)], req.size >= NUMA_MOVE_MIN,
+                                  on_bytes=on_bytes)[0]
+            _record_reads(req.reason, req.buf.device, [res], time.perf_counter() - t0)
+            return [res.nbytes]
         if _scattered_and_cached(f, reqs):
             n_lanes = min(n_lanes, SCATTERED_HOT_WORKERS)
         align = cfg.alignment
@@ -120,7 +256,7 @@ class BounceBackend(Backend):
         return counts
 
     def write(self, f: OpenFile, req: Request) -> int:
-        cfg, device, n_lanes, chunk = self._layout(req)
+        cfg, device, n_lanes, chunk = self._layout(req.buf)
         align = cfg.alignment
         stage_bytes = chunk + 2 * align
         plan = chunks(req.file_offset, req.buf_offset, req.size, chunk, align)

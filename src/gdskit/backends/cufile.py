@@ -24,10 +24,10 @@ from gdskit.backends.staged import contiguous_prefix
 from gdskit.direct_route import direct_route, udev_database_present
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, from_os_error
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk
-from gdskit.pool import run_requests
+from gdskit.plan import Chunk, chunks
+from gdskit.pool import run_chunks, run_requests
 from gdskit.settings import settings
-from gdskit.vocabulary import Path, Reason
+from gdskit.vocabulary import CufileBatch, Path, Reason
 
 
 class _NvfsProps(ctypes.Structure):
@@ -53,6 +53,8 @@ class DriverProperties:
     feature_flags: int
     max_device_cache_size_kb: int
     max_device_pinned_mem_size_kb: int
+    max_batch_io_size: int = 0            # entries one batch may hold (0: the driver names no limit)
+    max_batch_io_timeout_ms: int = 0
 
     @property
     def nvidia_fs_loaded(self) -> bool:
@@ -140,7 +142,8 @@ class CufileLibrary:
         n = props.nvfs
         return DriverProperties((n.major_version, n.minor_version), n.max_direct_io_size, n.dstatusflags,
                                 n.dcontrolflags, props.fflags, props.max_device_cache_size,
-                                props.max_device_pinned_mem_size)
+                                props.max_device_pinned_mem_size, props.max_batch_io_size,
+                                props.max_batch_io_timeout_msecs)
 
     def counters(self, gpu: int) -> dict[str, int] | None:
         """cuFile's level-3 per-GPU operation counters, or ``None`` when stats are off."""
@@ -351,12 +354,22 @@ class CufileBackend(Backend):
 
         before = {gpu: lib.counters(gpu) for gpu in gpus}
         t0 = time.perf_counter()
-        done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
-                            stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
+        batch_seen = None
+        if op == "read" and _may_batch(cfg):
+            done, batch_seen = _read_with_batches(f, reqs, cfg, lib, handle, work, on_bytes)
+        else:
+            done = run_requests(reqs, max(cfg.chunk_size, 16 * 2**20), cfg.alignment, work, device=None,
+                                stage_bytes=0, threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
         elapsed = time.perf_counter() - t0
         evidence = {gpu: _classify(op, before[gpu], lib.counters(gpu)) for gpu in gpus}
         job_bytes = {gpu: sum(r.size for r in reqs if gpu_of(r) == gpu) for gpu in gpus}
         all_bytes = sum(r.size for r in reqs) or 1
+        if batch_seen is not None:
+            # Where the per-GPU counters saw nothing, the path from libcufile's batch counters
+            # (one set for the process: each GPU of the job gets its share by bytes).
+            for gpu in gpus:
+                if evidence[gpu] is None:
+                    evidence[gpu] = _share(batch_seen, job_bytes[gpu], all_bytes)
         totals = []
         for req, (plan, sizes) in zip(reqs, done):
             total = contiguous_prefix(sizes, plan)
@@ -398,6 +411,59 @@ class CufileBackend(Backend):
 
     def write(self, f: OpenFile, req: Request) -> int:
         return self._run_many(f, [req])[0]
+
+
+# -- batch submission (cuFileBatchIOSubmit; the rules live in gdskit.backends.cufile_batch) ---------
+
+def _may_batch(cfg: Any) -> bool:
+    """Whether a read job may put any piece in a batch (else: one call each, as ever)."""
+    if cfg.cufile_batch is CufileBatch.NEVER:
+        return False
+    from gdskit.backends.cufile_batch import batches_possible  # noqa: PLC0415
+
+    return batches_possible(cfg.cufile_batch)
+
+
+def _read_with_batches(f: OpenFile, reqs: Sequence[Request], cfg: Any, lib: CufileLibrary, handle: int,
+                       work: Callable[[Any, tuple[Request, Chunk]], int],
+                       on_bytes: Callable[[int], None] | None
+                       ) -> tuple[list[tuple[list[Chunk], list[int]]], dict[Path, int] | None]:
+    """``run_requests``' answer for a read job, the chunks a batch can take (and
+    :func:`~gdskit.backends.cufile_batch.batch_chosen` picks) read through batches, the others
+    with one cuFileRead each on the workers (all of them where libcufile refuses batches); and
+    the paths libcufile's batch counters saw (None: no batch, or no counters)."""
+    from gdskit.backends import cufile_batch as cb  # noqa: PLC0415
+
+    plans = [chunks(r.file_offset, r.buf_offset, r.size, max(cfg.chunk_size, 16 * 2**20), cfg.alignment)
+             for r in reqs]
+    jobs = [(i, j) for i, plan in enumerate(plans) for j in range(len(plan))]
+    fit = [(i, j) for i, j in jobs
+           if cb.batchable(reqs[i].buf.ptr, plans[i][j].buf_offset, plans[i][j].file_offset, plans[i][j].size,
+                           cfg.alignment)]
+    batched = [(i, j) for i, j in fit if cb.batch_chosen(cfg.cufile_batch, plans[i][j].size, len(fit))]
+    results: list[list[int]] = [[0] * len(plan) for plan in plans]
+    seen = None
+    if batched:
+        entries = [(reqs[i].buf.ptr, plans[i][j].size, plans[i][j].file_offset, plans[i][j].buf_offset)
+                   for i, j in batched]
+        counters = cb.batch_counters(lib)
+        try:
+            counts = cb.read_batched(lib, handle, entries, cfg.alignment,
+                                     lambda code: _failed_call("read", code, f.path), f.path, on_bytes)
+        except cb.BatchRefused:
+            batched = []
+        else:
+            seen = cb.batch_evidence(counters, cb.batch_counters(lib))
+            for (i, j), n in zip(batched, counts):
+                results[i][j] = n
+    taken = set(batched)
+    single = [(i, j) for i, j in jobs if (i, j) not in taken]
+    if single:
+        counts = run_chunks([(reqs[i], plans[i][j]) for i, j in single], work, device=None, stage_bytes=0,
+                            threads=cfg.threads, max_lanes=cfg.threads, budget=cfg.pinned_budget)
+        for (i, j), n in zip(single, counts):
+            results[i][j] = n
+    return list(zip(plans, results)), seen
 
 
 class BufferRegistration:

@@ -126,6 +126,9 @@ class BenchParams:
         Allow writing into an existing target file (``--force``): ``-V``'s pattern, a write
         run, or filling a read target smaller than ``size``. Without it an existing file is
         only ever read, as it is.
+    engine : bool
+        Also measure the engine's own rate on the file (``File.read`` into GPU memory at the
+        engine's settings) after the runs of a read benchmark with a GPU path (``--no-engine``: not).
     """
 
     file: str | None
@@ -146,6 +149,7 @@ class BenchParams:
     processes: bool = False
     huge_pages: bool = False
     force: bool = False
+    engine: bool = True
 
     @property
     def paths_explicit(self) -> bool:
@@ -265,6 +269,7 @@ def make_params(
     processes: bool = False,
     huge_pages: bool = False,
     force: bool = False,
+    engine: bool = True,
 ) -> BenchParams:
     """Parse and validate; raise :class:`InvalidArgumentError` on anything wrong."""
     if file and directory:
@@ -336,5 +341,5 @@ def make_params(
         duration=None if duration is None else float(duration), total_bytes=total_bytes,
         verify=bool(verify), cache=parse_cache(cache), repeat=int(repeat),
         sweep=bool(sweep or is_range), seed=int(seed), processes=bool(processes),
-        huge_pages=bool(huge_pages), force=bool(force),
+        huge_pages=bool(huge_pages), force=bool(force), engine=bool(engine),
     )

@@ -196,6 +196,51 @@ def summarize(runs: Sequence[RunResult]) -> list[Summary]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """What an application gets from the engine on the same file: ``File.read`` of the benchmark's
+    file into GPU memory at the engine's own settings (large chunks, every worker), one pass per
+    repetition, beside the gdsio-style rows of one I/O at a time per worker.
+
+    Attributes
+    ----------
+    bytes : int
+        Bytes each pass read (the data set, up to a cap).
+    gib_per_s : tuple[float, ...]
+        Each pass's rate.
+    mode, chunk_size, threads : str, int, int
+        The engine's settings the passes ran at.
+    cpu_s_per_gib : float | None
+        The benchmark process's CPU-seconds per GiB, median of the passes.
+    taken : dict[str, int]
+        Bytes per ledger path, all passes.
+    path_taken : str | None
+        The ledger path that moved the most bytes.
+    note : str
+        Why the rows of one I/O per worker at a time are slower, in one sentence.
+    """
+
+    bytes: int
+    gib_per_s: tuple[float, ...]
+    mode: str
+    chunk_size: int
+    threads: int
+    cpu_s_per_gib: float | None
+    taken: dict[str, int]
+    path_taken: str | None
+    note: str
+
+    @property
+    def gib_per_s_median(self) -> float:
+        return float(statistics.median(self.gib_per_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "gib_per_s": list(self.gib_per_s), "gib_per_s_median": self.gib_per_s_median,
+                "gib_per_s_min": min(self.gib_per_s), "gib_per_s_max": max(self.gib_per_s), "mode": self.mode,
+                "chunk_size": self.chunk_size, "threads": self.threads, "cpu_s_per_gib": self.cpu_s_per_gib,
+                "ledger": {"paths": dict(self.taken)}, "path_taken": self.path_taken, "note": self.note}
+
+
 @dataclasses.dataclass
 class BenchReport:
     """Everything one ``gdskit bench`` invocation measured.
@@ -214,6 +259,9 @@ class BenchReport:
         Every run, in the order it ran.
     knee : KneeResult | None
         The sweep's knee, when a sweep compared a direct and a CPU path.
+    engine : EngineResult | None
+        The engine's own rate on the same file (``File.read`` into GPU memory), for read
+        benchmarks that ran a GPU path.
     warnings : list[str]
         Things a reader must not miss (fall-backs, verification failures).
     created : str
@@ -229,6 +277,7 @@ class BenchReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
     created: str = ""
     profile_saved: dict[str, Any] | None = None
+    engine: EngineResult | None = None
 
     @property
     def summaries(self) -> list[Summary]:
@@ -255,6 +304,7 @@ class BenchReport:
             "runs": [r.to_dict() for r in self.runs],
             "knee": None if self.knee is None else self.knee.as_dict(),
             "profile_saved": self.profile_saved,
+            "engine": None if self.engine is None else self.engine.to_dict(),
             "verify_ok": self.verify_ok,
             "warnings": list(self.warnings),
         }
@@ -434,7 +484,14 @@ def render_table(report: BenchReport, console: Any = None) -> None:
                   f"{_fmt(s.latency_p99_us, '.0f')}",
                   f"{s.user_pct:.0f}/{s.system_pct:.0f}/{s.iowait_pct:.0f}",
                   _fmt(s.cpu_s_per_gib, ".2f"), taken)
+    e = report.engine
+    if e is not None:
+        t.add_row("File.read", f"{size_text(e.chunk_size)} ×{e.threads}",
+                  f"{e.gib_per_s_median:.2f} [{min(e.gib_per_s):.2f}–{max(e.gib_per_s):.2f}]", "-", "-",
+                  _fmt(e.cpu_s_per_gib, ".2f"), e.path_taken or "-")
     console.print(t)
+    if e is not None:
+        console.print(f"File.read: {e.note}")
     for name, reason in report.unavailable.items():
         console.print(f"[dim]{name}: not available here ({reason})[/dim]")
     if report.knee is not None:

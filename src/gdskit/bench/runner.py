@@ -34,9 +34,9 @@ from gdskit import cuda
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
-from gdskit.bench.memory import THP_SETTING, pattern, transparent_huge_pages
-from gdskit.bench.params import MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
-from gdskit.bench.report import EXPECTED_PATHS, BenchReport, RunResult, VerifyResult
+from gdskit.bench.memory import THP_SETTING, DeviceBuffer, pattern, transparent_huge_pages
+from gdskit.bench.params import GiB, MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
+from gdskit.bench.report import EXPECTED_PATHS, BenchReport, EngineResult, RunResult, VerifyResult
 from gdskit.bench.worker import (RunPlan, RunWindow, Targets, WorkerOut, counter_delta, make_cold, open_worker,
                                  run_counters, work)
 from gdskit.errors import GdskitIOError, InvalidArgumentError, NoSpaceError, from_os_error
@@ -464,6 +464,74 @@ def run_once(params: BenchParams, targets: Targets, name: str, io: int, rep: int
     )
 
 
+# -- the engine's own rate ----------------------------------------------------------------
+#: The engine's pass reads at most this much of the file, into a GPU buffer of at most ENGINE_BUFFER.
+ENGINE_PASS_MAX = 4 * GiB
+ENGINE_BUFFER = 1 * GiB
+
+
+def engine_note(params: BenchParams, chunk_size: int, threads: int) -> str:
+    """Why the rows of one I/O at a time per worker are slower than the engine's rate: one sentence."""
+    io = f"{size_text_of(params.io_sizes[0])} I/O" if len(params.io_sizes) == 1 else "I/O of the row's size"
+    return (f"the engine reading the same file into GPU memory; the gdsio-style rows above make one {io} "
+            f"at a time per worker ({params.workers}), and on the bounce path each waits for its own read "
+            f"into its one pinned stage and its copy to the GPU before the next starts, while File.read splits "
+            f"a request into {size_text_of(chunk_size)} chunks on {threads} workers whose copies overlap the "
+            f"next chunks' reads.")
+
+
+def size_text_of(n: int) -> str:
+    from gdskit.bench.report import size_text  # noqa: PLC0415 - the table's spelling of sizes
+
+    return size_text(n)
+
+
+def engine_rate(params: BenchParams, targets: Targets, paths: list[str]) -> EngineResult | None:
+    """``File.read`` of the benchmark's file into GPU memory at the engine's settings, one pass per
+    repetition (the cache made cold before each where the runs' was): what an application gets.
+    None where no GPU path ran a read benchmark."""
+    if not params.op.is_read or not ({"bounce", "cufile"} & set(paths)) or cuda.device_count() == 0:
+        return None
+    path = targets.files[0]
+    total = min(params.size, os.path.getsize(path), ENGINE_PASS_MAX)
+    if total <= 0:
+        return None
+    cfg = gdskit.settings.snapshot()
+    buf = DeviceBuffer(min(total, ENGINE_BUFFER), params.device)
+    rates, costs = [], []
+    taken: dict[str, int] = {}
+    try:
+        with gdskit.open(path) as f:
+            cuda.set_device(params.device)
+            gdskit.prepare(params.device)  # the set-up a loader makes ahead: not in the window
+            for _ in range(params.repeat):
+                if params.cache is not Cache.HOT:
+                    make_cold(targets.files, params.cache is Cache.DROP)
+                before, cpu_before = gdskit.stats(), cpu_mod.sample()
+                t0 = time.perf_counter()
+                done = 0
+                while done < total:
+                    n = f.read(buf.obj, min(buf.nbytes, total - done), done)
+                    if n <= 0:
+                        raise GdskitIOError(5, f"short read at {done} of {total} bytes", path)
+                    done += n
+                wall = max(time.perf_counter() - t0, 1e-9)
+                cost = cpu_mod.cpu_cost(cpu_before, cpu_mod.sample())
+                delta = gdskit.stats() - before
+                rates.append(total / wall / 2**30)
+                costs.append(cost.cpu_s_per_gib(total))
+                for p, ps in delta.paths.items():
+                    if ps.bytes:
+                        taken[p] = taken.get(p, 0) + ps.bytes
+    finally:
+        buf.free()
+    cpu_vals = sorted(c for c in costs if c is not None)
+    return EngineResult(bytes=total, gib_per_s=tuple(rates), mode=cfg.mode.value, chunk_size=cfg.chunk_size,
+                        threads=cfg.threads, cpu_s_per_gib=cpu_vals[len(cpu_vals) // 2] if cpu_vals else None,
+                        taken=taken, path_taken=max(taken, key=taken.__getitem__) if taken else None,
+                        note=engine_note(params, cfg.chunk_size, cfg.threads))
+
+
 # -- the whole benchmark ----------------------------------------------------------------
 #: I/O sizes up to this, from several worker threads, are bound by the interpreter lock.
 SMALL_IO_FOR_THREADS = 64 * 1024
@@ -564,7 +632,8 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
                     if progress is not None:
                         progress(done, total, f"{name} {io} #{rep + 1}")
         report = BenchReport(params={**params.as_dict(), "cache": params.cache.value}, machine=facts.as_dict(),
-                             paths=paths, unavailable=left_out, runs=runs, created=created)
+                             paths=paths, unavailable=left_out, runs=runs, created=created,
+                             engine=engine_rate(params, targets, paths) if params.engine else None)
         report.warnings = _warnings(runs, params)
         if params.sweep:
             report.knee = knee_of(runs, facts.filesystem)

@@ -51,6 +51,7 @@ def bench(
     sweep: bool = typer.Option(False, "--sweep", help="Sweep I/O sizes 4K..16M (or -i MIN:MAX) and find the knee."),
     save_profile: bool = typer.Option(False, "--save-profile", help="Store the sweep's cut-off as this mount's profile for auto mode."),
     seed: int = typer.Option(0, "--seed", help="Seed of random offsets and of the verify pattern."),
+    engine: bool = typer.Option(True, "--engine/--no-engine", help="After a read benchmark with a GPU path, also measure File.read of the file into GPU memory at the engine's settings (large chunks, every worker): what an application gets."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (stable schema)."),
     csv_file: Optional[str] = typer.Option(None, "--csv", help="Write one CSV row per run to this file ('-' for stdout)."),
     plot_file: Optional[str] = typer.Option(None, "--plot", metavar="FILE", help="Plot throughput and CPU cost against I/O size to this PNG (given a directory: a new gdskit-bench.png in it; needs gdskit\\[plot])."),
@@ -75,7 +76,7 @@ def bench(
             io_size=io_size, workers=workers, paths=paths, op=op, duration=duration, total=total,
             verify=verify, cache=cache if cache is not None else ("hot" if default_run else "cold"),
             repeat=repeat, sweep=sweep, seed=seed, processes=processes,
-            huge_pages=huge_pages, force=force,
+            huge_pages=huge_pages, force=force, engine=engine,
         )
         with _progress(enabled=not as_json and sys.stderr.isatty()) as progress, _sigterm_as_interrupt():
             report = runner.run_benchmark(params, progress=progress, save_profile=save_profile)

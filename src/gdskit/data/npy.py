@@ -16,6 +16,7 @@ dates, ``longdouble``; objects above all: those would mean unpickling).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -308,6 +309,13 @@ def read_header(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
     finally:
         os.close(fd)
     try:
-        return parse_header(head), size
+        return _parse_known(bytes(head[:need])), size
     except (NpyHeaderError, UnsupportedDtypeError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_known(header: bytes) -> NpyHeader:
+    """:func:`parse_header` of a whole header, remembered: the shards of a dataset mostly share
+    one header, and parsing costs more than reading a small file (errors are not remembered)."""
+    return parse_header(header)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +10,10 @@ import torch
 from gdskit.data import npy
 from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, batch_view, from_numpy
-from gdskit.data.read import FileReads, Job, abandon, engine_view, target_device, wait
+from gdskit.data.read import FileReads, engine_view, target_device
 from gdskit.data.sources import Files, Source, resolve
-from gdskit.formats._engine import open_file, stats, stats_delta, worker_threads
+from gdskit.formats._engine import read_files as engine_read_files
+from gdskit.formats._engine import no_wait, start_warm_up, stats, stats_delta
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
 
@@ -34,50 +34,23 @@ def _layout_and_offset(src: Source) -> tuple[Layout, int]:
     return from_numpy(h.dtype, h.shape, h.fortran_order), h.data_offset
 
 
-def jobs_at_once() -> int:
-    """Files read at once: enough to keep every engine worker busy with small files, few enough
-    to bound the open descriptors."""
-    return max(4, 2 * worker_threads())
+def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], None] | None = None) -> None:
+    """Read many files into their destinations as one engine job (``gdskit.many_files``: the
+    files' chunks share the engine's workers, each file open only while it is read); every
+    read checked for its full length.
 
-
-def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], None] | None = None,
-               at_once: int | None = None) -> None:
-    """Read many files into their destinations, each file one engine job (``pread_many``), at most
-    ``at_once`` files open and under way; every read checked for its full length.
-
-    A small multi-file job: the engine's jobs are per file. Each ``(FileReads, view)`` pair
-    names the reads of one file into one engine buffer view.
+    Each ``(FileReads, view)`` pair names the reads of one file into one engine buffer view.
+    A file shorter than it was when listed raises :class:`TruncatedFileError` (named).
     """
-    limit = at_once or jobs_at_once()
-    running: deque[tuple[Any, Job]] = deque()
-
-    def finish_oldest() -> None:
-        f, job = running.popleft()
-        try:
-            wait([job])
-        finally:
-            f.close()
-
-    try:
-        for r, view in reads:
-            if not r.items:
-                continue
-            while len(running) >= limit:
-                finish_oldest()
-            f = open_file(r.source.path)
-            try:
-                fut = f.pread_many([(view, n, off, bo) for n, off, bo in r.items], on_bytes=on_bytes)
-            except BaseException:
-                f.close()
-                raise
-            running.append((f, Job(r, fut)))
-        while running:
-            finish_oldest()
-    except BaseException:
-        abandon([job for _f, job in running])
-        for f, _job in running:
-            f.close()
-        raise
+    jobs = [(r, view) for r, view in reads if r.items]
+    counts = engine_read_files([(r.source.path, [(view, n, off, bo) for n, off, bo in r.items])
+                                for r, view in jobs], on_bytes)
+    for (r, _view), got in zip(jobs, counts):
+        for (n, off, _bo), m in zip(r.items, got):
+            if m != n:
+                raise TruncatedFileError(
+                    f"{r.source.path}: read {m} of {n} bytes at offset {off}; the file is shorter than its "
+                    f"{r.source.size} bytes when it was listed (truncated or shrank)")
 
 
 def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = None,
@@ -118,11 +91,16 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     layouts = [_layout_and_offset(s) for s in sources]  # every header checked before anything is read
     total = sum(lay.nbytes for lay, _ in layouts)
     before = stats()
-    raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
-    if dev.type == "cuda":
-        # Blocks torch's allocator hands out may still be used by queued work; the engine
-        # writes from its own streams. One wait for the device covers every read.
-        torch.cuda.synchronize(dev)
+    # The engine's pinned stages are made in the background while the tensors are allocated.
+    wait_for_warm_up = start_warm_up(dev.index, total) if dev.type == "cuda" else no_wait
+    try:
+        raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
+        if dev.type == "cuda":
+            # Blocks torch's allocator hands out may still be used by queued work; the engine
+            # writes from its own streams. One wait for the device covers every read.
+            torch.cuda.synchronize(dev)
+    finally:
+        wait_for_warm_up()
     reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), engine_view(raw))
              for s, (lay, off), raw in zip(sources, layouts, raws)]
     with Progress(total, progress, "preloading") as prog:

@@ -33,6 +33,14 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = F
     return engine_open(path, mode, atomic=atomic)
 
 
+def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
+               on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Many files' reads as one engine job (``gdskit.many_files``): ``(path, reads)`` pairs,
+    each read as :meth:`gdskit.File.read_many` takes it; each file's byte counts."""
+    from gdskit.many_files import FileReads, read_files as engine_read_files
+    return engine_read_files([FileReads(p, r) for p, r in jobs], on_bytes=on_bytes)
+
+
 def stats() -> Any:
     """A snapshot of the engine's ledger."""
     from gdskit.ledger import stats as ledger_stats
