@@ -32,7 +32,7 @@ import torch
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
-from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats._engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
@@ -212,7 +212,9 @@ def _check_conversions(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sour
 # -- execution ------------------------------------------------------------------
 
 def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
-                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> None:
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> bool:
+    """Whether copies into the targets were queued on torch's stream (out of a staging ring on
+    a GPU): the caller waits for them at the end."""
     # The targets themselves are the destinations (the engine, or the copies out of the
     # staging ring, take their addresses): no view is made of them.
     dests = {}
@@ -224,11 +226,12 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
         dests[name] = tensors[name]
         extents.append(make(Extent, (name, s.file_offset, s.nbytes)))
     plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
-    if device.type == "cuda" and GPU_SMALL_READS == "ring" and plan.groups:
+    if device.type == "cuda" and plan.groups and (GPU_SMALL_READS == "ring" or not can_scatter()):
         depth = max(1, min(8, SMALL_RING_BYTES // max(plan.staging_bytes, 1)))
         execute(f, plan, device, dests=dests, progress=prog, scatter=False, depth=depth)
-    else:
-        execute(f, plan, device, dests=dests, progress=prog)
+        return True
+    execute(f, plan, device, dests=dests, progress=prog)
+    return False
 
 
 def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
@@ -307,6 +310,7 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
             lists[fl.staged].append(fl)  # [0]: direct, [1]: staged
     done: list[Fill] = []
     copying: set[torch.device] = set()  # GPUs with copies queued on torch's stream
+    queued: set[str] = set()  # the targets of those copies
     syncing = False
     try:
         with Progress(total, progress, "loading") as prog:
@@ -319,19 +323,22 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                                                  f"({file_sizes[path]} -> {f.size} bytes)")
                     for dev, (direct, staged) in per_device.items():
                         if direct:
-                            _fill_direct(f, dev, direct, tensors, sources, shape, prog)
+                            if _fill_direct(f, dev, direct, tensors, sources, shape, prog):
+                                copying.add(dev)
+                                queued.update(fl.target for fl in direct)
                             done.extend(direct)
                         for batch in _staged_batches(staged, sources):
                             _fill_staged(f, dev, batch, tensors, sources, shape, prog)
                             if dev.type == "cuda":
                                 copying.add(dev)
+                                queued.update(fl.target for fl in batch)
                             done.extend(batch)
         syncing = True
         for dev in copying:  # a copy that failed on the GPU says so here
             torch.cuda.current_stream(dev).synchronize()
     except Exception as exc:
         if syncing:  # which queued copy failed is unknown
-            done = [d for d in done if not (d.staged and tensors[d.target].device in copying)]
+            done = [d for d in done if d.target not in queued]
         filled = plan.filled_names(done)
         known = set(filled)
         unfilled = [n for n in plan.filled_names() if n not in known]
