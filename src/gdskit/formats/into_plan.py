@@ -1,6 +1,6 @@
 """Plan a load into tensors that already exist: which checkpoint record fills which target, and how.
 
-Pure Python, no torch and no I/O: the caller describes each target tensor and each
+No torch and no I/O (numpy sorts the addresses): the caller describes each target tensor and each
 checkpoint record with the small records below, and :func:`plan_into` decides
 (the one place that does):
 
