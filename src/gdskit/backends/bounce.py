@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gdskit import cuda, numa
 from gdskit.backends.base import Backend, OpenFile, Request
-from gdskit.backends.staged import (ChunkResult, StageTarget, choose, contiguous_prefix, file_residency, read_chunk,
-                                   read_to_stage, write_from_stage)
+from gdskit.backends.staged import ChunkResult, contiguous_prefix, file_residency, read_to_stage, write_from_stage
 from gdskit.buffers import BufferView
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, align_up, chunks
+from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
 from gdskit.residency import Residency
 from gdskit.settings import Settings, settings
@@ -40,58 +38,6 @@ SCATTERED_HOT_WORKERS = 4
 # only from this size: below it the two sched_setaffinity calls cost more than the few KiB the
 # thread writes into the stage across the CPUs' interconnect. A batch moves once for all its reads.
 NUMA_MOVE_MIN = 1 << 20
-
-# A read in its caller's thread of at least two of these fills its stage piece by piece and queues
-# each piece's copy at once, so that the copy of one runs while the next is read (at most
-# STAGE_PIECES pieces: each costs a copy's launch).
-STAGE_PIECE_MIN = 256 << 10
-STAGE_PIECES = 4
-
-
-def _stage_pieces(file_offset: int, size: int, alignment: int) -> list[tuple[int, int]]:
-    """``(skip, n)`` pieces of a read into its stage. Only a read that starts aligned is cut:
-    then no piece's O_DIRECT span reaches into the stage bytes of the piece before it, whose
-    copy may still be reading them."""
-    if file_offset % alignment or size < 2 * STAGE_PIECE_MIN:
-        return [(0, size)]
-    step = align_up(-(-size // min(STAGE_PIECES, size // STAGE_PIECE_MIN)), alignment)
-    return [(skip, min(step, size - skip)) for skip in range(0, size, step)]
-
-
-def _copy_to(stream: cuda.Stream, buf: BufferView, buf_offset: int, src: int, n: int) -> None:
-    if buf.scatter is None:
-        stream.copy_h2d(buf.ptr + buf_offset, src, n)
-    else:
-        stream.copy_h2d_many([(dst, src + skip, k) for dst, skip, k in buf.scatter.pieces(buf_offset, n)])
-
-
-def _read_pieces(f: OpenFile, cfg: Settings, stream: cuda.Stream, stage: Any, buf: BufferView,
-                 file_offset: int, buf_offset: int, size: int, queued: list[bool]) -> ChunkResult:
-    """One read into its stage, in pieces each copied once read (:func:`_stage_pieces`).
-    ``queued[0]`` turns True before the first copy is queued (a later error leaves it in flight).
-    The page cache is asked once for the whole read, so that every piece is read the way the
-    whole read would be (:func:`~gdskit.backends.staged.choose`)."""
-    align = cfg.alignment
-    pieces = _stage_pieces(file_offset, size, align)
-    if len(pieces) == 1:
-        res = read_to_stage(f, stage.view, file_offset, size, cfg.odirect, align)
-        if res.nbytes:
-            queued[0] = True
-            _copy_to(stream, buf, buf_offset, stage.ptr + file_offset % align, res.nbytes)
-        return res
-    _, where = choose(f, cfg.odirect, file_offset, size)
-    moved = cached = 0
-    for skip, n in pieces:
-        pos = file_offset + skip
-        got = read_chunk(f, StageTarget(stage.view[skip:], pos, align), pos, n, cfg.odirect, where)
-        if got.nbytes:
-            queued[0] = True
-            _copy_to(stream, buf, buf_offset + skip, stage.ptr + skip, got.nbytes)
-        moved += got.nbytes
-        cached += got.cached
-        if got.nbytes < n:  # end of file
-            break
-    return ChunkResult(moved, cached)
 
 
 def _record(req: Request, op: str, results: list[ChunkResult], total: int, elapsed: float) -> None:
@@ -153,7 +99,7 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
     """
     align = cfg.alignment
     lane = lanes.acquire(device, chunk + 2 * align, n_lanes, cfg.pinned_budget)
-    queued = [False]  # a copy may be in flight: a lane left so must not go back to the pool as it is
+    queued = False  # a copy may be in flight: a lane left so must not go back to the pool as it is
     cpus = None
     out: list[ChunkResult] = []
     try:
@@ -167,11 +113,18 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
         t0 = clock()
         for file_offset, buf_offset, size in reads:
             stage, _ = lane.next_stage()
-            res = _read_pieces(f, cfg, stream, stage, buf, file_offset, buf_offset, size, queued)
+            res = read_to_stage(f, stage.view, file_offset, size, cfg.odirect, align)
             if res.nbytes:
+                src = stage.ptr + file_offset % align
+                queued = True
+                if buf.scatter is None:
+                    stream.copy_h2d(buf.ptr + buf_offset, src, res.nbytes)
+                else:
+                    stream.copy_h2d_many([(dst, src + skip, n) for dst, skip, n
+                                          in buf.scatter.pieces(buf_offset, res.nbytes)])
                 event.record(stream)
                 event.wait()
-                queued[0] = False
+                queued = False
                 if on_bytes is not None:
                     on_bytes(res.nbytes)
             out.append(res)
@@ -181,7 +134,7 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
                 t0 = t1
     except BaseException:
         numa.restore_cpus(cpus)
-        if queued[0]:
+        if queued:
             lanes.discard(lane)  # its copy may still read the stage: freed once its stream is done
         else:
             lanes.release(lane)
