@@ -56,11 +56,11 @@ TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
 #: Fill a model that exists (its tensors allocated before the clock): gdskit.safetensors.load_into
 #: against what users do today (safetensors.torch.load_file + Module.load_state_dict; fastsafetensors
 #: or InstantTensor's zero-copy buffers, then copy_ into the parameters).
-INTO_LOADERS = ["gdskit-into", "safetensors-into", "fastsafetensors-into", "instanttensor-into"]
+INTO_LOADERS = ["gdskit-into", "gdskit-into-ring", "safetensors-into", "fastsafetensors-into", "instanttensor-into"]
 #: Build a transformers model and fill it (the llama set only): gdskit.transformers.load_model
 #: against from_pretrained(...).to(device).
 MODEL_LOADERS = ["gdskit-model", "transformers"]
-PACKAGE.update({"gdskit-into": "gdskit", "safetensors-into": "safetensors", "fastsafetensors-into": "fastsafetensors",
+PACKAGE.update({"gdskit-into": "gdskit", "gdskit-into-ring": "gdskit", "safetensors-into": "safetensors", "fastsafetensors-into": "fastsafetensors",
                 "instanttensor-into": "instanttensor", "gdskit-model": "transformers", "transformers": "transformers"})
 
 
@@ -210,7 +210,7 @@ _MODULES = {"gdskit": "gdskit.safetensors", "gdskit-torch": "gdskit.torch", "saf
             "runai": "runai_model_streamer", "kvikio": "kvikio", "torch": "torch", "torch-mmap": "torch"}
 
 
-_MODULES.update({"gdskit-into": "gdskit.safetensors", "safetensors-into": "safetensors.torch",
+_MODULES.update({"gdskit-into": "gdskit.safetensors", "gdskit-into-ring": "gdskit.safetensors", "safetensors-into": "safetensors.torch",
                  "fastsafetensors-into": "fastsafetensors", "instanttensor-into": "instanttensor",
                  "gdskit-model": "transformers", "transformers": "transformers"})
 
@@ -221,8 +221,10 @@ def _import_loader(loader: str) -> None:
         importlib.import_module(_MODULES[loader])
     if loader == "gdskit-model":
         importlib.import_module("gdskit.transformers")
-    if loader in ("gdskit-into", "gdskit-model"):  # what their first call imports
+    if loader in ("gdskit-into", "gdskit-into-ring", "gdskit-model"):  # what their first call imports
         importlib.import_module("gdskit.formats.into_exec")
+    if loader == "gdskit-into-ring":  # runs of small tensors through a staging ring on the GPU
+        sys.modules["gdskit.formats.into_exec"].GPU_SMALL_READS = "ring"
 
 
 def _import_model_class(path: str) -> None:
@@ -237,27 +239,38 @@ def _import_model_class(path: str) -> None:
 
 def _instrument_gdskit() -> dict:
     """Where a gdskit load's time goes (``--breakdown``): seconds in header parsing, in
-    allocating destination tensors, in submitting reads, in the whole read phase, and in
-    setting the engine up (the pinned ring and the direct-route facts, made in the
-    background while the destinations are allocated; zero once a process has them)."""
+    allocating destination tensors, in submitting reads, in the whole read phase, in waiting
+    for the engine's jobs (the main thread's waits), and in setting the engine up (the pinned
+    ring and the direct-route facts, made in the background while the destinations are
+    allocated; zero once a process has them). Loads into existing tensors also say what comes
+    before the reads: gathering the target's tensors, describing them, indexing the
+    checkpoint (its headers included), pairing and checking, and after them: the version
+    counters; ``fills_s`` is the whole read phase of such a load."""
+    import concurrent.futures
+    import threading
+
     import torch
 
     import gdskit
     import gdskit.direct_route
     import gdskit.safetensors
     from gdskit import pool, router
-    from gdskit.formats import safetensors_format, torch_io
+    from gdskit.formats import into_exec, safetensors_format, shard_index, torch_io
 
     t = {"header_s": 0.0, "alloc_s": 0.0, "allocs": 0, "submit_s": 0.0, "reads": 0, "execute_s": 0.0,
-         "ring_s": 0.0, "route_s": 0.0}
+         "wait_s": 0.0, "ring_s": 0.0, "route_s": 0.0}
 
-    def timed(fn, key, count=None):
+    def timed(fn, key, count=None, main_only=False):
+        main = threading.main_thread()
+
         def wrapper(*a, **k):
+            if main_only and threading.current_thread() is not main:
+                return fn(*a, **k)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                t[key] += time.perf_counter() - t0
+                t[key] = t.get(key, 0.0) + time.perf_counter() - t0
                 if count:
                     t[count] += 1
         return wrapper
@@ -272,9 +285,27 @@ def _instrument_gdskit() -> dict:
     torch_io.execute = timed(torch_io.execute, "execute_s")
     gdskit.File.pread = timed(gdskit.File.pread, "submit_s", "reads")  # small-tensor groups
     gdskit.File.pread_many = timed(gdskit.File.pread_many, "submit_s", "reads")  # batches of large tensors
+    concurrent.futures.Future.result = timed(concurrent.futures.Future.result, "wait_s", main_only=True)
     pool.prepare = timed(pool.prepare, "ring_s")
     route = timed(gdskit.direct_route.direct_route, "route_s")  # once a process; cached after
     gdskit.direct_route.direct_route = router.direct_route = route
+    # Into existing tensors: the checks before the first read, the reads, the version counters.
+    shard_index.index_checkpoint = timed(shard_index.index_checkpoint, "index_s")
+    for name, key in (("target_tensors", "targets_s"), ("describe", "describe_s"), ("plan_into", "pair_s"),
+                      ("run_fills", "fills_s"), ("execute", "execute_s"), ("_mark_modified", "versions_s")):
+        setattr(into_exec, name, timed(getattr(into_exec, name), key))
+    if "gdskit.transformers" in sys.modules:  # load_model: what it does around load_into
+        import transformers
+
+        import gdskit.transformers as gtr
+        gtr._build_on_meta = timed(gtr._build_on_meta, "build_s")
+        gdskit.safetensors.load_into = timed(gdskit.safetensors.load_into, "load_into_s")
+        torch.nn.Module.to_empty = timed(torch.nn.Module.to_empty, "to_empty_s")
+        transformers.AutoConfig.from_pretrained = timed(transformers.AutoConfig.from_pretrained, "config_s")
+        for name in ("tie_weights", "initialize_weights", "eval"):
+            if hasattr(transformers.PreTrainedModel, name):
+                setattr(transformers.PreTrainedModel, name,
+                        timed(getattr(transformers.PreTrainedModel, name), f"{name}_s"))
     return t
 
 
@@ -304,7 +335,7 @@ def _prepare(loader: str, path: str, device: str):
 
 def _load_into(loader: str, target, path: str, device: str, threads: int):
     import torch
-    if loader == "gdskit-into":
+    if loader in ("gdskit-into", "gdskit-into-ring"):
         import gdskit.safetensors
         return gdskit.safetensors.load_into(target, path, progress=False)
     files = _shard_files(path)
@@ -787,10 +818,11 @@ def evaluate_into(rate: Callable[[str, str, str], float | None], find: Callable[
     """The targets of loading into existing tensors (docs/models.md), where their rows ran."""
     out: dict[str, str] = {}
     large = rate("gdskit-into", "large", "hot") or rate("gdskit", "large", "hot")
-    small = rate("gdskit-into", "small", "hot")
-    if small is not None and large:
-        out["hot small load_into >= 0.5x large"] = (f"{'met' if small >= 0.5 * large else 'NOT met'} "
-                                                     f"({small / large:.2f}x)")
+    for loader, label in (("gdskit-into", ""), ("gdskit-into-ring", " (ring)")):
+        small = rate(loader, "small", "hot")
+        if small is not None and large:
+            out[f"hot small load_into{label} >= 0.5x large"] = (f"{'met' if small >= 0.5 * large else 'NOT met'} "
+                                                                 f"({small / large:.2f}x)")
     for kind in ("large", "llama"):
         for mode in ("hot", "cold"):
             ours, plain = rate("gdskit-into", kind, mode), rate("gdskit", kind, mode)

@@ -17,7 +17,7 @@ from gdskit import direct_route as dr
 from gdskit.backends import cufile_batch as cb
 from gdskit.errors import ConfigError, EnvironmentVariableError, GdskitIOError, NoSpaceError
 from gdskit.settings import Settings
-from gdskit.vocabulary import CufileBatch, Path
+from gdskit.vocabulary import CufileBatch, Path, Reason
 
 from backend_conformance import BackendTests
 from data_files import random_file
@@ -38,9 +38,11 @@ def data_file(tmp_path_factory):
 
 
 @pytest.fixture
-def stack(monkeypatch, fake_cuda):
-    """The stand-ins, with batches on device memory only; checks afterwards that every batch
-    was destroyed, the stand-in saw no breach of libcufile's rules and no descriptor leaked."""
+def stack(monkeypatch, fake_cuda, route_is):
+    """The stand-ins, with batches on device memory only, on a machine with a direct route (the
+    only place batches are used); checks afterwards that every batch was destroyed, the stand-in
+    saw no breach of libcufile's rules and no descriptor leaked."""
+    route_is(NVFS_ROUTE)
     fds = fd_count()
     fake = FakeCufile(route="posix")
     fake.configure_batch(device_of=fake_cuda.device_of, seed=3)
@@ -283,8 +285,9 @@ def test_a_hung_batch_times_out_instead_of_waiting_forever(data_file, stack):
     assert fake.batch_calls["destroy"] == 1
 
 
-def test_a_batch_whose_cancel_never_lands_is_destroyed_all_the_same(data_file, monkeypatch, fake_cuda):
+def test_a_batch_whose_cancel_never_lands_is_destroyed_all_the_same(data_file, monkeypatch, fake_cuda, route_is):
     path, _ = data_file
+    route_is(NVFS_ROUTE)
     fake = FakeCufile()
     fake.configure_batch(device_of=fake_cuda.device_of)
     lib = use_cufile(monkeypatch, fake)
@@ -516,3 +519,23 @@ def test_the_layouts_are_cufile_h(data_file):
                              cufile.Status.FAILED)] == [1, 2, 4, 8, 16, 32, 64]
     assert int(cufile.BatchMode.BATCH) == 1 and int(cufile.Opcode.READ) == 0
     assert int(cufile.SizeTConfigParameter.PROPERTIES_IO_BATCHSIZE) == 9
+
+
+def test_without_a_direct_route_no_batch_is_set_up(data_file, monkeypatch, fake_cuda, route_is):
+    """Where cuFile can only run in compat mode, libcufile 1.15's batch submit blocked for good on
+    the H200 machine: there even ``always`` reads one call each, with the same bytes."""
+    path, data = data_file
+    route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
+    fake = FakeCufile(route="posix")
+    fake.configure_batch(device_of=fake_cuda.device_of)
+    lib = use_cufile(monkeypatch, fake)
+    before = cb.activity()
+    offsets = [i * 2 * PAGE for i in range(12)]
+    counts, got = _read_batch(path, offsets, PAGE)
+    after = cb.activity()
+    lib.close()
+    assert counts == [PAGE] * 12
+    assert got == b"".join(data[o:o + PAGE] for o in offsets)
+    assert after.batches == before.batches, "no batch set up without a direct route"
+    assert cb.batch_support(lib).refused is not None
+    assert fake.live_batches == 0 and fake.violations == []

@@ -151,6 +151,63 @@ def test_not_a_checkpoint_directory(tmp_path) -> None:
         gtr.load_model(tmp_path, device="cpu")
 
 
+class DropPathConfig(transformers.PretrainedConfig):
+    model_type = "gdskit-test-drop-path"
+
+    def __init__(self, depth: int = 3, width: int = 8, **kwargs) -> None:
+        self.depth, self.width = depth, width
+        super().__init__(**kwargs)
+
+
+class DropPathModel(transformers.PreTrainedModel):
+    """A model whose __init__ reads numbers out of a tensor, as remote-code models' drop-path
+    schedules do: on the meta device that fails unless torch.linspace is kept on the CPU."""
+
+    config_class = DropPathConfig
+
+    def __init__(self, config: DropPathConfig) -> None:
+        super().__init__(config)
+        self.rates = [x.item() for x in torch.linspace(0, 0.1, config.depth)]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(config.width, config.width) for _ in range(config.depth))
+        self.post_init()
+
+    def _init_weights(self, module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            transformers.initialization.normal_(module.weight, std=0.02)
+            transformers.initialization.zeros_(module.bias)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_that_reads_tensors_in_its_constructor(tmp_path) -> None:
+    torch.manual_seed(2)
+    DropPathModel(DropPathConfig()).save_pretrained(tmp_path)
+    ref = DropPathModel.from_pretrained(tmp_path)
+    ours = gtr.load_model(tmp_path, device="cpu", model_class=DropPathModel)
+    assert ours.rates == ref.rates
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+
+
+def test_tied_weights_are_made_once(checkpoints) -> None:
+    """Materialised on the device, a tied weight is one allocation from the start (to_empty
+    makes one per module that holds it, and tie_weights drops the extra one afterwards)."""
+    path, _cls = checkpoints["llama"]
+    model = gtr._build_on_meta(transformers, torch, transformers.LlamaForCausalLM,
+                               transformers.AutoConfig.from_pretrained(path), torch.float32)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    gtr._materialise(torch, model, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # no retie needed
+    assert isinstance(model.lm_head.weight, torch.nn.Parameter) and model.lm_head.weight.device.type == "cpu"
+    assert all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["bert", "llama"])
 def test_gpu_outputs_identical_to_from_pretrained_moved(checkpoints, which) -> None:
@@ -159,3 +216,15 @@ def test_gpu_outputs_identical_to_from_pretrained_moved(checkpoints, which) -> N
     ours = gtr.load_model(path, device="cuda:0")
     assert all(p.is_cuda for p in ours.parameters()) and all(b.is_cuda for b in ours.buffers())
     assert_same_model(ours, ref, 97)
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_is_the_model(checkpoints) -> None:
+    path, _cls = checkpoints["llama"]  # tied embeddings: allocated once
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = gtr.load_model(path, device="cuda:0")
+    torch.cuda.synchronize()
+    size = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    assert torch.cuda.max_memory_allocated() - base <= 1.01 * size + (1 << 20)

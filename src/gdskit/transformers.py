@@ -95,18 +95,73 @@ def _resolve_dtype(torch: Any, config: Any, torch_dtype: Any, index: Any) -> Any
 
 
 def _build_on_meta(transformers: Any, torch: Any, cls: Any, config: Any, dtype: Any) -> Any:
-    """The model with every tensor on the meta device, built as from_pretrained builds it."""
+    """The model with every tensor on the meta device, built as from_pretrained builds it, but
+    with torch's initialisers switched off while it is built (transformers' own
+    ``no_init_weights``): on the meta device they compute nothing, and cost a third of the
+    build."""
     import contextlib
+    import importlib
 
-    init = getattr(transformers, "initialization", None)
+    try:  # a submodule the package does not import by itself
+        init = importlib.import_module("transformers.initialization")
+    except ImportError:
+        init = None
     safe_ops = getattr(init, "meta_device_safe_creation_ops", None)  # models that call .item() in __init__
+    no_init = getattr(init, "no_init_weights", None)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.device("meta"))
         if safe_ops is not None:
             stack.enter_context(safe_ops())
+        if no_init is not None:
+            stack.enter_context(no_init())
         if hasattr(cls, "_model_mapping"):  # an Auto class
             return cls.from_config(config, dtype=dtype)
         return cls._from_config(config, dtype=dtype)
+
+
+def _materialise(torch: Any, model: Any, device: Any) -> None:
+    """``model.to_empty(device=device)``, with each tensor made once: a tensor two modules
+    share (tied weights) is one allocation, not one per module; the large ones come out of
+    one allocator block (``reserve_device_memory``), not a ``cudaMalloc`` each.
+
+    Every tensor is replaced by a new one (a parameter by a new ``Parameter``), as ``to_empty``
+    replaces them between devices; a shared one by one new tensor. Where torch is told to swap or overwrite module parameters on conversion
+    (``torch.__future__``), or a tensor is a subclass, ``to_empty`` itself runs.
+    """
+    from gdskit.formats.torch_io import reserve_device_memory
+
+    fut = torch.__future__
+    modules = list(model.modules())
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if (fut.get_swap_module_params_on_conversion() or fut.get_overwrite_module_params_on_conversion()
+            or any(type(t) not in plain for m in modules
+                   for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)):
+        model.to_empty(device=device)
+        return
+    unique: dict[int, Any] = {}
+    for m in modules:
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                unique.setdefault(id(t), t)
+    reserve_device_memory(device, [t.numel() * t.element_size() for t in unique.values()])
+    made: dict[int, Any] = {}
+
+    def empty(t: Any) -> Any:
+        new = made.get(id(t))
+        if new is None:  # to_empty's empty_like, without its way through the meta device's Python
+            new = (torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_contiguous()
+                   else torch.empty_like(t, device=device))
+            if isinstance(t, torch.nn.Parameter):  # a new Parameter, as to_empty makes one across devices
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return new
+
+    with torch.no_grad():
+        for m in modules:
+            for group in (m._parameters, m._buffers):
+                for key, t in group.items():
+                    if t is not None:
+                        group[key] = empty(t)
 
 
 def _checkpoint_names(model: Any, names: set[str], params: dict[str, Any]) -> dict[str, str]:
@@ -166,7 +221,10 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     path = os.fspath(path)
     weights = _checkpoint_files(path)
     index = index_checkpoint(weights)  # every header checked before the model is built
-    config = transformers.AutoConfig.from_pretrained(path)
+    # A model class names its config class, as from_pretrained reads it (one Auto does not know of,
+    # say); the Auto classes and the default go through AutoConfig.
+    config_class = getattr(model_class, "config_class", None) if not hasattr(model_class, "_model_mapping") else None
+    config = (config_class or transformers.AutoConfig).from_pretrained(path)
     if getattr(config, "quantization_config", None) is not None:
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
     dtype = _resolve_dtype(torch, config, torch_dtype, index)
@@ -177,12 +235,15 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
         raise UnsupportedModelError(f"{type(model).__name__} keeps some modules in float32 under {dtype}; "
                                     "load it with from_pretrained, or in float32")
 
-    model.to_empty(device=dev)
-    model.tie_weights()  # tied parameters are one tensor again: load_into fills it once
-    params = model.state_dict(keep_vars=True)
+    _materialise(torch, model, dev)
+    model.tie_weights()  # tied parameters are one tensor: load_into fills it once
+    from gdskit.formats.into_exec import load_safetensors_into, module_state
+
+    params = module_state(model)
     renamed = _checkpoint_names(model, set(index.tensors), params)
     target = {renamed[k]: v for k, v in params.items()}
-    result = gs.load_into(target, weights, strict=False, cast=True)
+    result = load_safetensors_into(target, weights, torch_type=gs._torch_type, shape=gs._READ_SHAPE, strict=False,
+                                   cast=True, progress=None, return_stats=False, index=index)
     model_name = {v: k for k, v in renamed.items()}
     not_loaded = [model_name[k] for k in result.missing_keys]  # in the model's own names
     missing_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_missing", None))

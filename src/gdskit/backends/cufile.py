@@ -96,7 +96,7 @@ class CufileLibrary:
                     self._mod = cufile
                     # Close in order at exit (after the workers stop, before pinned memory goes):
                     # libcufile crashes the interpreter's exit if left open.
-                    at_exit(CLOSE_DRIVERS, self.close)
+                    at_exit(CLOSE_DRIVERS, functools.partial(self.close, stop_stats=False))
                     if settings.cufile_stats:
                         try:
                             cufile.set_stats_level(3)
@@ -199,8 +199,12 @@ class CufileLibrary:
                 return
         self._mod.buf_deregister(ptr)
 
-    def close(self) -> None:
-        """Deregister what is left, stop the counters, close the driver."""
+    def close(self, *, stop_stats: bool = True) -> None:
+        """Deregister what is left, stop the counters (``stop_stats``), close the driver.
+
+        At exit the counters are left running: ``cuFileStatsStop`` there crashed the interpreter
+        on the H200 machine (a segmentation fault inside it, after stream-ordered reads), and the
+        driver's close frees them anyway."""
         with self._lock:
             handles = list(self.handles)
         for handle in handles:
@@ -215,7 +219,7 @@ class CufileLibrary:
                 pass
         with self._lock:
             if self._opened and self._mod is not None:
-                if self.stats_enabled:
+                if self.stats_enabled and stop_stats:
                     try:
                         self._mod.stats_stop()
                     except Exception:

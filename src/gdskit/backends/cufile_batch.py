@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gdskit.direct_route import direct_route
 from gdskit.errors import GdskitIOError
 from gdskit.vocabulary import CufileBatch, Path
 
@@ -155,6 +156,12 @@ def batch_support(lib: Any) -> BatchSupport:
     if found is None:
         props = lib.properties()
         found = BatchSupport(_limit_of(lib.module, props.max_batch_io_size if props is not None else 0))
+        route = direct_route()
+        if route.route is None:
+            # In compat mode libcufile 1.15's cuFileBatchIOSubmit blocked and never returned on the
+            # H200 machine (docs/engine.md, "Batched submission"); one call per read there.
+            found = replace(found, refused=f"no direct route ({route.reason.value if route.reason else 'unknown'}): "
+                                           "cuFile's batch API is used only where its reads are direct")
         with _support_lock:
             found = _support.setdefault(lib, found)
     return found

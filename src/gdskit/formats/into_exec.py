@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -33,15 +34,25 @@ from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.formats._engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats._gc import collector_paused
-from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError, SourceInfo,
+from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.torch_io import execute
 
+if TYPE_CHECKING:
+    from gdskit.formats.shard_index import ShardIndex
+
 #: Most bytes of staged fills (conversions, non-contiguous targets) read at once: their
 #: buffers are the only memory a load into existing tensors makes.
 STAGING_BATCH_BYTES = 256 << 20
+#: How runs of small tensors reach targets on a GPU: ``"scatter"``, the engine copies each
+#: run's bytes from its pinned stages straight into every target; ``"ring"``, each run is read
+#: into a staging ring on the device (at most :data:`SMALL_RING_BYTES`) and split there with
+#: one batched copy, which leaves the engine one copy per chunk instead of one per tensor.
+GPU_SMALL_READS = "scatter"
+#: Most device memory the staging ring of ``GPU_SMALL_READS = "ring"`` takes.
+SMALL_RING_BYTES = 64 << 20
 #: Devices the engine reads onto.
 _READ_DEVICES = ("cpu", "cuda")
 
@@ -72,10 +83,6 @@ class Source(NamedTuple):
         return self.stride is None
 
 
-#: The record of a checkpoint tensor no target asks for: reported as unexpected, never read.
-_UNPAIRED = SourceInfo("", None, ())
-
-
 # -- targets --------------------------------------------------------------------
 
 def target_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
@@ -83,7 +90,7 @@ def target_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
     persistent buffers; entries that are not tensors, such as extra state, are left out)
     or a mapping of names to tensors."""
     if isinstance(target, torch.nn.Module):
-        return [(k, v) for k, v in target.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)]
+        return [(k, v) for k, v in module_state(target).items() if isinstance(v, torch.Tensor)]
     if isinstance(target, Mapping):
         out = []
         for k, v in target.items():
@@ -97,12 +104,73 @@ def target_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
                                  f"not a {type(target).__name__}")
 
 
+_Module = torch.nn.Module
+#: Module classes whose state dict is ``Module``'s own: their parameters and persistent buffers.
+_plain_state: dict[type, bool] = {}
+
+
+def _saves_plainly(cls: type) -> bool:
+    found = _plain_state.get(cls)
+    if found is None:
+        found = _plain_state[cls] = (
+            cls.state_dict is _Module.state_dict and cls._save_to_state_dict is _Module._save_to_state_dict
+            and getattr(cls, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state)
+    return found
+
+
+def module_state(root: torch.nn.Module) -> dict[str, Any]:
+    """``root.state_dict(keep_vars=True)``, the same names in the same order with the same objects,
+    made without ``state_dict``'s per-module Python where a module has nothing of its own to add
+    (a module of 20,000 submodules spent most of its checks there).
+
+    A module whose class changes what it saves (``state_dict``, ``_save_to_state_dict``,
+    ``get_extra_state``) or that has state-dict hooks has its part made by its own
+    ``state_dict``, as the parent's would call it.
+    """
+    d = root.__dict__
+    if not _saves_plainly(type(root)) or d.get("_state_dict_hooks", True) or d.get("_state_dict_pre_hooks", True):
+        return root.state_dict(keep_vars=True)
+    out: dict[str, Any] = OrderedDict()
+    out._metadata = OrderedDict()  # type: ignore[attr-defined] # what a module's own state_dict hooks may read
+    todo: list[tuple[str, torch.nn.Module]] = [("", root)]
+    pop, push = todo.pop, todo.extend
+    while todo:
+        prefix, m = pop()
+        d = m.__dict__
+        if (d.get("_state_dict_hooks", True) or d.get("_state_dict_pre_hooks", True)
+                or not _saves_plainly(type(m))):
+            m.state_dict(destination=out, prefix=prefix, keep_vars=True)
+            continue
+        for k, v in d["_parameters"].items():
+            if v is not None:
+                out[prefix + k] = v
+        buffers = d["_buffers"]
+        if buffers:
+            skip = d["_non_persistent_buffers_set"]
+            for k, v in buffers.items():
+                if v is not None and k not in skip:
+                    out[prefix + k] = v
+        children = d["_modules"]
+        if children:  # depth first, in order: pushed last to first
+            push([(f"{prefix}{k}.", c) for k, c in reversed(children.items()) if c is not None])
+    return out
+
+
+#: Dtypes only quantized tensors have: checked before asking each tensor ``is_quantized``.
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, n))
+
+
 def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
     """What :func:`~gdskit.formats.into_plan.plan_into` needs of each target; refuses
-    targets that cannot be filled in place."""
+    targets that cannot be filled in place. Each tensor is asked each thing once (a
+    module of 20,000 tensors makes every call count)."""
     device_names: dict[torch.device, str] = {}
     strided = torch.strided
-    out = []
+    quantized = _QUANTIZED
+    out: list[TargetInfo] = []
+    append = out.append
+    make = tuple.__new__  # a named tuple without its Python-level __new__: a third of the cost, per tensor
     for name, t in items:
         dev = t.device
         dn = device_names.get(dev)
@@ -113,19 +181,21 @@ def describe(items: Sequence[tuple[str, torch.Tensor]]) -> list[TargetInfo]:
             if dev.type not in _READ_DEVICES:
                 raise UnsupportedTargetError(f"target {name!r} is on {dev}; gdskit reads into CPU and CUDA memory")
             dn = device_names[dev] = str(dev)
-        if t.layout is not strided or t.is_quantized:
+        dtype = t.dtype
+        if t.layout is not strided or dtype in quantized:  # a quantized tensor has a quantized dtype
             raise UnsupportedTargetError(f"target {name!r} ({t.layout}{', quantized' if t.is_quantized else ''}) "
                                          "has no plain memory to fill")
         nbytes = t.nbytes
         if t.is_contiguous():
-            stride, span = None, nbytes
-        else:
-            stride = tuple(t.stride())
-            span = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * t.element_size() if nbytes else 0
-            if span < nbytes:
-                raise UnsupportedTargetError(f"target {name!r}: several of its elements share memory "
-                                             "(an expanded view?); it cannot be filled")
-        out.append(TargetInfo(name, t.dtype, t.shape, dn, t.data_ptr(), nbytes, span, stride))
+            append(make(TargetInfo, (name, dtype, t.shape, dn, t.data_ptr(), nbytes, nbytes, None)))
+            continue
+        shape = t.shape
+        stride = tuple(t.stride())
+        span = (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * t.element_size() if nbytes else 0
+        if span < nbytes:
+            raise UnsupportedTargetError(f"target {name!r}: several of its elements share memory "
+                                         "(an expanded view?); it cannot be filled")
+        append(TargetInfo(name, dtype, shape, dn, t.data_ptr(), nbytes, span, stride))
     return out
 
 
@@ -141,25 +211,27 @@ def _check_conversions(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sour
 
 # -- execution ------------------------------------------------------------------
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of contiguous ``t``'s memory (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
-                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> None:
-    # On a GPU whose reads scatter, the engine only needs each target's address and size;
-    # elsewhere the staging ring's copies need byte views.
-    raw = device.type == "cuda" and can_scatter()
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> bool:
+    """Whether copies into the targets were queued on torch's stream (out of a staging ring on
+    a GPU): the caller waits for them at the end."""
+    # The targets themselves are the destinations (the engine, or the copies out of the
+    # staging ring, take their addresses): no view is made of them.
     dests = {}
     extents = []
+    Extent, make = read_plan.Extent, tuple.__new__  # named tuples made without their Python __new__
     for fl in fills:
-        t = tensors[fl.target]
+        name = fl.target
         s = sources[fl.source]
-        dests[fl.target] = t if raw else _byte_view(t)
-        extents.append(read_plan.Extent(fl.target, s.file_offset, s.nbytes))
+        dests[name] = tensors[name]
+        extents.append(make(Extent, (name, s.file_offset, s.nbytes)))
     plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
+    if device.type == "cuda" and plan.groups and (GPU_SMALL_READS == "ring" or not can_scatter()):
+        depth = max(1, min(8, SMALL_RING_BYTES // max(plan.staging_bytes, 1)))
+        execute(f, plan, device, dests=dests, progress=prog, scatter=False, depth=depth)
+        return True
     execute(f, plan, device, dests=dests, progress=prog)
+    return False
 
 
 def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
@@ -191,15 +263,25 @@ def _staged_batches(fills: Sequence[Fill], sources: Mapping[str, Source]) -> Ite
 
 
 def _mark_modified(ts: Iterable[torch.Tensor]) -> None:
-    """Tell autograd that the engine wrote these tensors' memory (as an in-place op would)."""
-    tracked = [t for t in ts if not t.is_inference()]
-    if tracked:
-        torch.autograd.graph.increment_version(tracked)
+    """Tell autograd that the engine wrote these tensors' memory (as an in-place op would).
+    Inference tensors have no version counter: newer torch skips them, older refuses the
+    call, and then they are left out (bumping a counter twice is harmless)."""
+    ts = list(ts)
+    if not ts:
+        return
+    try:
+        torch.autograd.graph.increment_version(ts)
+    except RuntimeError:
+        tracked = [t for t in ts if not t.is_inference()]
+        if tracked:
+            torch.autograd.graph.increment_version(tracked)
 
 
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
-              file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg) -> None:
-    """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device.
+              file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
+              device: torch.device | None = None) -> None:
+    """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
+    (``device``: the one device of every target, where the caller knows there is one).
 
     Raises
     ------
@@ -207,13 +289,28 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
         A read, a file that changed size, or a copy failed; the error names what was filled.
     """
     by_file: dict[str, dict[torch.device, tuple[list[Fill], list[Fill]]]] = {p: {} for p in file_sizes}
-    for fl in plan.fills:
-        per_device = by_file[sources[fl.source].path]
-        direct, staged = per_device.setdefault(tensors[fl.target].device, ([], []))
-        (staged if fl.staged else direct).append(fl)
-    total = sum(sources[fl.source].nbytes for fl in plan.fills)
+    if len(file_sizes) == 1 and plan.fills and device is not None:
+        # One file, one device (most loads): no lookups per fill to sort them.
+        (path,), dev = file_sizes, device
+        direct = [fl for fl in plan.fills if not fl.staged]
+        staged = [fl for fl in plan.fills if fl.staged]
+        if direct or staged:
+            by_file[path][dev] = (direct, staged)
+        total = sum([sources[fl.source].nbytes for fl in plan.fills])
+    else:
+        total = 0
+        for fl in plan.fills:
+            s = sources[fl.source]
+            total += s.nbytes
+            per_device = by_file[s.path]
+            dev = tensors[fl.target].device
+            lists = per_device.get(dev)
+            if lists is None:
+                lists = per_device[dev] = ([], [])
+            lists[fl.staged].append(fl)  # [0]: direct, [1]: staged
     done: list[Fill] = []
     copying: set[torch.device] = set()  # GPUs with copies queued on torch's stream
+    queued: set[str] = set()  # the targets of those copies
     syncing = False
     try:
         with Progress(total, progress, "loading") as prog:
@@ -226,19 +323,22 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                                                  f"({file_sizes[path]} -> {f.size} bytes)")
                     for dev, (direct, staged) in per_device.items():
                         if direct:
-                            _fill_direct(f, dev, direct, tensors, sources, shape, prog)
+                            if _fill_direct(f, dev, direct, tensors, sources, shape, prog):
+                                copying.add(dev)
+                                queued.update(fl.target for fl in direct)
                             done.extend(direct)
                         for batch in _staged_batches(staged, sources):
                             _fill_staged(f, dev, batch, tensors, sources, shape, prog)
                             if dev.type == "cuda":
                                 copying.add(dev)
+                                queued.update(fl.target for fl in batch)
                             done.extend(batch)
         syncing = True
         for dev in copying:  # a copy that failed on the GPU says so here
             torch.cuda.current_stream(dev).synchronize()
     except Exception as exc:
         if syncing:  # which queued copy failed is unknown
-            done = [d for d in done if not (d.staged and tensors[d.target].device in copying)]
+            done = [d for d in done if d.target not in queued]
         filled = plan.filled_names(done)
         known = set(filled)
         unfilled = [n for n in plan.filled_names() if n not in known]
@@ -252,15 +352,17 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
 def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInfo],
             records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
             shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
-            extra_unexpected: Sequence[str] = ()) -> Any:
-    plan = plan_into(infos, records, cast=cast)
+            extra_unexpected: Sequence[str] = (), record_names: Iterable[str] | None = None) -> Any:
+    plan = plan_into(infos, records, cast=cast, record_names=record_names)
     unexpected = list(plan.unexpected_keys) + [n for n in extra_unexpected if n not in plan.unexpected_keys]
     if strict and (plan.missing_keys or unexpected):
         raise key_mismatch(plan.missing_keys, unexpected)
     tensors = dict(items)
     _check_conversions(plan, tensors, sources)
     before = stats() if return_stats else None
-    run_fills(plan, tensors, sources, file_sizes, shape, progress)
+    devices = {t.device for t in infos}
+    one_device = tensors[infos[0].name].device if len(devices) == 1 else None
+    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device)
     result = LoadResult(list(plan.missing_keys), unexpected)
     if return_stats:
         return result, stats_delta(before, stats())
@@ -274,34 +376,44 @@ TorchType = Callable[[Any, Any], tuple[Any, tuple[int, ...]]]
 
 
 def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchType, shape: ReadShape,
-                          strict: bool, cast: bool, progress: ProgressArg, return_stats: bool) -> Any:
+                          strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
+                          index: ShardIndex | None = None) -> Any:
     """:func:`gdskit.safetensors.load_into`, which passes its dtype table (``torch_type``) and
-    read shape: this module never imports the API modules above it."""
+    read shape: this module never imports the API modules above it. ``index``: the
+    checkpoint's headers where the caller has read them already (each file's size is still
+    checked against its header when it is opened)."""
+    with collector_paused():  # the function's objects are gone when the collector comes back
+        return _load_safetensors_into(target, path_or_paths, torch_type, shape, strict, cast, progress,
+                                      return_stats, index)
+
+
+def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchType, shape: ReadShape, strict: bool,
+                           cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None) -> Any:
     from gdskit.formats.shard_index import index_checkpoint
 
-    with collector_paused():
-        items = target_tensors(target)
-        infos = describe(items)
+    items = target_tensors(target)
+    infos = describe(items)
+    if index is None:
         index = index_checkpoint(path_or_paths)
-        wanted = {name for name, _ in items}
-        records: dict[str, Any] = {}
-        sources: dict[str, Source] = {}
-        dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
-        for name, loc in index.tensors.items():
-            if name not in wanted:
-                records[name] = _UNPAIRED
-                continue
-            e = loc.entry
-            dt = dtypes.get(e.dtype)
-            if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
-                dt, shp = torch_type(torch, e)  # UnsupportedDtypeError for F6_*
-                dtypes[e.dtype] = dt
-            else:
-                shp = e.shape
-            records[name] = sources[name] = Source(loc.path, loc.file_offset, e.end - e.start, dt, shp)
-        file_sizes = {p: h.file_size for p, h in index.headers}
-        return _finish(items, infos, records, sources, file_sizes, shape, strict=strict, cast=cast,
-                       progress=progress, return_stats=return_stats)
+    located = index.tensors
+    sources: dict[str, Source] = {}  # only the records a target asks for: the others are only reported
+    dtypes: dict[str, torch.dtype] = {}  # safetensors dtype -> torch dtype, looked up once each
+    make = tuple.__new__  # a named tuple without its Python-level __new__, per record
+    for name, _t in items:
+        loc = located.get(name)
+        if loc is None:
+            continue
+        e = loc.entry
+        dt = dtypes.get(e.dtype)
+        if dt is None or e.dtype == "F4":  # F4 also halves the last dimension
+            dt, shp = torch_type(torch, e)  # UnsupportedDtypeError for F6_*
+            dtypes[e.dtype] = dt
+        else:
+            shp = e.shape
+        sources[name] = make(Source, (loc.path, loc.file_offset, e.end - e.start, dt, shp, None))
+    file_sizes = {p: h.file_size for p, h in index.headers}
+    return _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
+                   progress=progress, return_stats=return_stats, record_names=located)
 
 
 # -- torch.save archives --------------------------------------------------------
@@ -385,12 +497,18 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Cal
     """:func:`gdskit.torch.load_into`, which passes its archive check (``file_kind``), its
     unpickler and its read shape: this module never imports the API modules above it."""
     path = os.fspath(path)
-    with collector_paused():
-        items = target_tensors(target)
-        infos = describe(items)
-        records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
-        wanted = {name for name, _ in items}
-        sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
-        return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
-                       progress=progress, return_stats=return_stats, extra_unexpected=others)
+    with collector_paused():  # the function's objects are gone when the collector comes back
+        return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
+                                weights_only)
+
+
+def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], str], unpickle: Unpickle, shape: ReadShape,
+                     strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
+    items = target_tensors(target)
+    infos = describe(items)
+    records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
+    wanted = {name for name, _ in items}
+    sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
+    return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
+                   progress=progress, return_stats=return_stats, extra_unexpected=others)
 

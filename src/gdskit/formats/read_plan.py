@@ -10,6 +10,7 @@ into a bounded staging buffer and split by device-to-device copies.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
@@ -85,6 +86,9 @@ class ReadPlan:
         return max((g.nbytes for g in self.groups), default=0)
 
 
+_by_place = operator.itemgetter(1, 2)  # file_offset, nbytes
+
+
 def plan(extents: Iterable[Extent], *, small: int = 1 << 20, max_group: int = 16 << 20,
          max_gap: int = 0) -> ReadPlan:
     """Split ``extents`` into direct reads and coalesced groups.
@@ -102,31 +106,34 @@ def plan(extents: Iterable[Extent], *, small: int = 1 << 20, max_group: int = 16
     Extents may come in any order; overlapping extents (two keys on the same
     bytes) are each read on their own.
     """
-    ordered = sorted(extents, key=lambda e: (e.file_offset, e.nbytes))
+    ordered = sorted(extents, key=_by_place)
     direct: list[Extent] = []
     empty: list[Extent] = []
     groups: list[Group] = []
     run: list[Extent] = []
+    run_start = run_end = 0  # the bytes the run covers so far
 
-    def flush() -> None:
-        if run:
-            start = run[0].file_offset
-            groups.append(Group(start, run[-1].end - start, tuple(run)))
-            run.clear()
-
+    # One pass with plain locals: a checkpoint of 20,000 small tensors goes through here.
     for e in ordered:
-        if e.nbytes < 0 or e.file_offset < 0:
+        _key, offset, nbytes = e
+        if nbytes < 0 or offset < 0:
             raise ValueError(f"negative extent {e}")
-        if e.nbytes == 0:
+        if nbytes == 0:
             empty.append(e)
             continue
-        if e.nbytes >= small:
+        if nbytes >= small:
             direct.append(e)
             continue
+        end = offset + nbytes
         if run:
-            gap = e.file_offset - run[-1].end
-            if gap < 0 or gap > max_gap or e.end - run[0].file_offset > max_group:
-                flush()
+            gap = offset - run_end
+            if gap < 0 or gap > max_gap or end - run_start > max_group:
+                groups.append(Group(run_start, run_end - run_start, tuple(run)))
+                run = []
+        if not run:
+            run_start = offset
         run.append(e)
-    flush()
+        run_end = end
+    if run:
+        groups.append(Group(run_start, run_end - run_start, tuple(run)))
     return ReadPlan(tuple(direct), tuple(groups), tuple(empty))

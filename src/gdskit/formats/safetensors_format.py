@@ -323,7 +323,9 @@ _FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 def _entries(obj: dict[str, object]) -> list[TensorEntry]:
     """Every entry, checked: the first bad one raises an error that names it."""
-    entries = []
+    entries: list[TensorEntry] = []
+    # Locals, and named tuples made without their Python-level __new__: headers hold thousands.
+    append, make, bits_of, prod = entries.append, tuple.__new__, DTYPE_BITS.get, math.prod
     for name, info in obj.items():
         if type(info) is not dict:  # one test per entry for the rare cases: not an object, a repeated key
             if not isinstance(info, dict):
@@ -337,9 +339,10 @@ def _entries(obj: dict[str, object]) -> list[TensorEntry]:
         dtype = info.get("dtype")
         shape = info.get("shape")
         offsets = info.get("data_offsets")
-        if not isinstance(dtype, str):
+        if type(dtype) is not str:
             raise HeaderError(f"entry {name!r} has no dtype string")
-        if dtype not in DTYPE_BITS:
+        dtype_bits = bits_of(dtype)
+        if dtype_bits is None:
             raise UnknownDtypeError(f"entry {name!r} has unknown dtype {dtype!r}")
         if not _naturals(shape):
             raise HeaderError(f"entry {name!r}: shape must be a list of 64-bit unsigned integers")
@@ -348,7 +351,7 @@ def _entries(obj: dict[str, object]) -> list[TensorEntry]:
         start, end = offsets
         if end < start:
             raise LayoutError(f"entry {name!r}: data_offsets end {end} is before begin {start}")
-        bits = DTYPE_BITS[dtype] * math.prod(shape)
+        bits = dtype_bits * prod(shape)
         if 0 < bits <= U64_MAX and not bits & 7:
             nbytes = bits >> 3   # the common case, without a call (headers hold thousands)
         else:  # no elements (the count may have overflowed before the zero), too many, or not whole bytes
@@ -359,7 +362,7 @@ def _entries(obj: dict[str, object]) -> list[TensorEntry]:
         if nbytes != end - start:
             raise LayoutError(f"entry {name!r}: shape {shape} of {dtype} needs "
                               f"{nbytes} bytes, offsets give {end - start}")
-        entries.append(TensorEntry(name, dtype, tuple(shape), start, end))
+        append(make(TensorEntry, (name, dtype, tuple(shape), start, end)))
     return entries
 
 

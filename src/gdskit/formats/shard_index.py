@@ -46,12 +46,14 @@ def index_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os.P
     shards = fmt.resolve_checkpoint(path_or_paths)
     headers = tuple((p, fmt.read_header_file(p)) for p in shards.files)
     where: dict[str, Located] = {}
+    make = tuple.__new__  # a named tuple without its Python-level __new__: headers hold thousands
     for p, h in headers:
         start = h.data_start
         for e in h.entries:
-            if e.name in where:
-                raise fmt.HeaderError(f"tensor {e.name!r} is in both {where[e.name].path} and {p}")
-            where[e.name] = Located(p, start + e.start, e)
+            name = e.name
+            if name in where:
+                raise fmt.HeaderError(f"tensor {name!r} is in both {where[name].path} and {p}")
+            where[name] = make(Located, (p, start + e.start, e))
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
             if name not in where or os.path.abspath(where[name].path) != os.path.abspath(p):

@@ -192,7 +192,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             self._submit(batch)
 
     def _submit(self, batch: list[Located]) -> None:
-        raw = self._device.type == "cuda" and can_scatter()  # see into_exec._fill_direct
+        raw = self._device.type == "cuda" and can_scatter()  # the engine scatters into the tensors themselves
         items: list[tuple[str, torch.Tensor]] = []
         dests: dict[str, torch.Tensor] = {}
         extents = []

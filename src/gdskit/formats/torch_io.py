@@ -20,6 +20,7 @@ only those modules import it.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import os
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -39,7 +40,7 @@ def _engine_buffer(t: torch.Tensor) -> Any:
     has synchronised the current stream, so no per-request producer wait is needed)."""
     if t.is_cuda:
         return synchronized_device_view(t.data_ptr(), t.numel() * t.element_size(), t)
-    return t
+    return _flat_bytes_view(t)
 
 
 # torch's caching allocator serves requests above 1 MiB from its large pool, rounded up to 512 bytes.
@@ -135,6 +136,17 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         d.copy_(s)
 
 
+def _flat_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``t``'s memory as a flat uint8 tensor (``t`` itself where it is one)."""
+    if t.dtype is torch.uint8 and t.dim() == 1:
+        return t
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _memmove(dst: int, src: int, n: int) -> None:
+    ctypes.memmove(dst, src, n)
+
+
 class _Split:
     """How one group's staging bytes split into member tensors (gaps are dropped)."""
 
@@ -169,18 +181,26 @@ def _uint8_alloc(device: torch.device) -> Callable[[Extent], torch.Tensor]:
 def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             dests: Mapping[Hashable, torch.Tensor] | None = None,
             alloc: Callable[[Extent], torch.Tensor] | None = None,
-            progress: Progress | None = None, depth: int = 4) -> dict[Hashable, torch.Tensor]:
+            progress: Progress | None = None, depth: int = 4,
+            scatter: bool | None = None) -> dict[Hashable, torch.Tensor]:
     """Read every extent of ``plan`` from the open engine file ``f``.
 
     Parameters
     ----------
     dests : mapping, optional
-        Preallocated contiguous destinations by key (each exactly the extent's size).
+        Preallocated contiguous destinations by key (each exactly the extent's size, of any
+        dtype and shape).
     alloc : callable, optional
         ``alloc(extent)`` makes the destination of an extent without one in ``dests`` on a GPU:
         a new contiguous tensor on ``device`` of exactly ``extent.nbytes`` bytes, of any dtype
         and shape (a loader makes the final tensor at once). Default, and always in host
         memory: a 1-D uint8 tensor.
+    depth : int
+        Staging buffers of the ring, where groups are not scattered.
+    scatter : bool, optional
+        On a GPU, whether groups are scattered by the engine straight into their members
+        (default: wherever the engine can) or read through the staging ring and split on the
+        device (False).
 
     Returns
     -------
@@ -191,7 +211,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
     out: dict[Hashable, torch.Tensor] = {}
     on_cuda = device.type == "cuda"
     make = alloc if (alloc is not None and on_cuda) else _uint8_alloc(device)
-    scatter = on_cuda and bool(plan.groups) and can_scatter()
+    scatter = on_cuda and bool(plan.groups) and can_scatter() and scatter is not False
 
     def dest_for(e: Extent) -> torch.Tensor:
         t = dests.get(e.key)
@@ -328,19 +348,30 @@ def _run_groups(f: Any, groups: tuple[Group, ...], ring: list[torch.Tensor],
             return
         g, slot, fut = pending.popleft()
         _check(fut.result(), g.nbytes, f"{len(g.members)} tensors at offset {g.file_offset} of {f.path}")
-        split = _Split(g)
-        parts = torch.split_with_sizes(ring[slot][:g.nbytes], split.sizes)
-        srcs = [parts[i] for i in split.keep]
-        fixed = [(m, s) for m, s in zip(g.members, srcs) if m.key in dests]
-        fresh = [(m, s) for m, s in zip(g.members, srcs) if m.key not in dests]
-        if fixed:
-            dst = [dests[m.key] for m, _ in fixed]
-            _copy_all(dst, [s for _, s in fixed])
-            for (m, _), d in zip(fixed, dst):
+        members = g.members
+        fixed = [m for m in members if m.key in dests] if dests else []
+        n_fresh = len(members) - len(fixed)
+        if fixed and not on_cuda:  # host memory: copies between addresses, no tensor views to make
+            base = ring[slot].data_ptr() - g.file_offset
+            for m in fixed:
+                d = dests[m.key]
+                _memmove(d.data_ptr(), base + m.file_offset, m.nbytes)
                 out[m.key] = d
-        if fresh:
-            for (m, _), t in zip(fresh, _clone_all([s for _, s in fresh])):
-                out[m.key] = t
+            fixed = []
+        if fixed or n_fresh:
+            split = _Split(g)
+            parts = torch.split_with_sizes(ring[slot][:g.nbytes], split.sizes)
+            pairs = list(zip(members, (parts[i] for i in split.keep)))
+            if fixed:
+                to_fill = [(m, s) for m, s in pairs if m.key in dests]
+                dst = [dests[m.key] for m, _ in to_fill]
+                _copy_all([_flat_bytes_view(d) for d in dst], [s for _, s in to_fill])
+                for (m, _), d in zip(to_fill, dst):
+                    out[m.key] = d
+            if n_fresh:
+                fresh = [(m, s) for m, s in pairs if m.key not in dests]
+                for (m, _), t in zip(fresh, _clone_all([s for _, s in fresh])):
+                    out[m.key] = t
         event = None
         if on_cuda:
             event = torch.cuda.Event()
