@@ -76,7 +76,8 @@ class _Reader:
             return _Batch(number, plan, raw)
         if plan.staged:
             assert self.staging is not None
-            slot = self.staging.slot(position, plan.nbytes)
+            with torch.cuda.device(self.device):  # a slot's event belongs to the loader's GPU
+                slot = self.staging.slot(position, plan.nbytes)
             read_now(self.files, plan, slot.view)
             if on_bytes is not None:
                 on_bytes(plan.nbytes)
