@@ -304,3 +304,76 @@ print('exiting')
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("\n")[:2] == ["hint True True", "exiting"]
+
+
+
+def test_a_pass_closed_during_the_interpreters_teardown_does_not_wait_for_its_readers(tokens, monkeypatch):
+    """While the interpreter is torn down its threads can no longer run: a pass closed then (its
+    finaliser) must not join readers that are still reading, or the exit waits for ever."""
+    from gdskit.data import loader as L
+    paths, _ = tokens
+    gate = threading.Event()
+    real = L._Reader.start
+
+    def stuck(self, *a, **k):  # a reader in the middle of a read that does not end by itself
+        gate.wait(30)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(L._Reader, "start", stuck)
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    it = iter(gd.Loader(ds, 2, device="cpu", prefetch=4))
+    readers = list(it._pipeline._threads)
+    assert readers and all(t.is_alive() for t in readers)
+    closed = threading.Event()
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    try:
+        closer = threading.Thread(target=lambda: (it.close(), closed.set()), daemon=True)
+        closer.start()
+        finished = closed.wait(5)
+    finally:
+        monkeypatch.setattr(sys, "is_finalizing", lambda: False)
+        gate.set()
+    for t in readers:
+        t.join(10)
+    closer.join(10)
+    assert finished, "close() waited for readers that could no longer run"
+    assert not any(t.is_alive() for t in readers)
+
+
+def test_the_exit_stops_a_pass_and_waits_for_its_readers(tokens):
+    """The ordered exit closes every pass still reading ahead (before the engine stops), so
+    that no reader is left running into the interpreter's teardown."""
+    from gdskit.data import loader as L
+    paths, _ = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    it = iter(gd.Loader(ds, 2, device="cpu", prefetch=4))
+    next(it)
+    readers = list(it._pipeline._threads)
+    L._stop_readers()  # what gdskit.shutdown runs at exit
+    assert not any(t.is_alive() for t in readers)
+    it.close()
+
+
+def test_the_exit_waits_for_readers_still_reading(tokens):
+    """A pass whose readers are in the middle of slow reads when the program ends: the exit stops
+    them and waits for their reads, and the process ends with its own status (a reader left
+    running into the interpreter's teardown made the pass's finaliser wait for ever)."""
+    paths, _ = tokens
+    script = f"""
+import time
+import gdskit.data as gd
+from gdskit.data import loader as L
+real = L._Reader.start
+def slow(self, *a, **k):
+    time.sleep(1.0)
+    return real(self, *a, **k)
+L._Reader.start = slow
+ds = gd.TokenDataset({paths!r}, dtype='uint32', seq_len={SEQ})
+it = iter(gd.Loader(ds, 2, device='cpu', prefetch=4))
+next(it)
+print('exiting', flush=True)
+"""
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "exiting"

@@ -12,6 +12,7 @@ complete (a stream-ordered hand-off: no device-wide synchronisation, no host wai
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import deque
@@ -30,7 +31,7 @@ from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, engine_view, p
 from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int
 from gdskit.errors import InvalidArgumentError
-from gdskit.formats._engine import stats, stats_delta
+from gdskit.formats._engine import at_exit_stop_work, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 
 __all__ = ["Loader"]
@@ -128,6 +129,31 @@ class _Failed:
 #: Threads that read a pass's batches side by side (at most ``prefetch`` of them): each batch
 #: is one thread's run of system calls, which let go of the interpreter lock while they copy.
 READERS = 4
+#: How long the exit waits for a reader thread to finish the batch it is reading.
+EXIT_JOIN_S = 30.0
+
+# Passes whose readers may still run. The exit stops them before the interpreter is torn down:
+# a reader left inside torch or the engine then aborted the process ("terminate called without
+# an active exception").
+_live: weakref.WeakSet[_Pipeline] = weakref.WeakSet()
+_live_lock = threading.Lock()
+_exit_hooked = False
+
+
+def _stop_readers() -> None:
+    with _live_lock:
+        pipelines = list(_live)
+    for pipeline in pipelines:
+        pipeline.close(EXIT_JOIN_S)
+
+
+def _track(pipeline: _Pipeline) -> None:
+    global _exit_hooked
+    with _live_lock:
+        _live.add(pipeline)
+        first, _exit_hooked = not _exit_hooked, True
+    if first:
+        at_exit_stop_work(_stop_readers)
 
 
 class _Pipeline:
@@ -148,6 +174,8 @@ class _Pipeline:
         for r in range(count):
             t = threading.Thread(target=self._produce, args=(r, count), name="gdskit-data-prefetch", daemon=True)
             self._threads.append(t)
+        if self._threads:
+            _track(self)
         for t in self._threads:
             t.start()
 
@@ -194,16 +222,19 @@ class _Pipeline:
             raise item.exc
         return item
 
-    def close(self) -> None:
+    def close(self, join_timeout: float | None = None) -> None:
         """Stop reading ahead: batches not started are never started, those started are
-        abandoned (reads not begun are cancelled, the others waited for), the threads joined."""
+        abandoned (reads not begun are cancelled, the others waited for), the threads joined
+        (each for at most ``join_timeout`` seconds, where given: the exit's bound)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         me = threading.current_thread()
+        if sys.is_finalizing():
+            join_timeout = 0  # the readers can no longer run: joining them would wait for ever
         for t in self._threads:
             if t is not me:
-                t.join()
+                t.join(join_timeout)
         with self._cv:
             left = list(self._ready.values())
             self._ready.clear()

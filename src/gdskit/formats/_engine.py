@@ -66,6 +66,12 @@ def cuda_layer() -> Any:
     return cuda
 
 
+def at_exit_stop_work(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at exit where the engine stops its worker threads, before anything is freed."""
+    from gdskit.shutdown import STOP_WORK, at_exit
+    at_exit(STOP_WORK, hook)
+
+
 def at_exit_free_memory(hook: Callable[[], None]) -> None:
     """Run ``hook`` at exit where the engine frees its own pinned memory (CUDA still runs)."""
     from gdskit.shutdown import FREE_MEMORY, at_exit
