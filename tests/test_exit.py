@@ -137,3 +137,27 @@ def test_gpu_processes_exit_with_their_status(tmp_path: Path) -> None:
         if out.returncode not in (0, 1):
             pytest.fail(f"accept exited with {out.returncode}:\n{out.stderr[-6000:]}", pytrace=False)
         assert (report / "report.json").exists()
+
+
+def test_the_exit_closes_cufile_without_stopping_its_statistics(tmp_path: Path) -> None:
+    """At exit the cuFile driver is closed but its statistics are not stopped first:
+    ``cuFileStatsStop`` there crashed the interpreter on the GPU machine (a segmentation fault
+    inside libcufile, after stream-ordered reads); the driver's close frees them anyway."""
+    out = _run(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from fake_cufile import FakeCufile
+        from gdskit.backends.cufile import CufileLibrary
+        fake = FakeCufile()
+        fake.stats_stop = lambda: print("stats_stop", flush=True)
+        real_close = fake.driver_close
+        def close():
+            print("driver_close", flush=True)
+            real_close()
+        fake.driver_close = close
+        lib = CufileLibrary(loader=lambda: fake)
+        assert lib.available() and lib.stats_enabled
+        print("exiting", flush=True)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["exiting", "driver_close"]
