@@ -25,6 +25,7 @@ from gdskit.errors import (
     UnsupportedOperationError,
     from_os_error,
 )
+from gdskit.plan import nonnegative_int
 from gdskit.pool import request_executor
 from gdskit.routed import read_routed
 from gdskit.router import host_reason, plan_routes
@@ -76,23 +77,6 @@ def backend(name: str) -> Backend:
         if name not in _backends:
             _backends[name] = BACKEND_CLASSES[name]()()
         return _backends[name]
-
-
-def _check_int(name: str, value: Any) -> int:
-    """A non-negative offset or size: an ``int`` or anything with ``__index__`` (numpy integers),
-    never a ``bool`` (``file_offset=True`` is a mistake, not offset 1)."""
-    if type(value) is int and value >= 0:
-        return value
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, not a boolean")
-    if not isinstance(value, int):
-        try:
-            value = operator.index(value)
-        except Exception:
-            raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _check_ints(name: str, values: Iterable[int]) -> list[int]:
@@ -259,7 +243,7 @@ class File:
         view = adapt(buf)
         if view.readonly:
             raise ReadOnlyBufferError("cannot read into a read-only buffer")
-        size = _check_int("size", size)
+        size = nonnegative_int("size", size)
         offsets = _check_ints("file_offsets", file_offsets)
         if buf_offsets is None:
             places = list(range(0, len(offsets) * size, size)) if size else [0] * len(offsets)
@@ -377,8 +361,8 @@ class File:
         ``cachestat`` nor ``mincore`` works)."""
         self._enter()
         try:
-            file_offset = _check_int("file_offset", file_offset)
-            size = self._size() - file_offset if size is None else _check_int("size", size)
+            file_offset = nonnegative_int("file_offset", file_offset)
+            size = self._size() - file_offset if size is None else nonnegative_int("size", size)
             from gdskit.backends.staged import file_residency  # noqa: PLC0415
             from gdskit.residency import Residency  # noqa: PLC0415
 
@@ -523,10 +507,10 @@ class File:
             raise InvalidArgumentError("a scattered view is a read's destination; write from one buffer")
         if op == "read" and view.readonly:
             raise ReadOnlyBufferError("cannot read into a read-only buffer")
-        buf_offset = _check_int("buf_offset", buf_offset)
+        buf_offset = nonnegative_int("buf_offset", buf_offset)
         if buf_offset > view.nbytes:
             raise BufferTooSmallError(f"buf_offset {buf_offset} is past the end of the {view.nbytes}-byte buffer")
-        size = view.nbytes - buf_offset if size is None else _check_int("size", size)
+        size = view.nbytes - buf_offset if size is None else nonnegative_int("size", size)
         if buf_offset + size > view.nbytes:
             raise BufferTooSmallError(f"buffer of {view.nbytes} bytes cannot hold {size} bytes at offset {buf_offset}")
         if file_offset is None:
@@ -537,7 +521,7 @@ class File:
             else:
                 file_offset = 0
         else:
-            file_offset = _check_int("file_offset", file_offset)
+            file_offset = nonnegative_int("file_offset", file_offset)
             if op == "write" and self.mode == "a":
                 raise InvalidArgumentError("in mode 'a' writes go to the end of the file; leave file_offset unset")
         return view, size, file_offset, buf_offset

@@ -145,16 +145,18 @@ class PeerEntry:
         return cls(int(d["source_rank"]), str(d["backend"]), int(d["bytes"]), int(d["ops"]), float(d["busy_s"]))
 
 
-def _merge_peers(a: tuple[PeerEntry, ...], b: tuple[PeerEntry, ...], sign: int) -> tuple[PeerEntry, ...]:
-    """``a + b`` or ``a - b`` row by row (a difference keeps only ``a``'s rows, as entries do)."""
-    out = {p.key: p for p in a}
-    for p in b:
-        mine = out.get(p.key)
+def _merge_rows(a: tuple[Any, ...], b: tuple[Any, ...], sign: int) -> tuple[Any, ...]:
+    """``a + b`` or ``a - b`` row by row, for rows with ``key``, ``bytes``, ``ops`` and
+    ``_combine`` (:class:`PeerEntry`, :class:`RoutedEntry`); a difference keeps only ``a``'s rows,
+    as entries do."""
+    out = {r.key: r for r in a}
+    for r in b:
+        mine = out.get(r.key)
         if mine is not None:
-            out[p.key] = mine._combine(p, sign)
+            out[r.key] = mine._combine(r, sign)
         elif sign > 0:
-            out[p.key] = p
-    return tuple(sorted((p for p in out.values() if p.bytes or p.ops), key=lambda p: p.key))
+            out[r.key] = r
+    return tuple(sorted((r for r in out.values() if r.bytes or r.ops), key=lambda r: r.key))
 
 
 @dataclass(frozen=True)
@@ -189,18 +191,6 @@ class RoutedEntry:
                    int(d["ops"]), float(d["busy_s"]))
 
 
-def _merge_routed(a: tuple[RoutedEntry, ...], b: tuple[RoutedEntry, ...], sign: int) -> tuple[RoutedEntry, ...]:
-    """``a + b`` or ``a - b`` row by row, as :func:`_merge_peers`."""
-    out = {r.key: r for r in a}
-    for r in b:
-        mine = out.get(r.key)
-        if mine is not None:
-            out[r.key] = mine._combine(r, sign)
-        elif sign > 0:
-            out[r.key] = r
-    return tuple(sorted((r for r in out.values() if r.bytes or r.ops), key=lambda r: r.key))
-
-
 def _group(entries: list[LedgerEntry], key: str) -> dict[str, PathStats]:
     out: dict[str, PathStats] = {}
     for e in entries:
@@ -232,7 +222,7 @@ class Stats:
                      routed: tuple[RoutedEntry, ...] = ()) -> Stats:
         entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
         return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"),
-                   _merge_peers((), tuple(peers), 1), _merge_routed((), tuple(routed), 1))
+                   _merge_rows((), tuple(peers), 1), _merge_rows((), tuple(routed), 1))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Stats:
@@ -284,15 +274,15 @@ class Stats:
         for e in self.entries:
             o = theirs.get(e.key)
             out.append(e if o is None else e - o)
-        return Stats.from_entries(out, _merge_peers(self.peers, other.peers, -1),
-                                  _merge_routed(self.routed, other.routed, -1))
+        return Stats.from_entries(out, _merge_rows(self.peers, other.peers, -1),
+                                  _merge_rows(self.routed, other.routed, -1))
 
     def __add__(self, other: Stats) -> Stats:
         out = {e.key: e for e in self.entries}
         for e in other.entries:
             out[e.key] = out[e.key] + e if e.key in out else e
-        return Stats.from_entries(list(out.values()), _merge_peers(self.peers, other.peers, 1),
-                                  _merge_routed(self.routed, other.routed, 1))
+        return Stats.from_entries(list(out.values()), _merge_rows(self.peers, other.peers, 1),
+                                  _merge_rows(self.routed, other.routed, 1))
 
     def to_dict(self) -> dict[str, Any]:
         d = {

@@ -19,7 +19,6 @@ ordinary per-file path once the job is done.
 from __future__ import annotations
 
 import errno
-import operator
 import os
 import stat
 import threading
@@ -35,7 +34,7 @@ from gdskit.buffers import BufferView, adapt
 from gdskit.errors import (BufferTooSmallError, GdskitIsADirectoryError, InvalidArgumentError, ReadOnlyBufferError,
                            from_os_error)
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, chunks
+from gdskit.plan import Chunk, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
@@ -84,18 +83,6 @@ class _Done:
     deferred: bool = False
 
 
-def _index(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, not a boolean")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def _validate(job: FileReads, i: int) -> list[_Read]:
     out = []
     for k, item in enumerate(job.reads):
@@ -105,9 +92,9 @@ def _validate(job: FileReads, i: int) -> list[_Read]:
         view = adapt(item[0])
         if view.readonly:
             raise ReadOnlyBufferError("cannot read into a read-only buffer")
-        size = _index("size", item[1])
-        file_offset = _index("file_offset", item[2])
-        buf_offset = _index("buf_offset", item[3]) if len(item) == 4 else 0
+        size = nonnegative_int("size", item[1])
+        file_offset = nonnegative_int("file_offset", item[2])
+        buf_offset = nonnegative_int("buf_offset", item[3]) if len(item) == 4 else 0
         if buf_offset + size > view.nbytes:
             raise BufferTooSmallError(f"buffer of {view.nbytes} bytes cannot hold {size} bytes at offset {buf_offset}")
         out.append(_Read(view, size, file_offset, buf_offset))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Any
+
+from gdskit.errors import InvalidArgumentError
 
 
 def align_down(value: int, alignment: int) -> int:
@@ -85,3 +89,19 @@ def split_aligned(file_offset: int, buf_offset: int, size: int, alignment: int) 
     tail = Chunk(body_end, buf_offset + body_end - file_offset, end - body_end) if end > body_end else None
     return SplitRange(head, body, tail)
 
+
+def nonnegative_int(name: str, value: Any) -> int:
+    """A non-negative offset or size: an ``int`` or anything with ``__index__`` (numpy integers),
+    never a ``bool`` (``file_offset=True`` is a mistake, not offset 1)."""
+    if type(value) is int and value >= 0:
+        return value
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, not a boolean")
+    if not isinstance(value, int):
+        try:
+            value = operator.index(value)
+        except Exception:
+            raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return value

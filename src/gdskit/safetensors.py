@@ -193,14 +193,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             if name not in where or os.path.abspath(where[name][0]) != os.path.abspath(p):
                 raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
 
-    if keys is None:
-        names = list(where)
-    else:
-        names = list(dict.fromkeys(keys))
-        missing = [k for k in names if k not in where]
-        if missing:
-            raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
-                                     + (" ..." if len(missing) > 5 else ""))
+    names = fmt.select_names(where, keys)
     types = {}
     empty = {}   # tensors of no bytes are made here, not read
     for n in names:  # everything that can fail does so before anything is read

@@ -529,14 +529,8 @@ def _queue(op: _StreamOp, routes: list[Route], cfg: Settings) -> None:
             else:
                 assert stage_set is not None
                 turn = _queue_bounce(op, route, stage_set, turn, cfg)
-        cuda.launch_host_func(stream, lambda: _finished(op))
-        if op.done_event is not None:
-            op.done_event.record_on(stream)
-        if stage_set is not None:
-            assert stage_set.free_at is not None
-            stage_set.free_at.record_on(stream)
-            stages.give(stage_set, stream)
-            stage_set = None
+        _queue_end(op, stage_set)
+        stage_set = None
     except BaseException as exc:
         if not queued:
             if stage_set is not None:
@@ -548,13 +542,7 @@ def _queue(op: _StreamOp, routes: list[Route], cfg: Settings) -> None:
         op.fail(exc if isinstance(exc, GdskitError) else CudaError(f"queueing a stream-ordered {op.op} failed: "
                                                                    f"{exc}"))
         try:
-            cuda.launch_host_func(stream, lambda: _finished(op))
-            if op.done_event is not None:
-                op.done_event.record_on(stream)
-            if stage_set is not None:
-                assert stage_set.free_at is not None
-                stage_set.free_at.record_on(stream)
-                stages.give(stage_set, stream)
+            _queue_end(op, stage_set)
         except BaseException:  # noqa: BLE001 - the stream takes nothing more: settle now
             if stage_set is not None:
                 stages.drop(stage_set)
@@ -563,6 +551,19 @@ def _queue(op: _StreamOp, routes: list[Route], cfg: Settings) -> None:
     with _inflight_lock:
         if not op.settled:
             _inflight.add(op)
+
+
+def _queue_end(op: _StreamOp, stage_set: StageSet | None) -> None:
+    """The op's last host function and its event on its stream, then its stage set handed back
+    once the stream is past them."""
+    stream = op.stream
+    cuda.launch_host_func(stream, lambda: _finished(op))
+    if op.done_event is not None:
+        op.done_event.record_on(stream)
+    if stage_set is not None:
+        assert stage_set.free_at is not None
+        stage_set.free_at.record_on(stream)
+        stages.give(stage_set, stream)
 
 
 def _queue_bounce(op: _StreamOp, route: Route, stage_set: StageSet, turn: int, cfg: Settings) -> int:

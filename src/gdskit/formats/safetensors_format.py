@@ -32,7 +32,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gdskit.errors import FormatError, GdskitError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
@@ -88,6 +88,19 @@ class TruncatedFileError(FormatError):
 
 class MissingTensorError(GdskitError, KeyError):
     """A tensor asked for by name is not in the checkpoint."""
+
+
+def select_names(available: Mapping[str, Any], keys: Iterable[str] | None) -> list[str]:
+    """The tensors a load returns: all of ``available`` in its order, or ``keys`` (each once, in
+    the order asked); a key not in ``available`` is a :class:`MissingTensorError`."""
+    if keys is None:
+        return list(available)
+    names = list(dict.fromkeys(keys))
+    missing = [k for k in names if k not in available]
+    if missing:
+        raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
+                                 + (" ..." if len(missing) > 5 else ""))
+    return names
 
 
 class TensorEntry(NamedTuple):

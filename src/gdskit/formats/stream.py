@@ -31,7 +31,7 @@ import torch
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats import read_plan
 from gdskit.formats._engine import can_scatter, open_file
-from gdskit.formats.safetensors_format import MissingTensorError, TruncatedFileError
+from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
 
 #: The default budget is the larger of this and twice the largest tensor.
@@ -109,15 +109,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._shape = shape
 
         index = index_checkpoint(path_or_paths)
-        if keys is None:
-            chosen = list(index.tensors.values())
-        else:
-            wanted = set(keys)
-            unknown = sorted(wanted - index.tensors.keys())
-            if unknown:
-                raise MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, unknown[:5]))}"
-                                         + (" ..." if len(unknown) > 5 else ""))
-            chosen = [loc for name, loc in index.tensors.items() if name in wanted]
+        wanted = set(select_names(index.tensors, keys))  # yielded in file order, whatever the keys' order
+        chosen = [loc for name, loc in index.tensors.items() if name in wanted]
         # Every dtype checked before anything is read.
         self._types = {loc.entry.name: torch_type(torch, loc.entry) for loc in chosen}
         largest = max((loc.entry.nbytes for loc in chosen), default=0)

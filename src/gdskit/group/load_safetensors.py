@@ -64,14 +64,7 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
     def prepare() -> LoadJob:
         dev = st.device(torch, device)
         files, headers, where = _checkpoint(path_or_paths)
-        if keys is None:
-            names = list(where)
-        else:
-            names = list(dict.fromkeys(keys))
-            missing = [k for k in names if k not in where]
-            if missing:
-                raise fmt.MissingTensorError(f"not in the checkpoint: {', '.join(map(repr, missing[:5]))}"
-                                             + (" ..." if len(missing) > 5 else ""))
+        names = fmt.select_names(where, keys)
         for n in names:  # everything that can fail does so before any rank reads anything
             i, e = where[n]
             try:
