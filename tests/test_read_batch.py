@@ -142,3 +142,49 @@ def test_one_place_for_every_read(data_file, policy, timed):
         assert lat is None or len(lat) == 5
         assert f.read_batch(buf, [SIZE - 1000], 4096, [0]) == [1000]
         assert bytes(buf[:1000]) == data[SIZE - 1000:]
+
+
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_a_cached_batch_under_auto_asks_the_page_cache_a_few_times_not_once_per_read(data_file, monkeypatch,
+                                                                                       unaligned):
+    # Asking the page cache about every 4 KiB read cost more than the read itself (token
+    # windows: ~4 µs of interpreter time each); a batch whose sampled reads are all cached is read
+    # buffered in the tight loop.
+    from gdskit.backends import staged
+
+    path, data = data_file
+    with open(path, "rb") as fh:
+        fh.read()
+    size = 4098 if unaligned else 4096
+    rng = np.random.default_rng(11)
+    offsets = (rng.integers(0, (SIZE - size) // 4096, 300) * 4096 + (2 if unaligned else 0)).tolist()
+    asked = []
+    real = staged.file_residency
+    monkeypatch.setattr(staged, "file_residency", lambda f, pos, n: asked.append(pos) or real(f, pos, n))
+    buf = aligned_array(300 * size)
+    before = gdskit.stats()
+    with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
+        assert f.read_batch(buf, offsets, size) == [size] * 300
+    delta = gdskit.stats() - before
+    for i, off in enumerate(offsets):
+        assert bytes(buf[i * size:(i + 1) * size]) == data[off:off + size]
+    assert 1 <= len(asked) <= 3
+    assert delta.paths["host"].requests == 300 and delta.paths["host"].bytes_read == 300 * size
+
+
+def test_a_batch_with_an_uncached_sample_still_decides_read_by_read(data_file, monkeypatch):
+    from gdskit.backends import staged
+    from gdskit.residency import Residency
+
+    path, data = data_file
+    offsets = [4096 * k for k in range(0, 200, 2)]
+    asked = []
+    # The page cache says the last read's range is not cached, the others are.
+    monkeypatch.setattr(staged, "file_residency",
+                        lambda f, pos, n: asked.append(pos) or (Residency.NONE if pos == offsets[-1] else Residency.ALL))
+    buf = aligned_array(len(offsets) * 4096)
+    with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
+        assert f.read_batch(buf, offsets, 4096) == [4096] * len(offsets)
+    for i, off in enumerate(offsets):
+        assert bytes(buf[i * 4096:(i + 1) * 4096]) == data[off:off + 4096]
+    assert len(asked) >= len(offsets), "each read asked on its own"

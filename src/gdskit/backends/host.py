@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from gdskit.backends.base import UNKNOWN, Backend, OpenFile, Request, Unknown, pwrite_all
-from gdskit.backends.staged import (ChunkResult, MemoryTarget, Via, choose, contiguous_prefix, direct_usable,
-                                    read_chunk, write_from_stage)
+from gdskit.backends.staged import (ChunkResult, MemoryTarget, Via, choose, choose_for_batch, contiguous_prefix,
+                                    direct_usable, read_chunk, write_from_stage)
 from gdskit.buffers import BufferView
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import ledger
@@ -211,11 +211,12 @@ class HostBackend(Backend):
         policy, align = cfg.odirect, cfg.alignment
         dfd = None if size % align else direct_usable(f, policy)
         base, clock = buf.ptr, time.perf_counter_ns
-        # Where the policy alone picks the descriptor (never: buffered; always: O_DIRECT, if
-        # every read is aligned), the reads run in a loop with nothing else in it: with several
-        # workers, every microsecond of interpreter time per read is time the others wait for
-        # the interpreter lock.
-        fixed = f.fd if policy is ODirectPolicy.NEVER else dfd if policy is ODirectPolicy.ALWAYS else None
+        # Where one descriptor serves the whole batch (the policy says so, or under auto the page
+        # cache holds a few reads spread over it), the reads run in a loop with nothing else in
+        # it: with several workers, every microsecond of interpreter time per read is time the
+        # others wait for the interpreter lock. O_DIRECT only if every read is aligned.
+        via = choose_for_batch(f, policy, file_offsets, size)
+        fixed = f.fd if via is Via.BUFFERED else dfd if via is Via.DIRECT else None
         if fixed is not None and fixed == dfd and (functools.reduce(operator.or_, file_offsets, 0) | base
                                                    | functools.reduce(operator.or_, buf_offsets, 0)) & (align - 1):
             fixed = None  # some read is unaligned: decide one by one

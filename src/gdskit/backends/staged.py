@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import ctypes
 import enum
 import errno
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,33 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
     if where is None and f.nowait_supported:
         return Via.PROBE, where
     return Via.BUFFERED, where
+
+
+#: Reads of a batch that :func:`choose_for_batch` asks the page cache about (first, middle, last).
+BATCH_SAMPLES = 3
+
+
+def choose_for_batch(f: OpenFile, policy: ODirectPolicy, file_offsets: Sequence[int], n: int) -> Via | None:
+    """One way to read every ``n``-byte range at ``file_offsets`` of ``f``, where one serves the
+    whole batch; None where each read must be decided alone by :func:`choose`.
+
+    ``never``, a refused or missing O_DIRECT: buffered. ``always``: O_DIRECT. ``auto``: buffered
+    where the page cache holds each of a few reads spread over the batch (first, middle, last):
+    asking about every read of a batch of 4 KiB reads costs more than the reads, and a file
+    whose sampled ranges are cached is almost always cached (a read it does not hold is then
+    still correct, only read through the cache). Any other answer: each read alone.
+    """
+    if not file_offsets:
+        return None
+    if policy is not ODirectPolicy.AUTO or f.direct_refused or f.direct_fd() is None:
+        return choose(f, policy, file_offsets[0], n)[0]  # the policy alone decides: the same for all
+    last = len(file_offsets) - 1
+    if last < BATCH_SAMPLES:
+        return None  # a batch this small: sampling would save nothing over asking about each
+    for k in (0, last // 2, last):
+        if file_residency(f, file_offsets[k], n) is not Residency.ALL:
+            return None
+    return Via.BUFFERED
 
 
 class ChunkTarget(ABC):
