@@ -13,7 +13,8 @@ Peers. preload: ``gdskit`` (gdskit.data.preload); ``engine`` (gdskit.open + prea
 2 x threads files in flight: the files one by one through the engine); ``odirect`` (raw O_DIRECT
 reads into host memory, the disk's ceiling; cold only); ``kvikio`` (KvikIO reads of each file into
 preallocated device memory, when importable); ``numpy`` (np.load, then .to(device)).
-tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2); ``dataloader-N`` (torch DataLoader, N
+tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2; ``gdskit-1-reader``: one reader thread,
+``gdskit-prefetch-4``: prefetch 4, four readers; not run unless named in --peers); ``dataloader-N`` (torch DataLoader, N
 workers reading the windows with numpy, pin_memory=True, .to(device, non_blocking=True)).
 step: ``memory`` (the batches already in GPU memory: the step alone), ``gdskit``, ``dataloader-8``.
 Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
@@ -48,6 +49,7 @@ PEERS = {
     "tokens": ["gdskit", "dataloader-8", "dataloader-16"],
     "step": ["memory", "gdskit", "dataloader-8"],
 }
+EXTRA_PEERS = {"tokens": ["gdskit-1-reader", "gdskit-prefetch-4"]}  # variants, run only when named
 COLD_ONLY = {"odirect"}          # the disk's ceiling: a hot run of it measures nothing
 HOT_ONLY = {"tokens", "step"}    # streaming workloads run hot (the file fits the page cache)
 
@@ -236,10 +238,16 @@ def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step
         for k in range(n_batches):
             step(batches[k % ring])
         return n_batches, n_batches * batch_bytes
-    if peer == "gdskit":
+    if peer.startswith("gdskit"):
         import gdskit.data as gd
+        import gdskit.data.loader as loader_module
+        prefetch = 2
+        if peer == "gdskit-1-reader":  # how many reader threads serve best: the default is one per prefetch
+            loader_module.READERS = 1
+        elif peer == "gdskit-prefetch-4":
+            prefetch = 4
         ds = gd.TokenDataset(path, dtype="uint16", seq_len=seq)
-        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=2)
+        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=prefetch)
         done = 0
         for b in loader:
             if step is not None:
@@ -292,7 +300,7 @@ def child(args: argparse.Namespace) -> None:
     if cuda:
         torch.empty(1, device=args.device)  # the CUDA context outside the clock, for every peer alike
         torch.cuda.reset_peak_memory_stats()
-    if args.peer in ("gdskit", "engine"):
+    if args.peer.startswith("gdskit") or args.peer == "engine":
         import gdskit
         import gdskit.data  # noqa: F401 - imported once, outside the clock
         before = gdskit.stats()
@@ -307,7 +315,7 @@ def child(args: argparse.Namespace) -> None:
     wall, cpu = time.perf_counter() - _CLOCK["wall"], _cpu_s() - _CLOCK["cpu"]
     out = {"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "batches": batches,
            "peak_gpu_bytes": (torch.cuda.max_memory_allocated() - base) if cuda else 0}
-    if args.peer in ("gdskit", "engine"):
+    if args.peer.startswith("gdskit") or args.peer == "engine":
         d = gdskit.stats() - before
         out["paths"] = {k: v.bytes_read for k, v in d.paths.items() if v.bytes_read}
         out["pinned_bytes"] = gdskit.resources().pinned_bytes
@@ -348,7 +356,9 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
     warmed: set[str] = set()  # workloads whose files are in the page cache now
     for rnd in range(args.rounds):
         for w in workloads:
-            peers = [p for p in PEERS[w] if args.peers is None or p in args.peers.split(",")]
+            named = args.peers.split(",") if args.peers else None
+            peers = [p for p in PEERS[w] if named is None or p in named] + \
+                [p for p in EXTRA_PEERS.get(w, []) if named is not None and p in named]
             if rnd % 2:
                 peers = peers[::-1]  # alternate the order: none always first after the data was made
             paths = data["tokens"] if w in ("tokens", "step") else data["shards" if w == "preload-shards" else "small"]
@@ -395,7 +405,7 @@ def combine(results: list[dict]) -> list[dict]:
         ok = sorted((r for r in runs if "wall_s" in r), key=lambda r: r["wall_s"])
         out.append({**(ok[(len(ok) - 1) // 2] if ok else runs[0]), "rounds": len(runs)})
     order = {w: i for i, w in enumerate(WORKLOADS)}
-    return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], PEERS[r["workload"]].index(r["peer"])))
+    return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], (PEERS[r["workload"]] + EXTRA_PEERS.get(r["workload"], [])).index(r["peer"])))
 
 
 def _fmt(x, spec: str) -> str:
@@ -405,11 +415,11 @@ def _fmt(x, spec: str) -> str:
 
 def report(rows: list[dict]) -> str:
     ref = {(r["workload"], r["mode"]): r for r in rows if r["peer"] == "gdskit" and "wall_s" in r}
-    lines = [f"{'workload':15} {'peer':14} {'mode':4} {'GB/s':>7} {'batch/s':>8} {'step ms':>8} {'vs gdskit':>9} "
+    lines = [f"{'workload':15} {'peer':17} {'mode':4} {'GB/s':>7} {'batch/s':>8} {'step ms':>8} {'vs gdskit':>9} "
              f"{'CPU-s/GB':>9} {'GPU/batch':>9}  note"]
     for r in rows:
         if "wall_s" not in r:
-            lines.append(f"{r['workload']:15} {r['peer']:14} {r['mode']:4} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
+            lines.append(f"{r['workload']:15} {r['peer']:17} {r['mode']:4} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
                          f"{'-':>9} {'-':>9}  {r.get('error', '')}")
             continue
         g = ref.get((r["workload"], r["mode"]))
@@ -425,7 +435,7 @@ def report(rows: list[dict]) -> str:
             note = " ".join(f"{k} {v / total:.0%}" for k, v in sorted(r["paths"].items(), key=lambda kv: -kv[1]))
         if r.get("pinned_bytes"):
             note += f" pinned {r['pinned_bytes'] / MiB:.0f} MiB"
-        lines.append(f"{r['workload']:15} {r['peer']:14} {r['mode']:4} {_fmt(r.get('gb_per_s'), '7.2f')} "
+        lines.append(f"{r['workload']:15} {r['peer']:17} {r['mode']:4} {_fmt(r.get('gb_per_s'), '7.2f')} "
                      f"{_fmt(r.get('batches_per_s'), '8.1f')} {_fmt(r.get('step_ms'), '8.2f')} {ratio:>9} "
                      f"{_fmt(r.get('cpu_s_per_gb'), '9.3f')} {_fmt(r.get('peak_gpu_batches'), '9.2f')}  {note}")
     return "\n".join(lines)
