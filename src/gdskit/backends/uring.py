@@ -274,7 +274,9 @@ class Ring:
         self._sqes = sqes
         sqes32 = sqes.view(np.int32)
         # One column each, made once: slicing a 1-D view costs a fraction of a 2-D index.
-        self._off, self._addr = sqes[:, _SQE_OFF], sqes[:, _SQE_ADDR]
+        # The offset column is signed: an offset of 2**63 or more raises OverflowError before
+        # anything is submitted, as os.preadv would.
+        self._off, self._addr = sqes.view(np.int64)[:, _SQE_OFF], sqes[:, _SQE_ADDR]
         self._fd, self._len = sqes32[:, _SQE_FD32], sqes32[:, _SQE_LEN32]
         self._filled = (-1, -1, 0)  # (fd, size, count) the SQEs' fd and len fields already hold
         self._array = np.frombuffer((ctypes.c_char * (p.sq_entries * 4)).from_address(sq_base + p.sq_off.array),
@@ -286,8 +288,11 @@ class Ring:
         self._use = threading.Lock()   # held while a batch is in flight: close() never unmaps under it
         self._closing = False
         self.closed = False
-        self._release = weakref.finalize(self, _release, fd, maps)
-        self._release.atexit = False   # the ordered exit closes rings (close_all)
+        # What the kernel gave, let go exactly once: by close(), or when the ring is dropped
+        # unclosed (its thread ended). weakref.finalize stops calling at its own exit hook, which
+        # runs before the ordered exit, so close() does not go through it.
+        self._resources = _Resources(fd, maps)
+        weakref.finalize(self, self._resources.release).atexit = False
 
     @staticmethod
     def make(state: _State, entries: int = RING_ENTRIES) -> Ring | None:
@@ -324,8 +329,9 @@ class Ring:
                 _release(fd, maps)
                 _learn(state, Availability(False, why))
                 return None
-            _learn(state, Availability(True, f"usable ({'SINGLE_MMAP, ' if p.features & _FEAT_SINGLE_MMAP else ''}"
-                                             f"{p.sq_entries}-entry rings, setup flags {p.flags:#x})"))
+            _learn(state, Availability(True, f"IORING_OP_READ, {p.sq_entries}-entry rings"
+                                             f"{', one mapping' if p.features & _FEAT_SINGLE_MMAP else ''}"
+                                             f", setup flags {p.flags:#x}"))
         ring = Ring(state, fd, p, maps, sq_base, cq_base, sqes_base)
         with _lock:
             _rings.add(ring)
@@ -333,8 +339,11 @@ class Ring:
         return ring
 
     def stale(self) -> bool:
-        """Whether this ring may no longer be used: closed, or made by another process or kernel."""
-        return self.closed or self._closing or self._state is not _state or self._state.pid != os.getpid()
+        """Whether this ring may no longer be used: closed, made by another process or on another
+        kernel, or io_uring found not to work after all."""
+        state = self._state
+        return (self.closed or self._closing or state is not _state or state.known.usable is False
+                or state.pid != os.getpid())
 
     def read(self, fd: int, view: memoryview, file_offsets: Sequence[int], buf_offsets: Sequence[int],
              size: int) -> list[int]:
@@ -342,7 +351,7 @@ class Ring:
         each read's result: the bytes it read, or ``-errno``.
 
         Returns (or raises) only when no read submitted can write into ``view`` any more. An
-        offset no file can have (2**64 or more) raises ``OverflowError`` before anything is
+        offset no file can have (2**63 or more) raises ``OverflowError`` before anything is
         submitted.
         """
         n = len(file_offsets)
@@ -373,7 +382,10 @@ class Ring:
         one's result to ``results``; how many ``io_uring_enter`` calls that took."""
         k = len(offs)
         tail = self._sq_tail.value
-        self._off[:k] = offs  # OverflowError here (an offset of 2**64 or more): nothing submitted
+        off = self._off[:k]
+        off[:] = offs  # OverflowError here (an offset of 2**63 or more): nothing submitted
+        if int(off.min()) < 0:  # to the kernel, -1 means "the file's position": never submitted
+            raise ValueError("a file offset is negative")
         addr = self._addr[:k]
         addr[:] = places
         addr += base
@@ -455,7 +467,7 @@ class Ring:
             self.closed = True
             self._sqes = self._cqes32 = self._array = None  # type: ignore[assignment]
             self._off = self._addr = self._fd = self._len = None  # type: ignore[assignment]
-            self._release()
+            self._resources.release()
 
 
 def _put(column: np.ndarray, first: int, k: int, values: Any) -> None:
@@ -480,6 +492,22 @@ def _map(fd: int, length: int, offset: int, maps: list[tuple[int, int]]) -> int:
         raise OSError(err, os.strerror(err))
     maps.append((addr, length))
     return addr
+
+
+class _Resources:
+    """A ring's descriptor and mappings; :meth:`release` lets them go once (a second close of a
+    descriptor number could close a file opened since)."""
+
+    def __init__(self, fd: int, maps: list[tuple[int, int]]) -> None:
+        self.fd, self.maps = fd, maps
+        self._lock = threading.Lock()
+        self.released = False
+
+    def release(self) -> None:
+        with self._lock:
+            if not self.released:
+                self.released = True
+                _release(self.fd, self.maps)
 
 
 def _release(fd: int, maps: list[tuple[int, int]]) -> None:
@@ -555,7 +583,7 @@ def _after_fork_in_child() -> None:
         _state = _State(old.kernel, old.known)
     for ring in rings:
         ring.closed = True
-        ring._release()  # munmap of the child's view and close of its copy of the descriptor
+        ring._resources.release()  # munmap of the child's view and close of its copy of the descriptor
 
 
 @contextmanager
