@@ -6,8 +6,8 @@ Workloads (``--quick``: small sizes for a smoke run, on the CPU too):
   preload-small   16,384 ``.npy`` files of 64 KiB (1 GiB)     (quick: 2,000 of 16 KiB)
   tokens          a 4 GiB uint16 token file, seq_len 2048, batch 64, shuffled; --batches of them
                   (quick: 128 MiB, 200 batches)
-  step            the tokens workload, each batch consumed by a small GPU matmul step (calibrated to
-                  --step-ms); does the loader keep the GPU busy?
+  step            the tokens workload, each batch consumed by a fixed-duration GPU kernel (calibrated
+                  to --step-ms); does the loader keep the GPU busy?
 
 Peers. preload: ``gdskit`` (gdskit.data.preload); ``engine`` (gdskit.open + pread of each file,
 2 x threads files in flight: the files one by one through the engine); ``odirect`` (raw O_DIRECT
@@ -19,7 +19,8 @@ step: ``memory`` (the batches already in GPU memory: the step alone), ``gdskit``
 Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
 ``--cold`` also runs the preloads with the page cache dropped before each run (root:
 /proc/sys/vm/drop_caches, else posix_fadvise DONTNEED per file). Reports GB/s (1 GB = 1e9 bytes),
-batches/s, step ms, CPU-seconds per GB, peak GPU memory per batch, and the ledger's paths.
+batches/s, step ms, CPU-seconds per GB, peak GPU memory in batches (tokens rows: a step's own memory is
+not the loader's), and the ledger's paths.
 
     python benchmarks/data.py --device cuda:0 --cold --json /tmp/out/data.json   # about 4 minutes
     python benchmarks/data.py --device cpu --quick                                # smoke run, any machine
@@ -170,44 +171,48 @@ class _Windows:
 
 
 class _Step:
-    """A training-step-shaped piece of work that consumes a batch: the batch's tokens as a
-    [64, 2048] half-precision matrix, widened to square and multiplied by a weight matrix
-    ``repeats`` times, the repeats calibrated so the step alone takes about ``step_ms``."""
+    """A training-step-shaped piece of work that consumes a batch. On a GPU: one kernel that reads
+    the batch, then one fixed-duration kernel (``torch.cuda._sleep``, calibrated to ``step_ms``):
+    the step keeps the GPU busy and costs the interpreter two launches, as a compiled or
+    graph-captured step does. On the CPU (a smoke run): a small matmul loop of about ``step_ms``."""
 
     def __init__(self, device: str, step_ms: float, seq_len: int) -> None:
         import torch
         self.torch = torch
         self.cuda = device.startswith("cuda")
-        self.dtype = torch.float16 if self.cuda else torch.float32
-        self.width = 2048 if self.cuda else 256
-        self.cols = min(seq_len, self.width)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        self.w = (torch.randn(self.width, self.width, generator=gen) / self.width ** 0.5).to(device, self.dtype)
         self.out = torch.zeros((), device=device, dtype=torch.float32)
+        if self.cuda:
+            self.cycles = 1_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(self.cycles)  # warm
+            start.record()
+            torch.cuda._sleep(self.cycles)
+            end.record()
+            end.synchronize()
+            self.cycles = max(1, int(self.cycles * step_ms / start.elapsed_time(end)))
+            return
+        self.width = 256
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.w = torch.randn(self.width, self.width, generator=gen) / self.width ** 0.5
         self.repeats = 1
-        probe = torch.zeros(64, seq_len + 1, dtype=torch.int64, device=device)
-        for _ in range(3):
-            self(probe)  # warm: kernels chosen, memory cached
-        self._sync()
+        probe = torch.zeros(64, seq_len + 1, dtype=torch.int64)
+        self(probe)
         n = 20
         t0 = time.perf_counter()
         for _ in range(n):
             self(probe)
-        self._sync()
-        per = (time.perf_counter() - t0) / n
-        self.repeats = max(1, round(step_ms / 1000 / per))
-
-    def _sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
+        self.repeats = max(1, round(step_ms / 1000 / ((time.perf_counter() - t0) / n)))
 
     def __call__(self, batch) -> None:
-        x = batch[:, :self.cols].to(self.dtype) / 50257
-        rows = max(1, self.width // x.shape[0])
-        h = x.repeat(rows, self.width // self.cols or 1)[:, :self.width]
+        if self.cuda:
+            self.out += batch[:, -1].float().mean()  # the step's result depends on every batch
+            self.torch.cuda._sleep(self.cycles)
+            return
+        h = batch[:, :self.width].float() / 50257
+        h = h.repeat(self.width // h.shape[0] or 1, 1)[:, :self.width]
         for _ in range(self.repeats):
             h = self.torch.tanh(h @ self.w)
-        self.out += h.float().mean()  # the step's result depends on every batch
+        self.out += h.mean()
 
 
 def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step: bool) -> tuple[int, int]:
@@ -321,7 +326,7 @@ def run_child(argv: list[str], timeout: float) -> dict:
     return fresh_process.run_child(__file__, argv, timeout)
 
 
-def summarize(r: dict, sz: dict) -> dict:
+def summarize(r: dict, sz: dict, workload: str) -> dict:
     if "error" in r:
         return r
     gb = r["bytes"] / GB
@@ -330,7 +335,7 @@ def summarize(r: dict, sz: dict) -> dict:
     if r.get("batches"):
         r["batches_per_s"] = r["batches"] / r["wall_s"]
         r["step_ms"] = 1000 * r["wall_s"] / r["batches"]
-        if r["peak_gpu_bytes"]:
+        if r["peak_gpu_bytes"] and workload == "tokens":  # a step's own memory is not the loader's
             r["peak_gpu_batches"] = r["peak_gpu_bytes"] / (sz["batch"] * (sz["seq_len"] + 1) * 2)
     return r
 
@@ -369,7 +374,7 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
                         how = "warmed"
                     r = summarize(run_child(["--child", peer, "--workload", w, "--device", args.device,
                                              "--threads", str(args.threads), "--sizes", json.dumps(sz),
-                                             "--paths", listing], args.timeout), sz)
+                                             "--paths", listing], args.timeout), sz, w)
                     r.update(workload=w, peer=peer, mode=mode, round=rnd, cache=how)
                     results.append(r)
                     print(f"# {time.perf_counter() - START:6.1f} s  round {rnd + 1} {w} {peer} {mode}: "
@@ -452,8 +457,8 @@ def targets(rows: list[dict]) -> dict[str, str]:
     d = find("step", "dataloader-8", "hot")
     if d and m:
         out["step: DataLoader adds (for comparison)"] = f"{100 * (d['wall_s'] / m['wall_s'] - 1):+.1f}%"
-    if s and s.get("peak_gpu_batches") is not None:
-        out["step: GPU memory <= prefetch + 1 = 3 batches"] = f"{s['peak_gpu_batches']:.2f}"
+    if g and g.get("peak_gpu_batches") is not None:
+        out["tokens: GPU memory <= prefetch + 1 = 3 batches"] = f"{g['peak_gpu_batches']:.2f}"
     return out
 
 
