@@ -18,7 +18,7 @@ MOUNT_KEYS = {"mountpoint", "requested", "fstype", "source", "options", "device"
               "route", "fallback", "reasons", "probe"}
 FINDING_KEYS = {"id", "severity", "subject", "title", "consequence", "fix", "reason"}
 PLATFORM_KEYS = {"kernel_release", "kernel_version", "virtualization", "cufile", "nvidia_fs", "p2pdma", "iommu",
-                 "udev", "cufile_config", "driver"}
+                 "udev", "cufile_config", "driver", "io_uring"}
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
-from gdskit.vocabulary import CufileBatch, Mode, ODirectPolicy, PinnedAlloc, Routing
+from gdskit.vocabulary import CufileBatch, IoUring, Mode, ODirectPolicy, PinnedAlloc, Routing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -94,6 +94,7 @@ _ACCEPTS = {
     "stats_interval": "seconds from 0.05 to 3600",
     "routing": _one_of(Routing),
     "cufile_batch": _one_of(CufileBatch),
+    "io_uring": _one_of(IoUring),
 }
 
 
@@ -145,6 +146,10 @@ class Settings:
         Whether many small cuFile reads go through cuFile's batch API
         (``GDSKIT_CUFILE_BATCH``): ``auto`` at the entry sizes where batches measured
         faster, ``always`` whenever a batch can take them, ``never``.
+    io_uring : IoUring
+        Whether a batch of small reads into host memory (:meth:`gdskit.File.read_batch`) is
+        submitted through io_uring in one system call (``GDSKIT_IO_URING``): ``auto`` where
+        the kernel offers it, ``never`` (one ``preadv`` per read).
     """
 
     mode: Mode = Mode.AUTO
@@ -160,6 +165,7 @@ class Settings:
     stats_interval: float = 0.5
     routing: Routing = Routing.AUTO
     cufile_batch: CufileBatch = CufileBatch.AUTO
+    io_uring: IoUring = IoUring.AUTO
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -182,6 +188,8 @@ class Settings:
                 return Routing(str(value).lower())
             if name == "cufile_batch":
                 return CufileBatch(str(value).lower())
+            if name == "io_uring":
+                return IoUring(str(value).lower())
             if name == "cufile_stats":
                 if isinstance(value, str):
                     low = value.strip().lower()
@@ -254,7 +262,7 @@ class Settings:
         out: dict[str, Any] = {}
         for k in self._names():
             v = getattr(self, k)
-            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing, CufileBatch)) else v
+            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing, CufileBatch, IoUring)) else v
         return out
 
     def snapshot(self) -> Settings:

@@ -120,3 +120,13 @@ class CufileBatch(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class IoUring(str, enum.Enum):
+    """Whether batches of small host reads go through io_uring (``settings.io_uring``)."""
+
+    AUTO = "auto"    # where the kernel offers it (gdskit.backends.uring.availability()) and a batch is big enough
+    NEVER = "never"  # one preadv system call per read
+
+    def __str__(self) -> str:
+        return self.value

@@ -28,10 +28,14 @@ from gdskit.plan import Chunk, chunks
 from gdskit.residency import Residency
 from gdskit.pool import LaneRef, run_chunks, run_requests
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import ODirectPolicy, Path, Reason
+from gdskit.vocabulary import IoUring, ODirectPolicy, Path, Reason
 
 
 _SMALL_MAX = 64 << 10  # requests up to this size try the one-syscall path first
+
+#: Batches of at least this many reads on one descriptor go through io_uring (``settings.io_uring``):
+#: below it, setting up the ring's entries costs more interpreter time than the system calls saved.
+URING_MIN_READS = 16
 
 
 def _one_call_fd(f: OpenFile, policy: ODirectPolicy, pos: int, size: int, addr: int,
@@ -222,6 +226,11 @@ class HostBackend(Backend):
             fixed = None  # some read is unaligned: decide one by one
         counts: list[int] = []
         fast_ops = fast_ns = 0
+        if fixed is not None and latencies_ns is None and len(file_offsets) >= URING_MIN_READS \
+                and cfg.io_uring is IoUring.AUTO:
+            ring_counts = self._ring_reads(f, fixed, view, buf, file_offsets, buf_offsets, size, reason)
+            if ring_counts is not None:
+                return ring_counts
         if fixed is not None:
             fast_ops, fast_ns = _tight_reads(fixed, view, file_offsets, buf_offsets, size, latencies_ns)
             counts = [size] * fast_ops
@@ -245,6 +254,35 @@ class HostBackend(Backend):
             counts.append(n)
         if fast_ops:
             ledger.record(Path.HOST, reason, "read", fast_ops * size, fast_ops, fast_ns / 1e9, requests=fast_ops)
+        return counts
+
+    def _ring_reads(self, f: OpenFile, fd: int, view: memoryview, buf: BufferView, file_offsets: list[int],
+                    buf_offsets: list[int], size: int, reason: Reason) -> list[int] | None:
+        """The batch through this thread's io_uring ring (:mod:`gdskit.backends.uring`): every read
+        submitted at once on ``fd``, those that come back whole done; each other one (short at the
+        end of the file, failed) then takes the general path alone, which counts and reports it
+        as a read outside a batch would. None where no ring can be had (read another way)."""
+        from gdskit.backends import uring  # noqa: PLC0415 - numpy and the ring only where batches need them
+
+        ring = uring.ring_for_thread()
+        if ring is None:
+            return None
+        t0 = time.perf_counter_ns()
+        try:
+            counts = ring.read(fd, view, file_offsets, buf_offsets, size)
+        except OverflowError:
+            return None  # an offset beyond any file (nothing was submitted): the loop reports it
+        elapsed = time.perf_counter_ns() - t0
+        done = counts.count(size)
+        if done < len(counts):
+            if fd == f.fd and not done and counts.count(-errno.EINVAL) == len(counts):
+                uring.mark_unusable("the kernel refused IORING_OP_READ (EINVAL) on a buffered descriptor")
+            for i, n in enumerate(counts):
+                if n != size:
+                    counts[i] = self._read_general(f, Request("read", buf, size, file_offsets[i], buf_offsets[i],
+                                                              reason))
+        if done:
+            ledger.record(Path.HOST, reason, "read", done * size, done, elapsed / 1e9, requests=done)
         return counts
 
     def _read_chunk(self, f: OpenFile, req: Request, view: memoryview, cfg: Settings, ref: LaneRef,

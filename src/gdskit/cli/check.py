@@ -61,6 +61,8 @@ def render(report: Any, console: Any) -> None:
                  f"open driver >= 570 {_yes(pp['driver_ok'])}, use_pci_p2pdma {_yes(pp['enabled_in_config'])}")
     plat.add_row("IOMMU", p["iommu"]["state"])
     plat.add_row("udev database", "readable" if p["udev"]["database"] else "missing (/run/udev/data)")
+    iou = p["io_uring"]
+    plat.add_row("io_uring", f"{iou['status']}: {iou['detail']}" if iou["detail"] else iou["status"])
     cfg = p["cufile_config"]
     if cfg["found"]:
         bits = [f"allow_compat_mode={cfg['allow_compat_mode']}", f"force_compat_mode={cfg['force_compat_mode']}",

@@ -17,7 +17,7 @@ from gdskit.probe.mounts import (
     MountEntry, ODirectResult, is_listed_by_default, mount_block_tree, mount_for_path, network_rdma,
     odirect_dir_for, probe_odirect, read_mounts,
 )
-from gdskit.probe.report import REQUIREMENTS, CheckReport
+from gdskit.probe.report import REQUIREMENTS, CheckReport, IoUringResult
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.routes import route_findings, route_table
 from gdskit.probe.topology import topology
@@ -59,6 +59,16 @@ def _odirect(root: SystemRoot, m: MountEntry, requested: list[str], enabled: boo
     if directory is None:
         return ODirectResult("not-probed", "no writable directory on this mount")
     return probe_odirect(directory)
+
+
+def _io_uring(root: SystemRoot) -> IoUringResult:
+    """Whether this process can read batches through io_uring (the live machine only)."""
+    if not root.is_live:
+        return IoUringResult("not-probed", "captured tree, not the live machine")
+    from gdskit.backends.uring import availability  # noqa: PLC0415 - numpy only when checking
+
+    known = availability()
+    return IoUringResult("usable" if known.usable else "unavailable", known.detail)
 
 
 def run_check(
@@ -124,7 +134,7 @@ def run_check(
     routes = route_table(root, gpu, topo, checks, settings.routing)
     findings.extend(route_findings(routes))
     report = CheckReport(root=root.prefix, gpu=gpu, gds=gds, topology=topo, mounts=checks,
-                         findings=findings, require=require, routes=routes)
+                         findings=findings, require=require, routes=routes, io_uring=_io_uring(root))
     if probe:
         from gdskit.probe.live import live_probe
 

@@ -16,6 +16,17 @@ SCHEMA_VERSION = 1
 REQUIREMENTS = ("direct", "compat")
 
 
+@dataclass(frozen=True)
+class IoUringResult:
+    """Whether batches of small host reads can go through io_uring here (one line of the check)."""
+
+    status: str                      # usable | unavailable | not-probed
+    detail: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "detail": self.detail}
+
+
 @dataclass
 class CheckReport:
     """Everything ``gdskit check`` found. ``to_dict()`` is the documented JSON."""
@@ -30,6 +41,7 @@ class CheckReport:
     routes: RouteTable | None = None
     probed: bool = False
     notes: list[str] = field(default_factory=list)
+    io_uring: IoUringResult = IoUringResult("not-probed", "captured tree, not the live machine")
 
     def meets(self, mc: MountCheck, requirement: str) -> bool:
         if requirement == "direct":
@@ -77,7 +89,7 @@ class CheckReport:
             "schema_version": SCHEMA_VERSION,
             "gdskit_version": __version__,
             "root": self.root,
-            "platform": {**self.gds.to_dict(), "driver": self.gpu.to_dict()},
+            "platform": {**self.gds.to_dict(), "driver": self.gpu.to_dict(), "io_uring": self.io_uring.to_dict()},
             "gpus": [g.to_dict() for g in self.gpu.gpus],
             "topology": self.topology.to_dict(),
             "mounts": [m.to_dict() for m in self.mounts],
