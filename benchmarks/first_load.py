@@ -101,7 +101,8 @@ def child(args: argparse.Namespace) -> None:
     from gdskit.backends import staged
 
     marks: list[float] = []
-    real_read = staged.read_chunk
+    # An older tree (--src) may lack a function measured here: its step is then not reported.
+    real_read = getattr(staged, "read_chunk", None)
     timing = [True]
 
     def read_chunk(*a, **k):  # the first and last chunk's times; two clock reads per chunk
@@ -116,7 +117,8 @@ def child(args: argparse.Namespace) -> None:
                 marks.append(0.0)
             marks[1] = time.perf_counter()
 
-    staged.read_chunk = read_chunk
+    if real_read is not None:
+        staged.read_chunk = read_chunk
     # When the load reaches each step (seconds from the import's end), for the breakdown.
     steps: dict[str, float] = {}
     from gdskit.formats import safetensors_format, torch_io
@@ -130,24 +132,27 @@ def child(args: argparse.Namespace) -> None:
             finally:
                 steps.setdefault(name + "_end", time.perf_counter() - t_import)
         return wrapper
-    real = (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
-            gdskit.file.File.pread_many, torch_io.reserve_device_memory)
-    safetensors_format.read_header_file = step("header", real[0])
-    gdskit.safetensors.open_file = step("open", real[1])
+    def warm_up(real_start):
+        def start(*a, **k):
+            steps.setdefault("warm_up_start", time.perf_counter() - t_import)
+            return step("warm_up_wait", real_start(*a, **k))
+        return start
 
-    def warm_up(*a, **k):
-        steps.setdefault("warm_up_start", time.perf_counter() - t_import)
-        wait = real[2](*a, **k)
-        return step("warm_up_wait", wait)
-    torch_io.start_warm_up = warm_up
-    gdskit.file.File.pread_many = step("submit", real[3])
-    torch_io.reserve_device_memory = step("reserve", real[4])
+    patches = [(safetensors_format, "read_header_file", lambda f: step("header", f)),
+               (gdskit.safetensors, "open_file", lambda f: step("open", f)),
+               (torch_io, "start_warm_up", warm_up),
+               (gdskit.file.File, "pread_many", lambda f: step("submit", f)),
+               (torch_io, "reserve_device_memory", lambda f: step("reserve", f))]
+    real = [(owner, name, getattr(owner, name)) for owner, name, _ in patches if hasattr(owner, name)]
+    for owner, name, wrap in patches:
+        if hasattr(owner, name):
+            setattr(owner, name, wrap(getattr(owner, name)))
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
     t_first = time.perf_counter()
     timing[0] = False
-    (safetensors_format.read_header_file, gdskit.safetensors.open_file, torch_io.start_warm_up,
-     gdskit.file.File.pread_many, torch_io.reserve_device_memory) = real
+    for owner, name, fn in real:
+        setattr(owner, name, fn)
     del got
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
@@ -156,7 +161,8 @@ def child(args: argparse.Namespace) -> None:
                second_s=t_second - t_first,
                first_byte_s=(marks[0] - t_import) if marks else None,
                last_byte_s=(marks[1] - t_import) if len(marks) > 1 else None,
-               lane_setup_max_s=max(pool.setup_seconds, default=0.0), lanes=len(pool.setup_seconds),
+               lane_setup_max_s=max(getattr(pool, "setup_seconds", []), default=0.0),
+               lanes=len(getattr(pool, "setup_seconds", [])),
                steps={k: round(v, 4) for k, v in sorted(steps.items(), key=lambda kv: kv[1])},
                paths={k: v.bytes for k, v in gdskit.stats().paths.items()})
     fresh_process.report(out)
