@@ -172,19 +172,27 @@ def test_a_cached_batch_under_auto_asks_the_page_cache_a_few_times_not_once_per_
     assert delta.paths["host"].requests == 300 and delta.paths["host"].bytes_read == 300 * size
 
 
-def test_a_batch_with_an_uncached_sample_still_decides_read_by_read(data_file, monkeypatch):
+@pytest.mark.parametrize("last_answer", ["none", "unknown"])
+def test_a_partly_cached_batch_is_read_buffered_at_once_and_an_unknown_one_read_by_read(data_file, monkeypatch,
+                                                                                       last_answer):
+    # Read by read, the uncached reads of a partly cached batch were O_DIRECT reads through a
+    # stage, each waited for before the next: 4-5x slower for token windows. Where the kernel
+    # cannot say what it holds, each read still decides alone.
     from gdskit.backends import staged
     from gdskit.residency import Residency
 
     path, data = data_file
     offsets = [4096 * k for k in range(0, 200, 2)]
     asked = []
-    # The page cache says the last read's range is not cached, the others are.
+    odd = Residency.NONE if last_answer == "none" else None
     monkeypatch.setattr(staged, "file_residency",
-                        lambda f, pos, n: asked.append(pos) or (Residency.NONE if pos == offsets[-1] else Residency.ALL))
+                        lambda f, pos, n: asked.append(pos) or (odd if pos == offsets[-1] else Residency.ALL))
     buf = aligned_array(len(offsets) * 4096)
     with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
         assert f.read_batch(buf, offsets, 4096) == [4096] * len(offsets)
     for i, off in enumerate(offsets):
         assert bytes(buf[i * 4096:(i + 1) * 4096]) == data[off:off + 4096]
-    assert len(asked) >= len(offsets), "each read asked on its own"
+    if last_answer == "none":
+        assert len(asked) <= 3, "one decision for the batch"
+    else:
+        assert len(asked) >= len(offsets), "each read asked on its own"

@@ -478,3 +478,48 @@ def test_check_says_in_one_line_whether_io_uring_is_usable():
     assert live["status"] == ("usable" if uring.availability().usable else "unavailable") and live["detail"]
     assert _io_uring(SystemRoot(fixture_root("no-gpu"))).to_dict()["status"] == "not-probed"
     json.dumps(live)
+
+
+def _uncached_after(path: str, offsets: list[int], size: int) -> bool:
+    with gdskit.open(path) as f:
+        return not any(f.cached(off, size) for off in offsets)
+
+
+@needs_uring
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_cold_batch_under_auto_goes_through_the_ring(data_file, aligned):
+    """A batch that the page cache holds none of was read one read after another (each O_DIRECT,
+    through a stage where unaligned); it is now one submission: O_DIRECT where every read is
+    aligned (the cache stays as it was), buffered where not (the kernel reads only the pages asked
+    for, and they stay cached for the next epoch)."""
+    from backend_conformance import drop_cache
+
+    path, data = data_file
+    size = 4096 if aligned else 4098
+    offsets = sorted(set(_offsets(N, size, 21, 4096 if aligned else 1)))
+    drop_cache(path)
+    if not _uncached_after(path, offsets, size):
+        pytest.skip("the page cache cannot be emptied for this file here")
+    before = uring.activity()
+    counts, buf, delta = _batch(path, offsets, size, "auto", "auto", aligned)
+    used = uring.activity() - before
+    _check_bytes(buf, data, offsets, [i * size for i in range(len(offsets))], size, counts)
+    assert used.batches == 1 and used.reads == len(offsets)
+    assert _host_row(delta) == (len(offsets) * size, len(offsets), len(offsets))
+    assert _uncached_after(path, offsets, size) is aligned
+
+
+@needs_uring
+def test_a_cold_unaligned_batch_under_always_stays_o_direct_read_by_read(data_file):
+    from backend_conformance import drop_cache
+
+    path, data = data_file
+    offsets = sorted(set(_offsets(N, 4098, 22)))
+    drop_cache(path)
+    if not _uncached_after(path, offsets, 4098):
+        pytest.skip("the page cache cannot be emptied for this file here")
+    before = uring.activity()
+    counts, buf, _ = _batch(path, offsets, 4098, "auto", "always")
+    assert (uring.activity() - before).batches == 0
+    _check_bytes(buf, data, offsets, [i * 4098 for i in range(len(offsets))], 4098, counts)
+    assert _uncached_after(path, offsets, 4098)

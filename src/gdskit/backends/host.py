@@ -216,14 +216,18 @@ class HostBackend(Backend):
         dfd = None if size % align else direct_usable(f, policy)
         base, clock = buf.ptr, time.perf_counter_ns
         # Where one descriptor serves the whole batch (the policy says so, or under auto the page
-        # cache holds a few reads spread over it), the reads run in a loop with nothing else in
-        # it: with several workers, every microsecond of interpreter time per read is time the
-        # others wait for the interpreter lock. O_DIRECT only if every read is aligned.
+        # cache holds all or none of a few reads spread over it), the reads run in one io_uring
+        # submission or a loop with nothing else in it: with several workers, every microsecond
+        # of interpreter time per read is time the others wait for the interpreter lock.
         via = choose_for_batch(f, policy, file_offsets, size)
         fixed = f.fd if via is Via.BUFFERED else dfd if via is Via.DIRECT else None
-        if fixed is not None and fixed == dfd and (functools.reduce(operator.or_, file_offsets, 0) | base
-                                                   | functools.reduce(operator.or_, buf_offsets, 0)) & (align - 1):
-            fixed = None  # some read is unaligned: decide one by one
+        if via is Via.DIRECT and (dfd is None or (functools.reduce(operator.or_, file_offsets, 0) | base
+                                                  | functools.reduce(operator.or_, buf_offsets, 0)) & (align - 1)):
+            # Some read is unaligned, so not one O_DIRECT call. Under auto (a cold batch) all of
+            # them are read buffered at once, the kernel reading only the pages asked for: one by
+            # one, each would be an O_DIRECT read of its aligned span through a stage, waited for
+            # before the next starts (5x slower for cold token windows). Under always: one by one.
+            fixed = f.fd if policy is ODirectPolicy.AUTO else None
         counts: list[int] = []
         fast_ops = fast_ns = 0
         if fixed is not None and latencies_ns is None and len(file_offsets) >= URING_MIN_READS \
