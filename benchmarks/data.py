@@ -14,8 +14,9 @@ Peers. preload: ``gdskit`` (gdskit.data.preload); ``engine`` (gdskit.open + prea
 reads into host memory, the disk's ceiling; cold only); ``kvikio`` (KvikIO reads of each file into
 preallocated device memory, when importable); ``numpy`` (np.load, then .to(device)).
 tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2; ``gdskit-1-reader``: one reader thread,
-``gdskit-prefetch-4``: prefetch 4, four readers; not run unless named in --peers); ``dataloader-N`` (torch DataLoader, N
-workers reading the windows with numpy, pin_memory=True, .to(device, non_blocking=True)).
+``gdskit-prefetch-4``: prefetch 4, four readers; these two run only when named in --peers);
+``dataloader-N`` (torch DataLoader, N workers reading the windows with numpy, pin_memory=True,
+.to(device, non_blocking=True)).
 step: ``memory`` (the batches already in GPU memory: the step alone), ``gdskit``, ``dataloader-8``.
 Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
 ``--cold`` also runs the preloads with the page cache dropped before each run (root:
@@ -405,7 +406,10 @@ def combine(results: list[dict]) -> list[dict]:
         ok = sorted((r for r in runs if "wall_s" in r), key=lambda r: r["wall_s"])
         out.append({**(ok[(len(ok) - 1) // 2] if ok else runs[0]), "rounds": len(runs)})
     order = {w: i for i, w in enumerate(WORKLOADS)}
-    return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], (PEERS[r["workload"]] + EXTRA_PEERS.get(r["workload"], [])).index(r["peer"])))
+
+    def peer_rank(r: dict) -> int:
+        return (PEERS[r["workload"]] + EXTRA_PEERS.get(r["workload"], [])).index(r["peer"])
+    return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], peer_rank(r)))
 
 
 def _fmt(x, spec: str) -> str:
