@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import errno as _errno
 import os as _os
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from gdskit.vocabulary import Reason
+
+_T = TypeVar("_T")
 
 
 class GdskitError(Exception):
@@ -191,3 +195,17 @@ class GroupError(GdskitError, RuntimeError):
     def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+def call_each(fn: Callable[[_T], object], items: Iterable[_T]) -> None:
+    """``fn(item)`` for every item, whatever any call raises; then the first exception raised,
+    if any (closing many files or freeing many buffers: one failure must not leak the rest)."""
+    first: BaseException | None = None
+    for item in items:
+        try:
+            fn(item)
+        except BaseException as exc:  # noqa: BLE001 - the rest still run; the first is raised below
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

@@ -32,7 +32,7 @@ from gdskit.backends.base import OpenFile, Once, Request
 from gdskit.backends.staged import ChunkResult, read_to_stage
 from gdskit.buffers import BufferView, adapt
 from gdskit.errors import (BufferTooSmallError, GdskitIsADirectoryError, InvalidArgumentError, ReadOnlyBufferError,
-                           from_os_error)
+                           call_each, from_os_error)
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
@@ -146,14 +146,7 @@ class _Files:
     def close_all(self) -> None:
         with self._lock:
             left, self._open = list(self._open.values()), {}
-        errors = []
-        for of in left:
-            try:
-                of.close()
-            except BaseException as exc:  # noqa: BLE001 - close the rest, raise the first
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        call_each(lambda of: of.close(), left)
 
 
 def _plan(read: _Read, chunk: int, alignment: int, host_chunk: int) -> list[Chunk]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from gdskit.buffers import BufferView
-from gdskit.errors import from_os_error
+from gdskit.errors import call_each, from_os_error
 from gdskit.residency import FileMapping
 from gdskit.vocabulary import Reason
 
@@ -164,21 +164,16 @@ class OpenFile:
         """Wait for the operations under way (:meth:`shut`), then release every descriptor."""
         self.shut()
         closers, self._closers = self._closers, []
-        errors: list[BaseException] = []
-        for close in closers:
-            try:
-                close()
-            except BaseException as exc:  # keep closing the rest
-                errors.append(exc)
-        with self._lock:
-            if self._direct_fd is not None:
-                os.close(self._direct_fd)
-                self._direct_fd = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if errors:
-            raise errors[0]
+        try:
+            call_each(lambda close: close(), closers)
+        finally:
+            with self._lock:
+                if self._direct_fd is not None:
+                    os.close(self._direct_fd)
+                    self._direct_fd = None
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     def on_close(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` when the file closes (before its descriptors go)."""

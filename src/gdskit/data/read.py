@@ -23,6 +23,7 @@ import torch
 from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
+from gdskit.errors import call_each
 from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view
 
 #: Files a loader keeps open at once (the least recently used is closed first).
@@ -62,14 +63,7 @@ class FileCache:
         with self._lock:
             files = list(self._files.values())
             self._files.clear()
-        errors = []
-        for f in files:
-            try:
-                f.close()
-            except BaseException as exc:  # noqa: BLE001 - close the rest, raise the first
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        call_each(lambda f: f.close(), files)
 
     def __len__(self) -> int:
         return len(self._files)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gdskit.errors import call_each
 from gdskit.formats._engine import adapt, at_exit_free_memory, cuda_layer
 
 __all__ = ["Slot", "Staging"]
@@ -106,14 +107,7 @@ class Staging:
         with self._lock:
             slots = [s for s in self._slots if s is not None]
             self._slots = [None] * self.count
-        first: BaseException | None = None
-        for s in slots:
-            try:
-                s.free()
-            except BaseException as exc:  # noqa: BLE001 - free the rest, raise the first
-                first = first or exc
-        if first is not None:
-            raise first
+        call_each(Slot.free, slots)
 
 
 _live: weakref.WeakSet[Staging] = weakref.WeakSet()
