@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend_conformance import BackendTests
+from cufile_probe import cufile_unusable_reason
 
 pytestmark = pytest.mark.gpu
 
@@ -43,22 +44,9 @@ class TestCufileBackend(_DeviceMemory):
 
     @pytest.fixture(autouse=True)
     def _need_cufile(self, tmp_path):
-        from gdskit.backends.cufile import cufile_library, register
-        from gdskit.backends.base import OpenFile
-        import os
-
-        if not cufile_library().available():
-            pytest.skip(f"libcufile not usable: {cufile_library().error}")
-        p = tmp_path / "probe.bin"
-        p.write_bytes(b"x" * 4096)
-        fd = os.open(p, os.O_RDWR)
-        of = OpenFile(str(p), fd, os.O_RDWR)
-        try:
-            reg = register(of)
-        finally:
-            of.close()
-        if reg.handle is None:
-            pytest.skip(f"cuFile cannot register files here: {reg.reason} {reg.detail}")
+        why = cufile_unusable_reason(tmp_path)
+        if why:
+            pytest.skip(why)
         yield
 
 

@@ -9,6 +9,8 @@ import os
 import numpy as np
 import pytest
 
+from cufile_probe import cufile_unusable_reason
+
 import gdskit
 from gdskit.backends import cufile_batch as cb
 
@@ -30,21 +32,12 @@ def data_file(tmp_path_factory):
 @pytest.fixture
 def cufile_serves(data_file):
     """Skip unless libcufile is usable and can register a file here."""
-    from gdskit.backends.base import OpenFile
-    from gdskit.backends.cufile import cufile_library, register
+    from gdskit.backends.cufile import cufile_library
 
-    lib = cufile_library()
-    if not lib.available():
-        pytest.skip(f"libcufile not usable: {lib.error}")
-    fd = os.open(data_file[0], os.O_RDONLY)
-    of = OpenFile(data_file[0], fd, os.O_RDONLY)
-    try:
-        reg = register(of)
-    finally:
-        of.close()
-    if reg.handle is None:
-        pytest.skip(f"cuFile cannot register files here: {reg.reason} ({reg.detail}); run scripts/gpu_test.sh")
-    return lib
+    why = cufile_unusable_reason(os.path.dirname(data_file[0]))
+    if why:
+        pytest.skip(why)
+    return cufile_library()
 
 
 def _batched_read(path, offsets, size, policy="always"):

@@ -9,33 +9,17 @@ import os
 
 import pytest
 
+from cufile_probe import cufile_unusable_reason
+
 import gdskit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 
-def _cufile_usable(tmp_path) -> str | None:
-    """Why cuFile cannot serve files here (None: it can)."""
-    from gdskit.backends.base import OpenFile
-    from gdskit.backends.cufile import cufile_library, register
-
-    if not cufile_library().available():
-        return f"libcufile not usable: {cufile_library().error}"
-    p = tmp_path / "probe.bin"
-    p.write_bytes(b"x" * 4096)
-    fd = os.open(p, os.O_RDWR)
-    of = OpenFile(str(p), fd, os.O_RDWR)
-    try:
-        reg = register(of)
-    finally:
-        of.close()
-    return None if reg.handle is not None else f"cuFile cannot register files here: {reg.reason} {reg.detail}"
-
-
 @pytest.fixture(params=["bounce", "cufile", "auto"])
 def mode(request, tmp_path):
     if request.param == "cufile":
-        why = _cufile_usable(tmp_path)
+        why = cufile_unusable_reason(tmp_path)
         if why:
             pytest.skip(why)
     with gdskit.settings.set(mode=request.param, chunk_size="1MiB", direct_threshold=0):
