@@ -7,6 +7,7 @@ import os
 
 import pytest
 import typer
+from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from check_helpers import fixture_root
@@ -46,14 +47,7 @@ def validate(doc: dict) -> None:
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _main() -> None:
-        """gdskit"""
-
-    accept_cli.register(app)
-    return app
+    return one_command_app(accept_cli.register)
 
 
 def run(app, *args):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import typer
+from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from check_helpers import fixture_root
@@ -23,14 +24,7 @@ PLATFORM_KEYS = {"kernel_release", "kernel_version", "virtualization", "cufile",
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _main() -> None:
-        """gdskit"""
-
-    check_cli.register(app)
-    return app
+    return one_command_app(check_cli.register)
 
 
 def run(app, *args):

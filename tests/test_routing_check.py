@@ -7,6 +7,7 @@ import json
 
 import pytest
 import typer
+from cli_app import one_command_app
 from typer.testing import CliRunner
 
 import gdskit
@@ -114,14 +115,7 @@ def test_the_engine_fact_source_over_a_captured_tree():
 # --------------------------------------------------------------------------- the command
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _main() -> None:
-        """gdskit"""
-
-    check_cli.register(app)
-    return app
+    return one_command_app(check_cli.register)
 
 
 def run(app, *args):

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import typer
 from test_telemetry_prometheus import parse_prometheus
+from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from gdskit.cli import stats as stats_cli
@@ -40,14 +41,7 @@ ENTRY_KEYS = {"path", "reason", "op", "bytes", "ops", "busy_s", "requests"}
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _main() -> None:
-        """gdskit"""
-
-    stats_cli.register(app)
-    return app
+    return one_command_app(stats_cli.register)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from rich.console import Console
 from test_telemetry_prometheus import parse_prometheus
+from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from gdskit.errors import FormatError, GdskitError, GdskitPermissionError, NotPublishingError
@@ -50,18 +51,9 @@ APP = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def app():
-    import typer
-
     from gdskit.cli import stats as stats_cli
 
-    app = typer.Typer()
-
-    @app.callback()
-    def _main() -> None:
-        """gdskit"""
-
-    stats_cli.register(app)
-    return app
+    return one_command_app(stats_cli.register)
 
 
 def cli(app, *args):
