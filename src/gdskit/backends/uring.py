@@ -33,7 +33,6 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -470,19 +469,15 @@ class Ring:
             self._resources.release()
 
 
-def _put(column: np.ndarray, first: int, k: int, values: Any) -> None:
+def _put(column: np.ndarray, first: int, k: int, values: np.ndarray) -> None:
     """``column[first:first + k] = values``, wrapping at the ring's end."""
     end = first + k
     if end <= len(column):
         column[first:end] = values
         return
     split = len(column) - first
-    if np.ndim(values):
-        column[first:] = values[:split]
-        column[:end - len(column)] = values[split:]
-    else:
-        column[first:] = values
-        column[:end - len(column)] = values
+    column[first:] = values[:split]
+    column[:end - len(column)] = values[split:]
 
 
 def _map(fd: int, length: int, offset: int, maps: list[tuple[int, int]]) -> int:
