@@ -30,13 +30,13 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import gdskit
 from gdskit.backends import uring
+from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
 
 MiB = 1 << 20
 WINDOW = 4098
@@ -52,21 +52,6 @@ def _make_file(path: str, size: int) -> None:
     with open(path, "xb") as fh:
         for _ in range(size // (8 * MiB)):
             fh.write(os.urandom(8 * MiB))
-
-
-def _warm(path: str) -> None:
-    with open(path, "rb") as fh:
-        while fh.read(8 * MiB):
-            pass
-
-
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _batches(file_size: int, io: int, align: int, n: int, count: int, seed: int) -> list[list[int]]:
@@ -196,7 +181,7 @@ def cold(path: str, file_size: int, n: int, batches: int, rounds: int) -> dict[s
         for r in range(rounds):
             work = _batches(file_size, 4096, 4096, n, batches, seed=7 + r)
             for m in MODES:
-                _drop(path)
+                drop_caches([path])
                 times[m].append(_timed(readers[m], work))
     finally:
         for reader in readers.values():
@@ -237,7 +222,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     _make_file(args.file, args.size)
-    _warm(args.file)
+    warm([args.file])
     result: dict[str, Any] = {"machine": f"{platform.node()} {platform.release()} {os.cpu_count()} CPUs",
                               "io_uring": uring.availability().detail, "reads": args.reads, "file": args.file,
                               "file_bytes": args.size}
@@ -250,7 +235,7 @@ def main() -> int:
         result["sweep"] = sweep(args.file, args.size, (1, 2, 4, 8, 16, 32, 64), 8000, args.rounds)
     if "cold" not in skip:
         result["cold"] = cold(args.file, args.size, args.reads, args.cold_batches, max(3, args.rounds // 2))
-        _warm(args.file)
+        warm([args.file])
     print(_table(result))
     with open(os.path.join(args.out, "read_batch.json"), "w") as fh:
         json.dump(result, fh, indent=2)
