@@ -17,6 +17,7 @@ which names the variable and what it takes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import threading
@@ -79,22 +80,21 @@ def _one_of(values: Any) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
+#: The settings that take one of an enum's values (a name, in any case).
+_CHOICES: dict[str, type[enum.Enum]] = {"mode": Mode, "pinned_alloc": PinnedAlloc, "odirect": ODirectPolicy,
+                                        "routing": Routing, "cufile_batch": CufileBatch, "io_uring": IoUring}
+
 #: What each setting's variable takes, in words, for the error an invalid value raises.
 _ACCEPTS = {
-    "mode": _one_of(Mode),
+    **{name: _one_of(choice) for name, choice in _CHOICES.items()},
     "threads": "a whole number from 1 to 1024",
     "chunk_size": "a size that is a multiple of 4 KiB and at least 64 KiB, e.g. 8MiB",
     "pinned_budget": "a size of at least 1 MiB, e.g. 512MiB",
-    "pinned_alloc": _one_of(PinnedAlloc),
     "direct_threshold": "a size, e.g. 1MiB (0: no threshold)",
-    "odirect": _one_of(ODirectPolicy),
     "alignment": "a power of two of at least 512 bytes, e.g. 4KiB",
     "cufile_stats": "1, 0, true, false, yes, no, on or off",
     "stats_level": "0, 1, 2 or 3 (on, yes, true: 1; off, no, false: 0)",
     "stats_interval": "seconds from 0.05 to 3600",
-    "routing": _one_of(Routing),
-    "cufile_batch": _one_of(CufileBatch),
-    "io_uring": _one_of(IoUring),
 }
 
 
@@ -178,18 +178,9 @@ class Settings:
     @staticmethod
     def _coerce(name: str, value: Any) -> Any:
         try:
-            if name == "mode":
-                return Mode(str(value).lower())
-            if name == "odirect":
-                return ODirectPolicy(str(value).lower())
-            if name == "pinned_alloc":
-                return PinnedAlloc(str(value).lower())
-            if name == "routing":
-                return Routing(str(value).lower())
-            if name == "cufile_batch":
-                return CufileBatch(str(value).lower())
-            if name == "io_uring":
-                return IoUring(str(value).lower())
+            choice = _CHOICES.get(name)
+            if choice is not None:
+                return choice(str(value).lower())
             if name == "cufile_stats":
                 if isinstance(value, str):
                     low = value.strip().lower()
@@ -262,7 +253,7 @@ class Settings:
         out: dict[str, Any] = {}
         for k in self._names():
             v = getattr(self, k)
-            out[k] = v.value if isinstance(v, (Mode, ODirectPolicy, PinnedAlloc, Routing, CufileBatch, IoUring)) else v
+            out[k] = v.value if isinstance(v, enum.Enum) else v
         return out
 
     def snapshot(self) -> Settings:
