@@ -13,16 +13,20 @@ Peers. preload: ``gdskit`` (gdskit.data.preload); ``engine`` (gdskit.open + prea
 2 x threads files in flight: the files one by one through the engine); ``odirect`` (raw O_DIRECT
 reads into host memory, the disk's ceiling; cold only); ``kvikio`` (KvikIO reads of each file into
 preallocated device memory, when importable); ``numpy`` (np.load, then .to(device)).
-tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2; ``gdskit-1-reader``: one reader thread,
-``gdskit-prefetch-4``: prefetch 4, four readers; these two run only when named in --peers);
+tokens: ``gdskit`` (TokenDataset + Loader, prefetch 2; ``gdskit-prefetch-4``: prefetch 4,
+``gdskit-prefetch-0``: each batch read when asked for, ``gdskit-workers-N``: N reader processes; these
+run only when named in --peers);
 ``dataloader-N`` (torch DataLoader, N workers reading the windows with numpy, pin_memory=True,
 .to(device, non_blocking=True)).
 step: ``memory`` (the batches already in GPU memory: the step alone), ``gdskit``, ``dataloader-8``.
 Every measurement runs in a fresh process; rounds interleave the peers (alternating order);
 ``--cold`` also runs the preloads with the page cache dropped before each run (root:
 /proc/sys/vm/drop_caches, else posix_fadvise DONTNEED per file). Reports GB/s (1 GB = 1e9 bytes),
-batches/s, step ms, CPU-seconds per GB, peak GPU memory in batches (tokens rows: a step's own memory is
-not the loader's), and the ledger's paths.
+batches/s, step ms, CPU-seconds per GB (this process and its child processes: DataLoader's workers,
+gdskit's reader processes), peak GPU memory in batches (tokens rows: a step's own memory is
+not the loader's), and the ledger's paths. Token and step rows also give the time to the first batch and
+the steady rate: batches/s after the first tenth of the batches (workers started, buffers made), for
+every peer alike.
 
     python benchmarks/data.py --device cuda:0 --cold --json /tmp/out/data.json   # about 4 minutes
     python benchmarks/data.py --device cpu --quick                                # smoke run, any machine
@@ -50,7 +54,9 @@ PEERS = {
     "tokens": ["gdskit", "dataloader-8", "dataloader-16"],
     "step": ["memory", "gdskit", "dataloader-8"],
 }
-EXTRA_PEERS = {"tokens": ["gdskit-1-reader", "gdskit-prefetch-4"]}  # variants, run only when named
+EXTRA_PEERS = {"tokens": ["gdskit-prefetch-4", "gdskit-prefetch-0", "gdskit-workers-2", "gdskit-workers-4",
+                          "gdskit-workers-8"],
+               "step": ["gdskit-workers-4"]}  # variants, run only when named
 COLD_ONLY = {"odirect"}          # the disk's ceiling: a hot run of it measures nothing
 HOT_ONLY = {"tokens", "step"}    # streaming workloads run hot (the file fits the page cache)
 
@@ -100,8 +106,25 @@ def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
 # -- the child: one measurement ------------------------------------------------------------------
 
 def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """CPU seconds of this process and of its child processes (DataLoader's workers, gdskit's
+    reader processes): those still running or unreaped from /proc, the reaped ones from rusage."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + _unreaped_children_cpu_s()
+
+
+def _unreaped_children_cpu_s() -> float:
+    tick, pid, total = os.sysconf("SC_CLK_TCK"), os.getpid(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile: reaped, so counted by rusage
+        if int(fields[1]) == pid:  # fields[11] and [12] are utime and stime (stat's 14th and 15th)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def _sync(device: str) -> None:
@@ -238,22 +261,20 @@ def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step
         _restart_clock()  # the clock starts once the data is in memory
         for k in range(n_batches):
             step(batches[k % ring])
+            _batch_done(k + 1, n_batches, device)
         return n_batches, n_batches * batch_bytes
     if peer.startswith("gdskit"):
         import gdskit.data as gd
-        import gdskit.data.loader as loader_module
-        prefetch = 2
-        if peer == "gdskit-1-reader":  # how many reader threads serve best: the default is one per prefetch
-            loader_module.READERS = 1
-        elif peer == "gdskit-prefetch-4":
-            prefetch = 4
+        prefetch = {"gdskit-prefetch-4": 4, "gdskit-prefetch-0": 0}.get(peer, 2)
+        workers = int(peer.rsplit("-", 1)[1]) if peer.startswith("gdskit-workers-") else 0
         ds = gd.TokenDataset(path, dtype="uint16", seq_len=seq)
-        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=prefetch)
+        loader = gd.Loader(ds, bs, device=device, shuffle=True, seed=0, prefetch=prefetch, workers=workers)
         done = 0
         for b in loader:
             if step is not None:
                 step(b)
             done += 1
+            _batch_done(done, n_batches, device)
             if done == n_batches:
                 break
         loader.close()
@@ -273,6 +294,7 @@ def _stream(peer: str, path: str, device: str, sz: dict, threads: int, with_step
             if step is not None:
                 step(b)
             done += 1
+            _batch_done(done, n_batches, device)
             if done == n_batches:
                 break
         del dl
@@ -285,7 +307,18 @@ _CLOCK: dict[str, float] = {}  # wall and CPU time at the start of the measureme
 
 def _restart_clock() -> None:
     """Start the measurement now (after a peer's set-up that is not part of it)."""
+    _CLOCK.clear()
     _CLOCK.update(wall=time.perf_counter(), cpu=_cpu_s())
+
+
+def _batch_done(done: int, n_batches: int, device: str) -> None:
+    """Mark the first batch's arrival and the start of the steady part (after the first tenth of
+    the batches: workers started, buffers made, the pipeline full), for every peer alike."""
+    if done == 1:
+        _CLOCK["first"] = time.perf_counter()
+    if done == max(1, n_batches // 10) and done < n_batches:
+        _sync(device)
+        _CLOCK.update(steady_wall=time.perf_counter(), steady_cpu=_cpu_s(), steady_from=done)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -316,6 +349,12 @@ def child(args: argparse.Namespace) -> None:
     wall, cpu = time.perf_counter() - _CLOCK["wall"], _cpu_s() - _CLOCK["cpu"]
     out = {"wall_s": wall, "cpu_s": cpu, "bytes": nbytes, "batches": batches,
            "peak_gpu_bytes": (torch.cuda.max_memory_allocated() - base) if cuda else 0}
+    if "first" in _CLOCK:
+        out["first_batch_s"] = _CLOCK["first"] - _CLOCK["wall"]
+    if "steady_wall" in _CLOCK and batches:
+        out["steady_batches"] = batches - _CLOCK["steady_from"]
+        out["steady_wall_s"] = time.perf_counter() - _CLOCK["steady_wall"]
+        out["steady_cpu_s"] = _cpu_s() - _CLOCK["steady_cpu"]
     if args.peer.startswith("gdskit") or args.peer == "engine":
         d = gdskit.stats() - before
         out["paths"] = {k: v.bytes_read for k, v in d.paths.items() if v.bytes_read}
@@ -344,6 +383,9 @@ def summarize(r: dict, sz: dict, workload: str) -> dict:
     if r.get("batches"):
         r["batches_per_s"] = r["batches"] / r["wall_s"]
         r["step_ms"] = 1000 * r["wall_s"] / r["batches"]
+        if r.get("steady_wall_s"):
+            r["steady_batches_per_s"] = r["steady_batches"] / r["steady_wall_s"]
+            r["steady_cpu_s_per_gb"] = r["steady_cpu_s"] / (r["steady_batches"] * r["bytes"] / r["batches"] / GB)
         if r["peak_gpu_bytes"] and workload == "tokens":  # a step's own memory is not the loader's
             r["peak_gpu_batches"] = r["peak_gpu_bytes"] / (sz["batch"] * (sz["seq_len"] + 1) * 2)
     return r
@@ -419,12 +461,12 @@ def _fmt(x, spec: str) -> str:
 
 def report(rows: list[dict]) -> str:
     ref = {(r["workload"], r["mode"]): r for r in rows if r["peer"] == "gdskit" and "wall_s" in r}
-    lines = [f"{'workload':15} {'peer':17} {'mode':4} {'GB/s':>7} {'batch/s':>8} {'step ms':>8} {'vs gdskit':>9} "
-             f"{'CPU-s/GB':>9} {'GPU/batch':>9}  note"]
+    lines = [f"{'workload':15} {'peer':17} {'mode':4} {'GB/s':>7} {'batch/s':>8} {'steady':>8} {'first ms':>8} "
+             f"{'step ms':>8} {'vs gdskit':>9} {'CPU-s/GB':>9} {'GPU/batch':>9}  note"]
     for r in rows:
         if "wall_s" not in r:
-            lines.append(f"{r['workload']:15} {r['peer']:17} {r['mode']:4} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
-                         f"{'-':>9} {'-':>9}  {r.get('error', '')}")
+            lines.append(f"{r['workload']:15} {r['peer']:17} {r['mode']:4} {'-':>7} {'-':>8} {'-':>8} {'-':>8} "
+                         f"{'-':>8} {'-':>9} {'-':>9} {'-':>9}  {r.get('error', '')}")
             continue
         g = ref.get((r["workload"], r["mode"]))
         if g is None or g is r:
@@ -440,7 +482,9 @@ def report(rows: list[dict]) -> str:
         if r.get("pinned_bytes"):
             note += f" pinned {r['pinned_bytes'] / MiB:.0f} MiB"
         lines.append(f"{r['workload']:15} {r['peer']:17} {r['mode']:4} {_fmt(r.get('gb_per_s'), '7.2f')} "
-                     f"{_fmt(r.get('batches_per_s'), '8.1f')} {_fmt(r.get('step_ms'), '8.2f')} {ratio:>9} "
+                     f"{_fmt(r.get('batches_per_s'), '8.1f')} {_fmt(r.get('steady_batches_per_s'), '8.1f')} "
+                     f"{_fmt(r.get('first_batch_s') and 1000 * r['first_batch_s'], '8.1f')} "
+                     f"{_fmt(r.get('step_ms'), '8.2f')} {ratio:>9} "
                      f"{_fmt(r.get('cpu_s_per_gb'), '9.3f')} {_fmt(r.get('peak_gpu_batches'), '9.2f')}  {note}")
     return "\n".join(lines)
 
@@ -465,9 +509,28 @@ def targets(rows: list[dict]) -> dict[str, str]:
         best = max(dls, key=lambda r: r["batches_per_s"])
         out["tokens >= 5x DataLoader batches/s"] = f"{g['batches_per_s'] / best['batches_per_s']:.2f}x"
         out["tokens CPU-s/GB <= DataLoader's"] = f"{g['cpu_s_per_gb']:.3f} vs {best['cpu_s_per_gb']:.3f}"
+        steady = [r for r in dls if r.get("steady_batches_per_s")]
+        sb = max(steady, key=lambda r: r["steady_batches_per_s"]) if steady else None
+        for v in rows:  # the default and every variant run
+            if v["workload"] != "tokens" or v["mode"] != "hot" or not v["peer"].startswith("gdskit") \
+                    or "wall_s" not in v:
+                continue
+            label = "" if v["peer"] == "gdskit" else f" ({v['peer']})"
+            if v is not g:
+                out[f"tokens >= 5x DataLoader batches/s{label}"] = \
+                    f"{v['batches_per_s'] / best['batches_per_s']:.2f}x"
+            if sb is not None and v.get("steady_batches_per_s"):
+                out[f"tokens >= 5x DataLoader batches/s, steady part{label}"] = (
+                    f"{v['steady_batches_per_s'] / sb['steady_batches_per_s']:.2f}x "
+                    f"({v['steady_batches_per_s']:.0f} vs {sb['steady_batches_per_s']:.0f}; CPU-s/GB "
+                    f"{v['steady_cpu_s_per_gb']:.3f} vs {sb['steady_cpu_s_per_gb']:.3f})")
     s, m = find("step", "gdskit", "hot"), find("step", "memory", "hot")
     if s and m:
         out["step: gdskit's loader adds <= 5% to the step"] = f"{100 * (s['wall_s'] / m['wall_s'] - 1):+.1f}%"
+    sw = find("step", "gdskit-workers-4", "hot")
+    if sw and m:
+        out["step: gdskit's loader with 4 reader processes adds <= 5%"] = \
+            f"{100 * (sw['wall_s'] / m['wall_s'] - 1):+.1f}%"
     d = find("step", "dataloader-8", "hot")
     if d and m:
         out["step: DataLoader adds (for comparison)"] = f"{100 * (d['wall_s'] / m['wall_s'] - 1):+.1f}%"

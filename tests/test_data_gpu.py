@@ -21,14 +21,15 @@ def tokens(tmp_path_factory):
     return token_files(tmp_path_factory.mktemp("gpu_tokens"), [300_000, 120_001, 77_777], "uint16")
 
 
-def test_batches_equal_the_cpu_targets_and_the_ledger_counts_them(tokens):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_equal_the_cpu_targets_and_the_ledger_counts_them(tokens, workers):
     ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=1024)
     kw = dict(shuffle=True, seed=5, prefetch=3)
     with gd.Loader(ds, 16, device="cpu", **kw) as cpu:
         ref = list(cpu)
     # The ledger is process-wide: the GPU loader is made after the CPU pass, so its delta
     # holds its own reads alone.
-    with gd.Loader(ds, 16, device="cuda:0", **kw) as gpu:
+    with gd.Loader(ds, 16, device="cuda:0", workers=workers, **kw) as gpu:
         got = list(gpu)
         delta = gpu.stats()
     assert len(got) == len(ref) and all(g.is_cuda for g in got)
@@ -69,7 +70,8 @@ def test_npy_samples_in_both_orders_and_byte_orders(tmp_path):
         assert t.is_cuda and np.array_equal(t.cpu().numpy(), np.load(f))
 
 
-def test_the_callers_stream_waits_for_each_batch_without_a_device_sync(tokens, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_callers_stream_waits_for_each_batch_without_a_device_sync(tokens, monkeypatch, workers):
     ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=1024)
     with gd.Loader(ds, 8, device="cpu", shuffle=True) as cpu:
         want = [int(b.to(torch.int64).sum()) for b in cpu]
@@ -78,7 +80,8 @@ def test_the_callers_stream_waits_for_each_batch_without_a_device_sync(tokens, m
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(a) or real(*a, **k))
     side = torch.cuda.Stream()
     sums = []
-    with gd.Loader(ds, 8, device="cuda:0", shuffle=True, prefetch=2) as loader, torch.cuda.stream(side):
+    with gd.Loader(ds, 8, device="cuda:0", shuffle=True, prefetch=2, workers=workers) as loader, \
+            torch.cuda.stream(side):
         for b in loader:
             torch.cuda._sleep(1_000_000)  # a long kernel queued before the use: the batch must still be whole
             sums.append(b.to(torch.int64).sum())
@@ -88,14 +91,14 @@ def test_the_callers_stream_waits_for_each_batch_without_a_device_sync(tokens, m
     assert syncs == []
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_gpu_memory_stays_within_the_read_ahead(tokens, prefetch):
+@pytest.mark.parametrize("prefetch,workers", [(1, 0), (3, 0), (3, 2)])
+def test_gpu_memory_stays_within_the_read_ahead(tokens, prefetch, workers):
     ds = gd.TokenDataset(tokens, dtype="uint16", seq_len=4096)
     batch_bytes = 4 * 4097 * 2
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with gd.Loader(ds, 4, device="cuda:0", prefetch=prefetch) as loader:
+    with gd.Loader(ds, 4, device="cuda:0", prefetch=prefetch, workers=workers) as loader:
         for b in loader:
             b.float().sum()
             del b

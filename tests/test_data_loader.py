@@ -322,7 +322,7 @@ def test_a_pass_closed_during_the_interpreters_teardown_does_not_wait_for_its_re
     monkeypatch.setattr(L._Reader, "start", stuck)
     ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
     it = iter(gd.Loader(ds, 2, device="cpu", prefetch=4))
-    readers = list(it._pipeline._threads)
+    readers = [it._pipeline._thread]
     assert readers and all(t.is_alive() for t in readers)
     closed = threading.Event()
     monkeypatch.setattr(sys, "is_finalizing", lambda: True)
@@ -348,7 +348,7 @@ def test_the_exit_stops_a_pass_and_waits_for_its_readers(tokens):
     ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
     it = iter(gd.Loader(ds, 2, device="cpu", prefetch=4))
     next(it)
-    readers = list(it._pipeline._threads)
+    readers = [it._pipeline._thread]
     L._stop_readers()  # what gdskit.shutdown runs at exit
     assert not any(t.is_alive() for t in readers)
     it.close()

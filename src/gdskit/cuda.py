@@ -328,6 +328,18 @@ class RegisteredHostBuffer:
             pass
 
 
+def register_host(ptr: int, nbytes: int) -> None:
+    """Page-lock host memory that exists already (a shared mapping) for copies to and from
+    every GPU (``cuMemHostRegister``, portable); undone by :func:`unregister_host`."""
+    drv = _in_context()
+    check(drv.cuMemHostRegister(ptr, nbytes, drv.CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
+
+
+def unregister_host(ptr: int) -> None:
+    """Undo :func:`register_host` (the memory itself stays mapped)."""
+    check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
 def copies_batched() -> bool | None:
     """Whether this driver queues many copies with one ``cuMemcpyBatchAsync`` (None: not tried yet)."""
     return _state.batched_copies

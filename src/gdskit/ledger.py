@@ -17,7 +17,7 @@ import contextlib
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -423,6 +423,29 @@ class Ledger:
         shard.records += 1
 
     # -- routed reads (gdskit.routed) -----------------------------------------------------------
+    def add_entries(self, entries: Iterable[LedgerEntry]) -> None:
+        """Add rows recorded elsewhere (a reader process's, for reads it made for this one),
+        exactly: bytes, ops, busy time, requests and size histogram."""
+        checked = []
+        for e in entries:  # every row checked before any is added (ValueError names the first bad one)
+            if e.op not in ("read", "write") or min(e.bytes, e.ops, e.requests) < 0:
+                raise ValueError(f"not a ledger row: {e!r:.200}")
+            checked.append(((Path(e.path).value, Reason(e.reason).value, e.op), e))
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._new_shard()
+        for key, e in checked:
+            row = shard.rows[key]
+            row[0] += e.bytes
+            row[1] += e.ops
+            row[2] += e.busy_s
+            row[3] += e.requests
+            hist = row[4]
+            for bucket, count in e.size_hist:
+                hist[bucket] = hist.get(bucket, 0) + count
+            shard.records += 1
+
     @contextlib.contextmanager
     def routing(self, via_gpu: int, target_gpu: int) -> Iterator[None]:
         """Records this thread makes inside the block are of bytes read into GPU ``via_gpu`` for

@@ -4,14 +4,19 @@ How a batch travels: reader threads plan its reads (:mod:`gdskit.data.read`) and
 to ``prefetch`` batches ahead of the caller: on the CPU straight into its tensor; for a GPU,
 a batch of small reads into a pinned staging slot (:mod:`gdskit.data.staging`), one of large
 reads straight into device memory by the engine's device paths. The caller's ``next()`` takes
-the oldest batch; a staged one is then copied to the GPU in one copy on the loader's side
-stream, and the caller's current stream waits on an event recorded there after the batch is
-complete (a stream-ordered hand-off: no device-wide synchronisation, no host wait). At most
-``prefetch`` batches are held by the loader besides the one it hands over.
+the oldest batch; a staged one is then copied to the GPU in one copy: a small one (up to
+``CALLER_STREAM_COPY_MAX``) on the caller's current stream itself, behind the caller's work; a
+larger one on the loader's side stream, and the caller's current stream waits on an event
+recorded there after the batch is complete. Either way the hand-off is stream-ordered: no
+device-wide synchronisation, no host wait. At most ``prefetch`` batches are held by the loader
+besides the one it hands over.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import queue
 import sys
 import threading
 import weakref
@@ -26,12 +31,13 @@ import torch
 from gdskit.data.datasets import Dataset, check_stackable
 from gdskit.data.errors import StateDictMismatchError
 from gdskit.data.layout import batch_view
-from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, engine_view, plan_batch, read_now, submit,
-                              target_device, wait)
+from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, check_counts, engine_view, plan_batch, read_now,
+                              submit, target_device, wait)
 from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int
 from gdskit.errors import InvalidArgumentError
-from gdskit.formats._engine import at_exit_stop_work, stats, stats_delta
+from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
+                                    at_exit_stop_work, settings_values, stats, stats_delta)
 from gdskit.formats.progress import Progress, ProgressArg
 
 __all__ = ["Loader"]
@@ -47,7 +53,8 @@ class _Batch:
     plan: BatchPlan
     raw: torch.Tensor | None = None  # its bytes, back to back (None: still in ``slot``)
     jobs: list[Job] = field(default_factory=list)
-    slot: Slot | None = None
+    slot: Slot | SharedSlot | None = None
+    worker: int | None = None  # the reader process reading it (until collected)
 
 
 class _Reader:
@@ -60,10 +67,61 @@ class _Reader:
     straight into its tensor.
     """
 
-    def __init__(self, dataset: Dataset, device: torch.device, files: FileCache, prefetch: int) -> None:
+    def __init__(self, dataset: Dataset, device: torch.device, files: FileCache, prefetch: int,
+                 workers: int = 0, batch_size: int = 1) -> None:
         self.dataset, self.device, self.files = dataset, device, files
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.staging = Staging(prefetch + 2) if device.type == "cuda" else None
+        self.workers, self._prefetch = workers, prefetch
+        self._procs: ReaderProcesses | None = None
+        if workers:
+            assert dataset.layout is not None  # the Loader refuses workers for datasets of several layouts
+            self._batch_bytes = batch_size * dataset.layout.nbytes
+            self._path_index = {s.path: i for i, s in enumerate(dataset.sources)}
+
+    # -- batches read by reader processes (``workers``) ----------------------------------------
+    def processes(self) -> ReaderProcesses:
+        """The loader's reader processes: started at its first pass, again after one died."""
+        p = self._procs
+        if p is None or p.broken is not None:
+            self._procs = None
+            if p is not None:
+                p.close()
+            # A slot for each batch asked for ahead, the one being taken and the one handed over.
+            p = self._procs = ReaderProcesses(self.workers, [s.path for s in self.dataset.sources],
+                                              max(self._prefetch, 1) + 2, self._batch_bytes,
+                                              pinned=self.stream is not None, settings_values=settings_values())
+        return p
+
+    def start_remote(self, procs: ReaderProcesses, number: int, indices: np.ndarray, on_bytes: Any,
+                     position: int) -> _Batch:
+        """Plan batch ``number`` and give its reads to a reader process (on a GPU, a batch of
+        large reads is started here by the engine's device paths instead)."""
+        plan = plan_batch(self.dataset, indices)
+        if not plan.nbytes or (self.stream is not None and not plan.staged):
+            return self.start(number, indices, on_bytes, position)
+        slot = procs.slot(position)
+        k = position % procs.count
+        procs.send(k, slot, [(self._path_index[g.source.path], g.size, g.file_offsets, g.buf_offsets)
+                             for g in plan.groups])
+        return _Batch(number, plan, slot=slot, worker=k)
+
+    def collect(self, procs: ReaderProcesses, b: _Batch, on_bytes: Any) -> None:
+        """Wait for the reader process reading ``b``: its ledger rows added here, its counts checked."""
+        assert b.worker is not None
+        k, b.worker = b.worker, None
+        counts, rows = procs.receive(k)
+        groups = b.plan.groups
+        if len(counts) != len(groups) or any(len(c) != len(g.file_offsets) for c, g in zip(counts, groups)):
+            raise ReaderProcessError(f"reader process {k} answered for other reads than it was given")
+        try:
+            add_ledger_rows(rows)
+        except (ValueError, TypeError) as exc:
+            raise ReaderProcessError(f"reader process {k} sent damaged ledger rows ({exc})") from None
+        for g, c in zip(groups, counts):
+            check_counts(g, c)
+        if on_bytes is not None:
+            on_bytes(b.plan.nbytes)
 
     def start(self, number: int, indices: np.ndarray, on_bytes: Any, position: int) -> _Batch:
         """Plan batch ``number`` and read it (staged or on the CPU: now, in this thread; else
@@ -94,8 +152,14 @@ class _Reader:
     def finish(self, b: _Batch) -> torch.Tensor:
         wait(b.jobs)
         if self.stream is None:
-            assert b.raw is not None
-            return batch_view(b.raw, b.plan.count, b.plan.layout)
+            raw = b.raw
+            if raw is None:  # read by a reader process into the shared staging: copied out now
+                assert b.slot is not None
+                raw = torch.empty(b.plan.nbytes, dtype=torch.uint8)
+                ctypes.memmove(raw.data_ptr(), b.slot.ptr, b.plan.nbytes)
+            return batch_view(raw, b.plan.count, b.plan.layout)
+        if b.raw is None and b.plan.nbytes <= CALLER_STREAM_COPY_MAX:
+            return self._finish_on_callers_stream(b)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = b.raw
             if raw is None:  # staged: one copy of the whole batch, ordered on the side stream
@@ -111,14 +175,36 @@ class _Reader:
         out.record_stream(consumer)
         return out
 
+    def _finish_on_callers_stream(self, b: _Batch) -> torch.Tensor:
+        """A small staged batch: allocated on the caller's current stream and copied there, so
+        that the caller's later work sees it whole and its memory comes back only after that
+        work, with no side stream, event or ``record_stream`` (a third of the hand-off's cost)."""
+        assert b.slot is not None
+        with _on(self.device):
+            raw = torch.empty(b.plan.nbytes, dtype=torch.uint8, device=self.device)
+            if b.plan.nbytes:
+                b.slot.copy_to(raw.data_ptr(), b.plan.nbytes, torch.cuda.current_stream(self.device).cuda_stream)
+            return batch_view(raw, b.plan.count, b.plan.layout)
+
     @staticmethod
     def abandon(b: _Batch) -> None:
         abandon(b.jobs)
 
     def close(self) -> None:
-        """Free the pinned staging (each slot once its copy has run); a later batch makes it again."""
-        if self.staging is not None:
-            self.staging.close()
+        """End the reader processes and free the pinned staging (each slot once its copy has
+        run); a later pass makes them again."""
+        procs, self._procs = self._procs, None
+        try:
+            if procs is not None:
+                procs.close()
+        finally:
+            if self.staging is not None:
+                self.staging.close()
+
+
+def _on(device: torch.device) -> Any:
+    """``device`` made current for a block, with nothing to do where it already is."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
 
 
 class _Failed:
@@ -126,13 +212,15 @@ class _Failed:
         self.exc = exc
 
 
-#: Threads that read a pass's batches side by side (at most ``prefetch`` of them): each batch
-#: is one thread's run of system calls, which let go of the interpreter lock while they copy.
-READERS = 4
-#: How long the exit waits for a reader thread to finish the batch it is reading.
+#: Staged batches up to this size are copied to the GPU on the caller's own stream, behind its
+#: work (about 40 µs at this size, under 1 % of a 5 ms step); larger ones on the loader's side
+#: stream, overlapped with the caller's work and handed over by an event.
+CALLER_STREAM_COPY_MAX = 1 << 20
+
+#: How long the exit waits for the reader thread to finish the batch it is reading.
 EXIT_JOIN_S = 30.0
 
-# Passes whose readers may still run. The exit stops them before the interpreter is torn down:
+# Passes whose reader may still run. The exit stops them before the interpreter is torn down:
 # a reader left inside torch or the engine then aborted the process ("terminate called without
 # an active exception").
 _live: weakref.WeakSet[_Pipeline] = weakref.WeakSet()
@@ -157,45 +245,46 @@ def _track(pipeline: _Pipeline) -> None:
 
 
 class _Pipeline:
-    """One pass's batches, started up to ``prefetch`` ahead by reader threads (none with
-    ``prefetch=0``: each batch is then read when asked for). Reader ``r`` of ``R`` starts
-    batches ``r, r + R, ...`` of the pass, each only while fewer than ``prefetch`` batches are
-    started and not taken; the caller takes them in order. Holds no reference to the
-    iterator, so that dropping the iterator closes it."""
+    """One pass's batches, started in order by one reader thread at most ``prefetch`` ahead of
+    the caller (none with ``prefetch=0``: each batch is then read when asked for); the caller
+    takes them in order. Holds no reference to the iterator, so that dropping the iterator
+    closes it.
+
+    One reader, not several: a batch of small reads is mostly interpreter time (planning,
+    submission, the hand-off), which reader threads cannot share; on the H200 machine two
+    readers gave 0.84x one reader's batches/s and four 0.46x. Reader and caller meet through
+    C-level queues (``queue.SimpleQueue``: a blocked side lets go of the interpreter lock at
+    once), one of batches started and one of credits, a credit for each batch taken.
+    """
 
     def __init__(self, reader: _Reader, todo: list[tuple[int, np.ndarray]], prefetch: int, on_bytes: Any) -> None:
-        self._reader, self._todo, self._prefetch, self._on_bytes = reader, todo, prefetch, on_bytes
-        self._ready: dict[int, Any] = {}  # position in the pass -> _Batch or _Failed
-        self._cv = threading.Condition()
+        self._reader, self._todo, self._on_bytes = reader, todo, on_bytes
+        self._ready: queue.SimpleQueue[Any] = queue.SimpleQueue()    # _Batch or _Failed, in pass order
+        self._credits: queue.SimpleQueue[bool] = queue.SimpleQueue()  # one per batch the reader may start
+        self._lock = threading.Lock()  # orders the reader's hand-in against close()
         self._closed = False
         self._taken = 0  # batches handed to the caller
-        self._threads: list[threading.Thread] = []
-        count = min(prefetch, READERS, len(todo))
-        for r in range(count):
-            t = threading.Thread(target=self._produce, args=(r, count), name="gdskit-data-prefetch", daemon=True)
-            self._threads.append(t)
-        if self._threads:
+        self._thread: threading.Thread | None = None
+        if prefetch and todo:
+            for _ in range(min(prefetch, len(todo))):
+                self._credits.put(True)
+            self._thread = threading.Thread(target=self._produce, name="gdskit-data-prefetch", daemon=True)
             _track(self)
-        for t in self._threads:
-            t.start()
+            self._thread.start()
 
-    def _produce(self, first: int, step: int) -> None:
-        for pos in range(first, len(self._todo), step):
-            with self._cv:
-                while not self._closed and pos >= self._taken + self._prefetch:
-                    self._cv.wait()
-                if self._closed:
-                    return
-            number, indices = self._todo[pos]
+    def _produce(self) -> None:
+        for pos, (number, indices) in enumerate(self._todo):
+            self._credits.get()  # a batch taken, or close()
+            if self._closed:
+                return
             try:
                 b: Any = self._reader.start(number, indices, self._on_bytes, pos)
             except BaseException as exc:  # noqa: BLE001 - the caller's next() raises it, in its place
                 b = _Failed(exc)
-            with self._cv:
+            with self._lock:
                 closed = self._closed
                 if not closed:
-                    self._ready[pos] = b
-                    self._cv.notify_all()
+                    self._ready.put(b)
             if closed:
                 if isinstance(b, _Batch):
                     self._reader.abandon(b)
@@ -208,39 +297,99 @@ class _Pipeline:
         pos = self._taken
         if pos >= len(self._todo):
             return None
-        if not self._threads:
-            self._taken += 1
+        self._taken += 1
+        if self._thread is None:
             number, indices = self._todo[pos]
             return self._reader.start(number, indices, self._on_bytes, pos)
-        with self._cv:
-            while pos not in self._ready:
-                self._cv.wait()
-            item = self._ready.pop(pos)
-            self._taken += 1
-            self._cv.notify_all()
+        item = self._ready.get()
+        self._credits.put(True)
         if isinstance(item, _Failed):
             raise item.exc
         return item
 
     def close(self, join_timeout: float | None = None) -> None:
         """Stop reading ahead: batches not started are never started, those started are
-        abandoned (reads not begun are cancelled, the others waited for), the threads joined
-        (each for at most ``join_timeout`` seconds, where given: the exit's bound)."""
-        with self._cv:
+        abandoned (reads not begun are cancelled, the others waited for), the reader joined
+        (for at most ``join_timeout`` seconds, where given: the exit's bound)."""
+        with self._lock:
             self._closed = True
-            self._cv.notify_all()
-        me = threading.current_thread()
+        t = self._thread
+        if t is None:
+            return
+        self._credits.put(False)  # wakes a reader waiting for a credit
         if sys.is_finalizing():
-            join_timeout = 0  # the readers can no longer run: joining them would wait for ever
-        for t in self._threads:
-            if t is not me:
-                t.join(join_timeout)
-        with self._cv:
-            left = list(self._ready.values())
-            self._ready.clear()
-        for item in left:
+            join_timeout = 0  # the reader can no longer run: joining it would wait for ever
+        if t is not threading.current_thread():
+            t.join(join_timeout)
+        # Nothing is handed in once closed: what is queued now is all there will be.
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                break
             if isinstance(item, _Batch):
                 self._reader.abandon(item)
+
+
+class _ProcessPipeline:
+    """One pass's batches read by the loader's reader processes, asked for in order at most
+    ``prefetch`` (at least one) beyond the batch being taken, reader ``position % workers``
+    reading each; taken in order in the caller's thread. Batches of large reads for a GPU are
+    started here by the engine's device paths instead."""
+
+    def __init__(self, reader: _Reader, todo: list[tuple[int, np.ndarray]], prefetch: int, on_bytes: Any) -> None:
+        self._reader, self._todo, self._on_bytes = reader, todo, on_bytes
+        self._ahead = max(prefetch, 1)
+        self._procs = reader.processes() if todo else None
+        self._pending: dict[int, Any] = {}  # position -> _Batch or _Failed, asked for and not taken
+        self._asked = 0
+        self._taken = 0
+        self._closed = False
+
+    def take(self) -> _Batch | None:
+        pos = self._taken
+        if pos >= len(self._todo):
+            return None
+        procs = self._procs
+        assert procs is not None
+        while self._asked < min(len(self._todo), pos + 1 + self._ahead):
+            k = self._asked
+            number, indices = self._todo[k]
+            try:
+                self._pending[k] = self._reader.start_remote(procs, number, indices, self._on_bytes, k)
+            except BaseException as exc:  # noqa: BLE001 - raised when its turn comes
+                self._pending[k] = _Failed(exc)
+            self._asked += 1
+            if isinstance(self._pending[k], _Failed):
+                break  # nothing more is asked for after a failure
+        item = self._pending.pop(pos)
+        self._taken += 1
+        if isinstance(item, _Failed):
+            raise item.exc
+        if item.worker is not None:
+            self._reader.collect(procs, item, self._on_bytes)
+        return item
+
+    def close(self, join_timeout: float | None = None) -> None:
+        """Take the answers of the batches asked for and not taken (so that no reader writes into
+        the staging any more, and the next pass's answers are its own), or abandon them."""
+        if self._closed:
+            return
+        self._closed = True
+        procs = self._procs
+        for pos in sorted(self._pending):
+            item = self._pending.pop(pos)
+            if not isinstance(item, _Batch):
+                continue
+            if item.worker is None:
+                self._reader.abandon(item)
+                continue
+            assert procs is not None
+            if procs.broken is None:
+                try:
+                    procs.receive(item.worker)
+                except Exception:  # noqa: BLE001 - an error of a batch no one will take
+                    pass
 
 
 class _Pass:
@@ -256,7 +405,8 @@ class _Pass:
             total = sum(loader._batch_bytes(idx) for _, idx in todo)
             self._progress = Progress(total, loader._progress, f"epoch {epoch}")
             on_bytes = self._progress.advance
-        self._pipeline = _Pipeline(loader._reader, todo, loader.prefetch, on_bytes)
+        pipeline = _ProcessPipeline if loader.workers else _Pipeline
+        self._pipeline: _Pipeline | _ProcessPipeline = pipeline(loader._reader, todo, loader.prefetch, on_bytes)
         self._closed = False
 
     def __iter__(self) -> _Pass:
@@ -308,6 +458,10 @@ class Loader:
         incomplete last batch (otherwise the order is padded, as DistributedSampler pads it)
     rank, world_size : default: ``torch.distributed``'s when it is initialised, else 0 and 1
     prefetch : batches read ahead while the caller computes (0: each read when asked for)
+    workers : reader processes (as ``DataLoader``'s ``num_workers``): 0 reads in this process,
+        on one reader thread; ``N`` reads batches of small reads in ``N`` processes of their
+        own, into page-locked memory shared with this one, each batch one process's (for a
+        dataset of one sample layout; docs/data.md, "Reader processes")
     progress : True for a bar per epoch on stderr, or ``callback(bytes_done, bytes_total)``
         (from I/O threads); None or False: nothing
 
@@ -326,7 +480,7 @@ class Loader:
 
     def __init__(self, dataset: Dataset, batch_size: int, *, device: Any = "cuda:0", shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 prefetch: int = 2, progress: ProgressArg = None) -> None:
+                 prefetch: int = 2, workers: int = 0, progress: ProgressArg = None) -> None:
         if not isinstance(dataset, Dataset):
             raise InvalidArgumentError(f"dataset must be a TokenDataset, RecordDataset or NpyDataset, "
                                        f"not {type(dataset).__name__}")
@@ -336,13 +490,17 @@ class Loader:
                               bool(shuffle), _int("seed", seed, 0), bool(drop_last))
         check_stackable(dataset, batch_size)
         self.prefetch = _int("prefetch", prefetch, 0)
+        self.workers = _int("workers", workers, 0)
+        if self.workers and dataset.layout is None:
+            raise InvalidArgumentError("workers read datasets of one sample layout; this one's .npy files have "
+                                       "several (read it with workers=0)")
         self.device = target_device(device)
         self._progress = progress
         self._epoch = 0
         self._position = 0
         self._lock = threading.Lock()
         self._files = FileCache()
-        self._reader = _Reader(dataset, self.device, self._files, self.prefetch)
+        self._reader = _Reader(dataset, self.device, self._files, self.prefetch, self.workers, self.batch_size)
         self._active: weakref.ref[_Pass] | None = None
         self._fingerprint: str | None = None
         self._stats_before = stats()

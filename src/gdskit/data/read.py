@@ -180,10 +180,14 @@ def read_now(files: FileCache, plan: BatchPlan, view: BufferView) -> None:
     engine picks buffered or O_DIRECT per read by its policy). Raises the read's error, or
     :class:`TruncatedFileError` for a short read (a file that shrank since the dataset was made)."""
     for g in plan.groups:
-        counts = files.get(g.source.path).read_batch(view, g.file_offsets, g.size, g.buf_offsets)
-        if len(counts) and min(counts) < g.size:
-            k = next(i for i, c in enumerate(counts) if c < g.size)
-            raise _truncated(g, g.file_offsets[k], counts[k])
+        check_counts(g, files.get(g.source.path).read_batch(view, g.file_offsets, g.size, g.buf_offsets))
+
+
+def check_counts(group: ReadGroup, counts: Sequence[int]) -> None:
+    """Raise :class:`TruncatedFileError` for the first of ``group``'s reads that came back short."""
+    if len(counts) and min(counts) < group.size:
+        k = next(i for i, c in enumerate(counts) if c < group.size)
+        raise _truncated(group, group.file_offsets[k], counts[k])
 
 
 @dataclass

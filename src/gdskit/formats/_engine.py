@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gdskit.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
                                 synchronized_device_view)
+    from gdskit.readers import ReaderProcesses, ReaderProcessError, SharedSlot  # noqa: F401
 
 # The destinations the formats hand the engine: loaded with the first of them a loader uses,
 # not with the loaders' modules (the buffers module imports the CUDA layer).
 _BUFFERS = ("BufferView", "ScatterList", "adapt", "scattered_device_view", "synchronized_device_view")
+# Reads made by reader processes (the dataset loader's ``workers``): loaded by a loader that has them.
+_READERS = ("ReaderProcesses", "ReaderProcessError", "SharedSlot")
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from gdskit import buffers
 
         return getattr(buffers, name)
+    if name in _READERS:
+        from gdskit import readers
+
+        return getattr(readers, name)
     raise AttributeError(f"module 'gdskit.formats._engine' has no attribute {name!r}")
 
 
@@ -51,6 +58,21 @@ def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
     from gdskit.ledger import stats_delta as delta
     return delta(before, after)
+
+
+def settings_values() -> dict[str, Any]:
+    """The engine's settings as plain values (for a process that is to read as this one does)."""
+    from gdskit.settings import settings
+    return settings.as_dict()
+
+
+def add_ledger_rows(rows: list[list[Any]]) -> None:
+    """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
+    bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each."""
+    from gdskit.ledger import LedgerEntry, ledger
+    ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
+                                    tuple((int(k), int(c)) for k, c in hist))
+                        for p, r, op, b, n, busy, req, hist in rows])
 
 
 def worker_threads() -> int:
