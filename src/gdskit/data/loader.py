@@ -89,9 +89,16 @@ class _Reader:
                 p.close()
             # A slot for each batch asked for ahead, the one being taken and the one handed over.
             p = self._procs = ReaderProcesses(self.workers, [s.path for s in self.dataset.sources],
-                                              max(self._prefetch, 1) + 2, self._batch_bytes,
+                                              self.asked_ahead() + 2, self._batch_bytes,
                                               pinned=self.stream is not None, settings_values=settings_values())
         return p
+
+    def asked_ahead(self) -> int:
+        """Batches asked of the reader processes beyond the one being taken: ``prefetch`` for
+        each of them (as ``DataLoader``'s ``prefetch_factor``), at least one each. Each round
+        trip to a process that waits for work costs its wake-up and the answer's; enough batches
+        asked ahead keep every process reading."""
+        return max(self._prefetch, 1) * self.workers
 
     def start_remote(self, procs: ReaderProcesses, number: int, indices: np.ndarray, on_bytes: Any,
                      position: int) -> _Batch:
@@ -332,14 +339,14 @@ class _Pipeline:
 
 
 class _ProcessPipeline:
-    """One pass's batches read by the loader's reader processes, asked for in order at most
-    ``prefetch`` (at least one) beyond the batch being taken, reader ``position % workers``
+    """One pass's batches read by the loader's reader processes, asked for in order up to
+    :meth:`_Reader.asked_ahead` beyond the batch being taken, reader ``position % workers``
     reading each; taken in order in the caller's thread. Batches of large reads for a GPU are
     started here by the engine's device paths instead."""
 
     def __init__(self, reader: _Reader, todo: list[tuple[int, np.ndarray]], prefetch: int, on_bytes: Any) -> None:
         self._reader, self._todo, self._on_bytes = reader, todo, on_bytes
-        self._ahead = max(prefetch, 1)
+        self._ahead = reader.asked_ahead()
         self._procs = reader.processes() if todo else None
         self._pending: dict[int, Any] = {}  # position -> _Batch or _Failed, asked for and not taken
         self._asked = 0
@@ -460,8 +467,9 @@ class Loader:
     prefetch : batches read ahead while the caller computes (0: each read when asked for)
     workers : reader processes (as ``DataLoader``'s ``num_workers``): 0 reads in this process,
         on one reader thread; ``N`` reads batches of small reads in ``N`` processes of their
-        own, into page-locked memory shared with this one, each batch one process's (for a
-        dataset of one sample layout; docs/data.md, "Reader processes")
+        own, started with the loader, into page-locked memory shared with this one, each batch
+        one process's, ``prefetch`` batches asked of each ahead (for a dataset of one sample
+        layout; docs/data.md, "Reader processes")
     progress : True for a bar per epoch on stderr, or ``callback(bytes_done, bytes_total)``
         (from I/O threads); None or False: nothing
 
@@ -501,6 +509,8 @@ class Loader:
         self._lock = threading.Lock()
         self._files = FileCache()
         self._reader = _Reader(dataset, self.device, self._files, self.prefetch, self.workers, self.batch_size)
+        if self.workers:
+            self._reader.processes()  # they start while the caller sets up; the first pass finds them ready
         self._active: weakref.ref[_Pass] | None = None
         self._fingerprint: str | None = None
         self._stats_before = stats()
