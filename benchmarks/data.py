@@ -3,7 +3,7 @@
 
 Workloads (``--quick``: small sizes for a smoke run, on the CPU too):
   preload-shards  8 GiB in 1,024 ``.npy`` shards of 8 MiB     (quick: 64 MiB in 32)
-  preload-small   16,384 ``.npy`` files of 64 KiB (1 GiB)     (quick: 2,000 of 16 KiB)
+  preload-small   100,000 ``.npy`` files of 64 KiB (6.6 GB)  (quick: 2,000 of 16 KiB; --small-files)
   tokens          a 4 GiB uint16 token file, seq_len 2048, batch 64, shuffled; --batches of them
                   (quick: 128 MiB, 200 batches)
   step            the tokens workload, each batch consumed by a fixed-duration GPU kernel (calibrated
@@ -65,19 +65,22 @@ def sizes(quick: bool) -> dict:
     if quick:
         return {"shards": 32, "shard_bytes": 2 * MiB, "small": 2000, "small_bytes": 16 << 10,
                 "token_bytes": 128 * MiB, "seq_len": 2048, "batch": 64, "batches": 200, "step_ms": 2.0}
-    return {"shards": 1024, "shard_bytes": 8 * MiB, "small": 16_384, "small_bytes": 64 << 10,
+    return {"shards": 1024, "shard_bytes": 8 * MiB, "small": 100_000, "small_bytes": 64 << 10,
             "token_bytes": 4 << 30, "seq_len": 2048, "batch": 64, "batches": 1000, "step_ms": 5.0}
 
 
 # -- the data (made once per size; later runs reuse it) ----------------------------------------------
 
-def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
+def ensure_data(directory: str, sz: dict, workloads: list[str]) -> dict[str, list[str]]:
+    """The files of ``workloads`` (made once; later runs reuse them)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     pool = rng.random((64 * MiB) // 4, dtype=np.float32)  # each file a different window of it: fast to make
     out: dict[str, list[str]] = {}
     for name, count, nbytes in (("shards", sz["shards"], sz["shard_bytes"]), ("small", sz["small"], sz["small_bytes"])):
+        if f"preload-{name}" not in workloads:
+            continue
         d = os.path.join(directory, f"{name}-{count}x{nbytes}")
         paths = [os.path.join(d, f"{i:06d}.npy") for i in range(count)]
         if not os.path.exists(paths[-1]):
@@ -88,6 +91,8 @@ def ensure_data(directory: str, sz: dict) -> dict[str, list[str]]:
                 start = (i * 4099) % (len(pool) - n)
                 np.save(p, pool[start:start + n].reshape(-1, 256))
         out[name] = paths
+    if "tokens" not in workloads and "step" not in workloads:
+        return out
     tok = os.path.join(directory, f"tokens-{sz['token_bytes']}.bin")
     if not os.path.exists(tok) or os.path.getsize(tok) != sz["token_bytes"]:
         print(f"making {tok} ...", file=sys.stderr, flush=True)
@@ -551,6 +556,8 @@ def main() -> None:
     ap.add_argument("--no-hot", action="store_true")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--batches", type=int, default=None, help="token batches per run")
+    ap.add_argument("--small-files", type=int, default=None,
+                    help="files of the preload-small workload (default 100,000; --quick 2,000)")
     ap.add_argument("--step-ms", type=float, default=None, help="the step alone, in ms (calibrated)")
     ap.add_argument("--dl-workers", type=int, default=None, help="cap on DataLoader workers (small machines)")
     ap.add_argument("--timeout", type=float, default=120, help="seconds per measurement")
@@ -570,7 +577,9 @@ def main() -> None:
         sz["step_ms"] = args.step_ms
     if args.dl_workers or (args.quick and not args.device.startswith("cuda")):
         sz["dl_workers"] = args.dl_workers or 2
-    data = ensure_data(args.dir, sz)
+    if args.small_files:
+        sz["small"] = args.small_files
+    data = ensure_data(args.dir, sz, args.workloads.split(","))
     rows = combine(measure(args, data, sz))
     text = report(rows)
     print(text)

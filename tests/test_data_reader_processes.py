@@ -249,3 +249,22 @@ def test_a_reader_that_answers_nonsense_breaks_the_set_with_a_clear_error(tokens
         theirs.close()
     finally:
         procs.close()
+
+
+def test_the_shared_staging_stays_within_the_pinned_budget(tmp_path):
+    seq = 16384
+    paths = token_files(tmp_path, [200_000, 90_000], "uint32")
+    want = windows(paths, "uint32", seq)
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=seq)
+    slot = readers.ReaderProcesses.slot_size(4 * (seq + 1) * 4)  # 320 KiB
+    with gdskit.settings.set(pinned_budget="2MiB"):
+        with gd.Loader(ds, 4, device="cpu", workers=3, prefetch=4) as loader:
+            assert loader._reader.asked_ahead() == 4  # not 4 x 3: six slots fit the budget
+            assert loader._reader._procs._mapping.nbytes == 6 * slot <= 2 << 20
+            got = np.concatenate([b.numpy() for b in loader])
+    with gdskit.settings.set(pinned_budget="1MiB"):
+        with gd.Loader(ds, 4, device="cpu", workers=2) as loader:
+            assert loader._reader.asked_ahead() == 1  # three slots
+            assert np.array_equal(np.concatenate([b.numpy() for b in loader]), got)
+    order = [i for idx in gd.Loader(ds, 4, device="cpu").batch_indices() for i in idx.tolist()]
+    assert np.array_equal(got, np.stack([want[i] for i in order]))

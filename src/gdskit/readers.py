@@ -230,7 +230,7 @@ class ReaderProcesses:
     def __init__(self, count: int, paths: Sequence[str], slots: int, slot_bytes: int, *, pinned: bool,
                  settings_values: dict[str, Any]) -> None:
         self.count = count
-        self.slot_bytes = -(-max(slot_bytes, 1) // _GRAIN) * _GRAIN
+        self.slot_bytes = self.slot_size(slot_bytes)
         self.broken: str | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._socks: list[socket.socket] = []
@@ -269,6 +269,11 @@ class ReaderProcesses:
             raise
         _track(self)
 
+    @staticmethod
+    def slot_size(nbytes: int) -> int:
+        """The bytes a slot for batches of ``nbytes`` takes (rounded up to 64 KiB)."""
+        return -(-max(nbytes, 1) // _GRAIN) * _GRAIN
+
     def slot(self, position: int) -> SharedSlot:
         """The slot of a pass's ``position``-th batch, its last copy out finished."""
         s = self._slots[position % len(self._slots)]
@@ -281,7 +286,7 @@ class ReaderProcesses:
         try:
             send_message(self._socks[k], KIND_READ, pack_read(slot.offset, groups))
         except OSError as exc:
-            self._break(f"reader process {k} can no longer be reached ({exc})")
+            self._break(self._died(k, exc))
 
     def receive(self, k: int) -> tuple[list[list[int]], list[list[Any]]]:
         """Reader ``k``'s next answer: each group's counts and its ledger records. Raises the

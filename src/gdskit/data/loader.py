@@ -37,7 +37,7 @@ from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
-                                    at_exit_stop_work, settings_values, stats, stats_delta)
+                                    at_exit_stop_work, pinned_budget, settings_values, stats, stats_delta)
 from gdskit.formats.progress import Progress, ProgressArg
 
 __all__ = ["Loader"]
@@ -97,8 +97,10 @@ class _Reader:
         """Batches asked of the reader processes beyond the one being taken: ``prefetch`` for
         each of them (as ``DataLoader``'s ``prefetch_factor``), at least one each. Each round
         trip to a process that waits for work costs its wake-up and the answer's; enough batches
-        asked ahead keep every process reading."""
-        return max(self._prefetch, 1) * self.workers
+        asked ahead keep every process reading. Fewer where their slots (two more than the
+        batches asked ahead) would hold more than ``settings.pinned_budget``; one at least."""
+        fits = pinned_budget() // ReaderProcesses.slot_size(self._batch_bytes) - 2
+        return max(1, min(max(self._prefetch, 1) * self.workers, fits))
 
     def start_remote(self, procs: ReaderProcesses, number: int, indices: np.ndarray, on_bytes: Any,
                      position: int) -> _Batch:

@@ -75,6 +75,12 @@ def add_ledger_rows(rows: list[list[Any]]) -> None:
                         for p, r, op, b, n, busy, req, hist in rows])
 
 
+def pinned_budget() -> int:
+    """The most page-locked memory the engine's staging may hold (``settings.pinned_budget``)."""
+    from gdskit.settings import settings
+    return settings.pinned_budget
+
+
 def worker_threads() -> int:
     """The engine's I/O worker threads (``settings.threads``)."""
     from gdskit.settings import settings
