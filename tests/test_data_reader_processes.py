@@ -268,3 +268,26 @@ def test_the_shared_staging_stays_within_the_pinned_budget(tmp_path):
             assert np.array_equal(np.concatenate([b.numpy() for b in loader]), got)
     order = [i for idx in gd.Loader(ds, 4, device="cpu").batch_indices() for i in idx.tolist()]
     assert np.array_equal(got, np.stack([want[i] for i in order]))
+
+
+def test_batches_of_many_reads_asked_ahead_never_deadlock_the_sockets(tmp_path):
+    """Batches of 20,000 reads (320 KB of offsets asked, 160 KB of counts answered, more than a
+    socket holds) asked several ahead of one process: the loader must not block sending while
+    the reader blocks answering. Run in a child process with a time limit: a deadlock would hang."""
+    records = np.arange(200_000, dtype=np.int32)
+    records.tofile(tmp_path / "r.bin")
+    script = tmp_path / "many.py"
+    script.write_text(
+        "import numpy as np, gdskit.data as gd\n"
+        f"ds = gd.RecordDataset({str(tmp_path / 'r.bin')!r}, dtype='int32', shape=())\n"
+        "with gd.Loader(ds, 20_000, device='cpu', shuffle=True, workers=1, prefetch=4) as loader:\n"
+        "    order = np.concatenate(loader.batch_indices())\n"
+        "    got = np.concatenate([b.numpy() for b in loader])\n"
+        "assert np.array_equal(got, order.astype(np.int32)), 'wrong bytes'\n"
+        "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the loader and its reader process deadlocked on their sockets")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,7 +151,7 @@ def _cuda() -> Any:
 # -- the shared slots --------------------------------------------------------------------------------
 class SharedSlot:
     """One batch's place in the shared mapping: what the dataset loader's own staging slots offer
-    it (``ptr``, ``view``, ``copy_to``, ``reusable``), at ``offset`` in the mapping."""
+    it (``ptr``, ``copy_to``, ``reusable``), at ``offset`` in the mapping."""
 
     def __init__(self, mapping: _SharedMapping, offset: int, nbytes: int, pinned: bool) -> None:
         self.offset, self.nbytes = offset, nbytes
@@ -234,6 +235,11 @@ class ReaderProcesses:
         self.broken: str | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._socks: list[socket.socket] = []
+        # Per reader: the bytes each unanswered request and its answer take in the sockets, and
+        # answers taken early (see send()).
+        self._owed: list[deque[int]] = [deque() for _ in range(count)]
+        self._early: list[deque[tuple[bytes, bytearray]]] = [deque() for _ in range(count)]
+        self._socket_room = 0
         self._slots: list[SharedSlot] = []
         self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
         self._closed = False
@@ -261,6 +267,10 @@ class ReaderProcesses:
                     theirs.close()
                 self._procs.append(proc)
                 send_message(mine, KIND_INIT, init)
+            if self._socks:
+                sock = self._socks[0]
+                self._socket_room = min(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                                        sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) // 4
         except OSError as exc:
             self.close()
             raise ReaderProcessError(f"could not start the reader processes: {exc}") from exc
@@ -281,21 +291,41 @@ class ReaderProcesses:
         return s
 
     def send(self, k: int, slot: SharedSlot, groups: Sequence[tuple[int, int, Sequence[int], Sequence[int]]]) -> None:
-        """Ask reader ``k`` for ``groups`` (path index, size, file offsets, places in the slot)."""
+        """Ask reader ``k`` for ``groups`` (path index, size, file offsets, places in the slot).
+
+        A request and its answer wait in the two sockets' buffers until they are read. Were this
+        side blocked sending while the reader is blocked answering (both buffers full), neither
+        would move: so before a request that would take more than a quarter of a socket's room
+        with those still owed, the reader's oldest answers are taken now and kept for
+        :meth:`receive`. Batches of a few hundred reads never wait for that."""
         self._check()
+        message = pack_read(slot.offset, groups)
+        size = len(message) + 4 + sum(4 + 8 * len(g[2]) for g in groups) + 1024  # with its answer, JSON
+        owed = self._owed[k]
+        while owed and sum(owed) + size > self._socket_room:
+            self._early[k].append(self._take_answer(k))
         try:
-            send_message(self._socks[k], KIND_READ, pack_read(slot.offset, groups))
+            send_message(self._socks[k], KIND_READ, message)
         except OSError as exc:
             self._break(self._died(k, exc))
+        owed.append(size)
+
+    def _take_answer(self, k: int) -> tuple[bytes, bytearray]:
+        """Reader ``k``'s next message, whatever it says."""
+        try:
+            message = recv_message(self._socks[k])
+        except (EOFError, OSError, ValueError) as exc:
+            self._break(self._died(k, exc))
+        if self._owed[k]:
+            self._owed[k].popleft()
+        return message
 
     def receive(self, k: int) -> tuple[list[list[int]], list[list[Any]]]:
         """Reader ``k``'s next answer: each group's counts and its ledger records. Raises the
         error of the batch where the reader had one (as the same class where it is an OS error)."""
         self._check()
-        try:
-            kind, payload = recv_message(self._socks[k])
-        except (EOFError, OSError, ValueError) as exc:
-            self._break(self._died(k, exc))
+        early = self._early[k]
+        kind, payload = early.popleft() if early else self._take_answer(k)
         try:
             if kind == KIND_DONE:
                 return unpack_done(payload)
