@@ -97,6 +97,23 @@ def test_resume_mid_epoch_gives_the_same_remaining_batches_with_or_without_worke
             assert [b.numpy().tolist() for b in again] == rest
 
 
+def test_a_pass_left_with_batches_asked_for_leaves_the_next_pass_its_own_answers(tokens):
+    paths, want = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    with gd.Loader(ds, 3, device="cpu", shuffle=True, seed=2, workers=2, prefetch=3) as loader:
+        order = loader.batch_indices(0)
+        got = []
+        for stop in (2, 5, 9):  # each pass ends with six batches asked of the readers and not taken
+            for b in loader:
+                got.append(b.numpy().copy())
+                if len(got) == stop:
+                    break
+        got += [b.numpy().copy() for b in loader]
+    assert len(got) == len(order)
+    for g, idx in zip(got, order):
+        assert np.array_equal(g, np.stack([want[i] for i in idx.tolist()]))
+
+
 def test_a_file_that_shrinks_mid_epoch_is_a_truncated_file_and_nothing_is_left(tmp_path):
     paths = token_files(tmp_path, [2000, 2000], "uint32")
     ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)

@@ -1,7 +1,8 @@
 """The :class:`Loader`: batches of a dataset in GPU (or host) memory, sharded across ranks, read ahead.
 
-How a batch travels: reader threads plan its reads (:mod:`gdskit.data.read`) and read it, up
-to ``prefetch`` batches ahead of the caller: on the CPU straight into its tensor; for a GPU,
+How a batch travels: a reader thread plans its reads (:mod:`gdskit.data.read`) and reads it, up
+to ``prefetch`` batches ahead of the caller (with ``workers``, the caller's thread plans it and a
+reader process reads it: :mod:`gdskit.readers`): on the CPU straight into its tensor; for a GPU,
 a batch of small reads into a pinned staging slot (:mod:`gdskit.data.staging`), one of large
 reads straight into device memory by the engine's device paths. The caller's ``next()`` takes
 the oldest batch; a staged one is then copied to the GPU in one copy: a small one (up to
@@ -64,7 +65,9 @@ class _Reader:
     pinned staging slot (host reads) by the thread that starts it, and copied to the GPU in
     one copy on the loader's side stream when it is handed over, so that the GPU holds only
     the batches handed over; a batch of large reads is read by the engine's device paths
-    straight into its tensor.
+    straight into its tensor. With ``workers``, batches of small reads are read by reader
+    processes into slots of memory shared with them (page-locked for a GPU) and handed over
+    from there the same way.
     """
 
     def __init__(self, dataset: Dataset, device: torch.device, files: FileCache, prefetch: int,
@@ -81,7 +84,7 @@ class _Reader:
 
     # -- batches read by reader processes (``workers``) ----------------------------------------
     def processes(self) -> ReaderProcesses:
-        """The loader's reader processes: started at its first pass, again after one died."""
+        """The loader's reader processes: started with the loader, again after one died or a close."""
         p = self._procs
         if p is None or p.broken is not None:
             self._procs = None
