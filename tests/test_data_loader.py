@@ -349,7 +349,7 @@ def test_the_exit_stops_a_pass_and_waits_for_its_readers(tokens):
     it = iter(gd.Loader(ds, 2, device="cpu", prefetch=4))
     next(it)
     readers = [it._pipeline._thread]
-    L._stop_readers()  # what gdskit.shutdown runs at exit
+    L._live.close_all()  # what gdskit.shutdown runs at exit
     assert not any(t.is_alive() for t in readers)
     it.close()
 

@@ -105,5 +105,5 @@ def test_the_exit_hook_frees_every_live_staging(fake_cuda):
         s.slot(0, 1000)
         s.slot(1, 1000)
     assert pinned_live(fake_cuda) == pinned + 6
-    staging_module._free_all()
+    staging_module._live.close_all()
     assert pinned_live(fake_cuda) == pinned

@@ -37,11 +37,40 @@ def test_stages_run_in_order_whatever_the_registration_order(tmp_path: Path) -> 
     assert out.stdout.split() == ["stop-2", "stop-1", "close", "free"]
 
 
+def test_objects_closed_at_exit_each_close_once_in_their_stage_failing_or_not(tmp_path: Path) -> None:
+    out = _run("""
+        import gc
+        from gdskit import shutdown as s
+        class Thing:
+            def __init__(self, name, fails=False):
+                self.name, self.fails = name, fails
+            def close(self):
+                print("closed", self.name)
+                if self.fails:
+                    raise OSError("one object failing must not keep the others from closing")
+        live = s.ClosedAtExit(s.STOP_WORK, lambda t: t.close())
+        s.at_exit(s.CLOSE_DRIVERS, lambda: print("drivers"))
+        kept = [Thing("a", fails=True), Thing("b")]
+        for t in kept:
+            live.add(t)
+        live.add(kept[0])              # added twice: closed once
+        gone = Thing("dropped")
+        live.add(gone)
+        del gone
+        gc.collect()                   # held weakly: an object dropped is not kept alive to be closed
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sorted(lines[:2]) == ["closed a", "closed b"] and lines[2:] == ["drivers"]
+
+
 def test_unknown_stage_is_refused() -> None:
     from gdskit import shutdown
 
     with pytest.raises(ValueError):
         shutdown.at_exit(7, lambda: None)
+    with pytest.raises(ValueError):
+        shutdown.ClosedAtExit(7, lambda obj: None)
 
 
 def test_cufile_driver_closes_after_workers_and_before_pinned_memory(tmp_path: Path) -> None:

@@ -35,8 +35,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from gdskit.errors import GdskitError, call_each, from_os_error
+from gdskit.shutdown import STOP_WORK, ClosedAtExit
 
 __all__ = ["ReaderProcessError", "ReaderProcesses", "SharedSlot"]
 
@@ -277,7 +276,7 @@ class ReaderProcesses:
         except BaseException:
             self.close()
             raise
-        _track(self)
+        _live.add(self)
 
     @staticmethod
     def slot_size(nbytes: int) -> int:
@@ -392,27 +391,5 @@ def raise_remote(err: dict[str, Any]) -> None:
     raise ReaderProcessError(f"a reader process failed: {err.get('type', 'error')}: {message}")
 
 
-_live: weakref.WeakSet[ReaderProcesses] = weakref.WeakSet()
-_live_lock = threading.Lock()
-_hooked = False
-
-
-def _track(procs: ReaderProcesses) -> None:
-    global _hooked
-    with _live_lock:
-        _live.add(procs)
-        first, _hooked = not _hooked, True
-    if first:
-        from gdskit.shutdown import STOP_WORK, at_exit
-        at_exit(STOP_WORK, _close_all)
-
-
-def _close_all() -> None:
-    """At exit: every set of reader processes ended, while CUDA still runs (the pinned mapping)."""
-    with _live_lock:
-        procs = list(_live)
-    for p in procs:
-        try:
-            p.close(1.0)
-        except Exception:  # noqa: BLE001 - the exiting process returns the rest
-            pass
+# At exit, while CUDA still runs (the pinned mapping): every set ended, its processes waited for briefly.
+_live = ClosedAtExit(STOP_WORK, lambda procs: procs.close(1.0))

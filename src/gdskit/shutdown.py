@@ -20,7 +20,9 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 STOP_WORK, CLOSE_DRIVERS, FREE_MEMORY = 0, 1, 2
 _STAGES = (STOP_WORK, CLOSE_DRIVERS, FREE_MEMORY)
@@ -37,6 +39,35 @@ def at_exit(stage: int, hook: Callable[[], None]) -> None:
     with _lock:
         if hook not in _hooks[stage]:
             _hooks[stage].append(hook)
+
+
+class ClosedAtExit:
+    """Objects held weakly and each closed at exit in ``stage`` by ``close(obj)`` (its errors
+    ignored: the exiting process returns the rest); the exit hook is registered with the first."""
+
+    def __init__(self, stage: int, close: Callable[[Any], None]) -> None:
+        if stage not in _hooks:
+            raise ValueError(f"unknown exit stage {stage!r}")
+        self._stage, self._close = stage, close
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._hooked = False
+
+    def add(self, obj: Any) -> None:
+        with self._lock:
+            self._live.add(obj)
+            first, self._hooked = not self._hooked, True
+        if first:
+            at_exit(self._stage, self.close_all)
+
+    def close_all(self) -> None:
+        with self._lock:
+            objs = list(self._live)
+        for obj in objs:
+            try:
+                self._close(obj)
+            except Exception:  # noqa: BLE001 - one failing object must not keep the rest from closing
+                pass
 
 
 def exiting() -> bool:

@@ -38,7 +38,7 @@ from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
-                                    at_exit_stop_work, pinned_budget, settings_values, stats, stats_delta)
+                                    closed_at_exit, pinned_budget, settings_values, stats, stats_delta)
 from gdskit.formats.progress import Progress, ProgressArg
 
 __all__ = ["Loader"]
@@ -235,25 +235,7 @@ EXIT_JOIN_S = 30.0
 # Passes whose reader may still run. The exit stops them before the interpreter is torn down:
 # a reader left inside torch or the engine then aborted the process ("terminate called without
 # an active exception").
-_live: weakref.WeakSet[_Pipeline] = weakref.WeakSet()
-_live_lock = threading.Lock()
-_exit_hooked = False
-
-
-def _stop_readers() -> None:
-    with _live_lock:
-        pipelines = list(_live)
-    for pipeline in pipelines:
-        pipeline.close(EXIT_JOIN_S)
-
-
-def _track(pipeline: _Pipeline) -> None:
-    global _exit_hooked
-    with _live_lock:
-        _live.add(pipeline)
-        first, _exit_hooked = not _exit_hooked, True
-    if first:
-        at_exit_stop_work(_stop_readers)
+_live = closed_at_exit(lambda pipeline: pipeline.close(EXIT_JOIN_S))
 
 
 class _Pipeline:
@@ -281,7 +263,7 @@ class _Pipeline:
             for _ in range(min(prefetch, len(todo))):
                 self._credits.put(True)
             self._thread = threading.Thread(target=self._produce, name="gdskit-data-prefetch", daemon=True)
-            _track(self)
+            _live.add(self)
             self._thread.start()
 
     def _produce(self) -> None:

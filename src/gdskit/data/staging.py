@@ -12,13 +12,12 @@ same code runs on the stand-in CUDA driver in CI.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
 
 from gdskit.errors import call_each
-from gdskit.formats._engine import adapt, at_exit_free_memory, cuda_layer
+from gdskit.formats._engine import adapt, closed_at_exit, cuda_layer
 
 __all__ = ["Slot", "Staging"]
 
@@ -80,7 +79,6 @@ class Staging:
         self._slots: list[Slot | None] = [None] * self.count
         self._lock = threading.Lock()
         _live.add(self)
-        _register_exit_hook()
 
     def slot(self, k: int, nbytes: int) -> Slot:
         """Slot ``k % count``, at least ``nbytes`` large, its last copy out finished."""
@@ -110,23 +108,5 @@ class Staging:
         call_each(Slot.free, slots)
 
 
-_live: weakref.WeakSet[Staging] = weakref.WeakSet()
-_hooked = False
-_hook_lock = threading.Lock()
-
-
-def _register_exit_hook() -> None:
-    global _hooked
-    with _hook_lock:
-        if not _hooked:
-            at_exit_free_memory(_free_all)
-            _hooked = True
-
-
-def _free_all() -> None:
-    """At exit, while CUDA still runs: every loader's staging freed."""
-    for staging in list(_live):
-        try:
-            staging.close()
-        except Exception:  # noqa: BLE001 - the exiting process returns the rest
-            pass
+# At exit, while CUDA still runs: every loader's staging freed.
+_live = closed_at_exit(lambda staging: staging.close(), free_memory=True)

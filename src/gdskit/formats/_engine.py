@@ -94,16 +94,11 @@ def cuda_layer() -> Any:
     return cuda
 
 
-def at_exit_stop_work(hook: Callable[[], None]) -> None:
-    """Run ``hook`` at exit where the engine stops its worker threads, before anything is freed."""
-    from gdskit.shutdown import STOP_WORK, at_exit
-    at_exit(STOP_WORK, hook)
-
-
-def at_exit_free_memory(hook: Callable[[], None]) -> None:
-    """Run ``hook`` at exit where the engine frees its own pinned memory (CUDA still runs)."""
-    from gdskit.shutdown import FREE_MEMORY, at_exit
-    at_exit(FREE_MEMORY, hook)
+def closed_at_exit(close: Callable[[Any], None], *, free_memory: bool = False) -> Any:
+    """A weak set whose objects are each closed by ``close(obj)`` at exit, where the engine stops
+    its worker threads (or, with ``free_memory``, where it frees its pinned memory); ``.add(obj)``."""
+    from gdskit.shutdown import FREE_MEMORY, STOP_WORK, ClosedAtExit
+    return ClosedAtExit(FREE_MEMORY if free_memory else STOP_WORK, close)
 
 
 def can_scatter() -> bool:
