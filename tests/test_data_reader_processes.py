@@ -308,3 +308,26 @@ def test_batches_of_many_reads_asked_ahead_never_deadlock_the_sockets(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("the loader and its reader process deadlocked on their sockets")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_gdskit_in_the_working_directory_is_never_what_the_readers_import(tokens, tmp_path):
+    """A loader run from a directory others can write (/tmp): a "gdskit" planted there must not
+    run in the reader processes."""
+    paths, want = tokens
+    planted = tmp_path / "planted"
+    (planted / "gdskit").mkdir(parents=True)
+    marker = tmp_path / "ran"
+    for name in ("__init__.py", "reader_main.py"):
+        (planted / "gdskit" / name).write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import numpy as np, gdskit.data as gd\n"
+        f"ds = gd.TokenDataset({paths!r}, dtype='uint32', seq_len={SEQ})\n"
+        "with gd.Loader(ds, 4, device='cpu', workers=2) as loader:\n"
+        "    print(sum(int(b.numel()) for b in loader))\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, str(script)], cwd=planted, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(want) * (SEQ + 1)
+    assert not marker.exists()

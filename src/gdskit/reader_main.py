@@ -1,4 +1,4 @@
-"""A reader process of :mod:`gdskit.readers`: ``python -m gdskit.reader_main SOCKET MEMFD BYTES``.
+"""A reader process of :mod:`gdskit.readers`: ``main([_, SOCKET, MEMFD, BYTES])`` in a fresh interpreter.
 
 It maps the loader's shared staging (``MEMFD``, ``BYTES`` long), takes the loader's paths and
 settings from the first message on ``SOCKET``, then reads each batch it is asked for with

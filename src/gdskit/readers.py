@@ -3,7 +3,7 @@
 A batch of small reads (64 token windows of 4 KiB) is mostly interpreter time: planning,
 submission, the hand-off. Reader threads of one process share one interpreter lock, so they
 cannot add to it. With ``gdskit.data.Loader(..., workers=N)`` the staged batches are read by ``N``
-reader processes (``python -m gdskit.reader_main``, a fresh interpreter each: nothing is forked
+reader processes (:mod:`gdskit.reader_main` in a fresh interpreter each: nothing is forked
 from a process that runs CUDA and threads). They read into the slots of one shared mapping (a
 ``memfd``, page-locked in this process for the copy to the GPU) through their own engine, with
 this process's settings, and answer with each read's byte count and their ledger records, which
@@ -251,15 +251,18 @@ class ReaderProcesses:
             env = dict(os.environ)
             # No GPU there: the reader never starts a CUDA driver of its own (its reads go to host memory).
             env["CUDA_VISIBLE_DEVICES"] = ""
-            root = _package_root()
-            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            # The reader imports gdskit from where this process has it, never from its working
+            # directory (``python -m`` or ``-c`` would look there first, and a directory another
+            # user can write, such as /tmp, could hold a "gdskit" of theirs).
+            start = (f"import sys; sys.path[0] = {_package_root()!r}; "
+                     "from gdskit.reader_main import main; sys.exit(main(sys.argv))")
             for _ in range(count):
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._socks.append(mine)
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "gdskit.reader_main", str(theirs.fileno()),
-                         str(self._mapping.fd), str(self._mapping.nbytes)],
+                        [sys.executable, "-c", start, str(theirs.fileno()), str(self._mapping.fd),
+                         str(self._mapping.nbytes)],
                         pass_fds=(theirs.fileno(), self._mapping.fd), env=env, stdin=subprocess.DEVNULL,
                         close_fds=True)
                 finally:
