@@ -183,6 +183,11 @@ class WorkerProcessError(GdskitError, RuntimeError):
     """A worker process (``gdskit bench --processes``) ended without finishing its work."""
 
 
+class ReaderProcessError(GdskitError, RuntimeError):
+    """A reader process of a dataset loader (``Loader(..., workers=N)``) could not be started,
+    died (killed, out of memory), or answered something that is not an answer."""
+
+
 class GroupError(GdskitError, RuntimeError):
     """A load over a process group (``process_group=``) failed on another rank, timed out waiting
     for one, or lost one; ``ranks`` names the ranks known to have failed (empty when unknown).

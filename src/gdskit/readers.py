@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from gdskit.errors import GdskitError, call_each, from_os_error
+from gdskit.errors import ReaderProcessError, call_each, from_os_error
 from gdskit.shutdown import STOP_WORK, ClosedAtExit
 
 __all__ = ["ReaderProcessError", "ReaderProcesses", "SharedSlot"]
@@ -56,10 +56,6 @@ MAX_MESSAGE = 64 << 20
 #: How long closing waits for a reader process to end by itself before it is killed.
 CLOSE_WAIT_S = 5.0
 _GRAIN = 64 << 10
-
-
-class ReaderProcessError(GdskitError, RuntimeError):
-    """A reader process died, could not be started, or answered something that is not an answer."""
 
 
 # -- framing (both sides) -------------------------------------------------------------------------

@@ -27,8 +27,8 @@ require_torch("gdskit.data")
 if TYPE_CHECKING:
     from gdskit.data.datasets import Dataset, NpyDataset, RecordDataset, TokenDataset
     from gdskit.data.errors import (DatasetTooSmallError, FileSizeError, NpyHeaderError, ObjectDtypeError,
-                                    SampleMismatchError, StateDictMismatchError, TruncatedFileError,
-                                    UnsupportedDtypeError, UnsupportedLayoutError)
+                                    ReaderProcessError, SampleMismatchError, StateDictMismatchError,
+                                    TruncatedFileError, UnsupportedDtypeError, UnsupportedLayoutError)
     from gdskit.data.layout import Layout
     from gdskit.data.loader import Loader
     from gdskit.data.preload import preload
@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 _LAZY = {"Dataset": "datasets", "NpyDataset": "datasets", "RecordDataset": "datasets", "TokenDataset": "datasets",
          "Layout": "layout", "Loader": "loader", "preload": "preload",
          **dict.fromkeys(("DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError",
-                          "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError",
-                          "UnsupportedDtypeError", "UnsupportedLayoutError"), "errors")}
+                          "ReaderProcessError", "SampleMismatchError", "StateDictMismatchError",
+                          "TruncatedFileError", "UnsupportedDtypeError", "UnsupportedLayoutError"), "errors")}
 
 __all__ = ["DatasetTooSmallError", "Dataset", "FileSizeError", "Layout", "Loader", "NpyDataset", "NpyHeaderError",
-           "ObjectDtypeError", "RecordDataset", "SampleMismatchError", "StateDictMismatchError", "TokenDataset",
-           "TruncatedFileError", "UnsupportedDtypeError", "UnsupportedLayoutError", "preload"]
+           "ObjectDtypeError", "ReaderProcessError", "RecordDataset", "SampleMismatchError", "StateDictMismatchError",
+           "TokenDataset", "TruncatedFileError", "UnsupportedDtypeError", "UnsupportedLayoutError", "preload"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,10 +3,10 @@ subclasses the fitting built-in (``ValueError``, ``TypeError``...)."""
 
 from __future__ import annotations
 
-from gdskit.errors import FormatError, GdskitError, InvalidArgumentError
+from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, ReaderProcessError
 from gdskit.formats.safetensors_format import TruncatedFileError
 
-__all__ = ["DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError",
+__all__ = ["DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError", "ReaderProcessError",
            "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError", "UnsupportedDtypeError",
            "UnsupportedLayoutError"]
 

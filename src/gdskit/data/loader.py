@@ -21,7 +21,6 @@ import queue
 import sys
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
