@@ -178,9 +178,10 @@ class _SharedMapping:
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         self.nbytes = nbytes
-        self.fd = os.memfd_create("gdskit-reader-staging", os.MFD_CLOEXEC)
+        self.fd = -1
         self.pinned = False
         try:
+            self.fd = os.memfd_create("gdskit-reader-staging", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, nbytes)
             self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._anchor = ctypes.c_char.from_buffer(self._map)  # the address; released before unmapping
@@ -236,10 +237,11 @@ class ReaderProcesses:
         self._early: list[deque[tuple[bytes, bytearray]]] = [deque() for _ in range(count)]
         self._socket_room = 0
         self._slots: list[SharedSlot] = []
-        self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
+        self._mapping: _SharedMapping | None = None
         self._closed = False
         try:
-            self._slots = [SharedSlot(self._mapping, k * self.slot_bytes, self.slot_bytes, pinned)
+            mapping = self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
+            self._slots = [SharedSlot(mapping, k * self.slot_bytes, self.slot_bytes, pinned)
                            for k in range(slots)]
             from gdskit.router import host_reason
             init = json.dumps({"paths": list(paths), "settings": settings_values,
@@ -257,9 +259,8 @@ class ReaderProcesses:
                 self._socks.append(mine)
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-c", start, str(theirs.fileno()), str(self._mapping.fd),
-                         str(self._mapping.nbytes)],
-                        pass_fds=(theirs.fileno(), self._mapping.fd), env=env, stdin=subprocess.DEVNULL,
+                        [sys.executable, "-c", start, str(theirs.fileno()), str(mapping.fd), str(mapping.nbytes)],
+                        pass_fds=(theirs.fileno(), mapping.fd), env=env, stdin=subprocess.DEVNULL,
                         close_fds=True)
                 finally:
                     theirs.close()
@@ -269,7 +270,7 @@ class ReaderProcesses:
                 sock = self._socks[0]
                 self._socket_room = min(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
                                         sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) // 4
-        except OSError as exc:
+        except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create (not Linux)
             self.close()
             raise ReaderProcessError(f"could not start the reader processes: {exc}") from exc
         except BaseException:
@@ -355,7 +356,7 @@ class ReaderProcesses:
 
     @property
     def pinned_bytes(self) -> int:
-        return self._mapping.nbytes if self._mapping.pinned else 0
+        return self._mapping.nbytes if self._mapping is not None and self._mapping.pinned else 0
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """End the processes (their sockets closed: each leaves after the batch it reads; killed
@@ -371,7 +372,8 @@ class ReaderProcesses:
                 proc.kill()
                 proc.wait()
         call_each(SharedSlot.free, self._slots)
-        self._mapping.close()
+        if self._mapping is not None:
+            self._mapping.close()
 
     def __del__(self) -> None:
         try:
