@@ -183,3 +183,58 @@ def test_cached_says_whether_the_page_cache_holds_a_range(small_io_file):
             f.cached(-1)
     with pytest.raises(ClosedFileError):
         f.cached()
+
+
+def _o_direct_opens(monkeypatch) -> list[str]:
+    """Every O_DIRECT open from now on, by path."""
+    seen: list[str] = []
+    real = os.open
+
+    def counting(path, flags, *a, **k):
+        if flags & getattr(os, "O_DIRECT", 0):
+            seen.append(str(path))
+        return real(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", counting)
+    return seen
+
+
+def test_a_cached_file_read_under_auto_never_opens_an_o_direct_descriptor(tmp_path, monkeypatch):
+    """Many small files read hot (a dataset's preload): a second descriptor per file would cost
+    an open and a close each, for reads the page cache serves."""
+    from gdskit.many_files import FileReads, read_files
+
+    rng = np.random.default_rng(3)
+    files = []
+    for i in range(20):
+        data = rng.integers(0, 256, 65536 + 128, dtype=np.uint8).tobytes()
+        (tmp_path / f"f{i}.npy").write_bytes(data)
+        files.append((str(tmp_path / f"f{i}.npy"), data))
+    for p, _ in files:
+        with open(p, "rb") as fh:
+            fh.read()  # in the page cache now
+    if _residency(files[0][0], len(files[0][1])).name != "ALL":
+        pytest.skip("this filesystem does not say what it caches")
+    opened = _o_direct_opens(monkeypatch)
+    bufs = [bytearray(len(d)) for _p, d in files]
+    with gdskit.settings.set(mode="host", odirect="auto", threads=3):
+        counts = read_files([FileReads(p, [(b, len(d), 0, 0)]) for (p, d), b in zip(files, bufs)])
+        with gdskit.open(files[0][0]) as f:
+            buf = aligned_array(65536)
+            assert f.read(buf, 65536, 0) == 65536
+    assert counts == [[len(d)] for _p, d in files]
+    assert all(bytes(b) == d for b, (_p, d) in zip(bufs, files))
+    assert bytes(buf) == files[0][1][:65536]
+    assert opened == []
+
+
+def test_a_cold_file_under_auto_still_reads_with_o_direct(small_io_file, monkeypatch):
+    path, data = small_io_file
+    if not _dropped(path, len(data)):
+        pytest.skip("this filesystem keeps the file cached")
+    opened = _o_direct_opens(monkeypatch)
+    buf = aligned_array(65536)
+    with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
+        assert f.read(buf, 65536, 128 << 10) == 65536
+    assert bytes(buf) == data[128 << 10:(128 << 10) + 65536]
+    assert len(opened) == 1

@@ -153,6 +153,7 @@ def test_a_reader_process_that_dies_is_an_error_naming_it_and_the_next_pass_star
             for _ in it:
                 pass
         assert isinstance(info.value, GdskitError) and isinstance(info.value, RuntimeError)
+        assert gd.ReaderProcessError is readers.ReaderProcessError
         assert victim not in children()
         got = [b.numpy().copy() for b in loader]  # a new pass: new processes, the rest of the epoch
         assert victim not in reader_pids(loader)

@@ -123,7 +123,7 @@ class _Files:
     def __init__(self, paths: list[str], units_per_file: list[int]) -> None:
         self._paths = paths
         self._left = units_per_file
-        self._once = [Once[OpenFile]() for _ in paths]
+        self._once: list[Once[OpenFile]] = [Once() for _ in paths]
         self._lock = threading.Lock()
         self._open: dict[int, OpenFile] = {}
 

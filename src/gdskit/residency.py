@@ -70,6 +70,11 @@ class _CachestatArgs(threading.local):
 _args = _CachestatArgs()
 
 
+def cachestat_answers() -> bool:
+    """Whether cachestat(2) has answered here (then no mincore mapping is needed)."""
+    return _cachestat_works is True
+
+
 def _cachestat(fd: int, offset: int, length: int) -> tuple[int, int] | None:
     """(cached pages, pages) in the range, or None if the syscall is unavailable."""
     global _cachestat_works

@@ -32,6 +32,9 @@ class Unknown:
 UNKNOWN = Unknown()
 
 
+_ONCE_LOCKS = threading.Lock()  # makes each Once's own lock, once
+
+
 class Once(Generic[T]):
     """A per-file fact worked out once, on first use, under its own lock: :data:`UNKNOWN`
     until then, whatever the value (``None`` included) after."""
@@ -40,7 +43,8 @@ class Once(Generic[T]):
 
     def __init__(self) -> None:
         self._value: T | Unknown = UNKNOWN
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | None = None  # made by the first get(): most facts of a file are never asked
+
 
     @property
     def value(self) -> T | Unknown:
@@ -51,7 +55,13 @@ class Once(Generic[T]):
         """The value; ``make()`` works it out the first time (one caller at a time)."""
         value = self._value
         if value is UNKNOWN:
-            with self._lock:
+            lock = self._lock
+            if lock is None:
+                with _ONCE_LOCKS:
+                    lock = self._lock
+                    if lock is None:
+                        lock = self._lock = threading.Lock()
+            with lock:
                 value = self._value
                 if value is UNKNOWN:
                     value = self._value = make()
@@ -141,6 +151,11 @@ class OpenFile:
             while self._users:
                 self._idle.wait()
             return True
+
+    @property
+    def direct_missing(self) -> bool:
+        """Whether an O_DIRECT descriptor was asked for and could not be had (no open is made here)."""
+        return self._direct_tried and self._direct_fd is None
 
     def direct_fd(self) -> int | None:
         if self._direct_tried:

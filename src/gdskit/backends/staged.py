@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.backends.base import RWF_NOWAIT, UNKNOWN, OpenFile, Unknown, pread_full, pwrite_all
-from gdskit.residency import FileMapping, Residency, new_mapping, residency
+from gdskit.residency import FileMapping, Residency, cachestat_answers, new_mapping, residency
 from gdskit.plan import Chunk, align_down, align_up
 from gdskit.vocabulary import ODirectPolicy
 
@@ -62,6 +62,9 @@ def direct_usable(f: OpenFile, policy: ODirectPolicy) -> int | None:
 def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
     """Whether the page cache holds all, none or part of ``[pos, pos + n)`` of ``f`` (None: the
     kernel cannot say), asked without causing I/O."""
+    if cachestat_answers():  # no mincore mapping needed (made per file, it cost more than the question)
+        return residency(f.fd, pos, n)
+
     def make() -> FileMapping:
         mapping = new_mapping()
         f.on_close(mapping.close)
@@ -82,15 +85,17 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
     all or part of is read buffered, one it holds none of with O_DIRECT; where the kernel
     cannot say, a buffered RWF_NOWAIT probe decides (it may start readahead, but is correct).
     """
-    if policy is ODirectPolicy.NEVER or f.direct_refused or f.direct_fd() is None:
+    if policy is ODirectPolicy.NEVER or f.direct_refused or f.direct_missing:
         return Via.BUFFERED, where
     if policy is ODirectPolicy.ALWAYS:
-        return Via.DIRECT, where
+        return (Via.BUFFERED if f.direct_fd() is None else Via.DIRECT), where
     if where is UNKNOWN:
         where = file_residency(f, pos, n)
+    # The O_DIRECT descriptor is opened only for a range the page cache may not hold: a file
+    # read hot (many small files) never opens it.
     if where is Residency.NONE:
-        return Via.DIRECT, where
-    if where is None and f.nowait_supported:
+        return (Via.BUFFERED if f.direct_fd() is None else Via.DIRECT), where
+    if where is None and f.nowait_supported and f.direct_fd() is not None:
         return Via.PROBE, where
     return Via.BUFFERED, where
 
