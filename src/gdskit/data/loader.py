@@ -337,6 +337,7 @@ class _ProcessPipeline:
         self._pending: dict[int, Any] = {}  # position -> _Batch or _Failed, asked for and not taken
         self._asked = 0
         self._taken = 0
+        self._failed = False
         self._closed = False
 
     def take(self) -> _Batch | None:
@@ -345,16 +346,15 @@ class _ProcessPipeline:
             return None
         procs = self._procs
         assert procs is not None
-        while self._asked < min(len(self._todo), pos + 1 + self._ahead):
+        while not self._failed and self._asked < min(len(self._todo), pos + 1 + self._ahead):
             k = self._asked
             number, indices = self._todo[k]
             try:
                 self._pending[k] = self._reader.start_remote(procs, number, indices, self._on_bytes, k)
             except BaseException as exc:  # noqa: BLE001 - raised when its turn comes
                 self._pending[k] = _Failed(exc)
+                self._failed = True  # nothing more is asked for after a failure
             self._asked += 1
-            if isinstance(self._pending[k], _Failed):
-                break  # nothing more is asked for after a failure
         item = self._pending.pop(pos)
         self._taken += 1
         if isinstance(item, _Failed):
