@@ -174,3 +174,25 @@ def test_a_path_name_from_a_newer_gdskit_is_counted_as_not_direct():
     assert stats.direct_bytes == 8192 and split(stats) == (8192, 4096)
     assert "not direct" in verdict(stats)
     paths_table(stats)  # raised ValueError on the unknown name before
+
+
+def test_rows_recorded_in_another_process_add_up_exactly_and_bad_ones_add_nothing():
+    """A reader process's rows (gdskit.data's workers) land in this ledger as if recorded here."""
+    there = Ledger()
+    there.record(Path.HOST, Reason.HOST_MEMORY, "read", 64 * 4096, 64, 0.003, requests=64)
+    there.record(Path.HOST, Reason.HOST_MEMORY, "read", 1 << 20, 1, 0.001)
+    here = Ledger()
+    here.record(Path.HOST, Reason.HOST_MEMORY, "read", 4096, 1, 0.0005)
+    want = here.snapshot() + there.snapshot()
+    here.add_entries(there.snapshot().entries)
+    got = here.snapshot()
+    assert got.entries == want.entries  # bytes, ops, busy time, requests and the size histogram
+    before = here.snapshot()
+    good = there.snapshot().entries[0]
+    for bad in (LedgerEntry("nowhere", "host_memory", "read", 1, 1, 0.0, 1),
+                LedgerEntry("host", "host_memory", "delete", 1, 1, 0.0, 1),
+                LedgerEntry("host", "host_memory", "read", -5, 1, 0.0, 1),
+                LedgerEntry("host", "host_memory", "read", 1, 1, 0.0, 1, ((12, -3),))):
+        with pytest.raises(ValueError):
+            here.add_entries([good, bad])  # the good row first: nothing is added either
+    assert here.snapshot().entries == before.entries

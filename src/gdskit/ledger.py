@@ -422,13 +422,13 @@ class Ledger:
             drow[3] += requests
         shard.records += 1
 
-    # -- routed reads (gdskit.routed) -----------------------------------------------------------
     def add_entries(self, entries: Iterable[LedgerEntry]) -> None:
         """Add rows recorded elsewhere (a reader process's, for reads it made for this one),
         exactly: bytes, ops, busy time, requests and size histogram."""
         checked = []
         for e in entries:  # every row checked before any is added (ValueError names the first bad one)
-            if e.op not in ("read", "write") or min(e.bytes, e.ops, e.requests) < 0:
+            if e.op not in ("read", "write") or min(e.bytes, e.ops, e.requests, e.busy_s) < 0 \
+                    or any(b < 0 or c < 0 for b, c in e.size_hist):
                 raise ValueError(f"not a ledger row: {e!r:.200}")
             checked.append(((Path(e.path).value, Reason(e.reason).value, e.op), e))
         try:
@@ -446,6 +446,7 @@ class Ledger:
                 hist[bucket] = hist.get(bucket, 0) + count
             shard.records += 1
 
+    # -- routed reads (gdskit.routed) -----------------------------------------------------------
     @contextlib.contextmanager
     def routing(self, via_gpu: int, target_gpu: int) -> Iterator[None]:
         """Records this thread makes inside the block are of bytes read into GPU ``via_gpu`` for
