@@ -332,3 +332,16 @@ def test_a_gdskit_in_the_working_directory_is_never_what_the_readers_import(toke
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == len(want) * (SEQ + 1)
     assert not marker.exists()
+
+
+def test_reader_processes_never_load_cuda(tokens):
+    """A reader process reads into host memory only: neither the CUDA bindings nor the driver
+    library is loaded there (the driver's start would cost each process a tenth of a second)."""
+    paths, _ = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    with gd.Loader(ds, 4, device="cpu", workers=2) as loader:
+        next(iter(loader))
+        for pid in reader_pids(loader):
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = f.read()
+            assert "cuda/bindings" not in mapped and "libcuda" not in mapped, f"reader {pid} loaded CUDA"

@@ -149,6 +149,13 @@ def available() -> bool:
     return device_count() > 0
 
 
+def no_gpu_here() -> None:
+    """This process uses no GPU (a dataset loader's reader process, which reads into host
+    memory only): :func:`device_count` is 0 from now on, and the driver is not loaded for it."""
+    with _state_lock:
+        _state.device_count = 0
+
+
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 

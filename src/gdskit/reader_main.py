@@ -32,6 +32,7 @@ def _error(exc: BaseException, path: str | None) -> dict[str, Any]:
 
 def serve(sock: socket.socket, view: Any) -> None:
     import gdskit
+    from gdskit import cuda
     from gdskit.readers import (KIND_DONE, KIND_ERROR, KIND_INIT, KIND_READ, pack_done, recv_message,
                                    send_message, unpack_read)
     from gdskit.ledger import ledger
@@ -45,6 +46,7 @@ def serve(sock: socket.socket, view: Any) -> None:
     paths: list[str] = init["paths"]
     loader_reason, no_gpu = str(init["host_reason"]), Reason.NO_GPU.value  # see the wire's "I" message
     settings.set(**{**init["settings"], "stats_level": 0})  # the loader's settings; it publishes the figures
+    cuda.no_gpu_here()  # host memory only: the CUDA driver is never loaded here (a tenth of a second or more)
     files: OrderedDict[int, Any] = OrderedDict()
 
     def file(index: int) -> Any:
