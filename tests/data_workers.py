@@ -38,6 +38,17 @@ def token_files(directory: Path, tokens_per_file: list[int], dtype: str = "uint3
     return paths
 
 
+#: The loader tests' small token set: four uint32 files of windows of LOADER_SEQ tokens.
+LOADER_SEQ = 32
+LOADER_TOKENS = [1000, 400, 97, 650]  # 31 + 12 + 3 + 20 = 66 windows
+
+
+def loader_tokens(directory: Path) -> tuple[list[str], list[np.ndarray]]:
+    """The loader tests' token files in ``directory`` and every window of them, read by numpy."""
+    paths = token_files(directory, LOADER_TOKENS, "uint32")
+    return paths, windows(paths, "uint32", LOADER_SEQ)
+
+
 def windows(paths: list[str], dtype: str, seq_len: int) -> list[np.ndarray]:
     """Every window of the token files, in dataset order, read by numpy."""
     out = []

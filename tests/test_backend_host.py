@@ -222,19 +222,29 @@ def test_a_cached_file_read_under_auto_never_opens_an_o_direct_descriptor(tmp_pa
         with gdskit.open(files[0][0]) as f:
             buf = aligned_array(65536)
             assert f.read(buf, 65536, 0) == 65536
+            batch = aligned_array(16 * 4096)
+            assert f.read_batch(batch, [k * 4096 for k in range(16)], 4096) == [4096] * 16
+    assert bytes(batch) == files[0][1][:16 * 4096]
     assert counts == [[len(d)] for _p, d in files]
     assert all(bytes(b) == d for b, (_p, d) in zip(bufs, files))
     assert bytes(buf) == files[0][1][:65536]
     assert opened == []
 
 
-def test_a_cold_file_under_auto_still_reads_with_o_direct(small_io_file, monkeypatch):
+@pytest.mark.parametrize("how", ["read", "read_batch"])
+def test_a_cold_file_under_auto_still_reads_with_o_direct(small_io_file, monkeypatch, how):
+    from gdskit.residency import Residency
+
     path, data = small_io_file
     if not _dropped(path, len(data)):
         pytest.skip("this filesystem keeps the file cached")
     opened = _o_direct_opens(monkeypatch)
     buf = aligned_array(65536)
     with gdskit.settings.set(mode="host", odirect="auto"), gdskit.open(path) as f:
-        assert f.read(buf, 65536, 128 << 10) == 65536
+        if how == "read":
+            assert f.read(buf, 65536, 128 << 10) == 65536
+        else:
+            assert f.read_batch(buf, [(128 << 10) + k * 4096 for k in range(16)], 4096) == [4096] * 16
     assert bytes(buf) == data[128 << 10:(128 << 10) + 65536]
     assert len(opened) == 1
+    assert _residency(path, len(data)) is Residency.NONE  # read past the page cache

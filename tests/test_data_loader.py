@@ -15,18 +15,16 @@ torch = pytest.importorskip("torch")
 
 import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
-from data_workers import SRC, token_files, windows  # noqa: E402
+from data_workers import LOADER_SEQ, SRC, loader_tokens, token_files  # noqa: E402
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError  # noqa: E402
 from leak_helpers import fd_count  # noqa: E402
 
-SEQ = 32
-TOKENS = [1000, 400, 97, 650]  # 31 + 12 + 3 + 20 = 66 windows
+SEQ = LOADER_SEQ
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    paths = token_files(tmp_path_factory.mktemp("loader"), TOKENS, "uint32")
-    return paths, windows(paths, "uint32", SEQ)
+    return loader_tokens(tmp_path_factory.mktemp("loader"))
 
 
 def expected(loader, want, epoch=None):

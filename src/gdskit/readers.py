@@ -148,8 +148,8 @@ class SharedSlot:
     """One batch's place in the shared mapping: what the dataset loader's own staging slots offer
     it (``ptr``, ``copy_to``, ``reusable``), at ``offset`` in the mapping."""
 
-    def __init__(self, mapping: _SharedMapping, offset: int, nbytes: int, pinned: bool) -> None:
-        self.offset, self.nbytes = offset, nbytes
+    def __init__(self, mapping: _SharedMapping, offset: int, pinned: bool) -> None:
+        self.offset = offset
         self.ptr = mapping.ptr + offset
         self.copied = _cuda().Event() if pinned else None
 
@@ -241,7 +241,7 @@ class ReaderProcesses:
         self._closed = False
         try:
             mapping = self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
-            self._slots = [SharedSlot(mapping, k * self.slot_bytes, self.slot_bytes, pinned)
+            self._slots = [SharedSlot(mapping, k * self.slot_bytes, pinned)
                            for k in range(slots)]
             from gdskit.router import host_reason
             init = json.dumps({"paths": list(paths), "settings": settings_values,
@@ -353,10 +353,6 @@ class ReaderProcesses:
     def _break(self, why: str) -> Any:
         self.broken = why
         raise ReaderProcessError(why)
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._mapping.nbytes if self._mapping is not None and self._mapping.pinned else 0
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """End the processes (their sockets closed: each leaves after the batch it reads; killed

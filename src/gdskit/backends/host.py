@@ -213,13 +213,13 @@ class HostBackend(Backend):
         if view is None:
             raise InvalidArgumentError("the host path needs host memory")
         policy, align = cfg.odirect, cfg.alignment
-        dfd = None if size % align else direct_usable(f, policy)
         base, clock = buf.ptr, time.perf_counter_ns
         # Where one descriptor serves the whole batch (the policy says so, or under auto the page
         # cache holds all or none of a few reads spread over it), the reads run in one io_uring
         # submission or a loop with nothing else in it: with several workers, every microsecond
         # of interpreter time per read is time the others wait for the interpreter lock.
         via = choose_for_batch(f, policy, file_offsets, size)
+        dfd = None if size % align or via is not Via.DIRECT else direct_usable(f, policy)  # opened only now
         fixed = f.fd if via is Via.BUFFERED else dfd if via is Via.DIRECT else None
         if via is Via.DIRECT and (dfd is None or (functools.reduce(operator.or_, file_offsets, 0) | base
                                                   | functools.reduce(operator.or_, buf_offsets, 0)) & (align - 1)):

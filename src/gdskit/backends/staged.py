@@ -117,7 +117,7 @@ def choose_for_batch(f: OpenFile, policy: ODirectPolicy, file_offsets: Sequence[
     """
     if not file_offsets:
         return None
-    if policy is not ODirectPolicy.AUTO or f.direct_refused or f.direct_fd() is None:
+    if policy is not ODirectPolicy.AUTO or f.direct_refused or f.direct_missing:
         return choose(f, policy, file_offsets[0], n)[0]  # the policy alone decides: the same for all
     last = len(file_offsets) - 1
     if last < BATCH_SAMPLES:
@@ -125,7 +125,9 @@ def choose_for_batch(f: OpenFile, policy: ODirectPolicy, file_offsets: Sequence[
     answers = {file_residency(f, file_offsets[k], n) for k in (0, last // 2, last)}
     if None in answers:
         return None
-    return Via.DIRECT if answers == {Residency.NONE} else Via.BUFFERED
+    if answers == {Residency.NONE}:  # the O_DIRECT descriptor, opened for the first cold batch
+        return Via.BUFFERED if f.direct_fd() is None else Via.DIRECT
+    return Via.BUFFERED
 
 
 class ChunkTarget(ABC):

@@ -363,7 +363,7 @@ class _ProcessPipeline:
             self._reader.collect(procs, item, self._on_bytes)
         return item
 
-    def close(self, join_timeout: float | None = None) -> None:
+    def close(self) -> None:
         """Take the answers of the batches asked for and not taken (so that no reader writes into
         the staging any more, and the next pass's answers are its own), or abandon them."""
         if self._closed:
