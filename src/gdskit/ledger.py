@@ -435,16 +435,9 @@ class Ledger:
             shard = self._local.shard
         except AttributeError:
             shard = self._new_shard()
-        for key, e in checked:
-            row = shard.rows[key]
-            row[0] += e.bytes
-            row[1] += e.ops
-            row[2] += e.busy_s
-            row[3] += e.requests
-            hist = row[4]
-            for bucket, count in e.size_hist:
-                hist[bucket] = hist.get(bucket, 0) + count
-            shard.records += 1
+        for key, e in checked:  # this thread's own shard, as record() adds to it
+            _add_rows(shard.rows, {key: [e.bytes, e.ops, e.busy_s, e.requests, dict(e.size_hist)]})
+        shard.records += len(checked)
 
     # -- routed reads (gdskit.routed) -----------------------------------------------------------
     @contextlib.contextmanager
