@@ -7,6 +7,9 @@ temporary behind, up to the full size of the file. Writers therefore hold an adv
 lock (``flock``) on their temporary for as long as they write it; the lock goes with the
 process, however it ends. :func:`remove_stale_temps` removes the temporaries of a
 destination whose lock it can take: no live process is writing them.
+
+Files are opened through :func:`open_file_fd`, which never waits on a FIFO: a listed file
+swapped for one by another user would otherwise hang the reader until someone writes.
 """
 
 from __future__ import annotations
@@ -19,8 +22,41 @@ import stat
 import uuid
 from dataclasses import dataclass
 
+from gdskit.errors import GdskitIsADirectoryError, NotAFileError, from_os_error
+
 #: Files being written carry this ending (and a leading dot) until they are complete.
 TEMP_SUFFIX = ".gdskit-tmp"
+
+def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat_result]:
+    """``os.open(path, flags, mode)`` of a file, with its ``fstat``, for positional I/O.
+
+    Opened with ``O_NONBLOCK`` so that a FIFO answers at once instead of waiting for its
+    other end, and the flag is cleared again for the file. A directory raises
+    :class:`GdskitIsADirectoryError`, a FIFO, socket or terminal :class:`NotAFileError`;
+    files and block and memory devices are kept. OS errors are :class:`GdskitIOError`\\ s
+    naming ``path``; nothing is left open after an error.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    try:
+        st = os.fstat(fd)
+        kind = st.st_mode
+        if stat.S_ISDIR(kind):
+            raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind) or os.isatty(fd):
+            what = "a FIFO" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else "a terminal"
+            raise NotAFileError(errno.ESPIPE, f"is {what}, not a file (gdskit reads and writes at offsets)", path)
+        if not flags & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError):
+            raise from_os_error(exc, path) from exc
+        raise
+    return fd, st
+
 
 # What :func:`temp_name` puts between the name and the suffix (random or given hex).
 _TOKEN = re.compile(r"[0-9a-f]{1,32}")

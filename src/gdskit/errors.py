@@ -61,6 +61,11 @@ class GdskitIsADirectoryError(GdskitIOError, IsADirectoryError):
     """A directory was given where a regular file is needed."""
 
 
+class NotAFileError(GdskitIOError):
+    """A FIFO, socket or other non-file was given where a file is needed (``errno`` ESPIPE:
+    gdskit reads and writes at offsets). It is refused when opened, never waited on."""
+
+
 class GdskitPermissionError(GdskitIOError, PermissionError):
     """The file cannot be opened with the requested access."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 import sys
 import operator
 import threading
@@ -15,7 +14,7 @@ from typing import Any
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.buffers import BufferView, adapt
-from gdskit.durable import create_locked_temp, fsync_dir, remove_if_present, remove_stale_temps
+from gdskit.durable import create_locked_temp, fsync_dir, open_file_fd, remove_if_present, remove_stale_temps
 from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
@@ -138,18 +137,12 @@ class File:
                 remove_stale_temps(d, name)
                 owned = create_locked_temp(d, name)
                 open_path, fd = owned.path, owned.fd
-            else:
-                fd = os.open(open_path, flags, 0o666)
+                st = os.fstat(fd)
+            else:  # never waits on a FIFO; refuses directories and other non-files
+                fd, st = open_file_fd(open_path, flags)
         except OSError as exc:
             raise from_os_error(exc, self.path) from exc
         self._open_path = open_path
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise GdskitIsADirectoryError(21, "Is a directory", self.path)
-        except BaseException:
-            os.close(fd)
-            raise
         self._of = OpenFile(open_path, fd, flags)
         self._append_pos = st.st_size if mode == "a" else 0
 

@@ -18,9 +18,7 @@ ordinary per-file path once the job is done.
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,8 +29,8 @@ from gdskit import cuda
 from gdskit.backends.base import OpenFile, Once, Request
 from gdskit.backends.staged import ChunkResult, read_to_stage
 from gdskit.buffers import BufferView, adapt
-from gdskit.errors import (BufferTooSmallError, GdskitIsADirectoryError, InvalidArgumentError, ReadOnlyBufferError,
-                           call_each, from_os_error)
+from gdskit.durable import open_file_fd
+from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBufferError, call_each
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
@@ -103,16 +101,7 @@ def _validate(job: FileReads, i: int) -> list[_Read]:
 
 def _open(path: str) -> OpenFile:
     """``path`` opened for reading, as :func:`gdskit.open` opens it (errors name the file)."""
-    try:
-        fd = os.open(path, _FLAGS)
-    except OSError as exc:
-        raise from_os_error(exc, path) from exc
-    try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd, _st = open_file_fd(path, _FLAGS)
     return OpenFile(path, fd, _FLAGS)
 
 

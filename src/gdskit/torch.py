@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, remove_stale_temps
+from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps
 from gdskit.errors import DeviceUnavailableError, FormatError, GdskitError, GdskitIOError, from_os_error
 from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats._device import torch_device
@@ -207,15 +207,19 @@ def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: Pro
 
 # -- load -----------------------------------------------------------------------
 
-def _file_kind(path: str) -> str:
-    """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``."""
-    with open(path, "rb") as fh:
-        head = fh.read(4)
+def _file_kind(path: str) -> tuple[str, int]:
+    """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``, and
+    the file's size (opened as the engine opens files: a FIFO is refused, never waited on)."""
+    fd, st = open_file_fd(path, os.O_RDONLY)
+    try:
+        head = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
     if head == b"PK\x03\x04":
-        return "zip"
+        return "zip", st.st_size
     if head[:2] == b"\x80\x02":
-        return "legacy"
-    return "other"
+        return "legacy", st.st_size
+    return "other", st.st_size
 
 
 # torch's deserializer for CUDA takes "cuda", "cuda:N" and "cudaN..." (then checks the index).
@@ -303,8 +307,7 @@ def _load(path: str, map_location: MapLocation, weights_only: bool, progress: Pr
           return_stats: bool) -> Any:
     torch = _torch()
     try:
-        kind = _file_kind(path)
-        archive_size = os.path.getsize(path)
+        kind, archive_size = _file_kind(path)
     except OSError as exc:
         raise from_os_error(exc, path) from None
     if kind == "other":

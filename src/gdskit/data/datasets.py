@@ -23,7 +23,8 @@ from gdskit.data import npy
 from gdskit.data.errors import FileSizeError, SampleMismatchError, TruncatedFileError, UnsupportedLayoutError
 from gdskit.data.layout import Layout, from_numpy, torch_dtype
 from gdskit.data.sources import Files, Source, resolve
-from gdskit.errors import InvalidArgumentError, from_os_error
+from gdskit.durable import open_file_fd
+from gdskit.errors import InvalidArgumentError
 
 __all__ = ["Dataset", "NpyDataset", "RecordDataset", "TokenDataset"]
 
@@ -44,11 +45,7 @@ def positive_int(name: str, value: Any) -> int:
 def _check_readable(sources: Sequence[Source]) -> None:
     """Open and close each file: a missing or unreadable one is named now, not mid-epoch."""
     for s in sources:
-        try:
-            fd = os.open(s.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise from_os_error(exc, s.path) from exc
-        os.close(fd)
+        os.close(open_file_fd(s.path, os.O_RDONLY)[0])
 
 
 class Dataset(ABC):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gdskit.data.errors import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
+from gdskit.durable import open_file_fd
 from gdskit.errors import from_os_error
 
 MAGIC = b"\x93NUMPY"
@@ -291,12 +292,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
     """The header of the ``.npy`` file at ``path`` and the file's size, read with a plain
     ``pread`` (a few KiB: no engine job). OS errors become :class:`gdskit.errors.GdskitIOError`\\ s."""
     name = os.fspath(path)
+    fd, st = open_file_fd(name, os.O_RDONLY)
     try:
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise from_os_error(exc, name) from exc
-    try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         head = os.pread(fd, 4096, 0)
         try:
             need = header_length(head)

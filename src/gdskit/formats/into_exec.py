@@ -423,7 +423,7 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
 Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any, str], Any]
 
 
-def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str],
+def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tuple[str, int]],
                    unpickle: Unpickle) -> tuple[dict[str, Source], list[str], int]:
     """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
     the names of entries that are not tensors, and the archive's size.
@@ -434,8 +434,7 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str
     from gdskit.formats.torch_zip import StorageRecords
 
     try:
-        kind = file_kind(path)
-        archive_size = os.path.getsize(path)
+        kind, archive_size = file_kind(path)
     except OSError as exc:
         raise from_os_error(exc, path) from None
     if kind != "zip":
@@ -491,7 +490,7 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], str
     return where, others, archive_size
 
 
-def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Callable[[str], str],
+def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Callable[[str], tuple[str, int]],
                     unpickle: Unpickle, shape: ReadShape, strict: bool, cast: bool, progress: ProgressArg,
                     return_stats: bool, weights_only: bool) -> Any:
     """:func:`gdskit.torch.load_into`, which passes its archive check (``file_kind``), its
@@ -502,7 +501,7 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Cal
                                 weights_only)
 
 
-def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], str], unpickle: Unpickle, shape: ReadShape,
+def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], tuple[str, int]], unpickle: Unpickle, shape: ReadShape,
                      strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
     items = target_tensors(target)
     infos = describe(items)

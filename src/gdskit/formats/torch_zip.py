@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
+from gdskit.durable import open_file_fd
 from gdskit.errors import FormatError
 from gdskit.formats.safetensors_format import TruncatedFileError
 
@@ -76,8 +77,8 @@ class _ArchiveBytes:
         self._fd = -1
         self._stream: BinaryIO | None = None
         if isinstance(source, (str, os.PathLike)):
-            self._fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.size = os.fstat(self._fd).st_size
+            self._fd, st = open_file_fd(os.fspath(source), os.O_RDONLY)
+            self.size = st.st_size
         else:
             self._stream = source
             self.size = source.seek(0, os.SEEK_END)

@@ -32,7 +32,7 @@ class OneRank:
     target, unpickler and storage bytes."""
 
     load: Callable[..., Any]
-    file_kind: Callable[[str], str]
+    file_kind: Callable[[str], tuple[str, int]]
     target: Callable[[Any, Any], Any]
     unpickle: Callable[..., Any]
     bytes_of: Callable[[Any, Any, int], Any]
@@ -52,7 +52,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
 
     def prepare() -> LoadJob:
         try:
-            kind = pt.file_kind(path)
+            kind, _size = pt.file_kind(path)
         except OSError as exc:
             raise from_os_error(exc, path) from None
         if kind == "other":

@@ -1,0 +1,85 @@
+"""A FIFO where a file is expected is refused at once, never waited on.
+
+Opening a FIFO for reading blocks until some process opens it for writing, so a dataset or
+checkpoint directory that others can write could hang a job by swapping a listed file for a
+FIFO between the listing and the read. Every place gdskit opens a file opens it without
+blocking and refuses what is not a file (``NotAFileError``, an ``OSError``). Each case runs
+in a fresh interpreter under a time limit: a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+CASES = {
+    "gdskit.open": "import gdskit\ngdskit.open(FIFO)",
+    "gdskit.open for writing": "import gdskit\ngdskit.open(FIFO, 'w')",
+    "gdskit.open, a reader waiting": textwrap.dedent("""\
+        import gdskit, os, threading
+        threading.Thread(target=lambda: os.open(FIFO, os.O_RDONLY), daemon=True).start()
+        import time; time.sleep(0.2)
+        gdskit.open(FIFO, 'r+')"""),
+    "many-file job": textwrap.dedent("""\
+        import gdskit.many_files as mf
+        mf.read_files([mf.FileReads(FIFO, [(bytearray(16), 16, 0)])])"""),
+    "npy header": "from gdskit.data import npy\nnpy.read_header(FIFO)",
+    "dataset's readability check": textwrap.dedent("""\
+        from gdskit.data.datasets import _check_readable
+        from gdskit.data.sources import Source
+        _check_readable([Source(FIFO, FIFO, 0)])"""),
+}
+
+PROLOGUE = textwrap.dedent("""\
+    import sys
+    sys.path.insert(0, {src!r})
+    FIFO = {fifo!r}
+    try:
+    {body}
+    except BaseException as exc:
+        from gdskit.errors import NotAFileError
+        print(type(exc).__name__, isinstance(exc, NotAFileError), isinstance(exc, OSError), exc)
+    else:
+        print("no error")
+    """)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fifo_is_refused_without_waiting(tmp_path, case):
+    fifo = str(tmp_path / "data.npy")
+    os.mkfifo(fifo)
+    code = PROLOGUE.format(src=SRC, fifo=fifo, body=textwrap.indent(CASES[case], "    "))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: still waiting on the FIFO after 20 s")
+    assert out.returncode == 0, out.stderr
+    name, is_ours, is_os, *message = out.stdout.split()
+    assert (name, is_ours, is_os) == ("NotAFileError", "True", "True"), out.stdout
+    assert fifo in " ".join(message) and "FIFO" in " ".join(message)
+
+
+def test_the_torch_loader_refuses_a_fifo(tmp_path):
+    pytest.importorskip("torch")
+    fifo = str(tmp_path / "model.pt")
+    os.mkfifo(fifo)
+    code = PROLOGUE.format(src=SRC, fifo=fifo, body="    import gdskit.torch\n    gdskit.torch.load(FIFO)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("gdskit.torch.load: still waiting on the FIFO after 20 s")
+    assert out.stdout.split()[:3] == ["NotAFileError", "True", "True"], out.stdout + out.stderr
+
+
+def test_block_and_character_devices_still_open():
+    import gdskit
+
+    with gdskit.open("/dev/zero") as f:  # positional reads work on it: not refused
+        buf = bytearray(8)
+        assert f.read(buf, 8, 0) == 8 and bytes(buf) == bytes(8)
