@@ -77,6 +77,76 @@ def test_bad_files_leave_nothing_behind(tmp_path):
     assert fd_count() == fds
 
 
+def _evict(paths):
+    """Drop the files' pages from the page cache (clean pages: written back first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _header_threads(monkeypatch):
+    """The names of the threads that read each header, in the order read."""
+    import importlib
+    import threading
+
+    module = importlib.import_module("gdskit.data.preload")  # the module, not the function of its name
+    seen = []
+    real = module._layout_and_offset
+
+    def spy(src):
+        seen.append(threading.current_thread().name)
+        return real(src)
+
+    monkeypatch.setattr(module, "_layout_and_offset", spy)
+    return seen
+
+
+def test_headers_on_the_disk_are_read_on_threads_and_cached_ones_in_order(tmp_path, monkeypatch):
+    from gdskit.formats._engine import first_page_cached
+
+    arrays = {f"{k:03d}.npy": random_array((7, k % 5 + 1), NUMERIC[k % len(NUMERIC)], k) for k in range(200)}
+    for name, a in arrays.items():
+        np.save(tmp_path / name, a)
+    (tmp_path / "raw.bin").write_bytes(b"xyz")
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    seen = _header_threads(monkeypatch)
+    with gdskit.settings.set(threads=4):
+        _evict(paths)
+        if first_page_cached(paths[0]) is not False:
+            pytest.skip("this system cannot drop a file's pages from the page cache")
+        cold = gd.preload(tmp_path, device="cpu")
+        assert {n for n in seen if n.startswith("gdskit-headers")} and "MainThread" not in seen
+        seen.clear()
+        hot = gd.preload(tmp_path, device="cpu")
+        assert set(seen) == {"MainThread"}
+    for got in (cold, hot):
+        assert set(got) == set(arrays) | {"raw.bin"}
+        assert all(same(got[n], a) for n, a in arrays.items())
+        assert bytes(got["raw.bin"].numpy()) == b"xyz"
+
+
+def test_headers_read_on_threads_report_the_first_bad_file_in_order(tmp_path):
+    for k in range(100):
+        np.save(tmp_path / f"{k:03d}.npy", np.arange(k + 1))
+    (tmp_path / "040.npy").write_bytes(b"\x93NUMPY\x01\x00\x08\x00{}      ")
+    np.save(tmp_path / "090.npy", np.array([None], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "095.npy", np.array([None], dtype=object), allow_pickle=True)
+    files = [str(tmp_path / f"{k:03d}.npy") for k in range(100)]
+    fds = fd_count()
+    with gdskit.settings.set(threads=8):
+        _evict(files)
+        with pytest.raises(gd.NpyHeaderError, match="040.npy"):
+            gd.preload(files, device="cpu")
+        _evict(files)
+        with pytest.raises(gd.ObjectDtypeError, match="090.npy"):
+            gd.preload(files[41:], device="cpu")
+    assert fd_count() == fds
+
+
 def test_a_file_that_shrank_since_it_was_listed(tmp_path):
     from gdskit.data.preload import read_files
     from gdskit.data.read import FileReads, engine_view

@@ -87,6 +87,25 @@ def worker_threads() -> int:
     return settings.threads
 
 
+def first_page_cached(path: str) -> bool | None:
+    """Whether the page cache holds the first page of the file at ``path``; None where it
+    cannot say or the file cannot be opened (the read that follows reports that)."""
+    from gdskit.durable import open_file_fd
+    from gdskit.residency import Residency, new_mapping, residency
+
+    try:
+        fd, st = open_file_fd(path, os.O_RDONLY)
+    except OSError:
+        return None
+    mapping = new_mapping()
+    try:
+        held = residency(fd, 0, min(st.st_size, 4096), mapping)
+    finally:
+        mapping.close()
+        os.close(fd)
+    return None if held is None else held is Residency.ALL
+
+
 def cuda_layer() -> Any:
     """The engine's thin CUDA driver layer (:mod:`gdskit.cuda`): pinned host memory, events and
     copies queued on a caller's stream (the data loader's pinned staging uses them)."""
