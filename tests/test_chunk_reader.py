@@ -22,7 +22,7 @@ from gdskit.vocabulary import ODirectPolicy
 A = 4096
 SIZE = 300_000  # not a multiple of 4 KiB: the last chunk ends in a ragged, short read
 POLICIES = list(ODirectPolicy)
-ANSWERS = [Residency.ALL, Residency.SOME, Residency.NONE, None]
+ANSWERS = [Residency.ALL, Residency.SOME, Residency.FEW, Residency.NONE, None]
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +189,36 @@ def test_a_probe_takes_what_is_cached_and_reads_the_rest_direct(of, data_file, m
         assert res.cached == 65536  # all of it came from the page cache
     finally:
         stage.close()
+
+
+def test_a_large_range_the_page_cache_holds_little_of_is_read_with_o_direct(tmp_path):
+    """A header read leaves a file's first pages cached (readahead): the rest of a large read
+    still goes O_DIRECT, where buffered it would be a cold read through the cache."""
+    from gdskit.residency import residency
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(np.random.default_rng(9).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the pages asked for, no readahead
+        os.pread(fd, 64 << 10, 0)
+    finally:
+        os.close(fd)
+    f = OpenFile(str(path), os.open(path, os.O_RDONLY), os.O_RDONLY)
+    try:
+        if f.direct_fd() is None:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        where = residency(f.fd, 0, 8 << 20)
+        if where is None:
+            pytest.skip("the kernel cannot say what the page cache holds")
+        assert where is Residency.FEW  # 64 KiB of 8 MiB
+        assert choose(f, ODirectPolicy.AUTO, 0, 8 << 20)[0] is Via.DIRECT
+        assert choose(f, ODirectPolicy.AUTO, 100, (8 << 20) - 100)[0] is Via.DIRECT  # an .npy array after its header
+        assert residency(f.fd, 0, 256 << 10) is Residency.SOME  # a quarter
+        assert choose(f, ODirectPolicy.AUTO, 0, 256 << 10)[0] is Via.BUFFERED
+        assert choose(f, ODirectPolicy.AUTO, 0, 640 << 10)[0] is Via.BUFFERED  # an eighth, but under 1 MiB
+        assert residency(f.fd, 0, 64 << 10) is Residency.ALL
+    finally:
+        f.close()

@@ -51,7 +51,8 @@ class _Cachestat(ctypes.Structure):
 class Residency(enum.Enum):
     ALL = "all"
     NONE = "none"
-    SOME = "some"
+    SOME = "some"  # more than an eighth of the range's pages, not all
+    FEW = "few"    # some pages, at most an eighth of them (a header read's readahead, say)
 
 
 _cachestat_works: bool | None = None if _SYS_CACHESTAT else False
@@ -154,7 +155,9 @@ def residency(fd: int, offset: int, length: int, mapping: FileMapping | None = N
     cached, pages = counts
     if cached >= pages:
         return Residency.ALL
-    return Residency.NONE if cached == 0 else Residency.SOME
+    if cached == 0:
+        return Residency.NONE
+    return Residency.FEW if cached * 8 <= pages else Residency.SOME
 
 
 def new_mapping() -> FileMapping:

@@ -73,6 +73,14 @@ def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
     return residency(f.fd, pos, n, f.page_map.get(make))
 
 
+#: A read at least this large that the page cache holds at most an eighth of goes O_DIRECT:
+#: the pages a header read's readahead left cached (the first 16-128 KiB of an ``.npy`` shard)
+#: would otherwise send the whole shard through the cache cold, at 15 times O_DIRECT's CPU
+#: time (benchmarks/RESULTS.md, "Cold preload in interleaved pairs"). The few cached pages
+#: are read again from the disk; O_DIRECT reads see dirty pages written back first.
+FEW_CACHED_DIRECT_MIN = 1 << 20
+
+
 def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
            where: Residency | None | Unknown = UNKNOWN) -> tuple[Via, Residency | None | Unknown]:
     """How to read ``[pos, pos + n)`` of ``f``: the one decision of which descriptor serves a
@@ -82,7 +90,8 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
 
     ``never``, a refused or missing O_DIRECT: buffered. ``always``: O_DIRECT. ``auto``: the
     page cache is asked without causing I/O (:mod:`gdskit.residency`): a range it holds
-    all or part of is read buffered, one it holds none of with O_DIRECT; where the kernel
+    all or part of is read buffered, one it holds none of with O_DIRECT, and so is a range of
+    at least :data:`FEW_CACHED_DIRECT_MIN` bytes it holds at most an eighth of; where the kernel
     cannot say, a buffered RWF_NOWAIT probe decides (it may start readahead, but is correct).
     """
     if policy is ODirectPolicy.NEVER or f.direct_refused or f.direct_missing:
@@ -93,7 +102,7 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
         where = file_residency(f, pos, n)
     # The O_DIRECT descriptor is opened only for a range the page cache may not hold: a file
     # read hot (many small files) never opens it.
-    if where is Residency.NONE:
+    if where is Residency.NONE or (where is Residency.FEW and n >= FEW_CACHED_DIRECT_MIN):
         return (Via.BUFFERED if f.direct_fd() is None else Via.DIRECT), where
     if where is None and f.nowait_supported and f.direct_fd() is not None:
         return Via.PROBE, where
