@@ -177,6 +177,38 @@ def test_device_memory_takes_the_bounce_ring_and_the_ledger_counts_it(tmp_path, 
 
 
 @pytest.mark.stand_in_gpu
+@pytest.mark.parametrize("cached", [True, False])
+def test_cached_small_files_into_device_memory_take_one_worker(tmp_path, monkeypatch, cached):
+    """Cached small files are Python per file: one worker reads them (more only take turns at
+    the interpreter); from the disk, or into host memory, every worker stays."""
+    import gdskit.many_files as mf
+
+    files = _files(tmp_path, [5000 + i for i in range(30)])
+    if not cached:
+        for p, _d in files:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        from gdskit.formats._engine import first_page_cached
+
+        if first_page_cached(files[0][0]) is not False:
+            pytest.skip("this system cannot drop a file's pages from the page cache")
+    asked = []
+    real = mf.run_chunks
+    monkeypatch.setattr(mf, "run_chunks", lambda *a, **kw: asked.append((kw["device"], kw["threads"])) or real(*a, **kw))
+    dests = [cuda.DeviceArray(len(d)) for _p, d in files]
+    host = [bytearray(len(d)) for _p, d in files]
+    with gdskit.settings.set(threads=4):
+        read_files([FileReads(p, [(synchronized_device_view(a.ptr, a.nbytes, a), len(d), 0)])
+                    for (p, d), a in zip(files, dests)])
+        read_files([FileReads(p, [(b, len(d), 0)]) for (p, d), b in zip(files, host)])
+    assert [ctypes.string_at(a.ptr, a.nbytes) for a in dests] == [d for _p, d in files]
+    assert [bytes(b) for b in host] == [d for _p, d in files]
+    assert asked == [(0, mf.HOT_SMALL_FILES_WORKERS if cached else 4), (None, 4)]
+
+
+@pytest.mark.stand_in_gpu
 def test_a_device_read_of_a_file_that_shrank_is_short(tmp_path):
     (path, data), = _files(tmp_path, [3 * CHUNK])
     os.truncate(path, CHUNK + 10)

@@ -34,6 +34,7 @@ from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBuf
 from gdskit.ledger import ledger
 from gdskit.plan import Chunk, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
+from gdskit.residency import Residency, new_mapping, residency
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
 from gdskit.settings import Settings, settings
@@ -152,6 +153,42 @@ def _plan(read: _Read, chunk: int, alignment: int, host_chunk: int) -> list[Chun
     return chunks(read.file_offset, read.buf_offset, read.size, host_chunk, alignment)
 
 
+#: Workers for a job of small files into GPU memory that the page cache holds (at most
+#: SMALL_FILE_BYTES a file on average). Each such file costs tens of microseconds of Python in
+#: its worker, and workers only take turns at the interpreter: on the H200 machine 20,000 cached
+#: 64 KiB files took 80 µs a file on one worker, 121 on two and 190-226 on sixteen
+#: (benchmarks/RESULTS.md, "Many small files: one worker when they are cached"). From the
+#: disk, or for larger files, every worker stays: there the disk's queue depth is what counts.
+HOT_SMALL_FILES_WORKERS = 1
+SMALL_FILE_BYTES = 1 << 20
+
+
+def _small_and_cached(paths: list[str], reads: list[list[_Read]]) -> bool:
+    """Whether the job's files are small and the page cache holds them, judged by its first,
+    middle and last file (asking about every file would cost a system call each)."""
+    n = len(paths)
+    if n < 2 or sum(r.size for rs in reads for r in rs) > n * SMALL_FILE_BYTES:
+        return False
+    for i in sorted({0, n // 2, n - 1}):
+        if not reads[i]:
+            continue
+        lo = min(r.file_offset for r in reads[i])
+        hi = max(r.file_offset + r.size for r in reads[i])
+        try:
+            fd, _st = open_file_fd(paths[i], _FLAGS)
+        except OSError:
+            return False  # the job itself names the file
+        mapping = new_mapping()
+        try:
+            held = residency(fd, lo, hi - lo, mapping)
+        finally:
+            mapping.close()
+            os.close(fd)
+        if held is not Residency.ALL:
+            return False
+    return True
+
+
 def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:
     """Read many files as one job; for each file, the byte count of each of its reads (short
     only at end of file).
@@ -181,8 +218,10 @@ def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | N
             for ch in _plan(r, layout[dev][1], cfg.alignment, cfg.chunk_size):
                 by_device.setdefault(dev, []).append(_Unit(i, k, ch))
     results: list[tuple[_Unit, _Done]] = []
+    hot_small = any(dev is not None for dev in by_device) and _small_and_cached(paths, reads)
     for dev, units in by_device.items():
         n_lanes, chunk = layout[dev]
+        threads = HOT_SMALL_FILES_WORKERS if dev is not None and hot_small else cfg.threads
         per_file = [0] * len(jobs)
         for u in units:
             per_file[u.file] += 1
@@ -190,7 +229,7 @@ def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | N
         t0 = time.perf_counter()
         try:
             done = run_chunks(units, _worker(files, reads, cfg, on_bytes), device=dev,
-                              stage_bytes=chunk + 2 * cfg.alignment, threads=cfg.threads, max_lanes=n_lanes,
+                              stage_bytes=chunk + 2 * cfg.alignment, threads=threads, max_lanes=n_lanes,
                               budget=cfg.pinned_budget)
         finally:
             files.close_all()
