@@ -97,9 +97,9 @@ def _header_threads(monkeypatch):
     seen = []
     real = module._layout_and_offset
 
-    def spy(src):
+    def spy(src, *args):
         seen.append(threading.current_thread().name)
-        return real(src)
+        return real(src, *args)
 
     monkeypatch.setattr(module, "_layout_and_offset", spy)
     return seen
@@ -127,6 +127,37 @@ def test_headers_on_the_disk_are_read_on_threads_and_cached_ones_in_order(tmp_pa
         assert set(got) == set(arrays) | {"raw.bin"}
         assert all(same(got[n], a) for n, a in arrays.items())
         assert bytes(got["raw.bin"].numpy()) == b"xyz"
+
+
+def test_small_files_from_the_disk_come_whole_with_their_headers(tmp_path):
+    """From the disk, a small file is asked into the page cache whole as its header is read (one
+    request, not two); a large one only its header (its array is read with O_DIRECT)."""
+    import importlib
+    import time
+
+    from gdskit.data.sources import resolve
+    from gdskit.formats._engine import open_file
+
+    module = importlib.import_module("gdskit.data.preload")
+    for k in range(40):
+        np.save(tmp_path / f"{k:02d}.npy", np.arange(30_000 + k, dtype=np.float32))  # 120 KiB each
+    (tmp_path / "raw.bin").write_bytes(os.urandom(50_000))
+    np.save(tmp_path / "big.npy", np.zeros(3 << 20, dtype=np.uint8))
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    _evict(paths)
+    with gdskit.settings.set(threads=4):
+        module._layouts(resolve(paths))
+
+    def held(p):
+        with open_file(p) as f:
+            return f.cached()
+
+    small = [p for p in paths if not p.endswith("big.npy")]
+    deadline = time.monotonic() + 10
+    while not all(held(p) for p in small) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel's reads were queued, not waited for
+    assert all(held(p) for p in small)
+    assert not held(str(tmp_path / "big.npy"))
 
 
 def test_headers_read_on_threads_report_the_first_bad_file_in_order(tmp_path):

@@ -288,13 +288,20 @@ class _Parser:
         return int(digits)
 
 
-def read_header(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
+def read_header(path: str | os.PathLike[str], *, whole_file_ahead: int = 0) -> tuple[NpyHeader, int]:
     """The header of the ``.npy`` file at ``path`` and the file's size, read with a plain
-    ``pread`` (a few KiB: no engine job). OS errors become :class:`gdskit.errors.GdskitIOError`\\ s."""
+    ``pread`` (a few KiB: no engine job). OS errors become :class:`gdskit.errors.GdskitIOError`\\ s.
+
+    A file of at most ``whole_file_ahead`` bytes is first asked into the page cache whole
+    (``posix_fadvise(WILLNEED)``, which returns once the reads are queued): from the disk, a small
+    file's array then comes in the same request as its header instead of in a second one.
+    """
     name = os.fspath(path)
     fd, st = open_file_fd(name, os.O_RDONLY)
     try:
         size = st.st_size
+        if 0 < size <= whole_file_ahead:
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
         head = os.pread(fd, 4096, 0)
         try:
             need = header_length(head)

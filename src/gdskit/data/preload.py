@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -13,6 +14,7 @@ from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, batch_view, from_numpy
 from gdskit.data.read import FileReads, engine_view, target_device
 from gdskit.data.sources import Files, Source, resolve
+from gdskit.durable import open_file_fd
 from gdskit.formats._engine import read_files as engine_read_files
 from gdskit.formats._engine import first_page_cached, no_wait, start_warm_up, stats, stats_delta, worker_threads
 from gdskit.formats._gc import collector_paused
@@ -25,20 +27,42 @@ def _is_npy(src: Source) -> bool:
     return src.path.lower().endswith(".npy")
 
 
-def _layout_and_offset(src: Source) -> tuple[Layout, int]:
-    """A file's tensor layout and where its bytes start: an ``.npy`` file's array, or all of any other file."""
+def _layout_and_offset(src: Source, whole_file_ahead: int = 0) -> tuple[Layout, int]:
+    """A file's tensor layout and where its bytes start: an ``.npy`` file's array, or all of any other file.
+    A file of at most ``whole_file_ahead`` bytes is asked into the page cache whole meanwhile."""
     if not _is_npy(src):
+        if 0 < src.size <= whole_file_ahead:
+            _read_ahead(src)
         return Layout(torch.uint8, (src.size,)), 0
-    h, size = npy.read_header(src.path)
+    h, size = npy.read_header(src.path, whole_file_ahead=whole_file_ahead)
     if size < h.data_offset + h.nbytes:
         raise TruncatedFileError(f"{src.path}: {size} bytes, but its header describes {h.data_offset + h.nbytes}")
     return from_numpy(h.dtype, h.shape, h.fortran_order), h.data_offset
+
+
+def _read_ahead(src: Source) -> None:
+    """Ask the kernel to bring the whole file into the page cache; advice only (the read that
+    follows reports any error)."""
+    try:
+        fd, _st = open_file_fd(src.path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, src.size, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 #: Headers sampled to choose how the rest are read. From the page cache they are read one after
 #: another (about 13 µs each; threads would only take turns at the interpreter, two to three
 #: times slower); from the disk on the engine's threads, so that the disk has many reads at once.
 HEADER_SAMPLE = 8
+#: From the disk, files up to this size are asked into the page cache whole as their headers are
+#: read: one request a file instead of two (the header's, then the array's), and the reads after
+#: come from the page cache (where one worker serves many small files best).
+WHOLE_FILE_AHEAD = 1 << 20
 
 
 def _layouts(sources: list[Source]) -> list[tuple[Layout, int]]:
@@ -49,7 +73,7 @@ def _layouts(sources: list[Source]) -> list[tuple[Layout, int]]:
         return [_layout_and_offset(s) for s in sources]
     per = -(-len(sources) // threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="gdskit-headers") as pool:
-        parts = [pool.submit(lambda part: [_layout_and_offset(s) for s in part], sources[k:k + per])
+        parts = [pool.submit(lambda part: [_layout_and_offset(s, WHOLE_FILE_AHEAD) for s in part], sources[k:k + per])
                  for k in range(0, len(sources), per)]
     return [lay for part in parts for lay in part.result()]  # the first failed part, in order, raises
 
