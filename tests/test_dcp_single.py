@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
@@ -271,6 +272,52 @@ def test_metadata_that_is_not_metadata(tmp_path: Path) -> None:
         pickle.dump({"not": "metadata"}, fh)
     with pytest.raises(FormatError):
         gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+
+
+class _Planted:
+    """Unpickled by a plain unpickler, this makes a directory: any code could run instead."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("payload", ["call", "call inside metadata", "unknown class", "bad arguments", "garbage"])
+def test_hostile_metadata_runs_nothing_and_is_a_format_error(tmp_path: Path, payload: str) -> None:
+    """The ``.metadata`` pickle is read with an unpickler that knows only DCP's metadata classes:
+    a planted call is refused before it runs, and every malformed stream is a FormatError."""
+    _save({"w": torch.arange(6.0)}, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    marker = str(tmp_path / "ran")
+    meta = tmp_path / "c" / ".metadata"
+    good = gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    if payload == "call":
+        blob = pickle.dumps(_Planted(marker))
+    elif payload == "call inside metadata":
+        good.planner_data = {"x": _Planted(marker)}
+        blob = pickle.dumps(good)
+    elif payload == "unknown class":
+        blob = pickle.dumps(collections.Counter("abc"))
+    elif payload == "bad arguments":  # an allowed callable given what it cannot take
+        blob = b"\x80\x04ctorch\nSize\n(I1\ntR."
+    else:
+        blob = pickle.dumps(good)[:40] + b"\xff" * 20
+    meta.write_bytes(blob)
+    with pytest.raises(FormatError):
+        gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    assert not os.path.exists(marker)
+
+
+def test_metadata_written_by_torch_with_byte_items_and_paths_still_reads(tmp_path: Path) -> None:
+    sd = {"w": torch.randn(4, 4), "b": torch.zeros(3, dtype=torch.bfloat16), "extra": {"step": 3, "name": "x"},
+          "buf": io.BytesIO(b"abc")}
+    _save(sd, dcp.FileSystemWriter(str(tmp_path / "c")))
+    md = gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    with open(tmp_path / "c" / ".metadata", "rb") as fh:
+        want = pickle.load(fh)  # the test's own file: the reference reading
+    assert md.state_dict_metadata == want.state_dict_metadata
+    assert md.storage_data == want.storage_data
 
 
 def test_template_matches_torch_save_layout() -> None:

@@ -34,7 +34,16 @@ CASES = {
         from gdskit.data.datasets import _check_readable
         from gdskit.data.sources import Source
         _check_readable([Source(FIFO, FIFO, 0)])"""),
+    "safetensors header": "from gdskit.formats import safetensors_format as sf\nsf.read_header_file(FIFO)",
+    "safetensors shard index": textwrap.dedent("""\
+        from gdskit.formats import safetensors_format as sf
+        sf.resolve_checkpoint(FIFO)"""),
+    "DCP metadata": textwrap.dedent("""\
+        import os, gdskit.dcp
+        gdskit.dcp.StorageReader(os.path.dirname(FIFO)).read_metadata()"""),
 }
+#: The FIFO's name, where a case needs one.
+NAMES = {"safetensors shard index": "model.safetensors.index.json", "DCP metadata": ".metadata"}
 
 PROLOGUE = textwrap.dedent("""\
     import sys
@@ -52,7 +61,7 @@ PROLOGUE = textwrap.dedent("""\
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_fifo_is_refused_without_waiting(tmp_path, case):
-    fifo = str(tmp_path / "data.npy")
+    fifo = str(tmp_path / NAMES.get(case, "data.npy"))
     os.mkfifo(fifo)
     code = PROLOGUE.format(src=SRC, fifo=fifo, body=textwrap.indent(CASES[case], "    "))
     try:
@@ -75,6 +84,28 @@ def test_the_torch_loader_refuses_a_fifo(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("gdskit.torch.load: still waiting on the FIFO after 20 s")
     assert out.stdout.split()[:3] == ["NotAFileError", "True", "True"], out.stdout + out.stderr
+
+
+def test_a_fifo_as_the_profile_store_is_a_config_error(tmp_path):
+    store = tmp_path / "gdskit" / "profiles.json"
+    store.parent.mkdir()
+    os.mkfifo(store)
+    code = textwrap.dedent(f"""\
+        import os, sys
+        sys.path.insert(0, {SRC!r})
+        os.environ["XDG_CONFIG_HOME"] = {str(tmp_path)!r}
+        from gdskit import profiles
+        from gdskit.errors import ConfigError
+        try:
+            profiles.load()
+        except ConfigError as exc:
+            print("ConfigError", exc)
+        """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the profile store: still waiting on the FIFO after 20 s")
+    assert out.stdout.startswith("ConfigError") and "FIFO" in out.stdout, out.stdout + out.stderr
 
 
 def test_block_and_character_devices_still_open():

@@ -58,6 +58,22 @@ def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat
     return fd, st
 
 
+def read_whole_file(path: str) -> bytes:
+    """Every byte of the file at ``path``, opened as :func:`open_file_fd` opens it (a FIFO is
+    refused, never waited on); OS errors are :class:`GdskitIOError`\\ s naming ``path``."""
+    fd, st = open_file_fd(path, os.O_RDONLY)
+    try:
+        parts, got = [], 0
+        while True:
+            part = os.read(fd, max(st.st_size - got, 0) + 65536)  # to the end, even if the file grew
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+            got += len(part)
+    finally:
+        os.close(fd)
+
+
 # What :func:`temp_name` puts between the name and the suffix (random or given hex).
 _TOKEN = re.compile(r"[0-9a-f]{1,32}")
 

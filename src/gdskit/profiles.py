@@ -25,6 +25,7 @@ import tempfile
 import threading
 from typing import Any
 
+from gdskit.durable import read_whole_file
 from gdskit.errors import ConfigError, from_os_error
 
 SCHEMA_VERSION = 1
@@ -66,8 +67,7 @@ def load(path: str | None = None) -> dict[str, Any]:
     """
     path = path or store_path()
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(read_whole_file(path).decode("utf-8"))
     except FileNotFoundError:
         return {"schema_version": SCHEMA_VERSION, "profiles": {}}
     except (OSError, ValueError) as exc:

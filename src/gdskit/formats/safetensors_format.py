@@ -34,6 +34,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from gdskit.durable import open_file_fd, read_whole_file
 from gdskit.errors import FormatError, GdskitError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
 
@@ -395,21 +396,22 @@ def parse_bytes(data: bytes) -> Header:
 
 
 def read_header_file(path: str | os.PathLike[str]) -> Header:
-    """Read and validate the header of the safetensors file at ``path`` (plain reads; headers are small)."""
+    """Read and validate the header of the safetensors file at ``path`` (plain reads; headers are
+    small). Opened as the engine opens files: a FIFO is refused, never waited on."""
+    name = os.fspath(path)
+    fd, st = open_file_fd(name, os.O_RDONLY)
     try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise from_os_error(exc, os.fspath(path)) from None
-    with fh:
-        size = os.fstat(fh.fileno()).st_size
-
         def read_at(off: int, n: int) -> bytes:
-            return os.pread(fh.fileno(), n, off)
+            return os.pread(fd, n, off)
 
         try:
-            return parse_header(read_at, size)
+            return parse_header(read_at, st.st_size)
         except FormatError as exc:
             raise with_path(exc, path) from None
+        except OSError as exc:
+            raise from_os_error(exc, name) from None
+    finally:
+        os.close(fd)
 
 
 # -- writing --------------------------------------------------------------------
@@ -519,8 +521,7 @@ class ShardSet:
 
 def _read_index(index_path: str) -> ShardSet:
     try:
-        with open(index_path, "rb") as fh:
-            doc = json.loads(fh.read().decode("utf-8"))
+        doc = json.loads(read_whole_file(index_path).decode("utf-8"))
     except OSError as exc:
         raise from_os_error(exc, index_path) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
