@@ -159,3 +159,26 @@ def test_next_atomic_open_removes_what_a_killed_writer_left(tmp_path):
         f.write(np.zeros(16, dtype=np.uint8))
     assert target.read_bytes() == bytes(16)
     assert _leftovers(tmp_path) == []
+
+
+def test_write_whole_leaves_the_old_file_on_any_error_and_no_temporary(tmp_path):
+    from gdskit.durable import write_whole
+
+    out = tmp_path / "report.json"
+    out.write_text("old")
+
+    def half(tmp):
+        with open(tmp, "w") as fh:
+            fh.write('{"half": ')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_whole(out, half)
+    assert out.read_text() == "old" and os.listdir(tmp_path) == ["report.json"]
+
+    def whole(tmp):
+        with open(tmp, "w") as fh:
+            fh.write("new")
+
+    write_whole(out, whole)
+    assert out.read_text() == "new" and os.listdir(tmp_path) == ["report.json"]

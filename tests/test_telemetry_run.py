@@ -165,9 +165,24 @@ def test_timeout_also_stops_what_the_workload_started(tmp_path, stats_dir):
     assert gone(), "the workload's own child survived the timeout"
 
 
-def test_an_unwritable_report_file_exits_2(files, stats_dir, tmp_path):
-    r = _gdskit_run(files, "--report", str(tmp_path / "no-dir" / "r.json"), "--", sys.executable, "-c", "pass")
+@pytest.mark.parametrize("where", ["no-dir/r.json", "a-dir"])
+def test_an_unwritable_report_file_exits_2_before_the_workload_runs(files, stats_dir, tmp_path, where):
+    (tmp_path / "a-dir").mkdir()
+    ran = tmp_path / "ran"
+    r = _gdskit_run(files, "--report", str(tmp_path / where), "--", sys.executable, "-c",
+                    f"open({str(ran)!r}, 'w').close()")
     assert r.returncode == 2 and "gdskit run: error" in r.stderr and "Traceback" not in r.stderr
+    assert not ran.exists(), "the workload ran although its report could never be written"
+
+
+def test_the_report_file_is_replaced_whole(files, stats_dir, tmp_path):
+    (tmp_path / "reports").mkdir()
+    out = tmp_path / "reports" / "r.json"
+    out.write_text("the previous report")
+    r = _gdskit_run(files, "--report", str(out), "--", sys.executable, "-c", "pass")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["schema"] == "gdskit.run/1"
+    assert os.listdir(tmp_path / "reports") == ["r.json"]  # no temporary left beside it
 
 
 def test_workload_output_can_go_elsewhere(stats_dir):

@@ -20,9 +20,10 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gdskit.errors import GdskitIsADirectoryError, NotAFileError, from_os_error
+from gdskit.errors import GdskitIsADirectoryError, InvalidArgumentError, NotAFileError, from_os_error
 
 #: Files being written carry this ending (and a leading dot) until they are complete.
 TEMP_SUFFIX = ".gdskit-tmp"
@@ -191,6 +192,35 @@ def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: s
             raise
         os.close(fd)  # a sweep removed it before the lock was ours
     raise FileExistsError(errno.EEXIST, "could not keep a temporary file", os.path.join(directory, name))
+
+
+def check_output_file(name: str, option: str) -> str:
+    """Check, before any work starts, that the output file a command-line ``option`` names can be
+    made: not a directory, in a directory that exists. Returns ``name``.
+
+    Raises :class:`~gdskit.errors.InvalidArgumentError` naming the option.
+    """
+    if os.path.isdir(name):
+        raise InvalidArgumentError(f"{option} {name!r} is a directory; name a file")
+    folder = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(folder):
+        raise InvalidArgumentError(f"{option} {name!r}: the directory {folder!r} does not exist")
+    return name
+
+
+def write_whole(path: str | os.PathLike[str], fill: Callable[[str], None]) -> None:
+    """Have ``fill(tmp)`` write a new file at the hidden temporary path ``tmp`` beside ``path``,
+    then rename it over ``path``: a reader sees the old file or the new one, never part of one.
+    On any error the temporary is removed and ``path`` is left as it was."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    owned = create_locked_temp(folder, name)
+    try:
+        fill(owned.path)
+        os.replace(owned.path, path)
+    except BaseException:
+        owned.discard()
+        raise
+    owned.close()
 
 
 def remove_stale_temps(directory: str | os.PathLike[str], name: str) -> list[str]:

@@ -13,13 +13,13 @@ import csv
 import dataclasses
 import io
 import os
-import secrets
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from gdskit.bench.cpu import CpuCost
 from gdskit.bench.knee import KneeResult
+from gdskit.durable import check_output_file, write_whole
 from gdskit.errors import InvalidArgumentError, MissingDependencyError
 
 SCHEMA_VERSION = 1
@@ -335,49 +335,12 @@ def write_csv(runs: Sequence[RunResult], out: TextIO) -> None:
 
 def save_csv(runs: Sequence[RunResult], path: str) -> None:
     """:func:`write_csv` into the file ``path``, whole or not at all (a temporary file renamed over it)."""
-    _write_whole(path, lambda tmp: _write_csv_file(runs, tmp))
+    write_whole(path, lambda tmp: _write_csv_file(runs, tmp))
 
 
 def _write_csv_file(runs: Sequence[RunResult], path: str) -> None:
     with open(path, "w", newline="", encoding="utf-8") as fh:
         write_csv(runs, fh)
-
-
-def _write_whole(path: str, write: Any) -> None:
-    """Have ``write(tmp)`` fill a new file beside ``path``, then rename it to ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    while True:
-        tmp = os.path.join(folder, f".gdskit-{secrets.token_hex(6)}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
-            break
-        except FileExistsError:
-            continue
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def output_target(name: str, option: str) -> str:
-    """Check that an output file named on the command line can be made; returns it.
-
-    Raises
-    ------
-    InvalidArgumentError
-        It is a directory, or its directory does not exist.
-    """
-    if os.path.isdir(name):
-        raise InvalidArgumentError(f"{option} {name!r} is a directory; name a file")
-    folder = os.path.dirname(os.path.abspath(name))
-    if not os.path.isdir(folder):
-        raise InvalidArgumentError(f"{option} {name!r}: the directory {folder!r} does not exist")
-    return name
 
 
 #: The name of the plot ``--plot DIR`` writes into DIR (numbered when taken: nothing is written over).
@@ -417,7 +380,7 @@ def plot_target(name: str) -> str:
     if ext not in formats:
         raise InvalidArgumentError(f"--plot {name!r}: matplotlib cannot write .{ext} files; "
                                    f"use one of {', '.join('.' + f for f in sorted(formats))}")
-    return output_target(name, "--plot")
+    return check_output_file(name, "--plot")
 
 
 def _pyplot() -> Any:
@@ -575,7 +538,7 @@ def plot(report: BenchReport, filename: str) -> str:
                  f"{m.get('filesystem') or '?'} on {m.get('mount_source') or '?'}, {gpu}")
     fig.tight_layout()
     try:
-        _write_whole(filename, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+        write_whole(filename, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
     finally:
         plt.close(fig)
     return filename

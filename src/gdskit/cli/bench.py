@@ -58,7 +58,8 @@ def bench(
 ) -> None:
     from gdskit.bench import runner
     from gdskit.bench.params import make_params
-    from gdskit.bench.report import output_target, plot, plot_target, render_table, save_csv, write_csv
+    from gdskit.bench.report import plot, plot_target, render_table, save_csv, write_csv
+    from gdskit.durable import check_output_file
     from gdskit.cli import cli_errors
 
     default_run = file is None and directory is None
@@ -67,7 +68,7 @@ def bench(
         # Where the outputs go is settled before the benchmark runs, not found wrong after it.
         plot_path = plot_target(plot_file) if plot_file is not None else None
         if csv_file is not None and csv_file != "-":
-            output_target(csv_file, "--csv")
+            check_output_file(csv_file, "--csv")
         if size is None:
             held = runner.existing_size(file) if file and os.path.isfile(file) else None
             size = str(held) if held else str(runner.default_size()) if default_run else "1G"

@@ -44,8 +44,12 @@ def run(
 ) -> None:
     from gdskit.errors import GdskitError, GdskitFileNotFoundError, GdskitIOError, WorkloadTimeoutError
     from gdskit.cli import cli_errors
+    from gdskit.durable import check_output_file, write_whole
     from gdskit.telemetry import run_workload
 
+    if report_file:
+        with cli_errors("run"):  # settled before the workload runs, not found wrong after it
+            check_output_file(report_file, "--report")
     timed_out = False
     try:
         report = run_workload(command, level=level, timeout=timeout)
@@ -66,9 +70,14 @@ def run(
         raise typer.Exit(2) from None
     doc = report.to_dict()
     if report_file:
-        with cli_errors("run"), open(report_file, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        text = json.dumps(doc, indent=2) + "\n"
+
+        def fill(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+
+        with cli_errors("run"):
+            write_whole(report_file, fill)  # the old report or the new one, never part of one
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
