@@ -108,6 +108,25 @@ def test_a_fifo_as_the_profile_store_is_a_config_error(tmp_path):
     assert out.stdout.startswith("ConfigError") and "FIFO" in out.stdout, out.stdout + out.stderr
 
 
+def test_the_system_probe_reads_a_fifo_as_absent(tmp_path):
+    """``gdskit check`` and ``gdskit accept`` read paths from the environment too
+    (``CUFILE_ENV_PATH_JSON``): a FIFO there reads as no file, at once."""
+    fifo = str(tmp_path / "cufile.json")
+    os.mkfifo(fifo)
+    code = textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {SRC!r})
+        from gdskit.probe.root import SystemRoot
+        root = SystemRoot()
+        print(root.read_text({fifo!r}), root.read_bytes({fifo!r}), list(root.iter_lines({fifo!r})))
+        """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the system probe: still waiting on the FIFO after 20 s")
+    assert out.stdout.split() == ["None", "None", "[]"], out.stdout + out.stderr
+
+
 def test_block_and_character_devices_still_open():
     import gdskit
 

@@ -26,6 +26,7 @@ from typing import Any
 from gdskit.accept.context import AcceptContext
 from gdskit.accept.fault_child import CASES
 from gdskit.accept.result import FAIL, NA, PASS
+from gdskit.durable import read_whole_file
 
 TMPFS_DIR = "/dev/shm"
 CPU_PATHS = ("bounce-cached", "bounce-direct", "host", "cufile-compat")
@@ -47,8 +48,7 @@ def forced_compat_config(directory: str) -> str:
     source = os.environ.get("CUFILE_ENV_PATH_JSON") or DEFAULT_CUFILE_JSON
     data: dict[str, Any] = {}
     try:
-        with open(source, encoding="utf-8") as fh:
-            data = parse_cufile_json(fh.read())
+        data = parse_cufile_json(read_whole_file(source).decode("utf-8", errors="replace"))
     except (OSError, ValueError):
         pass  # no configuration or an unreadable one: cuFile's defaults plus the forcing below
     props = data.get("properties") if isinstance(data.get("properties"), dict) else {}

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import IO, Any
+
+from gdskit.durable import open_file_fd
 
 FIXTURE_DIR = ".gdskit-fixture"
 
@@ -88,9 +90,19 @@ class SystemRoot:
     def is_dir(self, path: str) -> bool:
         return os.path.isdir(self.host_path(path))
 
+    def _open(self, path: str, binary: bool = False) -> IO[Any]:
+        """``path`` opened for reading; a FIFO is refused (an OSError), never waited on: the
+        paths come from the environment too (``CUFILE_ENV_PATH_JSON``)."""
+        fd, _st = open_file_fd(self.host_path(path), os.O_RDONLY)
+        try:
+            return os.fdopen(fd, "rb") if binary else os.fdopen(fd, encoding="utf-8", errors="replace")
+        except BaseException:
+            os.close(fd)
+            raise
+
     def read_text(self, path: str, default: str | None = None) -> str | None:
         try:
-            with open(self.host_path(path), encoding="utf-8", errors="replace") as fh:
+            with self._open(path) as fh:
                 return fh.read()
         except OSError:
             return default
@@ -105,7 +117,7 @@ class SystemRoot:
     def read_bytes(self, path: str, limit: int = 4096) -> bytes | None:
         """Up to ``limit`` bytes of ``path`` (-1: all of it); None when it cannot be read."""
         try:
-            with open(self.host_path(path), "rb") as fh:
+            with self._open(path, binary=True) as fh:
                 return fh.read(limit)
         except OSError:
             return None
@@ -113,7 +125,7 @@ class SystemRoot:
     def iter_lines(self, path: str) -> Iterator[str]:
         """Lines of a (possibly huge, like /proc/kallsyms) file, streamed."""
         try:
-            with open(self.host_path(path), encoding="utf-8", errors="replace") as fh:
+            with self._open(path) as fh:
                 yield from fh
         except OSError:
             return
