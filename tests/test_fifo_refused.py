@@ -133,3 +133,21 @@ def test_block_and_character_devices_still_open():
     with gdskit.open("/dev/zero") as f:  # positional reads work on it: not refused
         buf = bytearray(8)
         assert f.read(buf, 8, 0) == 8 and bytes(buf) == bytes(8)
+
+
+@pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_RDWR, os.O_WRONLY | os.O_APPEND])
+def test_a_file_is_left_blocking_with_its_own_flags(tmp_path, flags):
+    """O_NONBLOCK is only for the open: io_uring hands EAGAIN back for a non-blocking file."""
+    import fcntl
+
+    from gdskit.durable import open_file_fd
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abc")
+    fd, st = open_file_fd(str(path), flags)
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_GETFL)
+        assert not got & os.O_NONBLOCK and got & os.O_ACCMODE == flags & os.O_ACCMODE
+        assert bool(got & os.O_APPEND) == bool(flags & os.O_APPEND) and st.st_size == 3
+    finally:
+        os.close(fd)

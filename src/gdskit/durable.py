@@ -44,13 +44,15 @@ def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat
     try:
         st = os.fstat(fd)
         kind = st.st_mode
-        if stat.S_ISDIR(kind):
-            raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
-        if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind) or os.isatty(fd):
-            what = "a FIFO" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else "a terminal"
-            raise NotAFileError(errno.ESPIPE, f"is {what}, not a file (gdskit reads and writes at offsets)", path)
+        if not stat.S_ISREG(kind):  # a file needs no more questions (this runs for every file opened)
+            if stat.S_ISDIR(kind):
+                raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
+            if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind) or os.isatty(fd):
+                what = "a FIFO" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else "a terminal"
+                raise NotAFileError(errno.ESPIPE, f"is {what}, not a file (gdskit reads and writes at offsets)", path)
         if not flags & os.O_NONBLOCK:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            # F_SETFL takes only the status flags (O_APPEND, O_DIRECT, ...) of those given: one call.
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except BaseException as exc:
         os.close(fd)
         if isinstance(exc, OSError):
