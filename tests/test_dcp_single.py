@@ -309,6 +309,89 @@ def test_hostile_metadata_runs_nothing_and_is_a_format_error(tmp_path: Path, pay
     assert not os.path.exists(marker)
 
 
+def _tampered(tmp_path: Path, change: Any) -> BaseException:
+    """The error reading a checkpoint whose metadata ``change(md)`` altered raises (at read_metadata)."""
+    _save({"w": torch.arange(6.0), "b": io.BytesIO(b"xyz")}, gdskit.dcp.StorageWriter(tmp_path / "c"))
+    md = gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    md.storage_meta = None
+    change(md)
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(FormatError) as info:
+        gdskit.dcp.StorageReader(tmp_path / "c").read_metadata()
+    return info.value
+
+
+@pytest.mark.parametrize("where", ["../outside.bin", "/etc/hostname", "a/../../x", "..", "", "a\\..\\..\\x"])
+def test_an_item_file_outside_the_checkpoint_is_refused(tmp_path: Path, where: str) -> None:
+    def move(md: Any) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = where
+
+    assert "outside the checkpoint" in str(_tampered(tmp_path, move))
+
+
+@pytest.mark.parametrize("change", ["item type", "dtype", "size", "chunk outside", "negative offset", "storage key",
+                                    "planner data"])
+def test_metadata_of_the_wrong_types_is_refused(tmp_path: Path, change: str) -> None:
+    def alter(md: Any) -> None:
+        item = md.state_dict_metadata["w"]
+        if change == "item type":
+            md.state_dict_metadata["w"] = "not an item"
+        elif change == "dtype":
+            item.properties.dtype = "float32"
+        elif change == "size":
+            item.size = [6]
+        elif change == "chunk outside":
+            item.chunks[0].sizes = torch.Size([7])
+        elif change == "negative offset":
+            next(iter(md.storage_data.values())).offset = -1
+        elif change == "storage key":
+            md.storage_data = {"w": next(iter(md.storage_data.values()))}
+        else:
+            md.planner_data = [1, 2]
+
+    _tampered(tmp_path, alter)
+
+
+def test_mutated_metadata_is_read_or_refused_never_anything_else(tmp_path: Path) -> None:
+    """Bytes of a real .metadata flipped, cut, repeated and renamed: read_metadata gives valid
+    metadata or a FormatError (or an incomplete-checkpoint error), and nothing planted runs."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    _save({"w": torch.arange(6.0).reshape(2, 3), "b": io.BytesIO(b"xyz"), "n": {"k": 1}},
+          gdskit.dcp.StorageWriter(tmp_path / "c"))
+    base = (tmp_path / "c" / ".metadata").read_bytes()
+    target = tmp_path / "m"
+    target.mkdir()
+    names = [b"Metadata", b"Size", b"_get_layout", b"PosixPath", b"torch.distributed.checkpoint.metadata"]
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.sampled_from(["flip", "cut", "repeat", "rename"]), st.integers(0, len(base) - 1),
+                              st.integers(0, 255)), min_size=1, max_size=4))
+    def check(edits: list[tuple[str, int, int]]) -> None:
+        blob = bytearray(base)
+        for kind, at, value in edits:
+            at %= max(len(blob), 1)
+            if kind == "flip":
+                blob[at] = value
+            elif kind == "cut":
+                del blob[at:at + value]
+            elif kind == "repeat":
+                blob[at:at] = blob[at:at + value % 32]
+            else:  # another name where a global's name is: os.system, builtins.eval, ...
+                old = names[value % len(names)]
+                new = [b"system", b"eval", b"os", b"builtins"][value % 4]
+                blob = bytearray(bytes(blob).replace(old, new, 1))
+        (target / ".metadata").write_bytes(bytes(blob))
+        try:
+            md = gdskit.dcp.StorageReader(target).read_metadata()
+        except (FormatError, gdskit.dcp.IncompleteCheckpointError):
+            return
+        assert isinstance(md.state_dict_metadata, dict)
+
+    check()
+
+
 def test_metadata_written_by_torch_with_byte_items_and_paths_still_reads(tmp_path: Path) -> None:
     sd = {"w": torch.randn(4, 4), "b": torch.zeros(3, dtype=torch.bfloat16), "extra": {"step": 3, "name": "x"},
           "buf": io.BytesIO(b"abc")}

@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from gdskit.dcp import _archive
 from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, metadata_name
-from gdskit.dcp._metadata_pickle import load_metadata
+from gdskit.dcp._metadata_pickle import checked_metadata, load_metadata
 from gdskit.durable import read_whole_file
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
@@ -112,9 +112,8 @@ class StorageReader(dcp_storage.StorageReader):
                    "running leaves this state)", self.path) from None
         except OSError as exc:
             raise from_os_error(exc, path) from None
-        metadata = load_metadata(data, path)  # DCP's classes only: a planted call never runs
-        if not isinstance(metadata, Metadata):
-            raise FormatError(f"{path}: holds {type(metadata).__name__}, not checkpoint metadata")
+        # DCP's classes only (a planted call never runs), of the types the planners rely on
+        metadata = checked_metadata(load_metadata(data, path), path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
