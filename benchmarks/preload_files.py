@@ -43,9 +43,11 @@ def hot_phases(paths: list[str], device: str, threads: int) -> dict[str, float]:
     import gdskit
     from gdskit.data import sources
 
+    from gdskit.formats._gc import collector_paused
+
     pre = importlib.import_module("gdskit.data.preload")
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    with gdskit.settings.set(threads=threads):
+    with gdskit.settings.set(threads=threads), collector_paused():  # as preload itself runs
         t = [time.perf_counter()]
         srcs = sources.resolve(paths)
         t.append(time.perf_counter())
