@@ -56,8 +56,8 @@ def hot_phases(paths: list[str], device: str, threads: int) -> dict[str, float]:
         raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=device) for lay, _ in layouts]
         sync()
         t.append(time.perf_counter())
-        reads = [(pre.FileReads(s, ((lay.nbytes, off, 0),)), pre.engine_view(r))
-                 for s, (lay, off), r in zip(srcs, layouts, raws)]
+        reads = [(pre.FileReads(s, ((lay.nbytes, off, 0),)), view)
+                 for s, (lay, off), view in zip(srcs, layouts, pre.engine_views(raws))]
         t.append(time.perf_counter())
         pre.read_files(reads)
         sync()

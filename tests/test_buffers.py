@@ -176,3 +176,24 @@ def test_import_stays_light_and_plain_buffers_need_no_numpy():
 def test_an_array_of_python_objects_is_refused():
     with pytest.raises(UnsupportedBufferError):
         adapt(np.array([1, "a", None], dtype=object))
+
+
+@pytest.mark.stand_in_gpu
+def test_views_of_many_allocations_ask_the_driver_once(monkeypatch):
+    from gdskit import cuda
+    from gdskit.buffers import synchronized_device_view, synchronized_device_views
+
+    arrays = [cuda.DeviceArray(n) for n in (4096, 1, 70_000)]
+    asked = []
+    real = cuda.pointer_info
+    monkeypatch.setattr(cuda, "pointer_info", lambda ptr: asked.append(ptr) or real(ptr))
+    views = synchronized_device_views([(a.ptr, a.nbytes, a) for a in arrays] + [(0, 0, None)])
+    monkeypatch.undo()
+    assert asked == [arrays[0].ptr]
+    one_by_one = [synchronized_device_view(a.ptr, a.nbytes, a) for a in arrays]
+    assert [(v.ptr, v.nbytes, v.kind, v.device, v.owner) for v in views[:3]] == \
+        [(v.ptr, v.nbytes, v.kind, v.device, v.owner) for v in one_by_one]
+    assert views[3].nbytes == 0 and views[3].kind is MemoryKind.DEVICE
+    host = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(UnsupportedBufferError):
+        synchronized_device_views([(host.ctypes.data, 64, host)])

@@ -198,10 +198,11 @@ def test_a_large_range_the_page_cache_holds_little_of_is_read_with_o_direct(tmp_
 
     path = tmp_path / "shard.bin"
     path.write_bytes(np.random.default_rng(9).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())
+    from backend_conformance import drop_cache
+
+    drop_cache(str(path))
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the pages asked for, no readahead
         os.pread(fd, 64 << 10, 0)
     finally:

@@ -185,11 +185,10 @@ def test_cached_small_files_into_device_memory_take_one_worker(tmp_path, monkeyp
 
     files = _files(tmp_path, [5000 + i for i in range(30)])
     if not cached:
+        from backend_conformance import drop_cache
+
         for p, _d in files:
-            fd = os.open(p, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            drop_cache(p)
         from gdskit.formats._engine import first_page_cached
 
         if first_page_cached(files[0][0]) is not False:
@@ -206,6 +205,65 @@ def test_cached_small_files_into_device_memory_take_one_worker(tmp_path, monkeyp
     assert [ctypes.string_at(a.ptr, a.nbytes) for a in dests] == [d for _p, d in files]
     assert [bytes(b) for b in host] == [d for _p, d in files]
     assert asked == [(0, mf.HOT_SMALL_FILES_WORKERS if cached else 4), (None, 4)]
+
+
+@pytest.mark.stand_in_gpu
+@pytest.mark.parametrize("odirect", ["auto", "always", "never"])
+def test_cached_small_files_are_packed_into_stages_with_one_copy_call_each(tmp_path, fake_cuda, odirect):
+    """Each file's bytes land in the next slot of a stage; a full stage goes in one batched copy.
+    The stand-in checks no stage is written while a copy from it is queued; here, 200 files share
+    stages of 64 KiB, so each stage is filled, copied and refilled many times."""
+    sizes = [1, 4095, 4096, 4097, 9000, 20_000, 30_001] * 28 + [0] * 4
+    files = _files(tmp_path, sizes, seed=3)
+    skip = [128 if len(d) > 200 and i % 2 else 0 for i, (_p, d) in enumerate(files)]
+    dests = [cuda.DeviceArray(max(1, len(d) - s)) for (_p, d), s in zip(files, skip)]
+    jobs = [FileReads(p, [(synchronized_device_view(a.ptr, a.nbytes, a), len(d) - s, s)] if len(d) > s else [])
+            for (p, d), s, a in zip(files, skip, dests)]
+    before, calls = gdskit.stats(), dict(fake_cuda.calls)
+    fds = fd_count()
+    landed = []
+    with gdskit.settings.set(chunk_size="64KiB", threads=4, odirect=odirect):
+        counts = read_files(jobs, on_bytes=landed.append)
+    assert counts == [[len(d) - s] if len(d) > s else [] for (_p, d), s in zip(files, skip)]
+    for (_p, d), s, a in zip(files, skip, dests):
+        if len(d) > s:
+            assert ctypes.string_at(a.ptr, len(d) - s) == d[s:]
+    delta = gdskit.stats() - before
+    assert delta.bytes_read == sum(len(d) - s for (_p, d), s in zip(files, skip)) == sum(landed)
+    assert set(delta.paths) == ({"bounce-direct"} if odirect == "always" else {"bounce-cached"})
+    copies = {k: fake_cuda.calls.get(k, 0) - calls.get(k, 0) for k in ("cuMemcpyBatchAsync", "cuMemcpyHtoDAsync")}
+    assert 0 < copies["cuMemcpyBatchAsync"] + copies["cuMemcpyHtoDAsync"] < len(files) // 4, copies
+    assert fd_count() == fds
+
+
+@pytest.mark.stand_in_gpu
+def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stage(tmp_path, fake_cuda, monkeypatch):
+    """Every third file takes the general path (its read split in two routes) between packed
+    ones: both take the lane's stages in turn, and the stand-in checks no stage is refilled
+    while a copy from it is queued."""
+    import gdskit.many_files as mf
+    from gdskit.router import Route
+
+    real = mf.plan_routes
+    calls = []
+
+    def split_every_third(f, view, size, file_offset, buf_offset, cfg):
+        routes = real(f, view, size, file_offset, buf_offset, cfg)
+        calls.append(f.path)
+        if len(calls) % 3 or size < 2:
+            return routes
+        half = size // 2
+        return [Route("bounce", routes[0].reason, file_offset, buf_offset, half),
+                Route("bounce", routes[0].reason, file_offset + half, buf_offset + half, size - half)]
+
+    monkeypatch.setattr(mf, "plan_routes", split_every_third)
+    files = _files(tmp_path, [3000 + 977 * (i % 23) for i in range(120)], seed=5)
+    dests = [cuda.DeviceArray(len(d)) for _p, d in files]
+    with gdskit.settings.set(chunk_size="64KiB", threads=4):
+        counts = read_files([FileReads(p, [(synchronized_device_view(a.ptr, a.nbytes, a), len(d), 0)])
+                             for (p, d), a in zip(files, dests)])
+    assert counts == [[len(d)] for _p, d in files]
+    assert [ctypes.string_at(a.ptr, a.nbytes) for a in dests] == [d for _p, d in files]
 
 
 @pytest.mark.stand_in_gpu

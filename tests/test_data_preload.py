@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
 from gdskit.errors import GdskitFileNotFoundError  # noqa: E402
+from backend_conformance import drop_cache  # noqa: E402
 from leak_helpers import fd_count  # noqa: E402
 from test_data_datasets import NUMERIC, random_array, same  # noqa: E402
 
@@ -78,14 +79,9 @@ def test_bad_files_leave_nothing_behind(tmp_path):
 
 
 def _evict(paths):
-    """Drop the files' pages from the page cache (clean pages: written back first)."""
+    """Drop the files' pages from the page cache."""
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cache(p)
 
 
 def _header_threads(monkeypatch):

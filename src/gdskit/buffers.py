@@ -12,7 +12,7 @@ import bisect
 import ctypes
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +242,18 @@ def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:
     if info.kind not in (MemoryKind.DEVICE, MemoryKind.MANAGED):
         raise UnsupportedBufferError(f"memory at {ptr:#x} is not device memory ({info.kind.value})")
     return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner)
+
+
+def synchronized_device_views(allocations: Sequence[tuple[int, int, Any]]) -> list[BufferView]:
+    """:func:`synchronized_device_view` of each ``(ptr, nbytes, owner)``, for allocations that one
+    allocator made on one device (a loader's ``torch.empty`` calls): the driver is asked what the
+    memory is once, for the first, instead of once each (a call of about 12 µs on the H200 machine,
+    a seventh of what a cached 64 KiB file's preload costs)."""
+    first = next((ptr for ptr, _n, _o in allocations if ptr), 0)
+    info = cuda.pointer_info(first) if first else cuda.PointerInfo(MemoryKind.DEVICE, None)
+    if info.kind not in (MemoryKind.DEVICE, MemoryKind.MANAGED):
+        raise UnsupportedBufferError(f"memory at {first:#x} is not device memory ({info.kind.value})")
+    return [BufferView(ptr, nbytes, info.kind, info.device, False, None, owner) for ptr, nbytes, owner in allocations]
 
 
 def _try_dlpack(obj: Any, errors: list[str]) -> BufferView | None:

@@ -32,7 +32,7 @@ from gdskit.buffers import BufferView, adapt
 from gdskit.durable import open_file_fd
 from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBufferError, call_each
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, chunks, nonnegative_int
+from gdskit.plan import Chunk, align_up, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
 from gdskit.residency import Residency, new_mapping, residency
 from gdskit.router import host_reason, plan_routes
@@ -226,11 +226,15 @@ def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | N
         for u in units:
             per_file[u.file] += 1
         files = _Files(paths, per_file)
+        work = _worker(files, reads, cfg, on_bytes)
+        run = {"device": dev, "stage_bytes": chunk + 2 * cfg.alignment, "max_lanes": n_lanes,
+               "budget": cfg.pinned_budget}
         t0 = time.perf_counter()
         try:
-            done = run_chunks(units, _worker(files, reads, cfg, on_bytes), device=dev,
-                              stage_bytes=chunk + 2 * cfg.alignment, threads=threads, max_lanes=n_lanes,
-                              budget=cfg.pinned_budget)
+            if dev is not None and hot_small:  # one worker, the files packed into its stages
+                (done,) = run_chunks([units], _packed(files, reads, cfg, on_bytes, work), threads=threads, **run)
+            else:
+                done = run_chunks(units, work, threads=threads, **run)
         finally:
             files.close_all()
         _record_bounce(done, dev, time.perf_counter() - t0)
@@ -323,6 +327,63 @@ def _worker(files: _Files, reads: list[list[_Read]], cfg: Settings,
         return out
 
     return work
+
+
+def _packed(files: _Files, reads: list[list[_Read]], cfg: Settings, on_bytes: Callable[[int], None] | None,
+            work: Callable[[LaneRef, _Unit], _Done]) -> Callable[[LaneRef, list[_Unit]], list[_Done]]:
+    """All the units of a job of cached small files into one GPU's memory, on one worker: each
+    file's bytes are read (as any chunk is, by the engine's O_DIRECT policy) into the next free
+    slot of the lane's stage, and a full stage goes to the GPU in one batched copy with one event.
+    Read one at a time, a small file's copy and event cost as much as its read. A unit the router
+    sends other than through the bounce ring, or routes through another GPU, or too big for a
+    stage, takes the general path (``work``), with no stage of this one held meanwhile."""
+    align = cfg.alignment
+
+    def run(ref: LaneRef, units: list[_Unit]) -> list[_Done]:
+        lane = ref.get()
+        assert lane.stream is not None
+        out: list[_Done] = []
+        stage: Any = None
+        event: Any = None
+        fill = 0
+        copies: list[tuple[int, int, int]] = []
+
+        def flush() -> None:
+            nonlocal stage, fill
+            if copies:
+                lane.stream.copy_h2d_many(copies)
+                event.record(lane.stream)
+                copies.clear()
+            stage, fill = None, 0  # taken again with next_stage, which waits for its last copies
+
+        for unit in units:
+            ch = unit.chunk
+            r = reads[unit.file][unit.read]
+            f = files.get(unit.file)
+            routes = plan_routes(f, r.view, ch.size, ch.file_offset, ch.buf_offset, cfg)
+            decision = route_for_read(f, r.view, False, cfg.routing)
+            slot = align_up(ch.file_offset % align + ch.size, align)  # an O_DIRECT read's whole span
+            if (len(routes) != 1 or routes[0].backend != "bounce" or r.view.scatter is not None
+                    or (decision is not None and decision.routed) or slot > lane.stage_bytes):
+                flush()
+                out.append(work(ref, unit))
+                continue
+            if stage is not None and fill + slot > lane.stage_bytes:
+                flush()
+            if stage is None:
+                stage, event = lane.next_stage()
+            res = read_to_stage(f, stage.view[fill:fill + slot], ch.file_offset, ch.size, cfg.odirect, align)
+            if res.nbytes:
+                copies.append((r.view.ptr + ch.buf_offset, stage.ptr + fill + ch.file_offset % align, res.nbytes))
+                if on_bytes is not None:
+                    on_bytes(res.nbytes)
+            fill += slot
+            out.append(_Done(res.nbytes, [(routes[0].reason, res.nbytes, res.cached)]))
+            files.done(unit.file)
+        flush()
+        return out
+
+    return run
 
 
 def _record_bounce(done: list[_Done], device: int | None, elapsed: float) -> None:

@@ -12,7 +12,7 @@ import torch
 from gdskit.data import npy
 from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, batch_view, from_numpy
-from gdskit.data.read import FileReads, engine_view, target_device
+from gdskit.data.read import FileReads, engine_views, target_device
 from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
 from gdskit.formats._engine import read_files as engine_read_files
@@ -145,8 +145,8 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
             torch.cuda.synchronize(dev)
     finally:
         wait_for_warm_up()
-    reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), engine_view(raw))
-             for s, (lay, off), raw in zip(sources, layouts, raws)]
+    reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
+             for s, (lay, off), view in zip(sources, layouts, engine_views(raws))]
     with Progress(total, progress, "preloading") as prog:
         read_files(reads, prog.advance)
     out = {s.key: batch_view(raw, 1, lay)[0] for s, (lay, _), raw in zip(sources, layouts, raws)}

@@ -24,7 +24,7 @@ from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
 from gdskit.errors import call_each
-from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view
+from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view, synchronized_device_views
 
 #: Files a loader keeps open at once (the least recently used is closed first).
 OPEN_FILES = 64
@@ -246,6 +246,14 @@ def engine_view(raw: torch.Tensor) -> BufferView:
     if raw.is_cuda:
         return synchronized_device_view(raw.data_ptr(), raw.numel(), raw)
     return adapt(raw)
+
+
+def engine_views(raws: Sequence[torch.Tensor]) -> list[BufferView]:
+    """:func:`engine_view` of each flat uint8 tensor, all made by ``torch.empty`` on one device:
+    what the memory is is asked of the driver once for them all."""
+    if raws and raws[0].is_cuda:
+        return synchronized_device_views([(r.data_ptr(), r.numel(), r) for r in raws])
+    return [adapt(r) for r in raws]
 
 
 def read_samples(dataset: Any, indices: np.ndarray, device: torch.device, files: FileCache) -> torch.Tensor:

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gdskit.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
-                                synchronized_device_view)
+                                synchronized_device_view, synchronized_device_views)
     from gdskit.readers import ReaderProcesses, ReaderProcessError, SharedSlot  # noqa: F401
 
 # The destinations the formats hand the engine: loaded with the first of them a loader uses,
 # not with the loaders' modules (the buffers module imports the CUDA layer).
-_BUFFERS = ("BufferView", "ScatterList", "adapt", "scattered_device_view", "synchronized_device_view")
+_BUFFERS = ("BufferView", "ScatterList", "adapt", "scattered_device_view", "synchronized_device_view",
+            "synchronized_device_views")
 # Reads made by reader processes (the dataset loader's ``workers``): loaded by a loader that has them.
 _READERS = ("ReaderProcesses", "ReaderProcessError", "SharedSlot")
 
