@@ -272,7 +272,9 @@ class FakeDriver:
     def _memory(self, ptr: int, n: int, what: str) -> str:
         """``device``, ``pinned`` or ``pageable`` for ``[ptr, ptr + n)``; a range that starts in an
         allocation must end in it."""
-        for base, (_raw, size, kind, _dev) in self._allocs.items():
+        # A snapshot (made in one step under the interpreter lock): another thread may allocate or
+        # free meanwhile, as the driver allows.
+        for base, (_raw, size, kind, _dev) in list(self._allocs.items()):
             if base <= ptr < base + max(size, 1):
                 if ptr + n > base + max(size, 1):
                     self._violate(f"{what}: [{ptr:#x}, +{n}) runs past the end of its allocation "

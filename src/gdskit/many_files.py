@@ -154,7 +154,7 @@ def _plan(read: _Read, chunk: int, alignment: int, host_chunk: int) -> list[Chun
 
 
 #: Workers for a job of small files into GPU memory that the page cache holds (at most
-#: SMALL_FILE_BYTES a file on average). Each such file costs tens of microseconds of Python in
+#: SMALL_FILE_BYTES a file on average, judged by CACHED_SAMPLES of them). Each such file costs tens of microseconds of Python in
 #: its worker, and workers only take turns at the interpreter: on the H200 machine 20,000 cached
 #: 64 KiB files took 80 µs a file on one worker, 121 on two and 190-226 on sixteen
 #: (benchmarks/RESULTS.md, "Many small files: one worker when they are cached"). From the
@@ -163,13 +163,20 @@ HOT_SMALL_FILES_WORKERS = 1
 SMALL_FILE_BYTES = 1 << 20
 
 
+#: Files, spread evenly over a job, whose page-cache residency says whether it is cached: one
+#: worker reads a job judged cached, so a partly cached one must not pass for it (with half the
+#: files cached at random, sixteen all are one time in 65,536).
+CACHED_SAMPLES = 16
+
+
 def _small_and_cached(paths: list[str], reads: list[list[_Read]]) -> bool:
-    """Whether the job's files are small and the page cache holds them, judged by its first,
-    middle and last file (asking about every file would cost a system call each)."""
+    """Whether the job's files are small and the page cache holds them, judged by
+    CACHED_SAMPLES of them spread over the job (asking about every file would cost an open and
+    a system call each)."""
     n = len(paths)
     if n < 2 or sum(r.size for rs in reads for r in rs) > n * SMALL_FILE_BYTES:
         return False
-    for i in sorted({0, n // 2, n - 1}):
+    for i in sorted({k * (n - 1) // (CACHED_SAMPLES - 1) for k in range(CACHED_SAMPLES)}):
         if not reads[i]:
             continue
         lo = min(r.file_offset for r in reads[i])
