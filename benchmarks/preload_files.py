@@ -126,13 +126,12 @@ def main() -> None:
             fh.read()
     gd.preload(paths[:200], device=args.device)  # the engine set up once
     result: dict[str, object] = {"files": len(paths), "bytes": args.bytes, "device": args.device, "hot": {}}
-    print(f"{'threads':>7} " + " ".join(f"{n:>10}" for n in ("resolve", "headers", "empty", "views", "engine_job", "total"))
-          + "   (hot, µs a file)")
+    cols = ("resolve", "headers", "empty", "views", "engine_job", "total")
+    print(f"{'threads':>7} " + " ".join(f"{c:>10}" for c in cols) + "   (hot, µs a file)")
     for n in threads:
         ph = hot_phases(paths, args.device, n)
         result["hot"][n] = ph  # type: ignore[index]
-        print(f"{n:>7} " + " ".join(f"{ph[k]:>10.1f}" for k in ("resolve", "headers", "empty", "views", "engine_job",
-                                                                 "total")))
+        print(f"{n:>7} " + " ".join(f"{ph[k]:>10.1f}" for k in cols))
     if args.cold:
         cold = cold_runs(paths, args.device, threads, args.rounds)
         result["cold_gb_s"] = cold

@@ -154,11 +154,12 @@ def _plan(read: _Read, chunk: int, alignment: int, host_chunk: int) -> list[Chun
 
 
 #: Workers for a job of small files into GPU memory that the page cache holds (at most
-#: SMALL_FILE_BYTES a file on average, judged by CACHED_SAMPLES of them). Each such file costs tens of microseconds of Python in
-#: its worker, and workers only take turns at the interpreter: on the H200 machine 20,000 cached
-#: 64 KiB files took 80 µs a file on one worker, 121 on two and 190-226 on sixteen
-#: (benchmarks/RESULTS.md, "Many small files: one worker when they are cached"). From the
-#: disk, or for larger files, every worker stays: there the disk's queue depth is what counts.
+#: SMALL_FILE_BYTES a file on average, judged by CACHED_SAMPLES of them). Each such file costs
+#: tens of microseconds of Python in its worker, and workers only take turns at the interpreter:
+#: on the H200 machine the job of 20,000 cached 64 KiB files took 80 µs a file on one worker, 121
+#: on two and 190-226 on sixteen (benchmarks/RESULTS.md, "Many small files: where the time goes,
+#: and one worker when they are cached"). From the disk, or for larger files, every worker stays:
+#: there the disk's queue depth is what counts.
 HOT_SMALL_FILES_WORKERS = 1
 SMALL_FILE_BYTES = 1 << 20
 
