@@ -119,6 +119,10 @@ def test_headers_on_the_disk_are_read_on_threads_and_cached_ones_in_order(tmp_pa
         seen.clear()
         hot = gd.preload(tmp_path, device="cpu")
         assert set(seen) == {"MainThread"}
+        _evict(paths[8:])  # the first headers cached, the rest not: the sample is spread over the list
+        seen.clear()
+        gd.preload(tmp_path, device="cpu")
+        assert {n for n in seen if n.startswith("gdskit-headers")}
     for got in (cold, hot):
         assert set(got) == set(arrays) | {"raw.bin"}
         assert all(same(got[n], a) for n, a in arrays.items())

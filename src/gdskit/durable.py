@@ -28,6 +28,7 @@ from gdskit.errors import GdskitIsADirectoryError, InvalidArgumentError, NotAFil
 #: Files being written carry this ending (and a leading dot) until they are complete.
 TEMP_SUFFIX = ".gdskit-tmp"
 
+
 def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat_result]:
     """``os.open(path, flags, mode)`` of a file, with its ``fstat``, for positional I/O.
 

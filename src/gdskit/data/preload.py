@@ -55,9 +55,10 @@ def _read_ahead(src: Source) -> None:
         os.close(fd)
 
 
-#: Headers sampled to choose how the rest are read. From the page cache they are read one after
-#: another (about 13 µs each; threads would only take turns at the interpreter, two to three
-#: times slower); from the disk on the engine's threads, so that the disk has many reads at once.
+#: Headers sampled, spread over the list, to choose how they are all read. From the page cache
+#: they are read one after another (about 13 µs each; threads would only take turns at the
+#: interpreter, two to three times slower); where any sampled one is not cached, on the engine's
+#: threads, so that the disk has many reads at once.
 HEADER_SAMPLE = 8
 #: From the disk, files up to this size are asked into the page cache whole as their headers are
 #: read: one request a file instead of two (the header's, then the array's), and the reads after
@@ -69,7 +70,8 @@ def _layouts(sources: list[Source]) -> list[tuple[Layout, int]]:
     """Every file's layout and data offset, in order; the first bad file (in order) raises."""
     npys = [s for s in sources if _is_npy(s)]
     threads = min(worker_threads(), len(npys) // HEADER_SAMPLE)
-    if threads < 2 or not any(first_page_cached(s.path) is False for s in npys[:HEADER_SAMPLE]):
+    sample = {npys[k * (len(npys) - 1) // (HEADER_SAMPLE - 1)].path for k in range(HEADER_SAMPLE)} if npys else ()
+    if threads < 2 or not any(first_page_cached(p) is False for p in sample):
         return [_layout_and_offset(s) for s in sources]
     per = -(-len(sources) // threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="gdskit-headers") as pool:
