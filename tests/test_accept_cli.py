@@ -173,3 +173,25 @@ def test_an_unwritable_report_directory_exits_2(app, tmp_path):
 def test_relative_path_in_a_captured_tree_is_an_argument_error(app, tmp_path):
     res = run(app, "--root", fixture_root("no-gpu"), "relative/path", "--report", str(tmp_path / "r"))
     assert res.exit_code == 2
+
+
+def test_a_report_directory_with_other_files_is_refused_before_anything_runs(app, tmp_path):
+    """`--report .` or a folder of the user's own: gdskit accept writes report.md, check.json and
+    more there, so a directory that holds anything but an earlier accept report is refused."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "report.md").write_text("my own report")
+    res = run(app, "--root", fixture_root("nvme-ext4-nvfs"), "/data", "--report", str(mine), "--json")
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "report" in res.output
+    assert os.listdir(mine) == ["report.md"] and (mine / "report.md").read_text() == "my own report"
+
+
+def test_a_new_empty_or_earlier_report_directory_is_written(app, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for d in (tmp_path / "new", empty, empty):  # the third run writes over the report of the second
+        res = run(app, "--root", fixture_root("nvme-ext4-nvfs"), "/data", "--report", str(d), "--json")
+        assert res.exit_code == 0, res.output
+        validate(json.loads((d / "report.json").read_text()))
+        assert not [n for n in os.listdir(d) if n.startswith(".")], "a temporary was left behind"

@@ -8,11 +8,12 @@ JSON and CSV next to the acceptance report; the sweep's plot is bench's own.
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
-from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json
+from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json, write_text
 
 #: The two paths compared: the direct path and the CPU path it must beat.
 AB_PATHS = "cufile,bounce"
@@ -45,8 +46,9 @@ def _archive(ctx: AcceptContext, report: Any, stem: str, what: str) -> list[Arti
     from gdskit.bench.report import write_csv
 
     write_json(ctx.artifact(f"{stem}.json"), report.to_dict())
-    with open(ctx.artifact(f"{stem}.csv"), "w", encoding="utf-8", newline="") as fh:
-        write_csv(report.runs, fh)
+    rows = io.StringIO()
+    write_csv(report.runs, rows)
+    write_text(ctx.artifact(f"{stem}.csv"), rows.getvalue())
     return [Artifact("json", f"{stem}.json", f"{what}: full gdskit bench report (JSON)"),
             Artifact("csv", f"{stem}.csv", f"{what}: one row per run (CSV)")]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gdskit.durable import write_whole
+
 PATH_COLOURS = {"cufile": "#2b7bba", "bounce": "#e8871e", "host": "#7f7f7f"}
 
 
@@ -51,6 +53,8 @@ def ab_chart(report: Any, filename: str) -> bool:
     fig.suptitle(f"A/B: {p.get('op')}, {io} KiB I/O, {p.get('workers')} workers, cache {p.get('cache')}, "
                  f"{m.get('filesystem') or '?'} on {m.get('mount_source') or '?'}")
     fig.tight_layout()
-    fig.savefig(filename, dpi=100)
-    plt.close(fig)
+    try:
+        write_whole(filename, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return True

@@ -11,7 +11,7 @@ import base64
 import html
 import os
 
-from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult, write_json
+from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult, write_json, write_text
 
 MARKDOWN = "report.md"
 HTML = "report.html"
@@ -148,8 +148,6 @@ def write_report(report: AcceptReport, report_dir: str) -> dict[str, str]:
     paths = {"markdown": os.path.join(report_dir, MARKDOWN), "html": os.path.join(report_dir, HTML),
              "json": os.path.join(report_dir, JSON)}
     write_json(paths["json"], report.to_dict())
-    with open(paths["markdown"], "w", encoding="utf-8") as fh:
-        fh.write(to_markdown(report))
-    with open(paths["html"], "w", encoding="utf-8") as fh:
-        fh.write(to_html(report, report_dir))
+    write_text(paths["markdown"], to_markdown(report))
+    write_text(paths["html"], to_html(report, report_dir))
     return paths

@@ -7,6 +7,7 @@ written, and one broken item never hides the others.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -17,7 +18,10 @@ from typing import Any
 from gdskit.accept.context import ALL_ITEMS, AcceptContext, AcceptOptions
 from gdskit.accept.items import ITEMS
 from gdskit.accept.report import write_report
-from gdskit.accept.result import FAIL, TITLES, AcceptReport, ItemResult, not_applicable, result, write_json
+from gdskit.accept.result import (FAIL, SCHEMA, TITLES, AcceptReport, ItemResult, not_applicable, result,
+                                  write_json)
+from gdskit.durable import read_whole_file
+from gdskit.errors import InvalidArgumentError
 
 #: ``progress(item, title, result)``: called with ``result=None`` when an item starts, then with its result.
 ProgressFn = Callable[[int, str, "ItemResult | None"], None]
@@ -25,6 +29,37 @@ ProgressFn = Callable[[int, str, "ItemResult | None"], None]
 
 def default_report_dir(now: float | None = None) -> str:
     return os.path.abspath(time.strftime("gdskit-accept-%Y%m%d-%H%M%S", time.localtime(now)))
+
+
+def claim_report_dir(path: str) -> None:
+    """Make the report directory, or check that it may be written: new, empty, or holding an
+    earlier ``gdskit accept`` report (its files are then written over). Anything else holds
+    files of someone else's that report.md, check.json and the rest would replace.
+
+    Raises :class:`~gdskit.errors.InvalidArgumentError`, before any item runs.
+    """
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(f"--report {path!r} exists and is not a directory")
+    try:
+        entries = os.listdir(path)
+    except FileNotFoundError:
+        entries = []
+    except OSError as exc:
+        raise InvalidArgumentError(f"--report {path!r} cannot be read: {exc}") from None
+    if entries and not _holds_a_report(path):
+        raise InvalidArgumentError(
+            f"--report {path!r} holds other files ({', '.join(sorted(entries)[:3])}"
+            f"{', ...' if len(entries) > 3 else ''}), and gdskit accept writes report.md, report.json, "
+            "check.json and more there: name a new or empty directory")
+    os.makedirs(path, exist_ok=True)
+
+
+def _holds_a_report(path: str) -> bool:
+    try:
+        doc = json.loads(read_whole_file(os.path.join(path, "report.json")))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("schema") == SCHEMA
 
 
 def _machine(ctx: AcceptContext) -> dict[str, Any]:
@@ -59,7 +94,7 @@ def run_accept(options: AcceptOptions, progress: ProgressFn | None = None) -> Ac
         Bad arguments found before any item ran (a path outside a captured tree, ...).
     """
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(options.report_dir, exist_ok=True)
+    claim_report_dir(options.report_dir)
     ctx = AcceptContext(options)
     check = ctx.check_report()  # bad targets surface here, as argument errors, before anything runs
     write_json(ctx.artifact("check.json"), check.to_dict())
