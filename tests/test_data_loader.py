@@ -147,7 +147,8 @@ def test_state_dicts_of_other_loaders_are_refused(tokens, tmp_path):
             other.load_state_dict(state)
     target = gd.Loader(ds, 4, device="cpu", world_size=2, seed=3, shuffle=True)
     for broken in ({}, [], dict(state, batches_done=len(target) + 1), dict(state, epoch=-1),
-                   dict(state, batches_done="2"), dict(state, format="other")):
+                   dict(state, batches_done="2"), dict(state, format="other"),
+                   dict(state, epoch=2**64 - 3)):  # seed + epoch past what torch's generator takes
         with pytest.raises(gd.StateDictMismatchError):
             target.load_state_dict(broken)
     assert issubclass(gd.StateDictMismatchError, ValueError)
@@ -158,9 +159,14 @@ def test_bad_arguments(tokens, tmp_path):
     ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
     for kw in (dict(batch_size=0), dict(batch_size=-2), dict(batch_size=1.5), dict(batch_size=4, prefetch=-1),
                dict(batch_size=4, device="meta"), dict(batch_size=4, device="nonsense"),
-               dict(batch_size=4, rank=2, world_size=2), dict(batch_size=4, seed=-1)):
+               dict(batch_size=4, rank=2, world_size=2), dict(batch_size=4, seed=-1), dict(batch_size=4, seed=2**64)):
         with pytest.raises(InvalidArgumentError):
             gd.Loader(ds, **kw)
+    loader = gd.Loader(ds, 4, device="cpu", seed=2**64 - 10, shuffle=True)
+    loader.set_epoch(9)  # the last epoch torch's generator can seed
+    assert len(list(loader)) == len(loader)
+    with pytest.raises(InvalidArgumentError):
+        loader.set_epoch(10)
     with pytest.raises(InvalidArgumentError):
         gd.Loader(list(range(10)), 2, device="cpu")
     with pytest.raises(gd.DatasetTooSmallError):
@@ -375,3 +381,15 @@ print('exiting', flush=True)
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "exiting"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is not available")
+def test_a_gpu_asked_for_where_there_is_none_is_a_device_error(tokens, tmp_path):
+    """The default device is cuda:0: without CUDA, the loader and preload say so and how to go on."""
+    from gdskit.errors import DeviceUnavailableError
+
+    paths, _ = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    for make in (lambda: gd.Loader(ds, 4), lambda: gd.Loader(ds, 4, device=1), lambda: gd.preload(paths[0])):
+        with pytest.raises(DeviceUnavailableError, match="device='cpu'"):
+            make()

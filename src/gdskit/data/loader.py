@@ -34,7 +34,7 @@ from gdskit.data.layout import batch_view
 from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, check_counts, engine_view, plan_batch, read_now,
                               submit, target_device, wait)
 from gdskit.data.staging import Slot, Staging
-from gdskit.data.sampler import Shards, _int
+from gdskit.data.sampler import Shards, _int, epoch_of
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
                                     closed_at_exit, pinned_budget, settings_values, stats, stats_delta)
@@ -557,7 +557,7 @@ class Loader:
         :meth:`load_state_dict` stays); another epoch starts at its first batch and ends a
         pass under way.
         """
-        epoch = _int("epoch", epoch, 0)
+        epoch = epoch_of(epoch, self.seed)
         with self._lock:
             if epoch == self._epoch:
                 return
@@ -595,7 +595,7 @@ class Loader:
                 raise StateDictMismatchError(f"the state is of a loader with {key}={state.get(key)!r}, "
                                              f"this one has {getattr(self, key)!r}")
         try:
-            epoch = _int("epoch", state.get("epoch"), 0)
+            epoch = epoch_of(state.get("epoch"), self.seed)
             done = _int("batches_done", state.get("batches_done"), 0)
         except InvalidArgumentError as exc:
             raise StateDictMismatchError(f"a damaged state: {exc}") from None

@@ -24,6 +24,7 @@ from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
 from gdskit.errors import call_each
+from gdskit.formats._device import torch_device
 from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view, synchronized_device_views
 
 #: Files a loader keeps open at once (the least recently used is closed first).
@@ -280,6 +281,6 @@ def target_device(device: Any) -> torch.device:
         raise InvalidArgumentError(f"not a device: {device!r:.40}") from None
     if dev.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"batches go to a CUDA GPU or the CPU, not {dev}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda":
+        return torch_device(torch, dev)  # DeviceUnavailableError where this process has no such GPU
     return dev

@@ -22,7 +22,12 @@ from gdskit.data.errors import DatasetTooSmallError
 from gdskit.errors import InvalidArgumentError
 
 
-def _int(name: str, value: Any, low: int) -> int:
+#: The largest seed torch's generator takes (``manual_seed``: 64 bits): an epoch's order comes
+#: from ``seed + epoch``, as DistributedSampler's does, so the two together stay at most this.
+SEED_LIMIT = 2**64 - 1
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
     try:
@@ -31,7 +36,14 @@ def _int(name: str, value: Any, low: int) -> int:
         raise InvalidArgumentError(f"{name} must be an integer, got {value!r:.40}") from None
     if n < low:
         raise InvalidArgumentError(f"{name} must be >= {low}, got {n}")
+    if high is not None and n > high:
+        raise InvalidArgumentError(f"{name} must be <= {high}, got {n}")
     return n
+
+
+def epoch_of(epoch: Any, seed: int) -> int:
+    """``epoch`` checked: a whole number from 0 whose order ``seed + epoch`` torch can seed."""
+    return _int("epoch", epoch, 0, SEED_LIMIT - seed)
 
 
 def permutation(n: int, seed: int) -> np.ndarray:
@@ -59,7 +71,7 @@ class Shards:
         _int("batch_size", self.batch_size, 1)
         _int("world_size", self.world_size, 1)
         _int("rank", self.rank, 0)
-        _int("seed", self.seed, 0)
+        _int("seed", self.seed, 0, SEED_LIMIT)
         if self.rank >= self.world_size:
             raise InvalidArgumentError(f"rank {self.rank} is not below world_size {self.world_size}")
         if self.n <= 0:
@@ -85,7 +97,7 @@ class Shards:
 
     def order(self, epoch: int) -> np.ndarray:
         """Every rank's samples of ``epoch`` before they are dealt out (padded or cut to a multiple of the ranks)."""
-        _int("epoch", epoch, 0)
+        epoch_of(epoch, self.seed)
         base = permutation(self.n, self.seed + epoch) if self.shuffle else np.arange(self.n, dtype=np.int64)
         total = self.num_samples * self.world_size
         if total <= self.n:
