@@ -102,10 +102,11 @@ def test_profile_same_mount_point_other_device(tmp_path, monkeypatch):
     assert profile.threshold_for("/mnt/fast/a", mountinfo_text=other) is None
 
 
-def test_corrupt_store(tmp_path, monkeypatch):
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000 + "]" * 100_000])  # nested past the parser's depth
+def test_corrupt_store(tmp_path, monkeypatch, text):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     os.makedirs(tmp_path / "gdskit")
-    (tmp_path / "gdskit" / "profiles.json").write_text("{not json")
+    (tmp_path / "gdskit" / "profiles.json").write_text(text)
     assert profile.threshold_for("/mnt/fast/a", mountinfo_text=MOUNTINFO) is None  # never raises
     with pytest.raises(ConfigError):
         profile.save_profile("/mnt/fast/a", _knee(65536), mountinfo_text=MOUNTINFO)

@@ -92,6 +92,23 @@ def test_cufile_json_must_be_an_object():
         parse_cufile_json("[1, 2]")
     with pytest.raises(ValueError):
         parse_cufile_json('{"a": ')
+    for deep in ("[" * 100_000 + "]" * 100_000, '{"properties": ' + "{\"a\": " * 50_000 + "1" + "}" * 50_001):
+        with pytest.raises(ValueError, match="nested"):  # not a RecursionError out of gdskit check
+            parse_cufile_json(deep)
+
+
+def test_gdskit_check_reads_a_hostile_cufile_json_as_a_finding(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "cufile.json"
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+    env = {**os.environ, "CUFILE_ENV_PATH_JSON": str(bad), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "gdskit", "check", "--json"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=tmp_path)
+    assert "Traceback" not in out.stderr and "RecursionError" not in out.stderr, out.stderr[-2000:]
+    assert "nested" in out.stdout
 
 
 # --------------------------------------------------------------------------- PCI config space
@@ -165,3 +182,13 @@ def test_odirect_probe_leaves_nothing_behind(tmp_path):
 
 def test_odirect_probe_where_nothing_can_be_written_is_not_probed(tmp_path):
     assert probe_odirect(str(tmp_path / "does-not-exist")).status == "not-probed"
+
+
+def test_a_captured_tree_with_facts_nested_too_deep_reads_as_no_facts(tmp_path):
+    from gdskit.probe.root import FIXTURE_DIR, SystemRoot
+
+    (tmp_path / FIXTURE_DIR).mkdir()
+    for name in ("nvml.json", "env.json"):
+        (tmp_path / FIXTURE_DIR / name).write_text("[" * 100_000 + "]" * 100_000)
+    root = SystemRoot(str(tmp_path))
+    assert root.nvml_facts() is None and root.env == {}

@@ -70,7 +70,7 @@ def load(path: str | None = None) -> dict[str, Any]:
         data = json.loads(read_whole_file(path).decode("utf-8"))
     except FileNotFoundError:
         return {"schema_version": SCHEMA_VERSION, "profiles": {}}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"cannot read the profile store {path}: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
         raise ConfigError(f"{path} is not a gdskit profile store")

@@ -57,7 +57,7 @@ def claim_report_dir(path: str) -> None:
 def _holds_a_report(path: str) -> bool:
     try:
         doc = json.loads(read_whole_file(os.path.join(path, "report.json")))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("schema") == SCHEMA
 

@@ -214,8 +214,12 @@ def strip_json_comments(text: str) -> str:
 
 
 def parse_cufile_json(text: str) -> dict[str, Any]:
-    """Parse cufile.json text (comments allowed). Raises ``ValueError`` when malformed."""
-    data = json.loads(strip_json_comments(text))
+    """Parse cufile.json text (comments allowed). Raises ``ValueError`` when malformed, nested
+    deeper than Python's parser goes included (the path may come from the environment)."""
+    try:
+        data = json.loads(strip_json_comments(text))
+    except RecursionError:
+        raise ValueError("cufile.json is nested too deep to read") from None
     if not isinstance(data, dict):
         raise ValueError("cufile.json must hold a JSON object")
     return data

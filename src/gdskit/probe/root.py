@@ -154,7 +154,7 @@ class SystemRoot:
         try:
             with open(os.path.join(self.prefix, FIXTURE_DIR, name), encoding="utf-8") as fh:
                 data = json.load(fh)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # a captured tree is anyone's files
             return None
         return data if isinstance(data, dict) else None
 
