@@ -268,6 +268,30 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
 
 
 @pytest.mark.stand_in_gpu
+def test_a_file_gone_from_a_packed_job_is_named_and_nothing_is_left_open(tmp_path, fake_cuda, monkeypatch):
+    import gdskit.many_files as mf
+
+    packed = []
+    real = mf._packed
+    monkeypatch.setattr(mf, "_packed", lambda *a: packed.append(1) or real(*a))
+    files = _files(tmp_path, [6000 + i for i in range(100)], seed=8)
+    gone = files[50][0]  # not one of the files sampled for the page cache: the job is packed
+    assert 50 not in {k * 99 // (mf.CACHED_SAMPLES - 1) for k in range(mf.CACHED_SAMPLES)}
+    os.unlink(gone)
+    dests = [cuda.DeviceArray(len(d)) for _p, d in files]
+    fds, threads = fd_count(), _threads()
+    with pytest.raises(GdskitFileNotFoundError) as info:
+        read_files([FileReads(p, [(synchronized_device_view(a.ptr, a.nbytes, a), len(d), 0)])
+                    for (p, d), a in zip(files, dests)])
+    assert info.value.filename == gone and packed
+    assert fd_count() == fds and _threads() == threads
+    counts = read_files([FileReads(p, [(synchronized_device_view(a.ptr, a.nbytes, a), len(d), 0)])
+                         for (p, d), a in zip(files[:40], dests)])  # the lane taken back is sound
+    assert counts == [[len(d)] for _p, d in files[:40]]
+    assert [ctypes.string_at(a.ptr, a.nbytes) for a in dests[:40]] == [d for _p, d in files[:40]]
+
+
+@pytest.mark.stand_in_gpu
 def test_a_device_read_of_a_file_that_shrank_is_short(tmp_path):
     (path, data), = _files(tmp_path, [3 * CHUNK])
     os.truncate(path, CHUNK + 10)
