@@ -182,3 +182,63 @@ def test_write_whole_leaves_the_old_file_on_any_error_and_no_temporary(tmp_path)
 
     write_whole(out, whole)
     assert out.read_text() == "new" and os.listdir(tmp_path) == ["report.json"]
+
+
+def private_device(path, major, minor):
+    """A character device node of the test's own (``mknod``: root only), or the test is skipped."""
+    import stat
+
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    except (PermissionError, OSError) as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    return path
+
+
+def test_write_whole_writes_into_a_device_and_through_a_link_never_replacing_them(tmp_path):
+    """A name that is a character device (``/dev/null``, ``/dev/stdout`` on a terminal) is written
+    into, not replaced by a file; a symbolic link keeps pointing where it did, and what it points
+    to is replaced whole."""
+    import stat
+
+    from gdskit.durable import write_whole
+
+    def fill(text):
+        def write(tmp):
+            with open(tmp, "w") as fh:
+                fh.write(text)
+        return write
+
+    null = private_device(tmp_path / "null", 1, 3)  # never a system device: a failure would replace it
+    to_device = tmp_path / "sink"
+    to_device.symlink_to(null)
+    write_whole(to_device, fill("report"))
+    write_whole(null, fill("report"))
+    assert to_device.is_symlink() and os.readlink(to_device) == str(null)
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_whole(link, fill("new"))
+    assert link.is_symlink() and real.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "null", "real.json", "sink"]
+
+
+def test_an_output_that_is_a_fifo_or_a_block_device_is_refused(tmp_path):
+    from gdskit.durable import check_output_file
+    from gdskit.errors import InvalidArgumentError
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    targets = [fifo]
+    import stat
+
+    block = next((e.path for e in os.scandir("/dev") if stat.S_ISBLK(e.stat(follow_symlinks=False).st_mode)), None)
+    if block is not None:
+        (tmp_path / "disk").symlink_to(block)
+        targets.append(tmp_path / "disk")
+    for target in targets:
+        with pytest.raises(InvalidArgumentError, match="--out"):
+            check_output_file(str(target), "--out")
+    assert check_output_file("/dev/null", "--out") == "/dev/null"

@@ -175,6 +175,20 @@ def test_an_unwritable_report_file_exits_2_before_the_workload_runs(files, stats
     assert not ran.exists(), "the workload ran although its report could never be written"
 
 
+def test_a_report_into_a_device_is_written_into_it_never_replacing_it(files, stats_dir, tmp_path):
+    """A device node of the test's own like /dev/full (never a system device: a test that failed
+    would replace it): the report is written into it, whose ENOSPC is exit 2, and it stays a device."""
+    import stat
+
+    from test_atomic_and_faults import private_device
+
+    (tmp_path / "dev").mkdir()
+    full = private_device(tmp_path / "dev" / "full", 1, 7)
+    r = _gdskit_run(files, "--report", str(full), "--", sys.executable, "-c", "pass")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "gdskit run: error" in r.stderr, r.stderr
+    assert stat.S_ISCHR(os.stat(full).st_mode) and os.listdir(tmp_path / "dev") == ["full"]
+
+
 def test_the_report_file_is_replaced_whole(files, stats_dir, tmp_path):
     (tmp_path / "reports").mkdir()
     out = tmp_path / "reports" / "r.json"

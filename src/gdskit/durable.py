@@ -199,13 +199,21 @@ def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: s
 
 def check_output_file(name: str, option: str) -> str:
     """Check, before any work starts, that the output file a command-line ``option`` names can be
-    made: not a directory, in a directory that exists. Returns ``name``.
+    made: a file (new, or one to replace whole) in a directory that exists, or a character device
+    to write into (``/dev/null``); never a directory, FIFO, socket or block device (a report
+    written over a disk). Symbolic links are followed. Returns ``name``.
 
     Raises :class:`~gdskit.errors.InvalidArgumentError` naming the option.
     """
-    if os.path.isdir(name):
-        raise InvalidArgumentError(f"{option} {name!r} is a directory; name a file")
-    folder = os.path.dirname(os.path.abspath(name))
+    try:
+        mode = os.stat(name).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+        what = ("a directory" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise InvalidArgumentError(f"{option} {name!r} is {what}; name a file")
+    folder = os.path.dirname(os.path.realpath(name))
     if not os.path.isdir(folder):
         raise InvalidArgumentError(f"{option} {name!r}: the directory {folder!r} does not exist")
     return name
@@ -214,12 +222,26 @@ def check_output_file(name: str, option: str) -> str:
 def write_whole(path: str | os.PathLike[str], fill: Callable[[str], None]) -> None:
     """Have ``fill(tmp)`` write a new file at the hidden temporary path ``tmp`` beside ``path``,
     then rename it over ``path``: a reader sees the old file or the new one, never part of one.
-    On any error the temporary is removed and ``path`` is left as it was."""
-    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    On any error the temporary is removed and ``path`` is left as it was.
+
+    A symbolic link is followed: what it points to is replaced, the link stays. A character
+    device (``/dev/null``, a terminal) is written into by ``fill(path)``, never replaced by a
+    file; anything else that is not a file is refused (:func:`check_output_file`).
+    """
+    real = os.path.realpath(os.fspath(path))
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        check_output_file(real, "the output")
+        fill(real)
+        return
+    folder, name = os.path.split(real)
     owned = create_locked_temp(folder, name)
     try:
         fill(owned.path)
-        os.replace(owned.path, path)
+        os.replace(owned.path, real)
     except BaseException:
         owned.discard()
         raise
