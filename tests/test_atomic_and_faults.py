@@ -242,3 +242,32 @@ def test_an_output_that_is_a_fifo_or_a_block_device_is_refused(tmp_path):
         with pytest.raises(InvalidArgumentError, match="--out"):
             check_output_file(str(target), "--out")
     assert check_output_file("/dev/null", "--out") == "/dev/null"
+
+
+def test_atomic_saves_follow_links_and_never_replace_a_device(tmp_path):
+    """gdskit.open(..., atomic=True), and the checkpoint savers over it, replace a file whole: a
+    symbolic link keeps pointing where it did, and a device is refused, not replaced by a file."""
+    import stat
+
+    from gdskit.errors import NotAFileError
+
+    real = tmp_path / "ckpt.bin"
+    real.write_bytes(b"old")
+    link = tmp_path / "latest.bin"
+    link.symlink_to(real)
+    with gdskit.open(str(link), "w", atomic=True) as f:
+        f.write(bytearray(b"new"), 3, 0)
+    assert link.is_symlink() and real.read_bytes() == b"new"
+    null = private_device(tmp_path / "null", 1, 3)  # a node of the test's own, never /dev/null
+    with pytest.raises(NotAFileError):
+        gdskit.open(str(null), "w", atomic=True)
+    torch = pytest.importorskip("torch")
+    import gdskit.safetensors as gst
+    import gdskit.torch as gt
+
+    with pytest.raises(NotAFileError):
+        gst.save_file({"a": torch.zeros(2)}, null)
+    with pytest.raises(NotAFileError):
+        gt.save({"a": torch.zeros(2)}, null)
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.bin", "latest.bin", "null"]

@@ -62,6 +62,29 @@ def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat
     return fd, st
 
 
+def replacement_target(path: str) -> str:
+    """The file a write of ``path`` whole (a temporary renamed over it) replaces: ``path`` with its
+    symbolic links followed, so that a link keeps pointing where it did.
+
+    Raises :class:`GdskitIsADirectoryError` for a directory and :class:`NotAFileError` for a device,
+    FIFO or socket: a rename would replace it with a file (``/dev/null`` gone, as root).
+    """
+    real = os.path.realpath(path)
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return real
+    except OSError as exc:
+        raise from_os_error(exc, path) from exc
+    if stat.S_ISDIR(mode):
+        raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
+    if not stat.S_ISREG(mode):
+        what = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise NotAFileError(errno.ESPIPE, f"is {what}: a file written whole would replace it", path)
+    return real
+
+
 def read_whole_file(path: str) -> bytes:
     """Every byte of the file at ``path``, opened as :func:`open_file_fd` opens it (a FIFO is
     refused, never waited on); OS errors are :class:`GdskitIOError`\\ s naming ``path``."""

@@ -14,11 +14,11 @@ from typing import Any
 from gdskit import cuda
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.buffers import BufferView, adapt
-from gdskit.durable import create_locked_temp, fsync_dir, open_file_fd, remove_if_present, remove_stale_temps
+from gdskit.durable import (create_locked_temp, fsync_dir, open_file_fd, remove_if_present, remove_stale_temps,
+                            replacement_target)
 from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
-    GdskitIsADirectoryError,
     InvalidArgumentError,
     ReadOnlyBufferError,
     UnsupportedOperationError,
@@ -126,9 +126,9 @@ class File:
         self._target = self.path
         open_path = self.path
         if atomic:
-            d, name = os.path.split(os.path.abspath(self.path))
-            if os.path.isdir(self.path):
-                raise GdskitIsADirectoryError(21, "Is a directory", self.path)
+            # Links followed, a directory or device refused: the rename at close replaces a file only.
+            self._target = replacement_target(self.path)
+            d, name = os.path.split(self._target)
         flags = _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
         try:
             if atomic:

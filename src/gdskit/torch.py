@@ -27,7 +27,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps
+from gdskit.durable import (OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps,
+                            replacement_target)
 from gdskit.errors import DeviceUnavailableError, FormatError, GdskitError, GdskitIOError, from_os_error
 from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats._device import torch_device
@@ -99,8 +100,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
     of the call, so do not run ``torch.save`` in other threads meanwhile.
     """
     torch = _torch()
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    path = replacement_target(os.fspath(path))  # links followed; a directory or device refused
+    directory = os.path.dirname(path)
     name = os.path.basename(path)
     remove_stale_temps(directory, name)
     try:
