@@ -95,6 +95,21 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert not [n for n in os.listdir(os.path.dirname(store)) if n != "profiles.json"]
 
 
+def test_a_profile_store_that_is_a_link_stays_one(tmp_path, monkeypatch):
+    """A store kept elsewhere and linked into ~/.config (a dotfiles tree): the file it points to
+    is replaced whole, and the link stays."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    kept = tmp_path / "dotfiles" / "profiles.json"
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({"schema_version": profile.SCHEMA_VERSION, "profiles": {}}))
+    os.makedirs(tmp_path / "cfg" / "gdskit")
+    link = tmp_path / "cfg" / "gdskit" / "profiles.json"
+    link.symlink_to(kept)
+    profile.save_profile("/mnt/fast/a", _knee(65536), mountinfo_text=MOUNTINFO)
+    assert link.is_symlink() and list(json.loads(kept.read_text())["profiles"]) == ["/mnt/fast|259:1"]
+    assert os.listdir(kept.parent) == ["profiles.json"]
+
+
 def test_profile_same_mount_point_other_device(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     profile.save_profile("/mnt/fast/a", _knee(65536), mountinfo_text=MOUNTINFO)

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from typing import Any
 
-from gdskit.durable import read_whole_file
+from gdskit.durable import read_whole_file, write_whole
 from gdskit.errors import ConfigError, from_os_error
 
 SCHEMA_VERSION = 1
@@ -85,21 +84,15 @@ def store_entry(key: str, entry: dict[str, Any], path: str | None = None) -> Non
         store = load(path)
         store["schema_version"] = SCHEMA_VERSION
         store["profiles"][key] = entry
-        directory = os.path.dirname(path)
+        text = json.dumps(store, indent=2, sort_keys=True) + "\n"
+
+        def fill(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".profiles.", suffix=".json", dir=directory)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump(store, fh, indent=2, sort_keys=True)
-                    fh.write("\n")
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_whole(path, fill)  # a link to the store (a dotfiles tree) is followed, not replaced
         except OSError as exc:
             raise from_os_error(exc, path) from exc
         _cache.pop(path, None)
