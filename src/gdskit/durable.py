@@ -19,7 +19,6 @@ import fcntl
 import os
 import re
 import stat
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,7 +107,7 @@ _TOKEN = re.compile(r"[0-9a-f]{1,32}")
 def temp_name(name: str, token: str | None = None) -> str:
     """The hidden name a file called ``name`` has while it is being written (``token``
     tells writers apart; a random one by default)."""
-    return f".{name}.{token or uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+    return f".{name}.{token or os.urandom(6).hex()}{TEMP_SUFFIX}"  # not uuid: its import is on every loader's path
 
 
 def is_temp_name(name: str) -> bool:
