@@ -47,3 +47,12 @@ def test_split_aligned(off, boff, size, align):
         assert parts.body.file_offset % align == 0 and parts.body.size % align == 0
         assert parts.head is None or parts.head.size < align
         assert parts.tail is None or parts.tail.size < align
+
+
+def test_spread_samples_evenly_with_both_ends():
+    from gdskit.plan import spread
+
+    got = spread(30, 16)
+    assert got[0] == 0 and got[-1] == 29 and len(got) == 16 and got == sorted(set(got))
+    assert spread(5, 16) == [0, 1, 2, 3, 4] and spread(1, 8) == [0] and spread(0, 8) == [] and spread(9, 1) == [0]
+    assert spread(100, 2) == [0, 99]

@@ -238,10 +238,7 @@ def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:
     buffer-interface lookup and the per-request producer-stream wait that :func:`adapt`
     implies, which matter when hundreds of requests are submitted at once.
     """
-    info = cuda.pointer_info(ptr) if ptr else cuda.PointerInfo(MemoryKind.DEVICE, None)
-    if info.kind not in (MemoryKind.DEVICE, MemoryKind.MANAGED):
-        raise UnsupportedBufferError(f"memory at {ptr:#x} is not device memory ({info.kind.value})")
-    return BufferView(ptr, nbytes, info.kind, info.device, False, None, owner)
+    return synchronized_device_views([(ptr, nbytes, owner)])[0]
 
 
 def synchronized_device_views(allocations: Sequence[tuple[int, int, Any]]) -> list[BufferView]:

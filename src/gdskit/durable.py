@@ -28,6 +28,15 @@ from gdskit.errors import GdskitIsADirectoryError, InvalidArgumentError, NotAFil
 TEMP_SUFFIX = ".gdskit-tmp"
 
 
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words, for an error that refuses it."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a file"
+
+
 def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat_result]:
     """``os.open(path, flags, mode)`` of a file, with its ``fstat``, for positional I/O.
 
@@ -48,7 +57,7 @@ def open_file_fd(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat
             if stat.S_ISDIR(kind):
                 raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
             if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind) or os.isatty(fd):
-                what = "a FIFO" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else "a terminal"
+                what = "a terminal" if stat.S_ISCHR(kind) else _kind(kind)
                 raise NotAFileError(errno.ESPIPE, f"is {what}, not a file (gdskit reads and writes at offsets)", path)
         if not flags & os.O_NONBLOCK:
             # F_SETFL takes only the status flags (O_APPEND, O_DIRECT, ...) of those given: one call.
@@ -78,9 +87,7 @@ def replacement_target(path: str) -> str:
     if stat.S_ISDIR(mode):
         raise GdskitIsADirectoryError(errno.EISDIR, "Is a directory", path)
     if not stat.S_ISREG(mode):
-        what = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
-                "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise NotAFileError(errno.ESPIPE, f"is {what}: a file written whole would replace it", path)
+        raise NotAFileError(errno.ESPIPE, f"is {_kind(mode)}: a file written whole would replace it", path)
     return real
 
 
@@ -232,9 +239,7 @@ def check_output_file(name: str, option: str) -> str:
     except OSError:
         mode = None
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
-        what = ("a directory" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else
-                "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise InvalidArgumentError(f"{option} {name!r} is {what}; name a file")
+        raise InvalidArgumentError(f"{option} {name!r} is {_kind(mode)}; name a file")
     folder = os.path.dirname(os.path.realpath(name))
     if not os.path.isdir(folder):
         raise InvalidArgumentError(f"{option} {name!r}: the directory {folder!r} does not exist")
@@ -268,6 +273,15 @@ def write_whole(path: str | os.PathLike[str], fill: Callable[[str], None]) -> No
         owned.discard()
         raise
     owned.close()
+
+
+def write_text_whole(path: str | os.PathLike[str], text: str) -> None:
+    """``text`` (UTF-8) as the whole of the file ``path``, by :func:`write_whole`."""
+    def fill(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+
+    write_whole(path, fill)
 
 
 def remove_stale_temps(directory: str | os.PathLike[str], name: str) -> list[str]:

@@ -32,9 +32,9 @@ from gdskit.buffers import BufferView, adapt
 from gdskit.durable import open_file_fd
 from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBufferError, call_each
 from gdskit.ledger import ledger
-from gdskit.plan import Chunk, align_up, chunks, nonnegative_int
+from gdskit.plan import Chunk, align_up, chunks, nonnegative_int, spread
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.residency import Residency, new_mapping, residency
+from gdskit.residency import Residency, path_residency
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
 from gdskit.settings import Settings, settings
@@ -177,22 +177,12 @@ def _small_and_cached(paths: list[str], reads: list[list[_Read]]) -> bool:
     n = len(paths)
     if n < 2 or sum(r.size for rs in reads for r in rs) > n * SMALL_FILE_BYTES:
         return False
-    for i in sorted({k * (n - 1) // (CACHED_SAMPLES - 1) for k in range(CACHED_SAMPLES)}):
+    for i in spread(n, CACHED_SAMPLES):
         if not reads[i]:
             continue
         lo = min(r.file_offset for r in reads[i])
         hi = max(r.file_offset + r.size for r in reads[i])
-        try:
-            fd, _st = open_file_fd(paths[i], _FLAGS)
-        except OSError:
-            return False  # the job itself names the file
-        mapping = new_mapping()
-        try:
-            held = residency(fd, lo, hi - lo, mapping)
-        finally:
-            mapping.close()
-            os.close(fd)
-        if held is not Residency.ALL:
+        if path_residency(paths[i], lo, hi - lo) is not Residency.ALL:  # unknown counts as not cached
             return False
     return True
 
@@ -229,7 +219,7 @@ def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | N
     hot_small = any(dev is not None for dev in by_device) and _small_and_cached(paths, reads)
     for dev, units in by_device.items():
         n_lanes, chunk = layout[dev]
-        threads = HOT_SMALL_FILES_WORKERS if dev is not None and hot_small else cfg.threads
+        packed = dev is not None and hot_small
         per_file = [0] * len(jobs)
         for u in units:
             per_file[u.file] += 1
@@ -239,10 +229,11 @@ def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | N
                "budget": cfg.pinned_budget}
         t0 = time.perf_counter()
         try:
-            if dev is not None and hot_small:  # one worker, the files packed into its stages
-                (done,) = run_chunks([units], _packed(files, reads, cfg, on_bytes, work), threads=threads, **run)
+            if packed:  # one worker, the files packed into its stages
+                (done,) = run_chunks([units], _packed(files, reads, cfg, on_bytes, work),
+                                     threads=HOT_SMALL_FILES_WORKERS, **run)
             else:
-                done = run_chunks(units, work, threads=threads, **run)
+                done = run_chunks(units, work, threads=cfg.threads, **run)
         finally:
             files.close_all()
         _record_bounce(done, dev, time.perf_counter() - t0)

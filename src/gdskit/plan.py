@@ -105,3 +105,13 @@ def nonnegative_int(name: str, value: Any) -> int:
     if value < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices of ``range(n)`` spread evenly over it, the first and last included
+    (the files a job samples to judge all of them)."""
+    if n <= 0 or k <= 0:
+        return []
+    if k == 1 or n == 1:
+        return [0]
+    return sorted({i * (n - 1) // (k - 1) for i in range(k)})

@@ -24,7 +24,7 @@ import os
 import threading
 from typing import Any
 
-from gdskit.durable import read_whole_file, write_whole
+from gdskit.durable import read_whole_file, write_text_whole
 from gdskit.errors import ConfigError, from_os_error
 
 SCHEMA_VERSION = 1
@@ -84,15 +84,10 @@ def store_entry(key: str, entry: dict[str, Any], path: str | None = None) -> Non
         store = load(path)
         store["schema_version"] = SCHEMA_VERSION
         store["profiles"][key] = entry
-        text = json.dumps(store, indent=2, sort_keys=True) + "\n"
-
-        def fill(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_whole(path, fill)  # a link to the store (a dotfiles tree) is followed, not replaced
+            # a link to the store (a dotfiles tree) is followed, not replaced
+            write_text_whole(path, json.dumps(store, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             raise from_os_error(exc, path) from exc
         _cache.pop(path, None)

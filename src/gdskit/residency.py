@@ -18,6 +18,8 @@ import os
 import platform
 import threading
 
+from gdskit.durable import open_file_fd
+
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PAGE = mmap.PAGESIZE
 
@@ -162,3 +164,19 @@ def residency(fd: int, offset: int, length: int, mapping: FileMapping | None = N
 
 def new_mapping() -> FileMapping:
     return FileMapping()
+
+
+def path_residency(path: str, offset: int, length: int) -> Residency | None:
+    """:func:`residency` of ``[offset, offset + length)`` of the file at ``path`` (cut at its end),
+    opened for the question alone; None where the kernel cannot say or the file cannot be opened
+    (the read that follows reports that)."""
+    try:
+        fd, st = open_file_fd(path, os.O_RDONLY)
+    except OSError:
+        return None
+    mapping = new_mapping()
+    try:
+        return residency(fd, offset, max(0, min(length, st.st_size - offset)), mapping)
+    finally:
+        mapping.close()
+        os.close(fd)

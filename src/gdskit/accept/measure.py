@@ -13,7 +13,8 @@ import json
 from typing import Any
 
 from gdskit.accept.context import AcceptContext
-from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json, write_text
+from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json
+from gdskit.durable import write_text_whole
 
 #: The two paths compared: the direct path and the CPU path it must beat.
 AB_PATHS = "cufile,bounce"
@@ -48,7 +49,7 @@ def _archive(ctx: AcceptContext, report: Any, stem: str, what: str) -> list[Arti
     write_json(ctx.artifact(f"{stem}.json"), report.to_dict())
     rows = io.StringIO()
     write_csv(report.runs, rows)
-    write_text(ctx.artifact(f"{stem}.csv"), rows.getvalue())
+    write_text_whole(ctx.artifact(f"{stem}.csv"), rows.getvalue())
     return [Artifact("json", f"{stem}.json", f"{what}: full gdskit bench report (JSON)"),
             Artifact("csv", f"{stem}.csv", f"{what}: one row per run (CSV)")]
 

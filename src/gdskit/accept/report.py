@@ -11,7 +11,8 @@ import base64
 import html
 import os
 
-from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult, write_json, write_text
+from gdskit.accept.result import FAIL, NA, PASS, AcceptReport, ItemResult, write_json
+from gdskit.durable import write_text_whole
 
 MARKDOWN = "report.md"
 HTML = "report.html"
@@ -148,6 +149,6 @@ def write_report(report: AcceptReport, report_dir: str) -> dict[str, str]:
     paths = {"markdown": os.path.join(report_dir, MARKDOWN), "html": os.path.join(report_dir, HTML),
              "json": os.path.join(report_dir, JSON)}
     write_json(paths["json"], report.to_dict())
-    write_text(paths["markdown"], to_markdown(report))
-    write_text(paths["html"], to_html(report, report_dir))
+    write_text_whole(paths["markdown"], to_markdown(report))
+    write_text_whole(paths["html"], to_html(report, report_dir))
     return paths

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from gdskit.durable import write_whole
+from gdskit.durable import write_text_whole
 
 SCHEMA = "gdskit.accept"
 SCHEMA_VERSION = 1
@@ -142,13 +142,5 @@ def write_json(path: str, data: Any) -> None:
     """One report file: indented JSON, anything else as its string, the directory made if missing;
     written whole (a temporary renamed over it)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    write_text_whole(path, json.dumps(data, indent=2, default=str) + "\n")
 
-
-def write_text(path: str, text: str) -> None:
-    """``text`` as the whole of the report file ``path``: the old file or the new one, never part of one."""
-    def fill(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-
-    write_whole(path, fill)

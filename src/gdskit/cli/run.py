@@ -44,7 +44,7 @@ def run(
 ) -> None:
     from gdskit.errors import GdskitError, GdskitFileNotFoundError, GdskitIOError, WorkloadTimeoutError
     from gdskit.cli import cli_errors
-    from gdskit.durable import check_output_file, write_whole
+    from gdskit.durable import check_output_file, write_text_whole
     from gdskit.telemetry import run_workload
 
     if report_file:
@@ -70,14 +70,8 @@ def run(
         raise typer.Exit(2) from None
     doc = report.to_dict()
     if report_file:
-        text = json.dumps(doc, indent=2) + "\n"
-
-        def fill(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-
-        with cli_errors("run"):
-            write_whole(report_file, fill)  # the old report or the new one, never part of one
+        with cli_errors("run"):  # the old report or the new one, never part of one
+            write_text_whole(report_file, json.dumps(doc, indent=2) + "\n")
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:

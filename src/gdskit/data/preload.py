@@ -19,6 +19,7 @@ from gdskit.formats._engine import read_files as engine_read_files
 from gdskit.formats._engine import first_page_cached, no_wait, start_warm_up, stats, stats_delta, worker_threads
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.plan import spread
 
 __all__ = ["preload"]
 
@@ -70,7 +71,7 @@ def _layouts(sources: list[Source]) -> list[tuple[Layout, int]]:
     """Every file's layout and data offset, in order; the first bad file (in order) raises."""
     npys = [s for s in sources if _is_npy(s)]
     threads = min(worker_threads(), len(npys) // HEADER_SAMPLE)
-    sample = {npys[k * (len(npys) - 1) // (HEADER_SAMPLE - 1)].path for k in range(HEADER_SAMPLE)} if npys else ()
+    sample = [npys[i].path for i in spread(len(npys), HEADER_SAMPLE)]
     if threads < 2 or not any(first_page_cached(p) is False for p in sample):
         return [_layout_and_offset(s) for s in sources]
     per = -(-len(sources) // threads)

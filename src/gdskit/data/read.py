@@ -25,7 +25,7 @@ from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
 from gdskit.errors import call_each
 from gdskit.formats._device import torch_device
-from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_view, synchronized_device_views
+from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_views
 
 #: Files a loader keeps open at once (the least recently used is closed first).
 OPEN_FILES = 64
@@ -244,9 +244,7 @@ def abandon(jobs: Sequence[Job]) -> None:
 def engine_view(raw: torch.Tensor) -> BufferView:
     """The engine's view of a flat uint8 tensor, worked out once for all the reads into it. A CUDA
     tensor's producer work is the caller's to order (see the loader's stream hand-off)."""
-    if raw.is_cuda:
-        return synchronized_device_view(raw.data_ptr(), raw.numel(), raw)
-    return adapt(raw)
+    return engine_views([raw])[0]
 
 
 def engine_views(raws: Sequence[torch.Tensor]) -> list[BufferView]:

@@ -91,19 +91,9 @@ def worker_threads() -> int:
 def first_page_cached(path: str) -> bool | None:
     """Whether the page cache holds the first page of the file at ``path``; None where it
     cannot say or the file cannot be opened (the read that follows reports that)."""
-    from gdskit.durable import open_file_fd
-    from gdskit.residency import Residency, new_mapping, residency
+    from gdskit.residency import Residency, path_residency
 
-    try:
-        fd, st = open_file_fd(path, os.O_RDONLY)
-    except OSError:
-        return None
-    mapping = new_mapping()
-    try:
-        held = residency(fd, 0, min(st.st_size, 4096), mapping)
-    finally:
-        mapping.close()
-        os.close(fd)
+    held = path_residency(path, 0, 4096)
     return None if held is None else held is Residency.ALL
 
 
