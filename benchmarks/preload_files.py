@@ -1,17 +1,20 @@
-"""Where `gdskit.data.preload` of many small `.npy` files spends its time, by worker count, hot
-and cold, next to the raw O_DIRECT read of the same files.
+"""`gdskit.data.preload` of many small `.npy` files, hot and cold, by how the files are read,
+next to the raw O_DIRECT read of the same files.
 
-Hot: each phase of a preload timed apart (resolve the list, read the headers, make the tensors,
-make the engine's views, the engine's many-file job), in microseconds a file. Cold: whole preloads
-with the page cache dropped before each (root: all of it; else each file's pages), interleaved
-with `raw_disk.odirect_io` of the same files on 16 threads, rounds in alternating order.
+Two ways are compared in one run: ``whole`` (the default: each file of at most 1 MiB read whole,
+header and array in one read, by ``gdskit.whole_files``) and ``headers-N`` (every header read
+first, then the arrays by the many-file job on N workers: what preload did before, forced here by
+``preload.WHOLE_FILE_MAX = 0``). Hot: whole preloads, µs a file (best of ``--rounds``). Cold: whole
+preloads with the page cache dropped before each (root: all of it; else each file's pages),
+interleaved with `raw_disk.odirect_io` of the same files on 16 threads, rounds in alternating order.
 
-    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 1,2,4,16 --cold --rounds 2
+    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 2,16 --cold --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -36,65 +39,58 @@ def make_files(directory: str, count: int, nbytes: int) -> list[str]:
     return paths
 
 
-def hot_phases(paths: list[str], device: str, threads: int) -> dict[str, float]:
-    """One preload's phases, µs a file, under ``settings.threads = threads``."""
-    import torch
-
+@contextlib.contextmanager
+def way(label: str):
+    """Preload's reads as ``label`` names them (``whole``, ``headers-N``)."""
     import gdskit
-    from gdskit.data import sources
-
-    from gdskit.formats._gc import collector_paused
 
     pre = importlib.import_module("gdskit.data.preload")
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    with gdskit.settings.set(threads=threads), collector_paused():  # as preload itself runs
-        t = [time.perf_counter()]
-        srcs = sources.resolve(paths)
-        t.append(time.perf_counter())
-        layouts = pre._layouts(srcs)
-        t.append(time.perf_counter())
-        raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=device) for lay, _ in layouts]
-        sync()
-        t.append(time.perf_counter())
-        reads = [(pre.FileReads(s, ((lay.nbytes, off, 0),)), view)
-                 for s, (lay, off), view in zip(srcs, layouts, pre.engine_views(raws))]
-        t.append(time.perf_counter())
-        pre.read_files(reads)
-        sync()
-        t.append(time.perf_counter())
-    names = ("resolve", "headers", "empty", "views", "engine_job")
-    out = {n: (b - a) / len(paths) * 1e6 for n, a, b in zip(names, t, t[1:])}
-    out["total"] = (t[-1] - t[0]) / len(paths) * 1e6
-    return out
+    keep = pre.WHOLE_FILE_MAX
+    if label == "whole":
+        yield
+        return
+    pre.WHOLE_FILE_MAX = 0
+    try:
+        with gdskit.settings.set(threads=int(label.split("-")[1])):
+            yield
+    finally:
+        pre.WHOLE_FILE_MAX = keep
 
 
-def cold_runs(paths: list[str], device: str, threads: list[int], rounds: int) -> dict[str, list[float]]:
-    """GB/s of whole cold preloads by thread count and of the raw O_DIRECT read, interleaved."""
+def timed_preload(paths: list[str], device: str, label: str) -> float:
+    """Seconds of one whole preload, read as ``label`` says, to the device's synchronize."""
     import torch
 
-    import gdskit
     import gdskit.data as gd
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with way(label):
+        t0 = time.perf_counter()
+        got = gd.preload(paths, device=device)
+        sync()
+        took = time.perf_counter() - t0
+    del got
+    return took
+
+
+def cold_runs(paths: list[str], device: str, labels: list[str], rounds: int) -> dict[str, list[float]]:
+    """GB/s of whole cold preloads each way and of the raw O_DIRECT read, interleaved."""
     from page_cache import drop_caches
     from raw_disk import odirect_io
 
     nbytes = sum(os.path.getsize(p) for p in paths)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def preload_on(n: int):
-        def run() -> None:
-            with gdskit.settings.set(threads=n):
-                gd.preload(paths, device=device)
-        return run
+    def raw() -> float:
+        t0 = time.perf_counter()
+        odirect_io(paths, 16, 16 << 20)
+        return time.perf_counter() - t0
 
-    runs = [("odirect-16", lambda: odirect_io(paths, 16, 16 << 20))] + [(f"gdskit-{n}", preload_on(n)) for n in threads]
+    runs = [("odirect-16", raw)] + [(label, lambda lb=label: timed_preload(paths, device, lb)) for label in labels]
     out: dict[str, list[float]] = {}
     for r in range(rounds):
         for label, fn in (runs if r % 2 == 0 else runs[::-1]):
             drop_caches(paths)
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            rate = nbytes / (time.perf_counter() - t0) / 1e9
+            rate = nbytes / fn() / 1e9
             out.setdefault(label, []).append(rate)
             print(f"# round {r + 1} cold {label}: {rate:.3f} GB/s", file=sys.stderr, flush=True)
     return out
@@ -106,34 +102,39 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=20_000)
     ap.add_argument("--bytes", type=int, default=65536, help="array bytes a file (after its 128-byte header)")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--threads", default="1,2,4,16", help="worker counts (settings.threads), comma list")
+    ap.add_argument("--threads", default="2,16",
+                    help="worker counts of the headers-first way (settings.threads), comma list")
     ap.add_argument("--cold", action="store_true", help="also whole preloads from the disk (drops the page cache)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    threads = [int(x) for x in args.threads.split(",")]
+    labels = ["whole"] + [f"headers-{int(x)}" for x in args.threads.split(",")]
     paths = make_files(args.dir, args.files, args.bytes)
 
     import torch
 
     import gdskit.data as gd
+    from gdskit.formats._gc import collector_paused
 
     if args.device.startswith("cuda"):
         torch.empty(1, device=args.device)
     for p in paths:  # hot: every file in the page cache
         with open(p, "rb") as fh:
             fh.read()
-    gd.preload(paths[:200], device=args.device)  # the engine set up once
+    for label in labels:
+        with way(label):
+            gd.preload(paths[:200], device=args.device)  # the engine set up once each way
+    nbytes = sum(os.path.getsize(p) for p in paths)
     result: dict[str, object] = {"files": len(paths), "bytes": args.bytes, "device": args.device, "hot": {}}
-    cols = ("resolve", "headers", "empty", "views", "engine_job", "total")
-    print(f"{'threads':>7} " + " ".join(f"{c:>10}" for c in cols) + "   (hot, µs a file)")
-    for n in threads:
-        ph = hot_phases(paths, args.device, n)
-        result["hot"][n] = ph  # type: ignore[index]
-        print(f"{n:>7} " + " ".join(f"{ph[k]:>10.1f}" for k in cols))
+    print(f"{'way':>12} {'µs a file':>10} {'GB/s':>7}   (hot, best of {args.rounds})")
+    for label in labels:
+        with collector_paused():
+            best = min(timed_preload(paths, args.device, label) for _ in range(args.rounds))
+        result["hot"][label] = best  # type: ignore[index]
+        print(f"{label:>12} {best / len(paths) * 1e6:>10.1f} {nbytes / best / 1e9:>7.3f}")
     if args.cold:
-        cold = cold_runs(paths, args.device, threads, args.rounds)
+        cold = cold_runs(paths, args.device, labels, args.rounds)
         result["cold_gb_s"] = cold
         for label, rates in cold.items():
             print(f"cold {label:>12}: " + ", ".join(f"{r:.3f}" for r in rates) + " GB/s")

@@ -4,6 +4,8 @@ memory stays within the read-ahead."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -122,5 +124,65 @@ def test_many_shards_preload_as_one_job_into_their_tensors(tmp_path):
     assert list(got) == sorted(arrays)
     for name, a in arrays.items():
         assert got[name].is_cuda and np.array_equal(got[name].cpu().numpy(), a)
-    assert delta.bytes_read == sum(a.nbytes for a in arrays.values())
+    # Files of at most 1 MiB are read whole, header and all; the larger one's array alone.
+    whole = [n for n in arrays if os.path.getsize(tmp_path / n) <= 1 << 20]
+    assert len(whole) == 150
+    assert delta.bytes_read == (sum(os.path.getsize(tmp_path / n) for n in whole) + arrays["big.npy"].nbytes)
     assert "host" not in delta.paths
+
+
+def test_small_files_cold_and_hot_with_raw_and_empty_files_equal_np_load(tmp_path):
+    """Small files read whole (the header parsed from the bytes read), from the disk with O_DIRECT
+    and from the page cache, beside larger files read by the many-file job."""
+    from backend_conformance import drop_cache
+
+    rng = np.random.default_rng(2)
+    arrays = {f"s{i:03d}.npy": rng.random((int(rng.integers(0, 60)), 33)).astype(">i2" if i % 5 == 0 else "<f4")
+              for i in range(400)}
+    arrays["fortran.npy"] = np.asfortranarray(rng.random((30, 7)))
+    arrays["large.npy"] = rng.random((2 << 20) // 8)
+    for name, a in arrays.items():
+        np.save(tmp_path / name, a)
+    (tmp_path / "raw.bin").write_bytes(b"\x01\x02\x03")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    for p in paths[::2]:
+        drop_cache(p)
+    for round_ in ("part cold", "hot"):
+        got, delta = gd.preload(tmp_path, device="cuda:0", return_stats=True)
+        assert list(got) == sorted(list(arrays) + ["raw.bin", "empty.bin"])
+        for name, a in arrays.items():
+            t = got[name].cpu().numpy()
+            assert got[name].is_cuda and t.dtype == a.dtype.newbyteorder("=") and np.array_equal(t, a), (round_, name)
+        assert bytes(got["raw.bin"].cpu().numpy()) == b"\x01\x02\x03" and got["empty.bin"].numel() == 0
+        assert set(delta.paths) <= {"bounce-cached", "bounce-direct"}, delta.paths
+        if round_ == "hot":
+            assert "bounce-direct" not in delta.paths, delta.paths
+        for p in paths:  # into the page cache (O_DIRECT reads leave nothing there)
+            with open(p, "rb") as f:
+                f.read()
+
+
+def test_the_first_bad_file_in_order_is_named_whether_read_whole_or_not(tmp_path):
+    from leak_helpers import fd_count
+
+    for k in range(60):
+        np.save(tmp_path / f"{k:03d}.npy", np.arange(k + 1))
+    np.save(tmp_path / "030.npy", np.zeros(3 << 20, dtype=np.uint8))   # read by the many-file job
+    np.save(tmp_path / "050.npy", np.zeros(3 << 20, dtype=np.uint8))
+    files = [str(tmp_path / f"{k:03d}.npy") for k in range(60)]
+    bad_small = b"\x93NUMPY\x01\x00\x08\x00{}      "
+    (tmp_path / "040.npy").write_bytes(bad_small)
+    fds = fd_count()
+    with pytest.raises(gd.NpyHeaderError, match="040.npy"):
+        gd.preload(files, device="cuda:0")
+    with open(files[50], "r+b") as f:
+        f.write(b"junk")  # the large file's header broken: found before anything is read
+    with pytest.raises(gd.NpyHeaderError, match="040.npy"):
+        gd.preload(files, device="cuda:0")   # the small one comes first in the list
+    with pytest.raises(gd.NpyHeaderError, match="050.npy"):
+        gd.preload(files[41:], device="cuda:0")
+    os.truncate(files[20], 200)  # the header whole, the array short
+    with pytest.raises(gd.TruncatedFileError, match="020.npy"):
+        gd.preload(files, device="cuda:0")
+    assert fd_count() == fds

@@ -207,3 +207,29 @@ def test_many_shards_of_every_size_equal_np_load(tmp_path):
         assert np.array_equal(got[name].numpy(), a) and got[name].shape == a.shape
     assert got["raw.bin"].numpy().tobytes() == b"\x01\x02" * 40_000
     assert fd_count() == fds
+
+
+def test_a_small_file_read_whole_gets_its_layout_from_the_bytes_read(tmp_path):
+    """Into GPU memory a small file is read whole and its header parsed from those bytes
+    (``_layout_in``, run by the engine's workers as each file lands)."""
+    from gdskit.data.layout import from_numpy
+    from gdskit.data.preload import _layout_in
+    from gdskit.data.sources import Source
+
+    a = np.asfortranarray(np.arange(12, dtype=">i4").reshape(3, 4))
+    np.save(tmp_path / "a.npy", a)
+    data = (tmp_path / "a.npy").read_bytes()
+    src = Source("a.npy", str(tmp_path / "a.npy"), len(data))
+    lay, off = _layout_in(src, memoryview(data))
+    assert (lay, off) == (from_numpy(a.dtype, a.shape, True), len(data) - a.nbytes)
+    with pytest.raises(gd.TruncatedFileError, match="shorter than when it was listed"):
+        _layout_in(src, memoryview(data[:-1]))
+    short = Source("a.npy", src.path, len(data) - 1)
+    with pytest.raises(gd.TruncatedFileError, match="header describes"):
+        _layout_in(short, memoryview(data[:-1]))
+    for bad in (b"\x93NUMPY\x01\x00\x08\x00{}      ", data[:20], b""):
+        with pytest.raises(gd.NpyHeaderError, match="a.npy"):
+            _layout_in(Source("a.npy", src.path, len(bad)), memoryview(bad))
+    raw = Source("r.bin", str(tmp_path / "r.bin"), 5)
+    lay, off = _layout_in(raw, memoryview(b"12345"))
+    assert (lay.nbytes, off) == (5, 0) and lay.dtype == torch.uint8

@@ -526,3 +526,50 @@ def test_a_cold_unaligned_batch_under_always_stays_o_direct_read_by_read(data_fi
     assert (uring.activity() - before).batches == 0
     _check_bytes(buf, data, offsets, [i * 4098 for i in range(len(offsets))], 4098, counts)
     assert _uncached_after(path, offsets, 4098)
+
+
+# -- many files, each read once (read_each) -------------------------------------------------------------
+@needs_uring
+@hsettings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 9000), min_size=1, max_size=300), seed=st.integers(0, 99))
+def test_read_each_reads_each_descriptors_own_range_as_pread_does(data_file, sizes, seed):
+    path, data = data_file
+    rng = np.random.default_rng(seed)
+    fds = [os.open(path, os.O_RDONLY) for _ in range(3)]
+    try:
+        which = rng.integers(0, 3, len(sizes)).tolist()
+        offsets = [int(rng.integers(0, SIZE + 100)) for _ in sizes]  # some at and past the end
+        places = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+        buf = bytearray(sum(sizes))
+        ring = uring.ring_for_thread()
+        got = ring.read_each([fds[w] for w in which], memoryview(buf), offsets, places, sizes)
+        for off, bo, n, k in zip(offsets, places, sizes, got):
+            want = data[off:off + n]
+            assert k == len(want) and bytes(buf[bo:bo + k]) == want
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@needs_uring
+def test_read_each_reports_each_reads_own_error_and_checks_its_arguments(data_file):
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+    wfd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        ring = uring.ring_for_thread()
+        buf = bytearray(300)
+        got = ring.read_each([fd, wfd, fd], memoryview(buf), [0, 0, 10], [0, 100, 200], [100, 100, 100])
+        assert got == [100, -errno.EBADF, 100] and bytes(buf[200:300]) == data[10:110]
+        for bad in ([100, 100, 101], [0, 100, 0]):
+            with pytest.raises(ValueError):
+                ring.read_each([fd] * 3, memoryview(buf), [0] * 3, [0, 100, 200], bad)
+        with pytest.raises(ValueError):
+            ring.read_each([fd, fd], memoryview(buf), [0], [0, 1], [1, 1])
+        assert ring.read_each([], memoryview(buf), [], [], []) == []
+        # A batch of one size on one descriptor after one of many: the SQEs are filled afresh.
+        counts = ring.read(fd, memoryview(buf), [5, 7, 9], [0, 100, 200], 50)
+        assert counts == [50] * 3 and bytes(buf[100:150]) == data[7:57]
+    finally:
+        os.close(fd)
+        os.close(wfd)

@@ -522,6 +522,25 @@ os.register_at_fork(before=ledger._lock.acquire, after_in_parent=ledger._lock.re
                     after_in_child=ledger._lock.release)
 
 
+def record_bounce_pieces(pieces: Iterable[tuple[Reason, int, int]], device: int | None, elapsed: float) -> None:
+    """Record a job's bounce-ring pieces, each ``(reason, nbytes, cached)`` (``cached`` of its bytes
+    came through the page cache, the rest O_DIRECT), as one row per reason and path; ``elapsed``,
+    the job's time, is shared among the rows by their bytes."""
+    rows: dict[tuple[Path, Reason], list[int]] = {}  # -> [bytes, pieces]
+    items = list(pieces)
+    total = sum(nbytes for _r, nbytes, _c in items) or 1
+    for reason, nbytes, cached in items:
+        cached = min(cached, nbytes)
+        for path, n in ((Path.BOUNCE_CACHED, cached), (Path.BOUNCE_DIRECT, nbytes - cached)):
+            if n or (path is Path.BOUNCE_CACHED and not nbytes):
+                row = rows.setdefault((path, reason), [0, 0])
+                row[0] += n
+                row[1] += 1
+    for (path, reason), (nbytes, count) in rows.items():
+        ledger.record(path, reason, "read", nbytes, count, elapsed * nbytes / total, device=device,
+                      requests=count)
+
+
 def stats() -> Stats:
     """A snapshot of bytes, ops and busy time per path and per reason since start (or the last reset)."""
     return ledger.snapshot()

@@ -31,14 +31,14 @@ from gdskit.backends.staged import ChunkResult, read_to_stage
 from gdskit.buffers import BufferView, adapt
 from gdskit.durable import open_file_fd
 from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBufferError, call_each
-from gdskit.ledger import ledger
+from gdskit.ledger import record_bounce_pieces
 from gdskit.plan import Chunk, align_up, chunks, nonnegative_int, spread
 from gdskit.pool import LaneRef, lanes, run_chunks
 from gdskit.residency import Residency, path_residency
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import Path, Reason
+from gdskit.vocabulary import Reason
 
 __all__ = ["FileReads", "read_files"]
 
@@ -386,21 +386,8 @@ def _packed(files: _Files, reads: list[list[_Read]], cfg: Settings, on_bytes: Ca
 
 
 def _record_bounce(done: list[_Done], device: int | None, elapsed: float) -> None:
-    """The ledger's record of the bounce ring's pieces, one row per reason and path (the host
-    and cuFile backends record their own)."""
-    rows: dict[tuple[Path, Reason], list[int]] = {}  # -> [bytes, pieces]
-    total = sum(d.nbytes for d in done) or 1
-    for d in done:
-        for reason, nbytes, cached in d.bounce or ():
-            cached = min(cached, nbytes)
-            for path, n in ((Path.BOUNCE_CACHED, cached), (Path.BOUNCE_DIRECT, nbytes - cached)):
-                if n or (path is Path.BOUNCE_CACHED and not nbytes):
-                    row = rows.setdefault((path, reason), [0, 0])
-                    row[0] += n
-                    row[1] += 1
-    for (path, reason), (nbytes, pieces) in rows.items():
-        ledger.record(path, reason, "read", nbytes, pieces, elapsed * nbytes / total, device=device,
-                      requests=pieces)
+    """The ledger's record of the bounce ring's pieces (the host and cuFile backends record their own)."""
+    record_bounce_pieces((piece for d in done for piece in d.bounce or ()), device, elapsed)
 
 
 def _read_deferred(paths: list[str], reads: list[list[_Read]], units: list[tuple[_Unit, _Done]],

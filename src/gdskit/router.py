@@ -17,7 +17,7 @@ from gdskit.direct_route import direct_route
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
 from gdskit.plan import split_aligned
 from gdskit.settings import Settings
-from gdskit.vocabulary import Mode, Reason
+from gdskit.vocabulary import Mode, Reason, Routing
 
 
 @dataclass(slots=True)
@@ -45,6 +45,23 @@ def _direct_threshold(f: OpenFile, cfg: Settings) -> int:
 
     measured = f.threshold.get(lookup)
     return cfg.direct_threshold if measured is None else measured
+
+
+def bounce_for_any_file(cfg: Settings) -> Reason | None:
+    """Why every read of device memory (cudaMalloc-style) goes through the bounce ring under
+    ``cfg`` whatever file it reads, or None where the router must see each file (cuFile may serve
+    some, or routing through another GPU may be forced): the one answer for jobs that read many
+    files without asking about each."""
+    if cfg.routing is Routing.FORCE and cuda.device_count() > 1:
+        return None
+    if cfg.mode is Mode.BOUNCE:
+        return Reason.FORCED_BY_SETTING
+    if cfg.mode is not Mode.AUTO:
+        return None
+    route = direct_route()
+    if route.route is None:
+        return route.reason or Reason.NVIDIA_FS_MISSING
+    return None
 
 
 def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,

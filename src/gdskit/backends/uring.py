@@ -375,8 +375,41 @@ class Ring:
             self.close()
         return results
 
-    def _round(self, fd: int, offs: Sequence[int], places: Sequence[int], base: int, size: int,
-               results: list[int]) -> int:
+    def read_each(self, fds: Sequence[int], view: memoryview, file_offsets: Sequence[int],
+                  buf_offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read ``sizes[k]`` bytes at ``file_offsets[k]`` of ``fds[k]`` into ``view`` at
+        ``buf_offsets[k]``, for every ``k`` (many files, each read once); each read's result, as
+        :meth:`read` gives it, with the same guarantee: it returns (or raises) only when no read
+        it submitted can write into ``view`` any more."""
+        n = len(fds)
+        if not len(file_offsets) == len(buf_offsets) == len(sizes) == n:
+            raise ValueError("one descriptor, file offset, buffer offset and size per read")
+        if not n:
+            return []
+        size = np.asarray(sizes, dtype=np.int64)
+        place = np.asarray(buf_offsets, dtype=np.int64)
+        if int(size.min()) <= 0 or int(size.max()) >= 1 << 31:
+            raise ValueError("each read's size must be 1 byte to 2 GiB")
+        if int(place.min()) < 0 or int((place + size).max()) > view.nbytes:
+            raise ValueError("a read falls outside the memory it reads into")
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        results: list[int] = []
+        enters = 0
+        with self._use:
+            if self.closed:
+                raise RuntimeError("the ring is closed")
+            step = self.entries
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                enters += self._round(fds[start:stop], file_offsets[start:stop], buf_offsets[start:stop], base,
+                                      sizes[start:stop], results)
+        _note(batches=1, reads=n, enters=enters)
+        if self._closing:
+            self.close()
+        return results
+
+    def _round(self, fd: int | Sequence[int], offs: Sequence[int], places: Sequence[int], base: int,
+               size: int | Sequence[int], results: list[int]) -> int:
         """At most ``entries`` reads: submit them, wait for every one the kernel took, append each
         one's result to ``results``; how many ``io_uring_enter`` calls that took."""
         k = len(offs)
@@ -388,11 +421,16 @@ class Ring:
         addr = self._addr[:k]
         addr[:] = places
         addr += base
-        filled_fd, filled_size, filled = self._filled
-        if filled_fd != fd or filled_size != size or filled < k:  # a batch's later rounds find them set
+        if isinstance(fd, int) and isinstance(size, int):
+            filled_fd, filled_size, filled = self._filled
+            if filled_fd != fd or filled_size != size or filled < k:  # a batch's later rounds find them set
+                self._fd[:k] = fd
+                self._len[:k] = size
+                self._filled = (fd, size, k)
+        else:  # one descriptor and size a read
             self._fd[:k] = fd
             self._len[:k] = size
-            self._filled = (fd, size, k)
+            self._filled = (-1, -1, 0)
         _put(self._array, tail & self._sq_mask, k, self._iota[:k])
         out = self._results
         completed = enters = 0

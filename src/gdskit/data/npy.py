@@ -313,8 +313,17 @@ def read_header(path: str | os.PathLike[str], *, whole_file_ahead: int = 0) -> t
         raise from_os_error(exc, name) from exc
     finally:
         os.close(fd)
+    return header_of(name, head), size
+
+
+def header_of(name: str, data: bytes | memoryview) -> NpyHeader:
+    """The header at the start of ``data``, the first bytes of the ``.npy`` file ``name`` (at least
+    its whole header; a whole small file read at once); errors name the file."""
     try:
-        return _parse_known(bytes(head[:need])), size
+        need = header_length(bytes(data[:12]))
+        if need > len(data):
+            return parse_header(bytes(data))  # says how short it is
+        return _parse_known(bytes(data[:need]))
     except (NpyHeaderError, UnsupportedDtypeError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
 

@@ -16,7 +16,9 @@ from gdskit.data.read import FileReads, engine_views, target_device
 from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
 from gdskit.formats._engine import read_files as engine_read_files
-from gdskit.formats._engine import first_page_cached, no_wait, start_warm_up, stats, stats_delta, worker_threads
+from gdskit.formats._engine import read_whole_files as engine_read_whole_files
+from gdskit.formats._engine import (first_page_cached, no_wait, start_warm_up, stats, stats_delta,
+                                    whole_file_limit, worker_threads)
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.plan import spread
@@ -67,18 +69,73 @@ HEADER_SAMPLE = 8
 WHOLE_FILE_AHEAD = 1 << 20
 
 
-def _layouts(sources: list[Source]) -> list[tuple[Layout, int]]:
-    """Every file's layout and data offset, in order; the first bad file (in order) raises."""
+Failure = tuple[int, BaseException]  # (the file's place in the list, its error)
+
+
+def _layouts(sources: list[Source]) -> tuple[list[tuple[Layout, int]], Failure | None]:
+    """Every file's layout and data offset, in order, up to the first bad file (in order), whose
+    place and error come second."""
     npys = [s for s in sources if _is_npy(s)]
     threads = min(worker_threads(), len(npys) // HEADER_SAMPLE)
     sample = [npys[i].path for i in spread(len(npys), HEADER_SAMPLE)]
     if threads < 2 or not any(first_page_cached(p) is False for p in sample):
-        return [_layout_and_offset(s) for s in sources]
+        return _part_layouts(sources, 0, 0)
     per = -(-len(sources) // threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="gdskit-headers") as pool:
-        parts = [pool.submit(lambda part: [_layout_and_offset(s, WHOLE_FILE_AHEAD) for s in part], sources[k:k + per])
+        parts = [pool.submit(_part_layouts, sources[k:k + per], k, WHOLE_FILE_AHEAD)
                  for k in range(0, len(sources), per)]
-    return [lay for part in parts for lay in part.result()]  # the first failed part, in order, raises
+    out: list[tuple[Layout, int]] = []
+    for part in parts:
+        lays, bad = part.result()
+        out.extend(lays)
+        if bad is not None:
+            return out, bad
+    return out, None
+
+
+def _part_layouts(sources: list[Source], first: int, whole_file_ahead: int) -> tuple[list[tuple[Layout, int]],
+                                                                                     Failure | None]:
+    out = []
+    for k, s in enumerate(sources):
+        try:
+            out.append(_layout_and_offset(s, whole_file_ahead))
+        except Exception as exc:  # noqa: BLE001 - raised by the caller, first in list order
+            return out, (first + k, exc)
+    return out, None
+
+
+#: Files up to this size are read whole into GPU memory, header and array in one read
+#: (:mod:`gdskit.whole_files`); larger ones have their headers read first and are striped
+#: over the engine's workers by the many-file job.
+WHOLE_FILE_MAX = 1 << 20
+
+
+def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]) -> list[tuple[Any, Layout]]:
+    """Small files read whole, each file's tensor made as its bytes arrive: ``(tensor, layout)``
+    for each, in order. The first bad file (in order) raises."""
+    made: list[Any] = [None] * len(sources)
+
+    def place(i: int, data: memoryview) -> tuple[tuple[int, int, int], ...]:
+        lay, off = _layout_in(sources[i], data)
+        raw = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
+        made[i] = (raw, lay)
+        return ((raw.data_ptr(), off, lay.nbytes),) if lay.nbytes else ()
+
+    engine_read_whole_files([s.path for s in sources], [s.size for s in sources], dev.index, place, on_bytes)
+    return made
+
+
+def _layout_in(src: Source, data: memoryview) -> tuple[Layout, int]:
+    """A whole file's layout and where its bytes start, from its bytes as read."""
+    if len(data) < src.size:
+        raise TruncatedFileError(f"{src.path}: read {len(data)} of its {src.size} bytes; the file is shorter "
+                                 "than when it was listed (truncated or shrank)")
+    if not _is_npy(src):
+        return Layout(torch.uint8, (src.size,)), 0
+    h = npy.header_of(src.path, data)
+    if src.size < h.data_offset + h.nbytes:
+        raise TruncatedFileError(f"{src.path}: {src.size} bytes, but its header describes {h.data_offset + h.nbytes}")
+    return from_numpy(h.dtype, h.shape, h.fortran_order), h.data_offset
 
 
 def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], None] | None = None) -> None:
@@ -135,26 +192,52 @@ def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = Non
 def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: bool) -> Any:
     dev = target_device(device)
     sources = resolve(files)
-    layouts = _layouts(sources)  # every header checked before anything is read
-    total = sum(lay.nbytes for lay, _ in layouts)
+    whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" else 0
+    in_whole = [0 < whole_max and s.size <= whole_max for s in sources]
+    whole = [s for s, w in zip(sources, in_whole) if w]
+    rest = [s for s, w in zip(sources, in_whole) if not w]
+    layouts, bad = _layouts(rest)  # the larger files' headers, checked before anything is read
+    if bad is not None:
+        bad_at = [k for k, w in enumerate(in_whole) if not w][bad[0]]
+        if not any(in_whole[:bad_at]):
+            raise bad[1]
+        whole = [s for s, w in zip(sources[:bad_at], in_whole) if w]  # an earlier bad one among these?
+    rest_bytes = sum(lay.nbytes for lay, _ in layouts)
+    total = sum(s.size for s in whole) + rest_bytes
     before = stats()
-    # The engine's pinned stages are made in the background while the tensors are allocated.
-    wait_for_warm_up = start_warm_up(dev.index, total) if dev.type == "cuda" else no_wait
-    try:
-        raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
-        if dev.type == "cuda":
+    with Progress(total, progress, "preloading") as prog:
+        if whole:
             # Blocks torch's allocator hands out may still be used by queued work; the engine
             # writes from its own streams. One wait for the device covers every read.
             torch.cuda.synchronize(dev)
-    finally:
-        wait_for_warm_up()
-    reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
-             for s, (lay, off), view in zip(sources, layouts, engine_views(raws))]
-    with Progress(total, progress, "preloading") as prog:
-        read_files(reads, prog.advance)
-    out = {s.key: batch_view(raw, 1, lay)[0] for s, (lay, _), raw in zip(sources, layouts, raws)}
+            made = _read_whole(whole, dev, prog.advance)
+            if bad is not None:
+                raise bad[1]
+        # The engine's pinned stages are made in the background while the tensors are allocated.
+        wait_for_warm_up = start_warm_up(dev.index, rest_bytes) if dev.type == "cuda" and rest else no_wait
+        try:
+            raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
+            if dev.type == "cuda" and raws:
+                torch.cuda.synchronize(dev)
+        finally:
+            wait_for_warm_up()
+        if raws:
+            reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
+                     for s, (lay, off), view in zip(rest, layouts, engine_views(raws))]
+            read_files(reads, prog.advance)
+    landed = iter(made) if whole else iter(())
+    read = iter(zip(raws, layouts))
+    out = {}
+    for s, w in zip(sources, in_whole):
+        raw, lay = next(landed) if w else _first(next(read))
+        out[s.key] = batch_view(raw, 1, lay)[0]
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # byte swaps, if any, are done when this returns
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+
+
+def _first(pair: tuple[Any, tuple[Layout, int]]) -> tuple[Any, Layout]:
+    raw, (lay, _off) = pair
+    return raw, lay

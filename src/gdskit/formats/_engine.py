@@ -49,6 +49,21 @@ def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
     return engine_read_files([FileReads(p, r) for p, r in jobs], on_bytes=on_bytes)
 
 
+def whole_file_limit(device: int) -> int:
+    """The largest file :func:`read_whole_files` takes into ``device``'s memory now; 0 where
+    its reads must be routed file by file (cuFile may serve some)."""
+    from gdskit import whole_files
+    return whole_files.limit(device)
+
+
+def read_whole_files(paths: list[str], sizes: list[int], device: int, place: Callable[[int, memoryview], Any],
+                     on_bytes: Callable[[int], None] | None = None) -> None:
+    """Small files read whole into pinned stages and landed on ``device`` where ``place`` says
+    (``gdskit.whole_files``)."""
+    from gdskit import whole_files
+    whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes)
+
+
 def stats() -> Any:
     """A snapshot of the engine's ledger."""
     from gdskit.ledger import stats as ledger_stats

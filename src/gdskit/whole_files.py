@@ -1,0 +1,277 @@
+"""Whole small files into GPU memory: each file one read into a pinned stage, placed by its caller.
+
+A job of many small files (a dataset of one sample a file) read the usual way pays, per file, a
+header read and then the array's read, each with its own open, page-cache question, read, copy and
+event, and from the disk two requests that wait one after the other. Here each file is opened once
+and read whole, in one request, into the next slot of a worker's pinned stage:
+
+- the reads of a stage's files (up to a ring's worth) go to the kernel in one ``io_uring_enter``
+  (:mod:`gdskit.backends.uring`), so the disk has them all at once and cached files cost one system
+  call between them; where io_uring does not work, each file is one ``preadv``;
+- the caller's ``place`` then sees each file's bytes in host memory and says where in GPU memory
+  which of them go (the data layer parses an ``.npy`` header and makes the file's tensor there);
+- the stage goes to the GPU in one batched copy with one event.
+
+Two workers take stages in turn, so that one parses and copies while the other's reads are at the
+disk (more would only take turns at the interpreter). Each file is read through the page cache
+where it holds any of the file, else with O_DIRECT (its aligned span; the one decision is
+:func:`gdskit.backends.staged.direct_for`), under ``settings.odirect``. Only a job the bounce ring
+serves whatever the file comes here (:func:`gdskit.router.bounce_for_any_file`); the ledger
+records its bytes as bounce-cached or bounce-direct with that reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gdskit.backends.base import pread_full
+from gdskit.backends.staged import direct_for
+from gdskit.durable import open_file_fd
+from gdskit.errors import InvalidArgumentError, from_os_error
+from gdskit.ledger import record_bounce_pieces
+from gdskit.plan import align_up, nonnegative_int
+from gdskit.pool import LaneRef, lanes, run_chunks
+from gdskit.residency import residency
+from gdskit.router import bounce_for_any_file
+from gdskit.settings import Settings, settings
+from gdskit.vocabulary import IoUring, ODirectPolicy, Reason
+
+__all__ = ["Copy", "Place", "WORKERS", "limit", "read_whole_files"]
+
+#: ``(device address, offset in the file's bytes, bytes)``: one copy of part of a file to the GPU.
+Copy = tuple[int, int, int]
+#: ``place(index, data) -> copies``: called in a worker with file ``index``'s bytes as read (at most
+#: its listed size); the copies it returns land the file in GPU memory. ``data`` is valid only
+#: during the call. An exception it raises is the file's error.
+Place = Callable[[int, memoryview], Sequence[Copy]]
+
+#: Workers with io_uring: one parses and copies while another's reads are at the disk. Without
+#: it, each read blocks its worker and the engine's ``threads`` serve, for the disk's sake.
+WORKERS = 2
+
+# The descriptor's status flags once its kind is known: read through the page cache, or O_DIRECT.
+_BUFFERED, _DIRECT = 0, getattr(os, "O_DIRECT", 0)
+
+
+def limit(device: int) -> int:
+    """The largest file :func:`read_whole_files` takes into ``device``'s memory under the current
+    settings (a worker's stage holds it); 0 where the reads must be routed file by file."""
+    cfg = settings.snapshot()
+    if bounce_for_any_file(cfg) is None:
+        return 0
+    return lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)[1]
+
+
+@dataclass(slots=True)
+class _Job:
+    paths: Sequence[str]
+    sizes: Sequence[int]
+    place: Place
+    reason: Reason
+    cfg: Settings
+    ring: bool
+    on_bytes: Callable[[int], None] | None
+    lock: threading.Lock
+    errors: list[tuple[int, BaseException]]
+    pieces: list[tuple[Reason, int, int]]
+    direct_refused: bool = False
+
+
+def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, place: Place,
+                     *, on_bytes: Callable[[int], None] | None = None) -> None:
+    """Read each file of ``paths`` whole (its listed ``sizes[i]`` bytes, at most) and land it in
+    ``device``'s memory where ``place`` says (see :data:`Place`). Only for files of at most
+    :func:`limit` bytes, where that is not 0.
+
+    The copies ``place`` returns must name device memory of ``device`` free of queued work.
+    Every copy has landed when this returns. After a file fails (it cannot be opened or read,
+    or ``place`` raises) no further stage is started; those under way finish, and the error of
+    the first failed file in list order is raised. ``on_bytes`` gets each stage's bytes copied.
+    """
+    if len(paths) != len(sizes):
+        raise InvalidArgumentError("one size per file")
+    cfg = settings.snapshot()
+    n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
+    stage_bytes = chunk + 2 * cfg.alignment
+    reason = bounce_for_any_file(cfg)
+    if reason is None:
+        raise InvalidArgumentError("these reads must be routed file by file: read them by the many-file job")
+    sizes = [nonnegative_int("size", s) for s in sizes]
+    if sizes and max(sizes) > chunk:
+        raise InvalidArgumentError(f"a file of {max(sizes)} bytes is larger than a stage ({chunk} bytes); "
+                                   "read it by the many-file job")
+    ring = cfg.io_uring is IoUring.AUTO and _ring_usable()
+    job = _Job(paths, sizes, place, reason, cfg, ring, on_bytes, threading.Lock(), [], [])
+    groups = _groups(sizes, stage_bytes, cfg.alignment)
+    t0 = time.perf_counter()
+    try:
+        run_chunks(groups, lambda ref, g: _stage(job, ref, g), device=device, stage_bytes=stage_bytes,
+                   threads=WORKERS if ring else cfg.threads, max_lanes=n_lanes, budget=cfg.pinned_budget)
+    finally:
+        record_bounce_pieces(job.pieces, device, time.perf_counter() - t0)
+    if job.errors:
+        raise min(job.errors, key=lambda e: e[0])[1]
+
+
+def _ring_usable() -> bool:
+    from gdskit.backends import uring  # noqa: PLC0415 - numpy and the ring only where a job needs them
+
+    return uring.availability().usable is True
+
+
+def _groups(sizes: list[int], stage_bytes: int, align: int) -> list[tuple[int, int]]:
+    """Consecutive files, ``(first, end)``, whose aligned slots fill at most a stage and a ring."""
+    from gdskit.backends.uring import RING_ENTRIES  # noqa: PLC0415
+
+    out: list[tuple[int, int]] = []
+    first, fill = 0, 0
+    for i, size in enumerate(sizes):
+        slot = align_up(size, align)
+        if i > first and (fill + slot > stage_bytes or i - first >= RING_ENTRIES):
+            out.append((first, i))
+            first, fill = i, 0
+        fill += slot
+    if first < len(sizes):
+        out.append((first, len(sizes)))
+    return out
+
+
+def _stage(job: _Job, ref: LaneRef, group: tuple[int, int]) -> None:
+    """One stage's files: opened, read into the stage, placed, copied in one batch, closed."""
+    if job.errors:
+        return  # a file failed: start nothing more
+    first, end = group
+    align = job.cfg.alignment
+    lane = ref.get()
+    assert lane.stream is not None
+    stage, event = lane.next_stage()  # waits for the copies that last used it
+    fds: list[tuple[int, int, int, int]] = []  # (index, fd, slot, status flags)
+    try:
+        slot = 0
+        for i in range(first, end):
+            size = job.sizes[i]
+            if size:
+                try:
+                    fd, flags = _open(job, job.paths[i], size)
+                except Exception as exc:  # noqa: BLE001 - the file's error, raised in list order later
+                    _failed(job, i, exc)
+                    continue
+                fds.append((i, fd, slot, flags))
+            slot += align_up(size, align)
+        got = _read(job, stage.view, fds)
+        copies: list[tuple[int, int, int]] = []
+        pieces: list[tuple[Reason, int, int]] = []
+        read = {i: (s, n, fl) for (i, _fd, s, _fl), (n, fl) in zip(fds, got)}
+        for i in range(first, end):
+            if job.sizes[i] == 0:
+                s, n, fl = 0, 0, _BUFFERED
+            elif i in read:
+                s, n, fl = read[i]
+                if n < 0:
+                    continue  # its error is recorded
+            else:
+                continue  # could not be opened
+            try:
+                for dst, start, nbytes in job.place(i, stage.view[s:s + n]):
+                    if not (0 <= start and 0 <= nbytes and start + nbytes <= n):
+                        raise InvalidArgumentError(f"a copy of {nbytes} bytes at {start} is outside the file's {n}")
+                    if nbytes:
+                        copies.append((dst, stage.ptr + s + start, nbytes))
+            except Exception as exc:  # noqa: BLE001 - the file's error, raised in list order later
+                _failed(job, i, exc)
+                continue
+            if job.sizes[i]:  # an empty file reads nothing
+                pieces.append((job.reason, n, n if fl == _BUFFERED else 0))
+    finally:
+        for _i, fd, _s, _fl in fds:
+            os.close(fd)
+    if copies:
+        lane.stream.copy_h2d_many(copies)
+        assert event is not None
+        event.record(lane.stream)
+    with job.lock:
+        job.pieces.extend(pieces)
+    if job.on_bytes is not None and copies:
+        job.on_bytes(sum(c[2] for c in copies))
+
+
+def _failed(job: _Job, index: int, exc: BaseException) -> None:
+    with job.lock:
+        job.errors.append((index, exc))
+
+
+def _open(job: _Job, path: str, size: int) -> tuple[int, int]:
+    """The file opened for its whole read, and whether through the page cache or O_DIRECT: one
+    ``F_SETFL`` sets that and clears the ``O_NONBLOCK`` of the FIFO-safe open."""
+    fd, _st = open_file_fd(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        policy = job.cfg.odirect
+        direct = (_DIRECT and not job.direct_refused and policy is not ODirectPolicy.NEVER
+                  and (policy is ODirectPolicy.ALWAYS or direct_for(residency(fd, 0, size), size)))
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, _DIRECT if direct else _BUFFERED)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            job.direct_refused = True  # this filesystem takes no O_DIRECT: the page cache, from now on
+            direct = False
+            fcntl.fcntl(fd, fcntl.F_SETFL, _BUFFERED)
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError):
+            raise from_os_error(exc, path) from exc
+        raise
+    return fd, _DIRECT if direct else _BUFFERED
+
+
+def _read(job: _Job, view: memoryview, fds: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
+    """Each opened file's bytes read into its slot: the count (at most its listed size), or -1
+    where it failed (recorded), and how it was read (``_BUFFERED``, ``_DIRECT``). One ring
+    submission for all where io_uring works; a read that does not come back whole is done again
+    alone by the plain loop, which reports errors."""
+    align = job.cfg.alignment
+    spans = [align_up(job.sizes[i], align) if fl == _DIRECT else job.sizes[i] for i, _fd, _s, fl in fds]
+    got: list[int] = [-1] * len(fds)
+    if job.ring and fds:
+        from gdskit.backends import uring  # noqa: PLC0415
+
+        ring = uring.ring_for_thread()
+        if ring is not None:
+            got = ring.read_each([fd for _i, fd, _s, _fl in fds], view, [0] * len(fds),
+                                 [s for _i, _fd, s, _fl in fds], spans)
+    out = []
+    for k, (i, fd, s, fl) in enumerate(fds):
+        size = job.sizes[i]
+        n = got[k]
+        if n < size:  # short, failed or not submitted: the plain loop, exactly
+            try:
+                n, fl = _read_plain(job, fd, fl, view[s:s + spans[k]], job.paths[i], -n if n < 0 else 0)
+            except Exception as exc:  # noqa: BLE001 - the file's error, raised in list order later
+                _failed(job, i, exc)
+                n = -1
+        out.append((min(n, size), fl))
+    return out
+
+
+def _read_plain(job: _Job, fd: int, flags: int, slot: memoryview, path: str, err: int) -> tuple[int, int]:
+    """One file's read by ``preadv`` and how it was read; an O_DIRECT refusal (EINVAL, from the
+    ring as ``err`` or from the read) reads it through the page cache."""
+    if flags == _DIRECT:
+        try:
+            if err != errno.EINVAL:
+                return pread_full(fd, slot, 0, path, alignment=job.cfg.alignment), _DIRECT
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        job.direct_refused = True
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, _BUFFERED)
+        except OSError as exc:
+            raise from_os_error(exc, path) from exc
+    return pread_full(fd, slot, 0, path), _BUFFERED

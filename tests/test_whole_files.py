@@ -1,0 +1,166 @@
+"""Whole small files into GPU memory (``gdskit.whole_files``), on the stand-in CUDA driver: each
+file's bytes against the file, in one batched copy a stage; page cache or O_DIRECT by the
+policy and the cache; errors named, the first in list order, nothing left open."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+import gdskit
+from backend_conformance import drop_cache
+from gdskit import cuda
+from gdskit import whole_files as wf
+from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError
+from leak_helpers import fd_count
+
+pytestmark = pytest.mark.stand_in_gpu
+
+CHUNK = 64 << 10
+SIZES = [1, 100, 4095, 4096, 4097, 9000, 20_000, 0, 30_001] * 12 + [CHUNK]
+
+
+def _files(tmp_path, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        p = tmp_path / f"w{i:04d}.bin"
+        p.write_bytes(data)
+        out.append((str(p), data))
+    return out
+
+
+class _Landing:
+    """A ``place`` that lands each file, less its first ``skip`` bytes, in device memory of its own."""
+
+    def __init__(self, files, skip=0):
+        self.files, self.skip = files, skip
+        self.dest: dict[int, cuda.DeviceArray] = {}
+        self.seen: dict[int, int] = {}
+
+    def __call__(self, i, data):
+        self.seen[i] = len(data)
+        n = max(0, len(data) - self.skip)
+        a = self.dest[i] = cuda.DeviceArray(max(1, n))
+        return [(a.ptr, self.skip, n)] if n else []
+
+    def landed(self, i):
+        return ctypes.string_at(self.dest[i].ptr, max(0, len(self.files[i][1]) - self.skip))
+
+
+def _read(files, place, **kw):
+    wf.read_whole_files([p for p, _d in files], [len(d) for _p, d in files], 0, place, **kw)
+
+
+@pytest.mark.parametrize("odirect", ["auto", "always", "never"])
+@pytest.mark.parametrize("io_uring", ["auto", "never"])
+def test_every_file_lands_whole_with_one_copy_call_a_stage(tmp_path, fake_cuda, odirect, io_uring):
+    files = _files(tmp_path, SIZES)
+    place = _Landing(files, skip=7)
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=4, odirect=odirect, io_uring=io_uring):
+        _read(files, place)  # the workers' io_uring rings stay, one a thread, for the next job
+        before, calls = gdskit.stats(), dict(fake_cuda.calls)
+        fds, landed = fd_count(), []
+        _read(files, place, on_bytes=landed.append)
+    assert place.seen == {i: len(d) for i, (_p, d) in enumerate(files)}
+    assert all(place.landed(i) == d[7:] for i, (_p, d) in enumerate(files))
+    delta = gdskit.stats() - before
+    assert delta.bytes_read == sum(len(d) for _p, d in files)  # the files' bytes read, header and all
+    assert sum(landed) == sum(max(0, len(d) - 7) for _p, d in files)  # and those copied
+    assert set(delta.paths) == ({"bounce-direct"} if odirect == "always" else {"bounce-cached"})
+    assert {str(r) for r in delta.reasons} == {"forced_by_setting"}
+    copies = {k: fake_cuda.calls.get(k, 0) - calls.get(k, 0) for k in ("cuMemcpyBatchAsync", "cuMemcpyHtoDAsync")}
+    assert 0 < copies["cuMemcpyBatchAsync"] + copies["cuMemcpyHtoDAsync"] < len(files) // 4, copies
+    assert fd_count() == fds
+
+
+def test_files_the_page_cache_does_not_hold_are_read_with_o_direct(tmp_path, fake_cuda):
+    files = _files(tmp_path, [5000, 8192, 100_000 - 1] * 5 + [3])
+    for p, _d in files[:8]:
+        drop_cache(p)
+    from gdskit.formats._engine import first_page_cached
+
+    if first_page_cached(files[0][0]) is not False:
+        pytest.skip("this system cannot drop a file's pages from the page cache")
+    place = _Landing(files)
+    before = gdskit.stats()
+    with gdskit.settings.set(mode="bounce", chunk_size="256KiB", odirect="auto"):
+        _read(files, place)
+    assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
+    delta = gdskit.stats() - before
+    assert delta.paths["bounce-direct"].bytes == sum(len(d) for _p, d in files[:8])
+    assert delta.paths["bounce-cached"].bytes == sum(len(d) for _p, d in files[8:])
+
+
+def test_the_first_bad_file_in_list_order_is_raised_and_nothing_is_left_open(tmp_path, fake_cuda):
+    files = _files(tmp_path, [3000] * 300)
+    os.unlink(files[250][0])
+    place = _Landing(files)
+
+    def fussy(i, data):
+        if i in (180, 40):
+            raise gdskit.errors.InvalidArgumentError(f"file {i} is not wanted")
+        return place(i, data)
+
+    fds = fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=4):
+        with pytest.raises(InvalidArgumentError, match="file 40 "):
+            _read(files, fussy)
+        with pytest.raises(GdskitFileNotFoundError, match=r"w0250\.bin"):
+            _read(files[200:], place)
+    assert fd_count() == fds
+
+
+def test_a_file_that_shrank_is_handed_over_short(tmp_path, fake_cuda):
+    files = _files(tmp_path, [10_000, 10_000, 10_000])
+    os.truncate(files[1][0], 4000)
+    place = _Landing(files)
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB"):
+        _read(files, place)
+    assert place.seen == {0: 10_000, 1: 4000, 2: 10_000}
+
+
+def test_a_file_that_grew_is_read_to_its_listed_size(tmp_path, fake_cuda):
+    files = _files(tmp_path, [10_000, 5000])
+    with open(files[0][0], "ab") as f:
+        f.write(b"x" * 3000)
+    place = _Landing(files)
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="always"):
+        _read(files, place)
+    assert place.seen == {0: 10_000, 1: 5000} and place.landed(0) == files[0][1]
+
+
+def test_a_copy_outside_the_files_bytes_is_refused(tmp_path, fake_cuda):
+    files = _files(tmp_path, [1000])
+    a = cuda.DeviceArray(2000)
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB"):
+        with pytest.raises(InvalidArgumentError, match="outside"):
+            _read(files, lambda i, data: [(a.ptr, 10, 995)])
+
+
+def test_files_larger_than_a_stage_are_refused(tmp_path, fake_cuda):
+    files = _files(tmp_path, [CHUNK + 1])
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB"):
+        assert wf.limit(0) == CHUNK
+        with pytest.raises(InvalidArgumentError, match="larger than a stage"):
+            _read(files, _Landing(files))
+
+
+def test_where_cufile_may_serve_a_file_the_job_is_refused(tmp_path, fake_cuda, route_is):
+    from gdskit import direct_route as dr
+    from gdskit.vocabulary import Path
+
+    route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
+    files = _files(tmp_path, [100])
+    with gdskit.settings.set(mode="auto"):
+        assert wf.limit(0) == 0
+        with pytest.raises(GdskitError, match="file by file"):
+            _read(files, _Landing(files))
+    with gdskit.settings.set(mode="cufile"):
+        assert wf.limit(0) == 0
+    with gdskit.settings.set(mode="bounce"):
+        assert wf.limit(0) > 0
