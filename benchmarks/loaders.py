@@ -59,9 +59,10 @@ TORCH_FORMAT = {"gdskit-torch", "torch-mmap"}
 INTO_LOADERS = ["gdskit-into", "gdskit-into-ring", "safetensors-into", "fastsafetensors-into", "instanttensor-into"]
 #: Build a transformers model and fill it (the llama set only): gdskit.transformers.load_model
 #: against from_pretrained(...).to(device).
-MODEL_LOADERS = ["gdskit-model", "transformers"]
+MODEL_LOADERS = ["gdskit-model", "gdskit-model-late", "transformers"]
 PACKAGE.update({"gdskit-into": "gdskit", "gdskit-into-ring": "gdskit", "safetensors-into": "safetensors", "fastsafetensors-into": "fastsafetensors",
-                "instanttensor-into": "instanttensor", "gdskit-model": "transformers", "transformers": "transformers"})
+                "instanttensor-into": "instanttensor", "gdskit-model": "transformers",
+                "gdskit-model-late": "transformers", "transformers": "transformers"})
 
 
 # -- checkpoint creation ----------------------------------------------------------
@@ -212,16 +213,18 @@ _MODULES = {"gdskit": "gdskit.safetensors", "gdskit-torch": "gdskit.torch", "saf
 
 _MODULES.update({"gdskit-into": "gdskit.safetensors", "gdskit-into-ring": "gdskit.safetensors", "safetensors-into": "safetensors.torch",
                  "fastsafetensors-into": "fastsafetensors", "instanttensor-into": "instanttensor",
-                 "gdskit-model": "transformers", "transformers": "transformers"})
+                 "gdskit-model": "transformers", "gdskit-model-late": "transformers", "transformers": "transformers"})
 
 
 def _import_loader(loader: str) -> None:
     import importlib
     if loader in _MODULES:
         importlib.import_module(_MODULES[loader])
-    if loader == "gdskit-model":
+    if loader in ("gdskit-model", "gdskit-model-late"):
         importlib.import_module("gdskit.transformers")
-    if loader in ("gdskit-into", "gdskit-into-ring", "gdskit-model"):  # what their first call imports
+    if loader == "gdskit-model-late":  # the engine set up only when load_into reads (as before)
+        sys.modules["gdskit.transformers"].EARLY_WARM_UP = False
+    if loader in ("gdskit-into", "gdskit-into-ring", "gdskit-model", "gdskit-model-late"):  # what their first call imports
         importlib.import_module("gdskit.formats.into_exec")
     if loader == "gdskit-into-ring":  # runs of small tensors through a staging ring on the GPU
         sys.modules["gdskit.formats.into_exec"].GPU_SMALL_READS = "ring"
@@ -376,7 +379,7 @@ def _load(loader: str, path: str, device: str, threads: int, target=None):
     import torch
     if loader in INTO_LOADERS:
         return _load_into(loader, target, path, device, threads)
-    if loader == "gdskit-model":
+    if loader in ("gdskit-model", "gdskit-model-late"):
         import gdskit.transformers
         return gdskit.transformers.load_model(path, device=device)
     if loader == "transformers":

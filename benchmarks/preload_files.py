@@ -8,7 +8,7 @@ first, then the arrays by the many-file job on N workers: what preload did befor
 preloads with the page cache dropped before each (root: all of it; else each file's pages),
 interleaved with `raw_disk.odirect_io` of the same files on 16 threads, rounds in alternating order.
 
-    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 2,16 --cold --rounds 2
+    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 2,16 --whole-workers 4 --cold --rounds 2
 """
 
 from __future__ import annotations
@@ -41,13 +41,20 @@ def make_files(directory: str, count: int, nbytes: int) -> list[str]:
 
 @contextlib.contextmanager
 def way(label: str):
-    """Preload's reads as ``label`` names them (``whole``, ``headers-N``)."""
+    """Preload's reads as ``label`` names them (``whole``, ``whole-W``: on W workers, ``headers-N``)."""
     import gdskit
 
     pre = importlib.import_module("gdskit.data.preload")
     keep = pre.WHOLE_FILE_MAX
-    if label == "whole":
-        yield
+    if label.startswith("whole"):
+        from gdskit import whole_files
+
+        workers = whole_files.WORKERS
+        whole_files.WORKERS = int(label.split("-")[1]) if "-" in label else workers
+        try:
+            yield
+        finally:
+            whole_files.WORKERS = workers
         return
     pre.WHOLE_FILE_MAX = 0
     try:
@@ -104,12 +111,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--threads", default="2,16",
                     help="worker counts of the headers-first way (settings.threads), comma list")
+    ap.add_argument("--whole-workers", default="",
+                    help="also the whole-file way on these worker counts (whole_files.WORKERS), comma list")
     ap.add_argument("--cold", action="store_true", help="also whole preloads from the disk (drops the page cache)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    labels = ["whole"] + [f"headers-{int(x)}" for x in args.threads.split(",")]
+    labels = (["whole"] + [f"whole-{int(x)}" for x in args.whole_workers.split(",") if x]
+              + [f"headers-{int(x)}" for x in args.threads.split(",") if x])
     paths = make_files(args.dir, args.files, args.bytes)
 
     import torch
@@ -134,6 +144,16 @@ def main() -> None:
         result["hot"][label] = best  # type: ignore[index]
         print(f"{label:>12} {best / len(paths) * 1e6:>10.1f} {nbytes / best / 1e9:>7.3f}")
     if args.cold:
+        from page_cache import drop_caches
+
+        from gdskit.data.sources import resolve
+
+        drop_caches(paths)
+        t0 = time.perf_counter()
+        resolve(paths)  # every file's size, from the disk
+        took = time.perf_counter() - t0
+        result["cold_resolve_s"] = took
+        print(f"cold resolve: {took:.3f} s, {took / len(paths) * 1e6:.1f} µs a file")
         cold = cold_runs(paths, args.device, labels, args.rounds)
         result["cold_gb_s"] = cold
         for label, rates in cold.items():

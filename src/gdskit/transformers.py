@@ -30,6 +30,12 @@ _log = logging.getLogger("gdskit.transformers")
 _TOLERATED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 
+#: Start the engine's set-up for the read (pinned stages, streams, worker threads:
+#: ``gdskit.prepare``) as soon as the checkpoint's headers are read, in the background, so that
+#: it runs while the model is built on the meta device and its tensors are made, not after.
+EARLY_WARM_UP = True
+
+
 class UnsupportedModelError(GdskitError, NotImplementedError):
     """The model needs a loading step :func:`load_model` does not take (quantized weights,
     modules kept in float32 under a half-precision dtype)."""
@@ -229,6 +235,10 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
     dtype = _resolve_dtype(torch, config, torch_dtype, index)
     dev = gs._device(torch, device)
+    if EARLY_WARM_UP and dev.type == "cuda":  # load_into's own reads wait for it, or find it done
+        from gdskit.formats._engine import start_warm_up
+
+        start_warm_up(dev.index, sum(loc.entry.nbytes for loc in index.tensors.values()))
     model = _build_on_meta(transformers, torch, _model_class(transformers, config, model_class), config, dtype)
     plan_fn = getattr(model, "_get_dtype_plan", None)
     if plan_fn is not None and plan_fn(dtype):
