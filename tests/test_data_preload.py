@@ -233,3 +233,19 @@ def test_a_small_file_read_whole_gets_its_layout_from_the_bytes_read(tmp_path):
     raw = Source("r.bin", str(tmp_path / "r.bin"), 5)
     lay, off = _layout_in(raw, memoryview(b"12345"))
     assert (lay.nbytes, off) == (5, 0) and lay.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">i2", "<c8", ">c16", "|u1", "?"])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_a_samples_view_of_its_bytes_equals_numpys_array(dtype, fortran):
+    from gdskit.data.layout import from_numpy, sample_view
+
+    rng = np.random.default_rng(5)
+    a = (rng.random((3, 4, 5)) * 100).astype(dtype)
+    if fortran:
+        a = np.asfortranarray(a)
+    raw = torch.frombuffer(bytearray(a.tobytes(order="F" if fortran else "C")), dtype=torch.uint8)
+    t = sample_view(raw, from_numpy(a.dtype, a.shape, fortran))
+    assert t.shape == a.shape and np.array_equal(t.numpy(), a)
+    if fortran:
+        assert t.stride() == tuple(s // a.itemsize for s in a.strides)

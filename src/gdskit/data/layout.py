@@ -84,3 +84,15 @@ def batch_view(raw: torch.Tensor, n: int, layout: Layout) -> torch.Tensor:
         return typed.view((n, *layout.shape))
     nd = len(layout.shape)
     return typed.view((n, *layout.shape[::-1])).permute(0, *range(nd, 0, -1))
+
+
+def sample_view(raw: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """One sample of ``layout`` from the flat uint8 tensor ``raw`` of its bytes, shaped ``shape``:
+    :func:`batch_view` of one, without the batch dimension. Views only (no kernel) unless the
+    layout is byte-swapped."""
+    if layout.byteswap:
+        return batch_view(raw, 1, layout)[0]
+    typed = raw.view(layout.dtype)
+    if not layout.fortran:
+        return typed.view(layout.shape)
+    return typed.view(layout.shape[::-1]).permute(*range(len(layout.shape) - 1, -1, -1))

@@ -11,7 +11,7 @@ import torch
 
 from gdskit.data import npy
 from gdskit.data.errors import TruncatedFileError
-from gdskit.data.layout import Layout, batch_view, from_numpy
+from gdskit.data.layout import Layout, from_numpy, sample_view
 from gdskit.data.read import FileReads, engine_views, target_device
 from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
@@ -110,15 +110,17 @@ def _part_layouts(sources: list[Source], first: int, whole_file_ahead: int) -> t
 WHOLE_FILE_MAX = 1 << 20
 
 
-def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]) -> list[tuple[Any, Layout]]:
-    """Small files read whole, each file's tensor made as its bytes arrive: ``(tensor, layout)``
-    for each, in order. The first bad file (in order) raises."""
+def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]) -> list[Any]:
+    """Small files read whole, each file's tensor made as its bytes arrive, in order: the tensor,
+    or ``(bytes, layout)`` where its bytes must be swapped once they have landed. The first bad
+    file (in order) raises."""
     made: list[Any] = [None] * len(sources)
 
     def place(i: int, data: memoryview) -> tuple[tuple[int, int, int], ...]:
         lay, off = _layout_in(sources[i], data)
         raw = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
-        made[i] = (raw, lay)
+        # Views cost no kernel: made here, while other files' reads are at the disk.
+        made[i] = (raw, lay) if lay.byteswap else sample_view(raw, lay)
         return ((raw.data_ptr(), off, lay.nbytes),) if lay.nbytes else ()
 
     engine_read_whole_files([s.path for s in sources], [s.size for s in sources], dev.index, place, on_bytes)
@@ -229,15 +231,15 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     read = iter(zip(raws, layouts))
     out = {}
     for s, w in zip(sources, in_whole):
-        raw, lay = next(landed) if w else _first(next(read))
-        out[s.key] = batch_view(raw, 1, lay)[0]
+        if w:
+            t = next(landed)
+            out[s.key] = sample_view(*t) if isinstance(t, tuple) else t
+        else:
+            raw, (lay, _off) = next(read)
+            out[s.key] = sample_view(raw, lay)
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # byte swaps, if any, are done when this returns
     if return_stats:
         return out, stats_delta(before, stats())
     return out
 
-
-def _first(pair: tuple[Any, tuple[Layout, int]]) -> tuple[Any, Layout]:
-    raw, (lay, _off) = pair
-    return raw, lay
