@@ -8,7 +8,7 @@ first, then the arrays by the many-file job on N workers: what preload did befor
 preloads with the page cache dropped before each (root: all of it; else each file's pages),
 interleaved with `raw_disk.odirect_io` of the same files on 16 threads, rounds in alternating order.
 
-    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 2,16 --whole-workers 4 --cold --rounds 2
+    python benchmarks/preload_files.py --dir /data/pf --files 20000 --threads 16 --cold --rounds 2
 """
 
 from __future__ import annotations
@@ -41,27 +41,13 @@ def make_files(directory: str, count: int, nbytes: int) -> list[str]:
 
 @contextlib.contextmanager
 def way(label: str):
-    """Preload's reads as ``label`` names them (``whole``; ``whole-W``: on W workers, ``whole-W/G``:
-    and at most G files a stage; ``headers-N``)."""
+    """Preload's reads as ``label`` names them (``whole``, ``headers-N``)."""
     import gdskit
 
     pre = importlib.import_module("gdskit.data.preload")
     keep = pre.WHOLE_FILE_MAX
-    if label.startswith("whole"):
-        from gdskit import whole_files
-
-        workers, groups = whole_files.WORKERS, whole_files._groups
-        spec = label.split("-")[1] if "-" in label else ""
-        if spec:
-            w, _, g = spec.partition("/")
-            whole_files.WORKERS = int(w)
-            if g:  # at most g files a stage
-                whole_files._groups = lambda sizes, stage, align: [
-                    (a + k, min(b, a + k + int(g))) for a, b in groups(sizes, stage, align) for k in range(0, b - a, int(g))]
-        try:
-            yield
-        finally:
-            whole_files.WORKERS, whole_files._groups = workers, groups
+    if label == "whole":
+        yield
         return
     pre.WHOLE_FILE_MAX = 0
     try:
@@ -118,16 +104,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--threads", default="2,16",
                     help="worker counts of the headers-first way (settings.threads), comma list")
-    ap.add_argument("--whole-workers", default="",
-                    help="also the whole-file way on these worker counts (whole_files.WORKERS), comma "
-                         "list; W/G: and at most G files a stage")
     ap.add_argument("--cold", action="store_true", help="also whole preloads from the disk (drops the page cache)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    labels = (["whole"] + [f"whole-{x}" for x in args.whole_workers.split(",") if x]
-              + [f"headers-{int(x)}" for x in args.threads.split(",") if x])
+    labels = ["whole"] + [f"headers-{int(x)}" for x in args.threads.split(",") if x]
     paths = make_files(args.dir, args.files, args.bytes)
 
     import torch

@@ -15,7 +15,7 @@ from backend_conformance import drop_cache
 from gdskit import cuda
 from gdskit import whole_files as wf
 from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError
-from leak_helpers import fd_count
+from leak_helpers import file_fd_count as fd_count
 
 pytestmark = pytest.mark.stand_in_gpu
 
@@ -61,10 +61,9 @@ def _read(files, place, **kw):
 def test_every_file_lands_whole_with_one_copy_call_a_stage(tmp_path, fake_cuda, odirect, io_uring):
     files = _files(tmp_path, SIZES)
     place = _Landing(files, skip=7)
+    before, calls = gdskit.stats(), dict(fake_cuda.calls)
+    fds, landed = fd_count(), []
     with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=4, odirect=odirect, io_uring=io_uring):
-        _read(files, place)  # the workers' io_uring rings stay, one a thread, for the next job
-        before, calls = gdskit.stats(), dict(fake_cuda.calls)
-        fds, landed = fd_count(), []
         _read(files, place, on_bytes=landed.append)
     assert place.seen == {i: len(d) for i, (_p, d) in enumerate(files)}
     assert all(place.landed(i) == d[7:] for i, (_p, d) in enumerate(files))
@@ -78,22 +77,58 @@ def test_every_file_lands_whole_with_one_copy_call_a_stage(tmp_path, fake_cuda, 
     assert fd_count() == fds
 
 
-def test_files_the_page_cache_does_not_hold_are_read_with_o_direct(tmp_path, fake_cuda):
-    files = _files(tmp_path, [5000, 8192, 100_000 - 1] * 5 + [3])
-    for p, _d in files[:8]:
-        drop_cache(p)
-    from gdskit.formats._engine import first_page_cached
+def _spy_workers(monkeypatch):
+    """The worker counts ``read_whole_files`` asks ``run_chunks`` for."""
+    asked = []
+    real = wf.run_chunks
 
+    def spy(units, work, *, threads, **kw):
+        asked.append(threads)
+        return real(units, work, threads=threads, **kw)
+
+    monkeypatch.setattr(wf, "run_chunks", spy)
+    return asked
+
+
+def test_a_cold_job_runs_on_one_worker_asking_each_stage_into_the_page_cache_ahead(tmp_path, fake_cuda,
+                                                                                  monkeypatch):
+    from gdskit.formats._engine import first_page_cached
+    from gdskit.residency import all_cached
+
+    files = _files(tmp_path, [5000, 8192, 20_000 - 1] * 20 + [3])
+    for p, _d in files:
+        drop_cache(p)
     if first_page_cached(files[0][0]) is not False:
         pytest.skip("this system cannot drop a file's pages from the page cache")
+    asked = _spy_workers(monkeypatch)
     place = _Landing(files)
-    before = gdskit.stats()
-    with gdskit.settings.set(mode="bounce", chunk_size="256KiB", odirect="auto"):
+    before, fds = gdskit.stats(), fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="auto"):
         _read(files, place)
-    assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
-    delta = gdskit.stats() - before
-    assert delta.paths["bounce-direct"].bytes == sum(len(d) for _p, d in files[:8])
-    assert delta.paths["bounce-cached"].bytes == sum(len(d) for _p, d in files[8:])
+        assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
+        assert set((gdskit.stats() - before).paths) == {"bounce-cached"}
+        assert all_cached((p, 0, len(d)) for p, d in files)  # each asked into the page cache, then read
+        _read(files, place)  # now cached: the hot workers
+    assert asked == [1, wf.HOT_WORKERS]
+    assert fd_count() == fds
+
+
+def test_a_cold_job_that_fails_half_way_closes_the_next_stages_files(tmp_path, fake_cuda):
+    files = _files(tmp_path, [30_000] * 40)
+    for p, _d in files:
+        drop_cache(p)
+    place = _Landing(files)
+
+    def fussy(i, data):
+        if i == 7:
+            raise gdskit.errors.InvalidArgumentError("file 7 is not wanted")
+        return place(i, data)
+
+    fds = fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="auto"):
+        with pytest.raises(InvalidArgumentError, match="file 7 "):
+            _read(files, fussy)
+    assert fd_count() == fds and 39 not in place.seen
 
 
 def test_the_first_bad_file_in_list_order_is_raised_and_nothing_is_left_open(tmp_path, fake_cuda):

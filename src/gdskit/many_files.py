@@ -34,7 +34,7 @@ from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBuf
 from gdskit.ledger import record_bounce_pieces
 from gdskit.plan import Chunk, align_up, chunks, nonnegative_int, spread
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.residency import Residency, path_residency
+from gdskit.residency import all_cached
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
 from gdskit.settings import Settings, settings
@@ -177,14 +177,12 @@ def _small_and_cached(paths: list[str], reads: list[list[_Read]]) -> bool:
     n = len(paths)
     if n < 2 or sum(r.size for rs in reads for r in rs) > n * SMALL_FILE_BYTES:
         return False
+    sample = []
     for i in spread(n, CACHED_SAMPLES):
-        if not reads[i]:
-            continue
-        lo = min(r.file_offset for r in reads[i])
-        hi = max(r.file_offset + r.size for r in reads[i])
-        if path_residency(paths[i], lo, hi - lo) is not Residency.ALL:  # unknown counts as not cached
-            return False
-    return True
+        if reads[i]:
+            lo = min(r.file_offset for r in reads[i])
+            sample.append((paths[i], lo, max(r.file_offset + r.size for r in reads[i]) - lo))
+    return all_cached(sample)
 
 
 def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:

@@ -17,6 +17,7 @@ import mmap
 import os
 import platform
 import threading
+from collections.abc import Iterable
 
 from gdskit.durable import open_file_fd
 
@@ -180,3 +181,10 @@ def path_residency(path: str, offset: int, length: int) -> Residency | None:
     finally:
         mapping.close()
         os.close(fd)
+
+
+def all_cached(ranges: Iterable[tuple[str, int, int]]) -> bool:
+    """Whether the page cache holds all of every ``(path, offset, length)``: a job's sample of
+    its files (asking about each would cost an open and a system call a file). A file the kernel
+    cannot say about, or that cannot be opened, counts as not cached."""
+    return all(path_residency(path, offset, length) is Residency.ALL for path, offset, length in ranges)

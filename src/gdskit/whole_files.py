@@ -6,18 +6,21 @@ event, and from the disk two requests that wait one after the other. Here each f
 and read whole, in one request, into the next slot of a worker's pinned stage:
 
 - the reads of a stage's files (up to a ring's worth) go to the kernel in one ``io_uring_enter``
-  (:mod:`gdskit.backends.uring`), so the disk has them all at once and cached files cost one system
-  call between them; where io_uring does not work, each file is one ``preadv``;
+  (:mod:`gdskit.backends.uring`): cached files cost one system call between them; where io_uring
+  does not work, each file is one ``preadv``;
 - the caller's ``place`` then sees each file's bytes in host memory and says where in GPU memory
   which of them go (the data layer parses an ``.npy`` header and makes the file's tensor there);
 - the stage goes to the GPU in one batched copy with one event.
 
-Two workers take stages in turn, so that one parses and copies while the other's reads are at the
-disk (more would only take turns at the interpreter). Each file is read through the page cache
-where it holds any of the file, else with O_DIRECT (its aligned span; the one decision is
-:func:`gdskit.backends.staged.direct_for`), under ``settings.odirect``. Only a job the bounce ring
-serves whatever the file comes here (:func:`gdskit.router.bounce_for_any_file`); the ledger
-records its bytes as bounce-cached or bounce-direct with that reason.
+A job the page cache holds (judged by :data:`CACHED_SAMPLES` files spread over it) runs on
+:data:`HOT_WORKERS` workers. Any other runs on one worker that asks the next stage's files into the
+page cache (``posix_fadvise(WILLNEED)``, which queues their reads and returns) before it reads,
+places and copies the current stage's: the disk reads one stage while the interpreter works on the
+one before. Two workers waiting on the disk in turn were slower (their Python phases then meet at
+the interpreter); benchmarks/RESULTS.md, "Many small files read whole". ``settings.odirect="always"``
+reads every file with O_DIRECT instead. Only a job the bounce ring serves whatever the file comes
+here (:func:`gdskit.router.bounce_for_any_file`); the ledger records its bytes as bounce-cached
+(read through the page cache) or bounce-direct with that reason.
 """
 
 from __future__ import annotations
@@ -29,20 +32,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gdskit.backends.base import pread_full
-from gdskit.backends.staged import direct_for
 from gdskit.durable import open_file_fd
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import record_bounce_pieces
-from gdskit.plan import align_up, nonnegative_int
+from gdskit.plan import align_up, nonnegative_int, spread
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.residency import residency
+from gdskit.residency import all_cached
 from gdskit.router import bounce_for_any_file
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import IoUring, ODirectPolicy, Reason
 
-__all__ = ["Copy", "Place", "WORKERS", "limit", "read_whole_files"]
+__all__ = ["Copy", "Place", "limit", "read_whole_files"]
 
 #: ``(device address, offset in the file's bytes, bytes)``: one copy of part of a file to the GPU.
 Copy = tuple[int, int, int]
@@ -51,9 +54,11 @@ Copy = tuple[int, int, int]
 #: during the call. An exception it raises is the file's error.
 Place = Callable[[int, memoryview], Sequence[Copy]]
 
-#: Workers with io_uring: one parses and copies while another's reads are at the disk. Without
-#: it, each read blocks its worker and the engine's ``threads`` serve, for the disk's sake.
-WORKERS = 2
+#: Workers for a job the page cache holds: the second one's ring calls and batched copies run
+#: while the first holds the interpreter (more only take turns at it).
+HOT_WORKERS = 2
+#: Files spread over a job whose page-cache residency says whether it is cached.
+CACHED_SAMPLES = 16
 
 # The descriptor's status flags once its kind is known: read through the page cache, or O_DIRECT.
 _BUFFERED, _DIRECT = 0, getattr(os, "O_DIRECT", 0)
@@ -80,6 +85,7 @@ class _Job:
     lock: threading.Lock
     errors: list[tuple[int, BaseException]]
     pieces: list[tuple[Reason, int, int]]
+    ahead: bool = False   # cold: each file asked into the page cache a stage before it is read
     direct_refused: bool = False
 
 
@@ -109,10 +115,14 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
     ring = cfg.io_uring is IoUring.AUTO and _ring_usable()
     job = _Job(paths, sizes, place, reason, cfg, ring, on_bytes, threading.Lock(), [], [])
     groups = _groups(sizes, stage_bytes, cfg.alignment)
+    run = {"device": device, "stage_bytes": stage_bytes, "max_lanes": n_lanes, "budget": cfg.pinned_budget}
     t0 = time.perf_counter()
     try:
-        run_chunks(groups, lambda ref, g: _stage(job, ref, g), device=device, stage_bytes=stage_bytes,
-                   threads=WORKERS if ring else cfg.threads, max_lanes=n_lanes, budget=cfg.pinned_budget)
+        if all_cached((paths[i], 0, sizes[i]) for i in spread(len(paths), CACHED_SAMPLES)):
+            run_chunks(groups, lambda ref, g: _stage(job, ref, g), threads=HOT_WORKERS, **run)
+        else:
+            job.ahead = cfg.odirect is not ODirectPolicy.ALWAYS
+            run_chunks([groups], lambda ref, gs: _stages(job, ref, gs), threads=1, **run)
     finally:
         record_bounce_pieces(job.pieces, device, time.perf_counter() - t0)
     if job.errors:
@@ -142,33 +152,77 @@ def _groups(sizes: list[int], stage_bytes: int, align: int) -> list[tuple[int, i
     return out
 
 
+_Opened = list[tuple[int, int, int, int]]  # (file index, descriptor, slot in the stage, status flags)
+
+
 def _stage(job: _Job, ref: LaneRef, group: tuple[int, int]) -> None:
     """One stage's files: opened, read into the stage, placed, copied in one batch, closed."""
-    if job.errors:
-        return  # a file failed: start nothing more
-    first, end = group
-    align = job.cfg.alignment
+    if not job.errors:  # after a failed file, start nothing more
+        lane = ref.get()
+        _fill(job, lane, group, _open_group(job, group))
+
+
+def _stages(job: _Job, ref: LaneRef, groups: list[tuple[int, int]]) -> None:
+    """Every stage in turn on one worker, the next stage's files opened (and so asked into the
+    page cache) before the current stage's are read."""
     lane = ref.get()
-    assert lane.stream is not None
-    stage, event = lane.next_stage()  # waits for the copies that last used it
-    fds: list[tuple[int, int, int, int]] = []  # (index, fd, slot, status flags)
+    upcoming: _Opened = []
     try:
-        slot = 0
-        for i in range(first, end):
+        upcoming = _open_group(job, groups[0])
+        for k, group in enumerate(groups):
+            current, upcoming = upcoming, []
+            if job.errors:
+                _close(current)
+                return  # after a failed file, start nothing more
+            if k + 1 < len(groups):
+                try:
+                    upcoming = _open_group(job, groups[k + 1])
+                except BaseException:
+                    _close(current)
+                    raise
+            _fill(job, lane, group, current)
+    finally:
+        _close(upcoming)
+
+
+def _close(opened: _Opened) -> None:
+    for _i, fd, _s, _fl in opened:
+        os.close(fd)
+
+
+def _open_group(job: _Job, group: tuple[int, int]) -> _Opened:
+    """A stage's files opened, each with its slot; a file that cannot be opened is recorded."""
+    align = job.cfg.alignment
+    opened: _Opened = []
+    slot = 0
+    try:
+        for i in range(*group):
             size = job.sizes[i]
             if size:
                 try:
                     fd, flags = _open(job, job.paths[i], size)
                 except Exception as exc:  # noqa: BLE001 - the file's error, raised in list order later
                     _failed(job, i, exc)
-                    continue
-                fds.append((i, fd, slot, flags))
+                else:
+                    opened.append((i, fd, slot, flags))
             slot += align_up(size, align)
-        got = _read(job, stage.view, fds)
-        copies: list[tuple[int, int, int]] = []
-        pieces: list[tuple[Reason, int, int]] = []
-        read = {i: (s, n, fl) for (i, _fd, s, _fl), (n, fl) in zip(fds, got)}
-        for i in range(first, end):
+    except BaseException:
+        _close(opened)
+        raise
+    return opened
+
+
+def _fill(job: _Job, lane: Any, group: tuple[int, int], opened: _Opened) -> None:
+    """Read the opened files of ``group`` into the lane's stage, place them, copy them to the
+    GPU in one batch; every descriptor is closed."""
+    assert lane.stream is not None
+    copies: list[tuple[int, int, int]] = []
+    pieces: list[tuple[Reason, int, int]] = []
+    try:
+        stage, event = lane.next_stage()  # waits for the copies that last used it
+        got = _read(job, stage.view, opened)
+        read = {i: (s, n, fl) for (i, _fd, s, _fl), (n, fl) in zip(opened, got)}
+        for i in range(*group):
             if job.sizes[i] == 0:
                 s, n, fl = 0, 0, _BUFFERED
             elif i in read:
@@ -189,8 +243,7 @@ def _stage(job: _Job, ref: LaneRef, group: tuple[int, int]) -> None:
             if job.sizes[i]:  # an empty file reads nothing
                 pieces.append((job.reason, n, n if fl == _BUFFERED else 0))
     finally:
-        for _i, fd, _s, _fl in fds:
-            os.close(fd)
+        _close(opened)
     if copies:
         lane.stream.copy_h2d_many(copies)
         assert event is not None
@@ -207,13 +260,13 @@ def _failed(job: _Job, index: int, exc: BaseException) -> None:
 
 
 def _open(job: _Job, path: str, size: int) -> tuple[int, int]:
-    """The file opened for its whole read, and whether through the page cache or O_DIRECT: one
-    ``F_SETFL`` sets that and clears the ``O_NONBLOCK`` of the FIFO-safe open."""
+    """The file opened for its whole read, and how it is read (``_BUFFERED``, ``_DIRECT``): one
+    ``F_SETFL`` sets that and clears the ``O_NONBLOCK`` of the FIFO-safe open. In a cold job the
+    kernel is asked to bring the file into the page cache meanwhile (advice: its errors are the
+    read's to report)."""
     fd, _st = open_file_fd(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        policy = job.cfg.odirect
-        direct = (_DIRECT and not job.direct_refused and policy is not ODirectPolicy.NEVER
-                  and (policy is ODirectPolicy.ALWAYS or direct_for(residency(fd, 0, size), size)))
+        direct = bool(_DIRECT) and job.cfg.odirect is ODirectPolicy.ALWAYS and not job.direct_refused
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, _DIRECT if direct else _BUFFERED)
         except OSError as exc:
@@ -222,6 +275,11 @@ def _open(job: _Job, path: str, size: int) -> tuple[int, int]:
             job.direct_refused = True  # this filesystem takes no O_DIRECT: the page cache, from now on
             direct = False
             fcntl.fcntl(fd, fcntl.F_SETFL, _BUFFERED)
+        if job.ahead and not direct:
+            try:
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
     except BaseException as exc:
         os.close(fd)
         if isinstance(exc, OSError):
@@ -230,7 +288,7 @@ def _open(job: _Job, path: str, size: int) -> tuple[int, int]:
     return fd, _DIRECT if direct else _BUFFERED
 
 
-def _read(job: _Job, view: memoryview, fds: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
+def _read(job: _Job, view: memoryview, fds: _Opened) -> list[tuple[int, int]]:
     """Each opened file's bytes read into its slot: the count (at most its listed size), or -1
     where it failed (recorded), and how it was read (``_BUFFERED``, ``_DIRECT``). One ring
     submission for all where io_uring works; a read that does not come back whole is done again

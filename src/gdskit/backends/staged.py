@@ -81,13 +81,6 @@ def file_residency(f: OpenFile, pos: int, n: int) -> Residency | None:
 FEW_CACHED_DIRECT_MIN = 1 << 20
 
 
-def direct_for(where: Residency | None, n: int) -> bool:
-    """Whether an ``n``-byte read whose range has residency ``where`` goes O_DIRECT under ``auto``:
-    the page cache holds none of it, or at most an eighth of a read of
-    :data:`FEW_CACHED_DIRECT_MIN` or more. Unknown (None): not on this answer alone."""
-    return where is Residency.NONE or (where is Residency.FEW and n >= FEW_CACHED_DIRECT_MIN)
-
-
 def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
            where: Residency | None | Unknown = UNKNOWN) -> tuple[Via, Residency | None | Unknown]:
     """How to read ``[pos, pos + n)`` of ``f``: the one decision of which descriptor serves a
@@ -109,7 +102,7 @@ def choose(f: OpenFile, policy: ODirectPolicy, pos: int, n: int,
         where = file_residency(f, pos, n)
     # The O_DIRECT descriptor is opened only for a range the page cache may not hold: a file
     # read hot (many small files) never opens it.
-    if direct_for(where, n):
+    if where is Residency.NONE or (where is Residency.FEW and n >= FEW_CACHED_DIRECT_MIN):
         return (Via.BUFFERED if f.direct_fd() is None else Via.DIRECT), where
     if where is None and f.nowait_supported and f.direct_fd() is not None:
         return Via.PROBE, where
