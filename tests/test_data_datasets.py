@@ -201,36 +201,6 @@ def test_directories_globs_and_lists(tmp_path):
     assert not issubclass(GdskitIsADirectoryError, InvalidArgumentError)
 
 
-@pytest.mark.parametrize("cold_ns", [0, 10**12])  # every probe "slow" (threads) or none (in order)
-def test_many_files_are_stated_on_threads_when_the_first_ones_were_slow(tmp_path, monkeypatch, cold_ns):
-    import threading
-
-    from gdskit.data import sources
-
-    for k in range(300):
-        (tmp_path / f"{k:03d}.bin").write_bytes(b"x" * k)
-    (tmp_path / "sub").mkdir()
-    names = [str(tmp_path / f"{k:03d}.bin") for k in range(300)]
-    names[200] = str(tmp_path / "gone.bin")
-    names[250] = str(tmp_path / "sub")
-    threads = set()
-    real = sources._stat
-
-    def spy(path):
-        threads.add(threading.current_thread().name)
-        return real(path)
-
-    monkeypatch.setattr(sources, "STAT_COLD_NS", cold_ns)
-    monkeypatch.setattr(sources, "_stat", spy)
-    got = sources.stat_all(names)
-    assert [g.st_size for k, g in enumerate(got) if k not in (200, 250)] == [k for k in range(300) if k not in (200, 250)]
-    assert isinstance(got[200], FileNotFoundError) and os.path.isdir(names[250]) and got[250].st_nlink >= 2
-    assert ({t for t in threads if t.startswith("gdskit-stat")} != set()) == (cold_ns == 0)
-    with pytest.raises(GdskitFileNotFoundError, match="gone.bin"):
-        resolve(names)
-    assert [s.size for s in resolve(tmp_path)] == list(range(300))
-
-
 def test_fingerprint_follows_the_samples_not_the_place(tmp_path):
     paths = token_files(tmp_path / "x", [300, 400], "uint16")
     ds = gd.TokenDataset(paths, dtype="uint16", seq_len=16)

@@ -6,9 +6,7 @@ import errno
 import glob
 import os
 import stat
-import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
@@ -56,15 +54,12 @@ def resolve(files: Files) -> list[Source]:
                                        f"got {type(files).__name__}") from None
     if not items:
         raise InvalidArgumentError("no files given")
-    names = []
+    out: list[Source] = []
+    seen: set[str] = set()
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             raise InvalidArgumentError(f"not a path: {item!r:.60}")
-        names.append(os.fspath(item))
-    out: list[Source] = []
-    seen: set[str] = set()
-    for name, st in zip(names, stat_all(names)):
-        for src in _one(name, st):
+        for src in _one(os.fspath(item)):
             if src.key in seen:
                 raise InvalidArgumentError(f"{src.key!r} is named twice")
             seen.add(src.key)
@@ -72,46 +67,15 @@ def resolve(files: Files) -> list[Source]:
     return out
 
 
-#: Paths stat'ed one after another before deciding how to stat the rest: where they took more
-#: than STAT_COLD_NS each, their inodes came from the disk, and the rest are stat'ed on
-#: STAT_THREADS threads, so that the disk has many inode reads at once (100,000 cold files took
-#: 10 µs each one after another on the H200 machine, a sixth of a cold preload); from the inode
-#: cache a stat takes a microsecond or two, and threads would only take turns at the interpreter.
-STAT_PROBE = 64
-STAT_COLD_NS = 5_000
-STAT_THREADS = 16
-
-
-def stat_all(paths: list[str]) -> list[os.stat_result | OSError]:
-    """``os.stat`` of each path, in order: its result or the ``OSError`` it raised."""
-    head = paths[:STAT_PROBE]
-    t0 = time.perf_counter_ns()
-    out = [_stat(p) for p in head]
-    rest = paths[len(head):]
-    if not rest:
-        return out
-    if (time.perf_counter_ns() - t0) > STAT_COLD_NS * len(head):
-        with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="gdskit-stat") as pool:
-            out.extend(pool.map(_stat, rest, chunksize=max(1, len(rest) // (4 * STAT_THREADS))))
-    else:
-        out.extend(_stat(p) for p in rest)
-    return out
-
-
-def _stat(path: str) -> os.stat_result | OSError:
+def _one(name: str) -> list[Source]:
     try:
-        return os.stat(path)
-    except OSError as exc:
-        return exc
-
-
-def _one(name: str, st: os.stat_result | OSError) -> list[Source]:
-    if isinstance(st, FileNotFoundError):
+        st = os.stat(name)
+    except FileNotFoundError:
         if glob.has_magic(name):
             return _glob(name)
         raise GdskitFileNotFoundError(errno.ENOENT, "No such file or directory", name) from None
-    if isinstance(st, OSError):
-        raise from_os_error(st, name) from st
+    except OSError as exc:
+        raise from_os_error(exc, name) from exc
     if stat.S_ISDIR(st.st_mode):
         return _walk(name)
     if not stat.S_ISREG(st.st_mode):
@@ -120,27 +84,35 @@ def _one(name: str, st: os.stat_result | OSError) -> list[Source]:
 
 
 def _glob(pattern: str) -> list[Source]:
-    matches = sorted(glob.glob(pattern, recursive=True))
-    found = [Source(m, m, st.st_size) for m, st in zip(matches, stat_all(matches))
-             if not isinstance(st, OSError) and stat.S_ISREG(st.st_mode)]  # an error: gone since the listing
+    found = []
+    for match in sorted(glob.glob(pattern, recursive=True)):
+        try:
+            st = os.stat(match)
+        except OSError:
+            continue  # gone since the listing
+        if stat.S_ISREG(st.st_mode):
+            found.append(Source(match, match, st.st_size))
     if not found:
         raise GdskitFileNotFoundError(errno.ENOENT, "No file matches the pattern", pattern)
     return found
 
 
 def _walk(top: str) -> list[Source]:
-    paths = []
+    found = []
     errors: list[OSError] = []
     for root, dirs, names in os.walk(top, onerror=errors.append):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        paths.extend(os.path.join(root, n) for n in sorted(names) if not n.startswith("."))
-    found = []
-    for path, st in zip(paths, stat_all(paths)):
-        if isinstance(st, OSError):
-            raise from_os_error(st, path) from st
-        if stat.S_ISREG(st.st_mode):
-            key = os.path.relpath(path, top).replace(os.sep, "/")
-            found.append(Source(key, path, st.st_size))
+        for n in sorted(names):
+            if n.startswith("."):
+                continue
+            path = os.path.join(root, n)
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise from_os_error(exc, path) from exc
+            if stat.S_ISREG(st.st_mode):
+                key = os.path.relpath(path, top).replace(os.sep, "/")
+                found.append(Source(key, path, st.st_size))
     if errors:
         raise from_os_error(errors[0], errors[0].filename)
     if not found:
