@@ -98,7 +98,8 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
     The copies ``place`` returns must name device memory of ``device`` free of queued work.
     Every copy has landed when this returns. After a file fails (it cannot be opened or read,
     or ``place`` raises) no further stage is started; those under way finish, and the error of
-    the first failed file in list order is raised. ``on_bytes`` gets each stage's bytes copied.
+    the first failed file in list order is raised. ``on_bytes`` gets each stage's bytes read
+    (the files', headers included) once its copies are queued.
     """
     if len(paths) != len(sizes):
         raise InvalidArgumentError("one size per file")
@@ -250,8 +251,8 @@ def _fill(job: _Job, lane: Any, group: tuple[int, int], opened: _Opened) -> None
         event.record(lane.stream)
     with job.lock:
         job.pieces.extend(pieces)
-    if job.on_bytes is not None and copies:
-        job.on_bytes(sum(c[2] for c in copies))
+    if job.on_bytes is not None and pieces:
+        job.on_bytes(sum(n for _r, n, _c in pieces))
 
 
 def _failed(job: _Job, index: int, exc: BaseException) -> None:
