@@ -11,3 +11,15 @@ def random_file(tmp_path_factory, name: str, size: int, seed: int) -> tuple[str,
     path = tmp_path_factory.mktemp(name) / "data.bin"
     path.write_bytes(data)
     return str(path), data
+
+
+def random_files(directory, sizes, seed: int = 0, prefix: str = "f") -> list[tuple[str, bytes]]:
+    """One new file of random bytes for each of ``sizes`` in ``directory``: (path, bytes) each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        path = directory / f"{prefix}{i:04d}.bin"
+        path.write_bytes(data)
+        out.append((str(path), data))
+    return out

@@ -18,20 +18,14 @@ from gdskit.buffers import synchronized_device_view
 from gdskit.errors import (BufferTooSmallError, GdskitError, GdskitFileNotFoundError, GdskitIsADirectoryError,
                            InvalidArgumentError, ReadOnlyBufferError)
 from gdskit.many_files import FileReads, read_files
+from data_files import random_files
 from leak_helpers import fd_count
 
 CHUNK = 64 << 10
 
 
 def _files(tmp_path, sizes, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(sizes):
-        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        p = tmp_path / f"f{i:04d}.bin"
-        p.write_bytes(data)
-        out.append((str(p), data))
-    return out
+    return random_files(tmp_path, sizes, seed, prefix="f")
 
 
 def _threads() -> set[str]:

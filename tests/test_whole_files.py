@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import os
 
-import numpy as np
 import pytest
 
 import gdskit
@@ -15,6 +14,7 @@ from backend_conformance import drop_cache
 from gdskit import cuda
 from gdskit import whole_files as wf
 from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError
+from data_files import random_files
 from leak_helpers import file_fd_count as fd_count
 
 pytestmark = pytest.mark.stand_in_gpu
@@ -24,14 +24,7 @@ SIZES = [1, 100, 4095, 4096, 4097, 9000, 20_000, 0, 30_001] * 12 + [CHUNK]
 
 
 def _files(tmp_path, sizes, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(sizes):
-        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        p = tmp_path / f"w{i:04d}.bin"
-        p.write_bytes(data)
-        out.append((str(p), data))
-    return out
+    return random_files(tmp_path, sizes, seed, prefix="w")
 
 
 class _Landing:

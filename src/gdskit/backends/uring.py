@@ -360,20 +360,7 @@ class Ring:
             return []
         if min(buf_offsets) < 0 or max(buf_offsets) + size > view.nbytes:
             raise ValueError("a read falls outside the memory it reads into")
-        base = ctypes.addressof(ctypes.c_char.from_buffer(view))  # the view's own address, nothing else
-        results: list[int] = []
-        enters = 0
-        with self._use:
-            if self.closed:
-                raise RuntimeError("the ring is closed")
-            step = self.entries
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                enters += self._round(fd, file_offsets[start:stop], buf_offsets[start:stop], base, size, results)
-        _note(batches=1, reads=n, enters=enters)
-        if self._closing:
-            self.close()
-        return results
+        return self._in_rounds(view, fd, file_offsets, buf_offsets, size)
 
     def read_each(self, fds: Sequence[int], view: memoryview, file_offsets: Sequence[int],
                   buf_offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -392,17 +379,24 @@ class Ring:
             raise ValueError("each read's size must be 1 byte to 2 GiB")
         if int(place.min()) < 0 or int((place + size).max()) > view.nbytes:
             raise ValueError("a read falls outside the memory it reads into")
-        base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return self._in_rounds(view, fds, file_offsets, buf_offsets, sizes)
+
+    def _in_rounds(self, view: memoryview, fd: int | Sequence[int], file_offsets: Sequence[int],
+                   buf_offsets: Sequence[int], size: int | Sequence[int]) -> list[int]:
+        """Every read, checked by the caller, a ring's worth at a time (``fd`` and ``size``: one
+        for all the reads, or one a read)."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view))  # the view's own address, nothing else
+        n = len(file_offsets)
+        each = not isinstance(fd, int)
         results: list[int] = []
         enters = 0
         with self._use:
             if self.closed:
                 raise RuntimeError("the ring is closed")
-            step = self.entries
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                enters += self._round(fds[start:stop], file_offsets[start:stop], buf_offsets[start:stop], base,
-                                      sizes[start:stop], results)
+            for start in range(0, n, self.entries):
+                part = slice(start, min(n, start + self.entries))
+                enters += self._round(fd[part] if each else fd, file_offsets[part], buf_offsets[part], base,  # type: ignore[index]
+                                      size[part] if each else size, results)  # type: ignore[index]
         _note(batches=1, reads=n, enters=enters)
         if self._closing:
             self.close()
