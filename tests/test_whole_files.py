@@ -192,3 +192,17 @@ def test_where_cufile_may_serve_a_file_the_job_is_refused(tmp_path, fake_cuda, r
         assert wf.limit(0) == 0
     with gdskit.settings.set(mode="bounce"):
         assert wf.limit(0) > 0
+
+
+def test_a_file_swapped_for_a_fifo_after_listing_is_refused_at_once(tmp_path, fake_cuda):
+    from gdskit.errors import NotAFileError
+
+    files = _files(tmp_path, [3000] * 10)
+    os.unlink(files[4][0])
+    os.mkfifo(files[4][0])  # no writer: an open that waited for one would never return
+    place = _Landing(files)
+    fds = fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB"):
+        with pytest.raises(NotAFileError, match=r"w0004\.bin"):
+            _read(files, place)
+    assert fd_count() == fds and 4 not in place.seen
