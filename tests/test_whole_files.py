@@ -206,3 +206,14 @@ def test_a_file_swapped_for_a_fifo_after_listing_is_refused_at_once(tmp_path, fa
         with pytest.raises(NotAFileError, match=r"w0004\.bin"):
             _read(files, place)
     assert fd_count() == fds and 4 not in place.seen
+
+
+def test_no_files_or_only_empty_ones(tmp_path, fake_cuda):
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB"):
+        wf.read_whole_files([], [], 0, _Landing([]))
+        files = _files(tmp_path, [0, 0, 0])
+        for p, _d in files:
+            drop_cache(p)
+        place = _Landing(files)
+        _read(files, place)
+    assert place.seen == {0: 0, 1: 0, 2: 0}

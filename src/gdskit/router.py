@@ -56,12 +56,13 @@ def bounce_for_any_file(cfg: Settings) -> Reason | None:
         return None
     if cfg.mode is Mode.BOUNCE:
         return Reason.FORCED_BY_SETTING
-    if cfg.mode is not Mode.AUTO:
-        return None
+    return _no_direct_route() if cfg.mode is Mode.AUTO else None
+
+
+def _no_direct_route() -> Reason | None:
+    """Why this machine has no direct route for device memory, or None where it has one."""
     route = direct_route()
-    if route.route is None:
-        return route.reason or Reason.NVIDIA_FS_MISSING
-    return None
+    return (route.reason or Reason.NVIDIA_FS_MISSING) if route.route is None else None
 
 
 def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,
@@ -89,9 +90,9 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
         registered_handle(f)  # raises where cuFile cannot serve this file
         return [Route("cufile", Reason.FORCED_BY_SETTING, *whole)]
     # auto
-    route = direct_route()
-    if route.route is None:
-        return [Route("bounce", route.reason or Reason.NVIDIA_FS_MISSING, *whole)]
+    missing = _no_direct_route()
+    if missing is not None:
+        return [Route("bounce", missing, *whole)]
     if buf.scatter is not None or size < _direct_threshold(f, cfg):
         return [Route("bounce", Reason.BELOW_THRESHOLD, *whole)]
     from gdskit.backends.cufile import register  # noqa: PLC0415

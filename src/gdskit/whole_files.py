@@ -166,6 +166,8 @@ def _stage(job: _Job, ref: LaneRef, group: tuple[int, int]) -> None:
 def _stages(job: _Job, ref: LaneRef, groups: list[tuple[int, int]]) -> None:
     """Every stage in turn on one worker, the next stage's files opened (and so asked into the
     page cache) before the current stage's are read."""
+    if not groups:
+        return
     lane = ref.get()
     upcoming: _Opened = []
     try:
@@ -296,7 +298,7 @@ def _read(job: _Job, view: memoryview, fds: _Opened) -> list[tuple[int, int]]:
     alone by the plain loop, which reports errors."""
     align = job.cfg.alignment
     spans = [align_up(job.sizes[i], align) if fl == _DIRECT else job.sizes[i] for i, _fd, _s, fl in fds]
-    got: list[int] = [-1] * len(fds)
+    got: list[int] | None = None  # the ring's results, where it read them
     if job.ring and fds:
         from gdskit.backends import uring  # noqa: PLC0415
 
@@ -307,10 +309,11 @@ def _read(job: _Job, view: memoryview, fds: _Opened) -> list[tuple[int, int]]:
     out = []
     for k, (i, fd, s, fl) in enumerate(fds):
         size = job.sizes[i]
-        n = got[k]
+        n = -1 if got is None else got[k]
         if n < size:  # short, failed or not submitted: the plain loop, exactly
+            err = -n if got is not None and n < 0 else 0
             try:
-                n, fl = _read_plain(job, fd, fl, view[s:s + spans[k]], job.paths[i], -n if n < 0 else 0)
+                n, fl = _read_plain(job, fd, fl, view[s:s + spans[k]], job.paths[i], err)
             except Exception as exc:  # noqa: BLE001 - the file's error, raised in list order later
                 _failed(job, i, exc)
                 n = -1
