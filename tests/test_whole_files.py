@@ -217,3 +217,17 @@ def test_no_files_or_only_empty_ones(tmp_path, fake_cuda):
         place = _Landing(files)
         _read(files, place)
     assert place.seen == {0: 0, 1: 0, 2: 0}
+
+
+@pytest.mark.parametrize("io_uring", ["auto", "never"])
+def test_a_read_that_fails_is_the_files_error(tmp_path, fake_cuda, io_uring):
+    """Reading address 0 of this process's own memory file fails (EIO): through the ring, its
+    result is an error the plain read then raises, named."""
+    from gdskit.errors import GdskitIOError
+
+    files = _files(tmp_path, [5000, 5000])
+    place = _Landing(files + [("/proc/self/mem", b"")])
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", io_uring=io_uring):
+        with pytest.raises(GdskitIOError, match="/proc/self/mem"):
+            wf.read_whole_files([files[0][0], "/proc/self/mem", files[1][0]], [5000, 4096, 5000], 0, place)
+    assert 1 not in place.seen
