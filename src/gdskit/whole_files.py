@@ -90,8 +90,7 @@ class _Job:
 
 
 def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, place: Place,
-                     *, on_bytes: Callable[[int], None] | None = None,
-                     failed: list[tuple[int, BaseException]] | None = None) -> None:
+                     *, on_bytes: Callable[[int], None] | None = None) -> None:
     """Read each file of ``paths`` whole (its listed ``sizes[i]`` bytes, at most) and land it in
     ``device``'s memory where ``place`` says (see :data:`Place`). Only for files of at most
     :func:`limit` bytes, where that is not 0.
@@ -99,10 +98,8 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
     The copies ``place`` returns must name device memory of ``device`` free of queued work.
     Every copy has landed when this returns. After a file fails (it cannot be opened or read,
     or ``place`` raises) no further stage is started; those under way finish, and the error of
-    the first failed file in list order is raised; or, where ``failed`` is given, every failed
-    file's ``(index, error)`` is appended to it instead (for a caller that orders them with
-    errors of its own). ``on_bytes`` gets each stage's bytes read (the files', headers included)
-    once its copies are queued.
+    the first failed file in list order is raised. ``on_bytes`` gets each stage's bytes read
+    (the files', headers included) once its copies are queued.
     """
     if len(paths) != len(sizes):
         raise InvalidArgumentError("one size per file")
@@ -129,9 +126,7 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
             run_chunks([groups], lambda ref, gs: _stages(job, ref, gs), threads=1, **run)
     finally:
         record_bounce_pieces(job.pieces, device, time.perf_counter() - t0)
-    if failed is not None:
-        failed.extend(job.errors)
-    elif job.errors:
+    if job.errors:
         raise min(job.errors, key=lambda e: e[0])[1]
 
 

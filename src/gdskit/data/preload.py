@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,7 +13,7 @@ from gdskit.data import npy
 from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, from_numpy, sample_view
 from gdskit.data.read import FileReads, engine_views, target_device
-from gdskit.data.sources import Files, Source, iter_resolve
+from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
 from gdskit.formats._engine import read_files as engine_read_files
 from gdskit.formats._engine import read_whole_files as engine_read_whole_files
@@ -112,89 +110,21 @@ def _part_layouts(sources: list[Source], first: int, whole_file_ahead: int) -> t
 WHOLE_FILE_MAX = 1 << 20
 
 
-#: Small files handed to the whole-file reader at a time while the listing goes on, the first
-#: batch soonest, each next one twice as many, up to the last: the reads of the first files start
-#: while the rest are stat'ed (100,000 files from the disk took about a second to list, one stat
-#: after another), and each batch is one engine job (its first stage is read without read-ahead).
-LISTED_FIRST, LISTED_MOST = 256, 8192
+def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]) -> list[Any]:
+    """Small files read whole, each file's tensor made as its bytes arrive, in order: the tensor,
+    or ``(bytes, layout)`` where its bytes must be swapped once they have landed. The first bad
+    file (in order) raises."""
+    made: list[Any] = [None] * len(sources)
 
+    def place(i: int, data: memoryview) -> tuple[tuple[int, int, int], ...]:
+        lay, off = _layout_in(sources[i], data)
+        raw = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
+        # Views cost no kernel: made here, while other files' reads are at the disk.
+        made[i] = (raw, lay) if lay.byteswap else sample_view(raw, lay)
+        return ((raw.data_ptr(), off, lay.nbytes),) if lay.nbytes else ()
 
-class _WholeReader:
-    """Small files read whole on a thread of their own while the caller lists the rest: each
-    file's tensor made as its bytes arrive (the tensor, or ``(bytes, layout)`` where its bytes
-    must be swapped once they have landed), by the file's place in the list; the failed files'
-    ``(place, error)``. After a failure no further batch is read."""
-
-    def __init__(self, dev: Any, on_bytes: Callable[[int], None]) -> None:
-        self.made: dict[int, Any] = {}
-        self.failed: list[Failure] = []
-        self._dev, self._on_bytes = dev, on_bytes
-        self._todo: queue.SimpleQueue[list[tuple[int, Source]] | None] = queue.SimpleQueue()
-        self._stop_after: int | None = None
-        self._thread = threading.Thread(target=self._run, name="gdskit-preload-whole", daemon=True)
-        self._thread.start()
-
-    def add(self, batch: list[tuple[int, Source]]) -> None:
-        self._todo.put(batch)
-
-    def stop_after(self, place: int) -> None:
-        """Files after ``place`` need not be read (a file there failed)."""
-        self._stop_after = place
-
-    def finish(self) -> None:
-        """Wait until every batch added is read or skipped (again: at once)."""
-        if self._thread.is_alive():
-            self._todo.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while (batch := self._todo.get()) is not None:
-            if self.failed or (self._stop_after is not None and batch[0][0] > self._stop_after):
-                continue
-            try:
-                self._read(batch)
-            except BaseException as exc:  # noqa: BLE001 - the caller raises it, in list order
-                self.failed.append((batch[0][0], exc))
-
-    def _read(self, batch: list[tuple[int, Source]]) -> None:
-        made, dev = self.made, self._dev
-
-        def place(i: int, data: memoryview) -> tuple[tuple[int, int, int], ...]:
-            k, src = batch[i]
-            lay, off = _layout_in(src, data)
-            raw = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
-            # Views cost no kernel: made here, while other files' reads are at the disk.
-            made[k] = (raw, lay) if lay.byteswap else sample_view(raw, lay)
-            return ((raw.data_ptr(), off, lay.nbytes),) if lay.nbytes else ()
-
-        failed: list[Failure] = []
-        engine_read_whole_files([s.path for _k, s in batch], [s.size for _k, s in batch], dev.index, place,
-                                self._on_bytes, failed)
-        self.failed.extend((batch[i][0], exc) for i, exc in failed)
-
-
-class _Later:
-    """Bytes done before the total is known (while the files are listed), handed to the
-    progress once it is."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = 0
-        self._to: Callable[[int], None] | None = None
-
-    def __call__(self, nbytes: int) -> None:
-        with self._lock:
-            to = self._to
-            if to is None:
-                self._done += nbytes
-                return
-        to(nbytes)
-
-    def attach(self, advance: Callable[[int], None]) -> None:
-        with self._lock:
-            done, self._to = self._done, advance
-        if done:
-            advance(done)
+    engine_read_whole_files([s.path for s in sources], [s.size for s in sources], dev.index, place, on_bytes)
+    return made
 
 
 def _layout_in(src: Source, data: memoryview) -> tuple[Layout, int]:
@@ -263,74 +193,53 @@ def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = Non
 
 def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: bool) -> Any:
     dev = target_device(device)
-    listing = iter_resolve(files)
+    sources = resolve(files)
     whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" else 0
+    in_whole = [0 < whole_max and s.size <= whole_max for s in sources]
+    whole = [s for s, w in zip(sources, in_whole) if w]
+    rest = [s for s, w in zip(sources, in_whole) if not w]
+    layouts, bad = _layouts(rest)  # the larger files' headers, checked before anything is read
+    if bad is not None:
+        bad_at = [k for k, w in enumerate(in_whole) if not w][bad[0]]
+        if not any(in_whole[:bad_at]):
+            raise bad[1]
+        whole = [s for s, w in zip(sources[:bad_at], in_whole) if w]  # an earlier bad one among these?
+    rest_bytes = sum(lay.nbytes for lay, _ in layouts)
+    total = sum(s.size for s in whole) + rest_bytes
     before = stats()
-    later = _Later()
-    reader = None
-    sources: list[Source] = []
-    rest: list[int] = []  # the places of the files read by the many-file job
-    try:
-        if whole_max:
+    with Progress(total, progress, "preloading") as prog:
+        if whole:
             # Blocks torch's allocator hands out may still be used by queued work; the engine
             # writes from its own streams. One wait for the device covers every read.
             torch.cuda.synchronize(dev)
-            reader = _WholeReader(dev, later)
-        batch: list[tuple[int, Source]] = []
-        size = LISTED_FIRST
-        for src in listing:  # the small files' reads start while the rest are listed
-            if reader is not None and src.size <= whole_max:
-                batch.append((len(sources), src))
-                if len(batch) >= size:
-                    reader.add(batch)
-                    batch, size = [], min(2 * size, LISTED_MOST)
-            else:
-                rest.append(len(sources))
-            sources.append(src)
-        if batch:
-            reader.add(batch)  # type: ignore[union-attr]
-        layouts, bad = _layouts([sources[k] for k in rest])  # the larger files' headers
-        failures = [] if bad is None else [(rest[bad[0]], bad[1])]
-        if reader is not None and failures:
-            reader.stop_after(failures[0][0])
-        whole_bytes = sum(s.size for s in sources) - sum(sources[k].size for k in rest)
-        total = whole_bytes + sum(lay.nbytes for lay, _ in layouts)
-        with Progress(total, progress, "preloading") as prog:
-            later.attach(prog.advance)
-            if reader is not None:
-                reader.finish()
-                failures += reader.failed
-            if failures:
-                raise min(failures, key=lambda f: f[0])[1]
-            # The engine's pinned stages are made in the background while the tensors are allocated.
-            wait_for_warm_up = (start_warm_up(dev.index, sum(lay.nbytes for lay, _ in layouts))
-                                if dev.type == "cuda" and rest else no_wait)
-            try:
-                raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
-                if dev.type == "cuda" and raws:
-                    torch.cuda.synchronize(dev)
-            finally:
-                wait_for_warm_up()
-            if raws:
-                reads = [(FileReads(sources[k], ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
-                         for k, (lay, off), view in zip(rest, layouts, engine_views(raws))]
-                read_files(reads, prog.advance)
-    except BaseException:
-        if reader is not None:
-            reader.stop_after(-1)  # the batches not yet begun are not read
-        raise
-    finally:
-        if reader is not None:
-            reader.finish()  # after an error too: no read may still be writing into a tensor
-    made = reader.made if reader is not None else {}
-    for k, raw, (lay, _off) in zip(rest, raws, layouts):
-        made[k] = sample_view(raw, lay)
+            made = _read_whole(whole, dev, prog.advance)
+            if bad is not None:
+                raise bad[1]
+        # The engine's pinned stages are made in the background while the tensors are allocated.
+        wait_for_warm_up = start_warm_up(dev.index, rest_bytes) if dev.type == "cuda" and rest else no_wait
+        try:
+            raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
+            if dev.type == "cuda" and raws:
+                torch.cuda.synchronize(dev)
+        finally:
+            wait_for_warm_up()
+        if raws:
+            reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
+                     for s, (lay, off), view in zip(rest, layouts, engine_views(raws))]
+            read_files(reads, prog.advance)
+    landed = iter(made) if whole else iter(())
+    read = iter(zip(raws, layouts))
     out = {}
-    for k, s in enumerate(sources):
-        t = made[k]
-        out[s.key] = sample_view(*t) if isinstance(t, tuple) else t
+    for s, w in zip(sources, in_whole):
+        if w:
+            t = next(landed)
+            out[s.key] = sample_view(*t) if isinstance(t, tuple) else t
+        else:
+            raw, (lay, _off) = next(read)
+            out[s.key] = sample_view(raw, lay)
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # byte swaps, if any, are done when this returns
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+

@@ -6,7 +6,7 @@ import errno
 import glob
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Union
 
@@ -42,46 +42,32 @@ def resolve(files: Files) -> list[Source]:
     gdskit.errors.InvalidArgumentError
         Nothing was given, or two items name the same key.
     """
-    return list(iter_resolve(files))
-
-
-def iter_resolve(files: Files) -> Iterator[Source]:
-    """:func:`resolve`'s files one by one, as each is found (the work on the first ones can start
-    while the rest are listed); the same errors, raised when the listing reaches them (the
-    arguments themselves are checked at once)."""
-    items = _items(files)
-    return _sources(items)
-
-
-def _items(files: Files) -> list[PathLike]:
     if isinstance(files, (str, os.PathLike)):
-        return [files]
-    if isinstance(files, (bytes, bytearray)):
+        items: list[PathLike] = [files]
+    elif isinstance(files, (bytes, bytearray)):
         raise InvalidArgumentError("file names must be str or os.PathLike, not bytes")
-    try:
-        items = list(files)
-    except TypeError:
-        raise InvalidArgumentError(f"files must be a path, a directory, a glob or a list of paths; "
-                                   f"got {type(files).__name__}") from None
+    else:
+        try:
+            items = list(files)
+        except TypeError:
+            raise InvalidArgumentError(f"files must be a path, a directory, a glob or a list of paths; "
+                                       f"got {type(files).__name__}") from None
     if not items:
         raise InvalidArgumentError("no files given")
+    out: list[Source] = []
+    seen: set[str] = set()
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             raise InvalidArgumentError(f"not a path: {item!r:.60}")
-    return items
-
-
-def _sources(items: list[PathLike]) -> Iterator[Source]:
-    seen: set[str] = set()
-    for item in items:
         for src in _one(os.fspath(item)):
             if src.key in seen:
                 raise InvalidArgumentError(f"{src.key!r} is named twice")
             seen.add(src.key)
-            yield src
+            out.append(src)
+    return out
 
 
-def _one(name: str) -> Iterable[Source]:
+def _one(name: str) -> list[Source]:
     try:
         st = os.stat(name)
     except FileNotFoundError:
@@ -111,28 +97,26 @@ def _glob(pattern: str) -> list[Source]:
     return found
 
 
-def _walk(top: str) -> Iterator[Source]:
-    """The directory's files in key order, each stat'ed as it is reached (the names are listed
-    first: the order is the keys', not the walk's)."""
-    named = []
+def _walk(top: str) -> list[Source]:
+    found = []
     errors: list[OSError] = []
     for root, dirs, names in os.walk(top, onerror=errors.append):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for n in names:
-            if not n.startswith("."):
-                path = os.path.join(root, n)
-                named.append((os.path.relpath(path, top).replace(os.sep, "/"), path))
-    named.sort()
-    found = False
-    for key, path in named:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise from_os_error(exc, path) from exc
-        if stat.S_ISREG(st.st_mode):
-            found = True
-            yield Source(key, path, st.st_size)
+        for n in sorted(names):
+            if n.startswith("."):
+                continue
+            path = os.path.join(root, n)
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise from_os_error(exc, path) from exc
+            if stat.S_ISREG(st.st_mode):
+                key = os.path.relpath(path, top).replace(os.sep, "/")
+                found.append(Source(key, path, st.st_size))
     if errors:
         raise from_os_error(errors[0], errors[0].filename)
     if not found:
         raise GdskitFileNotFoundError(errno.ENOENT, "No file in the directory", top)
+    found.sort(key=lambda s: s.key)
+    return found
+

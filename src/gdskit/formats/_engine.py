@@ -57,12 +57,11 @@ def whole_file_limit(device: int) -> int:
 
 
 def read_whole_files(paths: list[str], sizes: list[int], device: int, place: Callable[[int, memoryview], Any],
-                     on_bytes: Callable[[int], None] | None = None,
-                     failed: list[tuple[int, BaseException]] | None = None) -> None:
+                     on_bytes: Callable[[int], None] | None = None) -> None:
     """Small files read whole into pinned stages and landed on ``device`` where ``place`` says
-    (``gdskit.whole_files``); the failed files' ``(index, error)`` into ``failed`` where given."""
+    (``gdskit.whole_files``)."""
     from gdskit import whole_files
-    whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes, failed=failed)
+    whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes)
 
 
 def stats() -> Any:
