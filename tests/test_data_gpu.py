@@ -186,3 +186,21 @@ def test_the_first_bad_file_in_order_is_named_whether_read_whole_or_not(tmp_path
     with pytest.raises(gd.TruncatedFileError, match="020.npy"):
         gd.preload(files, device="cuda:0")
     assert fd_count() == fds
+
+
+def test_a_file_missing_from_a_long_list_is_named_and_progress_counts_every_byte(tmp_path):
+    from leak_helpers import file_fd_count
+
+    a = np.arange(1000, dtype=np.int32)
+    files = []
+    for k in range(3000):
+        np.save(tmp_path / f"{k:04d}.npy", a + k)
+        files.append(str(tmp_path / f"{k:04d}.npy"))
+    fds = file_fd_count()
+    seen = []
+    with pytest.raises(gdskit.errors.GdskitFileNotFoundError, match="gone.npy"):
+        gd.preload(files[:2900] + [str(tmp_path / "gone.npy")] + files[2900:], device="cuda:0")
+    assert file_fd_count() == fds
+    got = gd.preload(files, device="cuda:0", progress=lambda done, total: seen.append((done, total)))
+    assert all(np.array_equal(got[f].cpu().numpy(), a + k) for k, f in enumerate(files))
+    assert seen[-1][0] == seen[-1][1] == sum(os.path.getsize(f) for f in files)
