@@ -231,3 +231,21 @@ def test_a_read_that_fails_is_the_files_error(tmp_path, fake_cuda, io_uring):
         with pytest.raises(GdskitIOError, match="/proc/self/mem"):
             wf.read_whole_files([files[0][0], "/proc/self/mem", files[1][0]], [5000, 4096, 5000], 0, place)
     assert 1 not in place.seen
+
+
+def test_a_progress_callback_that_raises_abandons_a_cold_job_and_closes_what_it_opened_ahead(tmp_path, fake_cuda):
+    files = _files(tmp_path, [30_000] * 40)
+    for p, _d in files:
+        drop_cache(p)
+    calls = []
+
+    def on_bytes(n):
+        calls.append(n)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a user's Ctrl-C inside a progress callback
+
+    fds = fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="auto"):
+        with pytest.raises(KeyboardInterrupt):
+            _read(files, _Landing(files), on_bytes=on_bytes)
+    assert fd_count() == fds and len(calls) == 3
