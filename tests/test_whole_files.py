@@ -8,6 +8,7 @@ import ctypes
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import gdskit
 from backend_conformance import drop_cache
@@ -249,3 +250,24 @@ def test_a_progress_callback_that_raises_abandons_a_cold_job_and_closes_what_it_
         with pytest.raises(KeyboardInterrupt):
             _read(files, _Landing(files), on_bytes=on_bytes)
     assert fd_count() == fds and len(calls) == 3
+
+
+@given(sizes=st.lists(st.integers(0, CHUNK), min_size=1, max_size=60), align=st.sampled_from([512, 4096]),
+       seed=st.integers(0, 9))
+@hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_sizes_fill_stages_without_overlap_and_land_whole(tmp_path_factory, fake_cuda, sizes, align, seed):
+    """Files of any sizes up to a stage: each stage's slots are aligned, side by side, within the
+    stage and a ring; every file lands whole, its bytes against the file."""
+    from gdskit.backends.uring import RING_ENTRIES
+    from gdskit.plan import align_up
+
+    stage = CHUNK + 2 * align
+    groups = wf._groups(sizes, stage, align)
+    assert [i for a, b in groups for i in range(a, b)] == list(range(len(sizes)))
+    for a, b in groups:
+        assert b - a <= RING_ENTRIES and sum(align_up(s, align) for s in sizes[a:b]) <= stage
+    files = _files(tmp_path_factory.mktemp("any"), sizes, seed)
+    place = _Landing(files)
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", alignment=align):
+        _read(files, place)
+    assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
