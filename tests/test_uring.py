@@ -357,7 +357,7 @@ def test_threads_reading_at_once_each_get_their_bytes_on_their_own_ring(data_fil
     def reader(i: int) -> None:
         try:
             start.wait()
-            with gdskit.settings.set(mode="host"), gdskit.open(path) as f:
+            with gdskit.open(path) as f:
                 for round_ in range(10):
                     offsets = _offsets(N, 4098, 100 * i + round_)
                     buf = np.zeros(N * 4098, np.uint8)
@@ -367,10 +367,13 @@ def test_threads_reading_at_once_each_get_their_bytes_on_their_own_ring(data_fil
             errors.append(exc)
 
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Settings are the process's: set once here, not in each thread (four threads setting and
+    # restoring them at once would leave one thread's "before" behind).
+    with gdskit.settings.set(mode="host"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert not errors, errors
     used = uring.activity() - before
     assert used.rings >= 4 and used.batches == 40
