@@ -271,3 +271,31 @@ def test_any_sizes_fill_stages_without_overlap_and_land_whole(tmp_path_factory, 
     with gdskit.settings.set(mode="bounce", chunk_size="64KiB", alignment=align):
         _read(files, place)
     assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
+
+
+def test_under_always_a_filesystem_that_refuses_o_direct_is_read_through_the_page_cache(tmp_path, fake_cuda,
+                                                                                        monkeypatch):
+    """A filesystem without O_DIRECT refuses the open itself (EINVAL, as open(2) says; this
+    machine's filesystems all take it, so the refusal is made here, as the kernel makes it): the
+    job opens the file again buffered, asks no more O_DIRECT opens, and the ledger says so."""
+    import errno
+
+    from gdskit.errors import from_os_error
+
+    real, asked = wf.open_file_fd, []
+
+    def refusing(path, flags, mode=0o666):
+        asked.append(bool(flags & os.O_DIRECT))
+        if flags & os.O_DIRECT:
+            raise from_os_error(OSError(errno.EINVAL, "Invalid argument"), path)
+        return real(path, flags, mode)
+
+    monkeypatch.setattr(wf, "open_file_fd", refusing)
+    files = _files(tmp_path, [5000, 100, 63_000] * 3)
+    place = _Landing(files)
+    before, fds = gdskit.stats(), fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="always"):
+        _read(files, place)
+    assert all(place.landed(i) == data for i, (_p, data) in enumerate(files))
+    assert set((gdskit.stats() - before).paths) == {"bounce-cached"} and fd_count() == fds
+    assert asked[:2] == [True, False] and not any(asked[2:])

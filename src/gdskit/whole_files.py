@@ -263,31 +263,24 @@ def _failed(job: _Job, index: int, exc: BaseException) -> None:
 
 
 def _open(job: _Job, path: str, size: int) -> tuple[int, int]:
-    """The file opened for its whole read, and how it is read (``_BUFFERED``, ``_DIRECT``): one
-    ``F_SETFL`` sets that and clears the ``O_NONBLOCK`` of the FIFO-safe open. In a cold job the
-    kernel is asked to bring the file into the page cache meanwhile (advice: its errors are the
-    read's to report)."""
-    fd, _st = open_file_fd(path, os.O_RDONLY | os.O_NONBLOCK)
+    """The file opened for its whole read (by :func:`~gdskit.durable.open_file_fd`, whose one
+    ``F_SETFL`` also sets O_DIRECT where asked), and how it is read (``_BUFFERED``, ``_DIRECT``).
+    In a cold job the kernel is asked to bring the file into the page cache meanwhile (advice:
+    its errors are the read's to report)."""
+    direct = bool(_DIRECT) and job.cfg.odirect is ODirectPolicy.ALWAYS and not job.direct_refused
     try:
-        direct = bool(_DIRECT) and job.cfg.odirect is ODirectPolicy.ALWAYS and not job.direct_refused
+        fd, _st = open_file_fd(path, os.O_RDONLY | (_DIRECT if direct else _BUFFERED))
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        job.direct_refused = True  # this filesystem takes no O_DIRECT: the page cache, from now on
+        direct = False
+        fd, _st = open_file_fd(path, os.O_RDONLY)
+    if job.ahead and not direct:
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, _DIRECT if direct else _BUFFERED)
-        except OSError as exc:
-            if not direct or exc.errno != errno.EINVAL:
-                raise
-            job.direct_refused = True  # this filesystem takes no O_DIRECT: the page cache, from now on
-            direct = False
-            fcntl.fcntl(fd, fcntl.F_SETFL, _BUFFERED)
-        if job.ahead and not direct:
-            try:
-                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-    except BaseException as exc:
-        os.close(fd)
-        if isinstance(exc, OSError):
-            raise from_os_error(exc, path) from exc
-        raise
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
     return fd, _DIRECT if direct else _BUFFERED
 
 
