@@ -19,6 +19,7 @@ from gdskit.errors import (BufferTooSmallError, GdskitError, GdskitFileNotFoundE
                            InvalidArgumentError, ReadOnlyBufferError)
 from gdskit.many_files import FileReads, read_files
 from data_files import random_files
+from gdskit.residency import CACHED_SAMPLES
 from leak_helpers import fd_count
 
 CHUNK = 64 << 10
@@ -270,7 +271,7 @@ def test_a_file_gone_from_a_packed_job_is_named_and_nothing_is_left_open(tmp_pat
     monkeypatch.setattr(mf, "_packed", lambda *a: packed.append(1) or real(*a))
     files = _files(tmp_path, [6000 + i for i in range(100)], seed=8)
     gone = files[50][0]  # not one of the files sampled for the page cache: the job is packed
-    assert 50 not in {k * 99 // (mf.CACHED_SAMPLES - 1) for k in range(mf.CACHED_SAMPLES)}
+    assert 50 not in {k * 99 // (CACHED_SAMPLES - 1) for k in range(CACHED_SAMPLES)}
     os.unlink(gone)
     dests = [cuda.DeviceArray(len(d)) for _p, d in files]
     fds, threads = fd_count(), _threads()

@@ -87,7 +87,7 @@ def _spy_workers(monkeypatch):
 def test_a_cold_job_runs_on_one_worker_asking_each_stage_into_the_page_cache_ahead(tmp_path, fake_cuda,
                                                                                   monkeypatch):
     from gdskit.formats._engine import first_page_cached
-    from gdskit.residency import all_cached
+    from gdskit.residency import Residency, path_residency
 
     files = _files(tmp_path, [5000, 8192, 20_000 - 1] * 20 + [3])
     for p, _d in files:
@@ -101,7 +101,8 @@ def test_a_cold_job_runs_on_one_worker_asking_each_stage_into_the_page_cache_ahe
         _read(files, place)
         assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
         assert set((gdskit.stats() - before).paths) == {"bounce-cached"}
-        assert all_cached((p, 0, len(d)) for p, d in files)  # each asked into the page cache, then read
+        # each file asked into the page cache, then read
+        assert all(path_residency(p, 0, len(d)) is Residency.ALL for p, d in files)
         _read(files, place)  # now cached: the hot workers
     assert asked == [1, wf.HOT_WORKERS]
     assert fd_count() == fds

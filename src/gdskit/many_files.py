@@ -32,9 +32,9 @@ from gdskit.buffers import BufferView, adapt
 from gdskit.durable import open_file_fd
 from gdskit.errors import BufferTooSmallError, InvalidArgumentError, ReadOnlyBufferError, call_each
 from gdskit.ledger import record_bounce_pieces
-from gdskit.plan import Chunk, align_up, chunks, nonnegative_int, spread
+from gdskit.plan import Chunk, align_up, chunks, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.residency import all_cached
+from gdskit.residency import job_cached
 from gdskit.router import host_reason, plan_routes
 from gdskit.routing import route_for_read
 from gdskit.settings import Settings, settings
@@ -154,7 +154,7 @@ def _plan(read: _Read, chunk: int, alignment: int, host_chunk: int) -> list[Chun
 
 
 #: Workers for a job of small files into GPU memory that the page cache holds (at most
-#: SMALL_FILE_BYTES a file on average, judged by CACHED_SAMPLES of them). Each such file costs
+#: SMALL_FILE_BYTES a file on average, judged by residency.CACHED_SAMPLES of them). Each such file costs
 #: tens of microseconds of Python in its worker, and workers only take turns at the interpreter:
 #: on the H200 machine the job of 20,000 cached 64 KiB files took 80 µs a file on one worker, 121
 #: on two and 190-226 on sixteen (benchmarks/RESULTS.md, "Many small files: where the time goes,
@@ -164,25 +164,20 @@ HOT_SMALL_FILES_WORKERS = 1
 SMALL_FILE_BYTES = 1 << 20
 
 
-#: Files, spread evenly over a job, whose page-cache residency says whether it is cached: one
-#: worker reads a job judged cached, so a partly cached one must not pass for it (with half the
-#: files cached at random, sixteen all are one time in 65,536).
-CACHED_SAMPLES = 16
-
-
 def _small_and_cached(paths: list[str], reads: list[list[_Read]]) -> bool:
-    """Whether the job's files are small and the page cache holds them, judged by
-    CACHED_SAMPLES of them spread over the job (asking about every file would cost an open and
-    a system call each)."""
+    """Whether the job's files are small and the page cache holds them (judged by a sample,
+    :func:`gdskit.residency.job_cached`)."""
     n = len(paths)
     if n < 2 or sum(r.size for rs in reads for r in rs) > n * SMALL_FILE_BYTES:
         return False
-    sample = []
-    for i in spread(n, CACHED_SAMPLES):
-        if reads[i]:
-            lo = min(r.file_offset for r in reads[i])
-            sample.append((paths[i], lo, max(r.file_offset + r.size for r in reads[i]) - lo))
-    return all_cached(sample)
+
+    def range_of(i: int) -> tuple[str, int, int] | None:
+        if not reads[i]:
+            return None
+        lo = min(r.file_offset for r in reads[i])
+        return paths[i], lo, max(r.file_offset + r.size for r in reads[i]) - lo
+
+    return job_cached(n, range_of)
 
 
 def read_files(jobs: Iterable[FileReads], *, on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:

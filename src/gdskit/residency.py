@@ -17,9 +17,10 @@ import mmap
 import os
 import platform
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable
 
 from gdskit.durable import open_file_fd
+from gdskit.plan import spread
 
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PAGE = mmap.PAGESIZE
@@ -183,8 +184,19 @@ def path_residency(path: str, offset: int, length: int) -> Residency | None:
         os.close(fd)
 
 
-def all_cached(ranges: Iterable[tuple[str, int, int]]) -> bool:
-    """Whether the page cache holds all of every ``(path, offset, length)``: a job's sample of
-    its files (asking about each would cost an open and a system call a file). A file the kernel
-    cannot say about, or that cannot be opened, counts as not cached."""
-    return all(path_residency(path, offset, length) is Residency.ALL for path, offset, length in ranges)
+#: Files, spread evenly over a job, whose page-cache residency says whether the job is cached:
+#: a job judged cached is read by fewer workers, so a partly cached one must not pass for it
+#: (with half the files cached at random, sixteen all are one time in 65,536).
+CACHED_SAMPLES = 16
+
+
+def job_cached(n: int, range_of: Callable[[int], tuple[str, int, int] | None]) -> bool:
+    """Whether the page cache holds a job of ``n`` files, judged by :data:`CACHED_SAMPLES` of them
+    spread over it (asking about each would cost an open and a system call a file).
+    ``range_of(i)`` is file ``i``'s ``(path, offset, length)``, or None where it reads nothing. A
+    file the kernel cannot say about, or that cannot be opened, counts as not cached."""
+    for i in spread(n, CACHED_SAMPLES):
+        rng = range_of(i)
+        if rng is not None and path_residency(*rng) is not Residency.ALL:
+            return False
+    return True

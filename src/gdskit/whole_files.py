@@ -12,7 +12,7 @@ and read whole, in one request, into the next slot of a worker's pinned stage:
   which of them go (the data layer parses an ``.npy`` header and makes the file's tensor there);
 - the stage goes to the GPU in one batched copy with one event.
 
-A job the page cache holds (judged by :data:`CACHED_SAMPLES` files spread over it) runs on
+A job the page cache holds (judged by a sample, :func:`gdskit.residency.job_cached`) runs on
 :data:`HOT_WORKERS` workers. Any other runs on one worker that asks the next stage's files into the
 page cache (``posix_fadvise(WILLNEED)``, which queues their reads and returns) before it reads,
 places and copies the current stage's: the disk reads one stage while the interpreter works on the
@@ -38,9 +38,9 @@ from gdskit.backends.base import pread_full
 from gdskit.durable import open_file_fd
 from gdskit.errors import InvalidArgumentError, from_os_error
 from gdskit.ledger import record_bounce_pieces
-from gdskit.plan import align_up, nonnegative_int, spread
+from gdskit.plan import align_up, nonnegative_int
 from gdskit.pool import LaneRef, lanes, run_chunks
-from gdskit.residency import all_cached
+from gdskit.residency import job_cached
 from gdskit.router import bounce_for_any_file
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import IoUring, ODirectPolicy, Reason
@@ -57,8 +57,6 @@ Place = Callable[[int, memoryview], Sequence[Copy]]
 #: Workers for a job the page cache holds: the second one's ring calls and batched copies run
 #: while the first holds the interpreter (more only take turns at it).
 HOT_WORKERS = 2
-#: Files spread over a job whose page-cache residency says whether it is cached.
-CACHED_SAMPLES = 16
 
 # The descriptor's status flags once its kind is known: read through the page cache, or O_DIRECT.
 _BUFFERED, _DIRECT = 0, getattr(os, "O_DIRECT", 0)
@@ -119,7 +117,7 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
     run = {"device": device, "stage_bytes": stage_bytes, "max_lanes": n_lanes, "budget": cfg.pinned_budget}
     t0 = time.perf_counter()
     try:
-        if all_cached((paths[i], 0, sizes[i]) for i in spread(len(paths), CACHED_SAMPLES)):
+        if job_cached(len(paths), lambda i: (paths[i], 0, sizes[i])):
             run_chunks(groups, lambda ref, g: _stage(job, ref, g), threads=HOT_WORKERS, **run)
         else:
             job.ahead = cfg.odirect is not ODirectPolicy.ALWAYS
