@@ -20,7 +20,7 @@ from gdskit import cuda, numa
 from gdskit.backends.base import Backend, OpenFile, Request
 from gdskit.backends.staged import ChunkResult, contiguous_prefix, file_residency, read_to_stage, write_from_stage
 from gdskit.buffers import BufferView
-from gdskit.ledger import ledger
+from gdskit.ledger import ledger, record_bounce_pieces
 from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
 from gdskit.residency import Residency
@@ -57,25 +57,8 @@ def _record(req: Request, op: str, results: list[ChunkResult], total: int, elaps
 
 def _record_reads(reason: Reason, device: int | None, results: Sequence[ChunkResult], elapsed: float) -> None:
     """The ledger records of reads of one chunk each, as :func:`_record` makes them one by one,
-    added up into one record per path."""
-    cached_bytes = cached_reqs = direct_bytes = direct_reqs = 0
-    for r in results:
-        cached = min(r.cached, r.nbytes)
-        direct = r.nbytes - cached
-        if cached or not direct:  # one chunk each: one op per record, as _record counts it
-            cached_bytes += cached
-            cached_reqs += 1
-        if direct:
-            direct_bytes += direct
-            direct_reqs += 1
-    moved = cached_bytes + direct_bytes
-    share = (lambda b: elapsed * b / moved) if moved else (lambda b: 0.0)
-    if cached_reqs:
-        ledger.record(Path.BOUNCE_CACHED, reason, "read", cached_bytes, cached_reqs, share(cached_bytes),
-                      device=device, requests=cached_reqs)
-    if direct_reqs:
-        ledger.record(Path.BOUNCE_DIRECT, reason, "read", direct_bytes, direct_reqs, share(direct_bytes),
-                      device=device, requests=direct_reqs)
+    added up into one record per path (:func:`gdskit.ledger.record_bounce_pieces`)."""
+    record_bounce_pieces([(reason, r.nbytes, r.cached) for r in results], device, elapsed)
 
 
 def _fits_one_chunk(file_offset: int, size: int, chunk: int, alignment: int) -> bool:
