@@ -138,11 +138,18 @@ def child(args: argparse.Namespace) -> None:
             return step("warm_up_wait", real_start(*a, **k))
         return start
 
+    import gdskit.direct_route
+    from gdskit import cuda
+
     patches = [(safetensors_format, "read_header_file", lambda f: step("header", f)),
                (gdskit.safetensors, "open_file", lambda f: step("open", f)),
                (torch_io, "start_warm_up", warm_up),
                (gdskit.file.File, "pread_many", lambda f: step("submit", f)),
-               (torch_io, "reserve_device_memory", lambda f: step("reserve", f))]
+               (torch_io, "reserve_device_memory", lambda f: step("reserve", f)),
+               # Inside the warm-up: the driver's bindings, the direct-route facts, the lanes.
+               (cuda, "_load_bindings", lambda f: step("bindings", f)),
+               (gdskit.direct_route, "direct_route", lambda f: step("direct_route", f)),
+               (pool, "prepare", lambda f: step("lanes", f))]
     real = [(owner, name, getattr(owner, name)) for owner, name, _ in patches if hasattr(owner, name)]
     for owner, name, wrap in patches:
         if hasattr(owner, name):

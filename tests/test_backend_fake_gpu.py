@@ -309,3 +309,50 @@ def test_warm_up_builds_the_ring_in_the_background_once(fake_cuda):
         assert not pool.lanes.holds(0) and gdskit.resources().lanes_busy == 0
     gdskit.release_resources()
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0
+
+
+def test_a_read_begins_on_the_first_lane_a_warm_up_makes(fake_cuda, monkeypatch, tmp_path):
+    # A loader submits its reads while the warm-up still makes lanes: each lane is the pool's as
+    # soon as it exists, so a read goes ahead on the first instead of waiting for all of them.
+    import threading
+
+    from gdskit.formats._engine import start_warm_up
+
+    gdskit.release_resources()
+    data = os.urandom(1 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    gate, made = threading.Event(), []
+    real = pool.LanePool._make_lane
+
+    def held_after_the_first(self, device, stage_bytes):
+        made.append(device)
+        if len(made) > 1:
+            assert gate.wait(30)
+        return real(self, device, stage_bytes)
+
+    monkeypatch.setattr(pool.LanePool, "_make_lane", held_after_the_first)
+    buf = cuda.DeviceArray(1 << 20)
+    got: list[int] = []
+    try:
+        with gdskit.settings.set(mode="bounce", threads=4, chunk_size="1MiB", pinned_alloc="hostalloc"):
+            wait = start_warm_up(0, 4 << 20)
+            for _ in range(3000):
+                if pool.lanes.holds(0):
+                    break
+                threading.Event().wait(0.01)
+            with gdskit.open(str(path)) as f:
+                reader = threading.Thread(target=lambda: got.append(f.read(buf, 1 << 20, 0)))
+                reader.start()
+                reader.join(10)
+                finished_before_the_rest = not reader.is_alive()
+                gate.set()
+                reader.join(30)
+            wait()
+            assert finished_before_the_rest, "the read waited for every lane of the warm-up"
+            assert got == [1 << 20] and buf.to_numpy().tobytes() == data
+            assert gdskit.resources().lanes == 4 and gdskit.resources().lanes_busy == 0
+    finally:
+        gate.set()
+        buf.free()
+        gdskit.release_resources()

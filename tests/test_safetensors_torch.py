@@ -443,3 +443,28 @@ def test_gpu_group_members_are_independent_copies() -> None:
         assert c.dtype == torch.uint8 and c.numel() == n
         assert c.untyped_storage().nbytes() == n  # owns exactly its own bytes
         assert torch.equal(c.cpu(), (torch.arange(start, start + n) % 256).to(torch.uint8))
+
+
+@pytest.mark.parametrize("uncached", [None, 0, 37, 499])
+def test_whether_the_groups_are_cached_is_asked_of_a_sample(uncached):
+    # One question about a whole 20,000-tensor file's span cost a tenth of its hot load; a few
+    # groups spread over the plan, the first and last among them, are asked about instead.
+    from gdskit.formats import torch_io
+
+    groups = tuple(read_plan.Group(i * 1000, 1000, (read_plan.Extent(i, i * 1000, 1000),)) for i in range(500))
+    asked: list[tuple[int, int]] = []
+
+    class File:
+        def cached(self, offset, size):
+            asked.append((offset, size))
+            return uncached is None or offset != uncached * 1000
+
+    held = torch_io._held_in_page_cache(File(), groups)
+    assert len(asked) <= torch_io.CACHED_GROUP_SAMPLES
+    if uncached is None:
+        assert held is True and (0, 1000) in asked and (499_000, 1000) in asked
+    elif uncached in (0, 499):  # the first and last group are always asked about
+        assert held is False
+    else:
+        assert held is ((uncached * 1000, 1000) not in asked)
+    assert torch_io._held_in_page_cache(File(), ()) is False

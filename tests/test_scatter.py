@@ -163,6 +163,44 @@ class TestOnStandInGpu:
         assert lanes == [bounce.SCATTERED_HOT_WORKERS if told else 8]
         assert asked_cache == []  # the job's bytes are not asked about again, held or not
 
+    @pytest.mark.parametrize("told", [True, None])
+    def test_chunks_of_a_job_told_cached_are_not_asked_about(self, data_file, monkeypatch, told):
+        # The loader's answer covers every chunk: the O_DIRECT policy does not ask the page cache
+        # again for each (a system call a chunk); a job told nothing is asked about chunk by chunk.
+        from gdskit.backends import staged
+
+        path, data = data_file
+        asked: list[tuple[int, int]] = []
+        real = staged.file_residency
+        monkeypatch.setattr(staged, "file_residency", lambda f, pos, n: asked.append((pos, n)) or real(f, pos, n))
+        arrays = [cuda.DeviceArray(4000) for _ in range(100)]
+        view = scattered_device_view(_targets(arrays, range(0, 1_000_000, 10_000)), 1_000_000, 0, arrays,
+                                     source_cached=told)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=8, odirect="auto"), \
+                gdskit.open(path) as f:
+            assert f.read(view, 1_000_000) == 1_000_000
+        assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
+        chunks_asked = [q for q in asked if q[1] <= 64 * 1024]
+        assert (chunks_asked == []) if told else len(chunks_asked) >= 1_000_000 // (64 * 1024)
+
+    @pytest.mark.parametrize("busy", [True, None, False])
+    def test_a_hot_job_whose_caller_only_waits_gets_every_worker(self, data_file, monkeypatch, busy):
+        # Few workers serve a cached scattered job only while its caller makes destinations beside
+        # it (the interpreter is shared); a caller that made them all first (load_into) gets all.
+        from gdskit.backends import bounce
+
+        path, data = data_file
+        lanes: list[int] = []
+        real = bounce.run_requests
+        monkeypatch.setattr(bounce, "run_requests", lambda *a, **k: lanes.append(k["max_lanes"]) or real(*a, **k))
+        arrays = [cuda.DeviceArray(4000) for _ in range(100)]
+        view = scattered_device_view(_targets(arrays, range(0, 1_000_000, 10_000)), 1_000_000, 0, arrays,
+                                     source_cached=True, caller_busy=busy)
+        with gdskit.settings.set(mode="bounce", chunk_size="64KiB", threads=8), gdskit.open(path) as f:
+            assert f.read(view, 1_000_000) == 1_000_000
+        assert all(_device_bytes(a) == data[i * 10_000:i * 10_000 + 4000] for i, a in enumerate(arrays))
+        assert lanes == [8 if busy is False else bounce.SCATTERED_HOT_WORKERS]
+
     def test_short_at_end_of_file_and_later_targets_untouched(self, data_file):
         path, data = data_file
         arrays = [cuda.DeviceArray(1000), cuda.DeviceArray(1000)]

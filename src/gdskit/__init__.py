@@ -121,20 +121,11 @@ def prepare(device: int | None = None, *, workers: int | None = None) -> Resourc
     ``settings.threads``), for work that will use fewer. Returns what is held afterwards.
     Without a GPU it only starts the worker threads.
     """
-    from gdskit import cuda, pool  # noqa: PLC0415
+    from gdskit import pool  # noqa: PLC0415
 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise errors.InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
-    cfg = settings.snapshot()
-    dev = None
-    if cuda.available():
-        from gdskit.direct_route import direct_route  # noqa: PLC0415
-
-        dev = cuda.current_device() if device is None else device
-        # Worked out here, before the ring: side by side with the ring's set-up (another thread)
-        # it made that set-up slower by as much as it saved on the H200 machine.
-        direct_route()
-    pool.prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment, workers)
+    pool.set_up(device, workers)
     return pool.lanes.usage(settings.threads)
 
 

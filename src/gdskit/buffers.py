@@ -45,6 +45,9 @@ class BufferView:
     # For a scattered read: whether its caller found all the bytes it reads in the page cache
     # (None: not asked). The engine takes that answer instead of asking again.
     source_cached: bool | None = None
+    # For a scattered read: whether the caller's thread goes on making destinations while it runs
+    # (None: not said, taken as yes). Such a job, from the page cache, gets few workers.
+    caller_busy: bool | None = None
 
     @property
     def on_device(self) -> bool:
@@ -220,15 +223,17 @@ class ScatterList:
 
 
 def scattered_device_view(targets: ScatterList, nbytes: int, device: int, owner: Any, *,
-                          source_cached: bool | None = None) -> BufferView:
+                          source_cached: bool | None = None, caller_busy: bool | None = None) -> BufferView:
     """A read of ``nbytes`` whose bytes land in ``targets`` (memory of GPU ``device``), whose
     producer work the caller has already waited for (as :func:`synchronized_device_view`).
     ``source_cached``: whether the caller found the bytes it will read all in the page cache
-    (``File.cached``), so that the engine need not ask again."""
+    (``File.cached``), so that the engine need not ask again. ``caller_busy``: whether the
+    caller's thread makes more destinations while the read runs (default: taken as yes); False
+    lets a job of such reads from the page cache use every worker."""
     if targets.end > nbytes:
         raise UnsupportedBufferError(f"scatter targets reach byte {targets.end} of a {nbytes}-byte read")
     return BufferView(0, nbytes, MemoryKind.DEVICE, device, False, None, owner, scatter=targets,
-                      source_cached=source_cached)
+                      source_cached=source_cached, caller_busy=caller_busy)
 
 
 def synchronized_device_view(ptr: int, nbytes: int, owner: Any) -> BufferView:

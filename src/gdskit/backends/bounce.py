@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from gdskit import cuda, numa
-from gdskit.backends.base import Backend, OpenFile, Request
-from gdskit.backends.staged import ChunkResult, contiguous_prefix, file_residency, read_to_stage, write_from_stage
+from gdskit.backends.base import UNKNOWN, Backend, OpenFile, Request
+from gdskit.backends.staged import (ChunkResult, contiguous_prefix, file_residency, read_to_stage,
+                                   write_from_stage)
 from gdskit.buffers import BufferView
 from gdskit.ledger import ledger, record_bounce_pieces
 from gdskit.plan import Chunk, chunks
@@ -27,11 +28,11 @@ from gdskit.residency import Residency
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Path, Reason
 
-# Workers for a job of scattered reads whose bytes the page cache holds. Such a job is many
-# small copies, and each costs Python in its worker, which shares the interpreter with the
-# caller making the destinations: past a few workers they only crowd it (docs/engine.md,
+# Workers for a job of scattered reads whose bytes the page cache holds, while its caller makes
+# more destinations. Such a job is many small copies, and each costs Python in its worker, which
+# shares the interpreter with the caller: past a few workers they only crowd it (docs/engine.md,
 # "Measurements behind the defaults"). From the disk every worker stays: there the disk's
-# queue depth is what counts.
+# queue depth is what counts; so it does where the caller only waits (``BufferView.caller_busy``).
 SCATTERED_HOT_WORKERS = 4
 
 # A single read done in its caller's thread moves that thread onto its GPU's NUMA node (and back)
@@ -127,11 +128,11 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
     return out
 
 
-def _scattered_and_cached(f: OpenFile, reqs: Sequence[Request]) -> bool:
-    """Whether every request scatters into many destinations and the page cache holds all their
-    bytes: the callers' answer where they asked (a loader asks once for all its jobs), else the
-    page cache's."""
-    if any(r.buf.scatter is None for r in reqs):
+def _scattered_cached_and_crowded(f: OpenFile, reqs: Sequence[Request]) -> bool:
+    """Whether every request scatters into many destinations, the page cache holds all their
+    bytes (the callers' answer where they asked: a loader asks once for all its jobs; else the
+    page cache's), and the caller makes more destinations meanwhile (unless it said it does not)."""
+    if any(r.buf.scatter is None or r.buf.caller_busy is False for r in reqs):
         return False
     told = {r.buf.source_cached for r in reqs}
     if None not in told:
@@ -204,7 +205,7 @@ class BounceBackend(Backend):
                                   on_bytes=on_bytes)[0]
             _record_reads(req.reason, req.buf.device, [res], time.perf_counter() - t0)
             return [res.nbytes]
-        if _scattered_and_cached(f, reqs):
+        if _scattered_cached_and_crowded(f, reqs):
             n_lanes = min(n_lanes, SCATTERED_HOT_WORKERS)
         align = cfg.alignment
         t0 = time.perf_counter()
@@ -213,7 +214,9 @@ class BounceBackend(Backend):
             req, ch = job
             lane = ref.get()
             stage, event = lane.next_stage()
-            res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align)
+            # A caller that found all its bytes in the page cache said so: not asked again per chunk.
+            where = Residency.ALL if req.buf.source_cached else UNKNOWN
+            res = read_to_stage(f, stage.view, ch.file_offset, ch.size, cfg.odirect, align, where)
             if res.nbytes:
                 assert lane.stream is not None and event is not None
                 src = stage.ptr + ch.file_offset % align

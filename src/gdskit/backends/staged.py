@@ -241,9 +241,10 @@ def read_chunk(f: OpenFile, target: ChunkTarget, pos: int, n: int, policy: ODire
 
 
 def read_to_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,
-                  alignment: int) -> ChunkResult:
-    """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)`` (:func:`read_chunk`)."""
-    return read_chunk(f, StageTarget(stage, pos, alignment), pos, n, policy)
+                  alignment: int, where: Residency | None | Unknown = UNKNOWN) -> ChunkResult:
+    """Fill ``stage[pos % alignment:][:n]`` with file bytes ``[pos, pos + n)`` (:func:`read_chunk`;
+    ``where``: the range's residency, if already known)."""
+    return read_chunk(f, StageTarget(stage, pos, alignment), pos, n, policy, where)
 
 
 def write_from_stage(f: OpenFile, stage: memoryview, pos: int, n: int, policy: ODirectPolicy,

@@ -64,6 +64,13 @@ def read_whole_files(paths: list[str], sizes: list[int], device: int, place: Cal
     whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes)
 
 
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices of ``range(n)`` spread evenly over it, the first and last included
+    (:func:`gdskit.plan.spread`: what a job samples to judge all of it)."""
+    from gdskit.plan import spread as engine_spread
+    return engine_spread(n, k)
+
+
 def stats() -> Any:
     """A snapshot of the engine's ledger."""
     from gdskit.ledger import stats as ledger_stats
@@ -159,9 +166,10 @@ def _join_warm_ups() -> None:
 
 def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Callable[[], None]:
     """Set the engine up for a read of ``nbytes`` onto GPU ``device`` by ``workers`` workers
-    (default: all) in the background (``gdskit.prepare``: pinned stages, streams, worker
+    (default: all) in the background (as ``gdskit.prepare``: pinned stages, streams, worker
     threads, the direct-route facts) while the caller allocates the destinations; returns the
-    function that waits for it.
+    function that waits for it. Each lane is the pool's as soon as it is made: reads submitted
+    before the warm-up ends begin on the first lanes (their workers make any still missing).
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
     a call while a warm-up of the device is under way waits for that one. Start it after a
@@ -169,7 +177,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     parse holds, and take several times longer (docs/engine.md, "Measurements behind the
     defaults"). A failure here is left for the read itself to report.
     """
-    from gdskit import pool, prepare
+    from gdskit import pool
     from gdskit.settings import settings
 
     workers = settings.threads if workers is None else min(workers, settings.threads)
@@ -178,7 +186,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
     def run() -> None:
         try:
-            prepare(device, workers=workers)
+            pool.set_up(device, workers, hold=False)
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from gdskit.formats._engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
-                                    start_warm_up, synchronized_device_view)
+from gdskit.formats._engine import (ScatterList, can_scatter, scattered_device_view, scattered_hot_workers,
+                                    spread, start_warm_up, synchronized_device_view,
+                                    synchronized_device_views)
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -41,6 +42,17 @@ def _engine_buffer(t: torch.Tensor) -> Any:
     if t.is_cuda:
         return synchronized_device_view(t.data_ptr(), t.numel() * t.element_size(), t)
     return _flat_bytes_view(t)
+
+
+def _engine_buffers(made: list[torch.Tensor], device: torch.device) -> list[Any]:
+    """:func:`_engine_buffer` of each tensor ``execute`` made itself on ``device``: torch's one
+    allocator made them all on one device, so the driver is asked what the memory is once, for
+    the first, instead of once each. In a first call the driver is busy making the engine's
+    pinned stages, and 256 such questions took a third of the time before the reads began
+    (docs/engine.md, "Measurements behind the defaults")."""
+    if device.type != "cuda":
+        return [_flat_bytes_view(t) for t in made]
+    return synchronized_device_views([(t.data_ptr(), t.numel() * t.element_size(), t) for t in made])
 
 
 # torch's caching allocator serves requests above 1 MiB from its large pool, rounded up to 512 bytes.
@@ -220,36 +232,38 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         out[e.key] = t
         return t
 
-    wait_for_warm_up = no_wait
     index = 0
     groups_hot = scatter and _held_in_page_cache(f, plan.groups)
+    # Where every small tensor has its destination already (load_into), this thread makes none
+    # while the groups are read: their jobs need not leave it the interpreter.
+    groups_given = bool(dests) and all(m.key in dests for g in plan.groups for m in g.members)
     if on_cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
         # Where hot small tensors hold most of the bytes, set up only the staging of the few
         # workers their reads get; reads of the large tensors make any other lanes they need.
-        few = groups_hot and plan.group_bytes > plan.direct_bytes
-        wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
-    try:
-        if on_cuda:
-            # Blocks torch's caching allocator hands out, and given destinations, may still be in use
-            # by queued work; the engine writes from its own streams or threads. One wait here, for
-            # the whole device, covers every request below (which then skip their own waits).
-            torch.cuda.synchronize(device)
-            # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
-            # only the direct tensors and the staging ring count.
-            fresh = [e.nbytes for e in plan.direct if e.key not in dests]
-            if not scatter:
-                fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
-            reserve_device_memory(device, fresh)
-        for e in plan.empty:
-            dest_for(e)
-        ring: list[torch.Tensor] = []
-        if plan.groups and not scatter:
-            nbuf = min(depth, len(plan.groups))
-            ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-        reads = [(_engine_buffer(dest_for(e)), e.nbytes, e.file_offset) for e in plan.direct]
-    finally:
-        wait_for_warm_up()
+        few = groups_hot and not groups_given and plan.group_bytes > plan.direct_bytes
+        # Not waited for: the reads below begin on the first lanes it makes.
+        start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
+        # Blocks torch's caching allocator hands out, and given destinations, may still be in use
+        # by queued work; the engine writes from its own streams or threads. One wait here, for
+        # the whole device, covers every request below (which then skip their own waits).
+        torch.cuda.synchronize(device)
+        # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
+        # only the direct tensors and the staging ring count.
+        fresh = [e.nbytes for e in plan.direct if e.key not in dests]
+        if not scatter:
+            fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
+        reserve_device_memory(device, fresh)
+    for e in plan.empty:
+        dest_for(e)
+    ring: list[torch.Tensor] = []
+    if plan.groups and not scatter:
+        nbuf = min(depth, len(plan.groups))
+        ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+    made_here = [e for e in plan.direct if e.key not in dests]
+    views = dict(zip((e.key for e in made_here), _engine_buffers([dest_for(e) for e in made_here], device)))
+    views.update((e.key, _engine_buffer(dest_for(e))) for e in plan.direct if e.key in dests)
+    reads = [(views[e.key], e.nbytes, e.file_offset) for e in plan.direct]
 
     futures: list[concurrent.futures.Future[Any]] = []
     try:
@@ -263,7 +277,8 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             futures.append(job)
         if scatter:
             _scatter_groups(f, plan.groups, dest_for, index, on_bytes, futures,
-                            SCATTER_JOBS_HOT if groups_hot else len(plan.groups), source_cached=groups_hot)
+                            SCATTER_JOBS_HOT if groups_hot and not groups_given else len(plan.groups),
+                            source_cached=groups_hot, caller_busy=not groups_given)
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
         if job is not None:
@@ -277,22 +292,29 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
     return out
 
 
+#: Groups, spread over a plan, whose page-cache residency says whether the page cache holds them
+#: all: one question about the whole span of a 20,000-tensor file took about 20 ms on the H200
+#: machine, a tenth of its hot load. A partly cached file passes for cached only if every sampled
+#: group is held; it is then read by fewer workers, still correctly.
+CACHED_GROUP_SAMPLES = 16
+
+
 def _held_in_page_cache(f: Any, groups: tuple[Group, ...]) -> bool:
     if not groups:
         return False
-    lo = min(g.file_offset for g in groups)
-    return bool(f.cached(lo, max(g.file_offset + g.nbytes for g in groups) - lo))
+    return all(f.cached(groups[i].file_offset, groups[i].nbytes) for i in spread(len(groups), CACHED_GROUP_SAMPLES))
 
 
 def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Extent], torch.Tensor],
                     device: int, on_bytes: Callable[[int], None] | None,
                     futures: list[concurrent.futures.Future[Any]], jobs_at_once: int, *,
-                    source_cached: bool | None = None) -> None:
+                    source_cached: bool | None = None, caller_busy: bool = True) -> None:
     """Read each group of GPU ``device`` in one request whose bytes land straight in its
     members' tensors; about SCATTER_BATCH_BYTES of groups go to the engine as one job, at
     most ``jobs_at_once`` jobs under way (the next one's tensors are made meanwhile).
     ``source_cached``: whether the page cache holds all the groups' bytes, where asked (the
-    engine then does not ask again for each job)."""
+    engine then does not ask again for each job). ``caller_busy``: whether ``dest_for`` makes
+    tensors (False: every member has one already)."""
     jobs: deque[tuple[list[Group], concurrent.futures.Future[list[int]]]] = deque()
 
     def finish_oldest() -> None:
@@ -307,8 +329,8 @@ def _scatter_groups(f: Any, groups: tuple[Group, ...], dest_for: Callable[[Exten
         members = [dest_for(m) for m in g.members]
         targets = ScatterList((m.file_offset - g.file_offset, t.data_ptr(), m.nbytes)
                               for m, t in zip(g.members, members))
-        reads.append((scattered_device_view(targets, g.nbytes, device, members, source_cached=source_cached),
-                      g.nbytes, g.file_offset))
+        reads.append((scattered_device_view(targets, g.nbytes, device, members, source_cached=source_cached,
+                                            caller_busy=caller_busy), g.nbytes, g.file_offset))
         batch.append(g)
         pending += g.nbytes
         if pending >= SCATTER_BATCH_BYTES or i == len(groups) - 1:
