@@ -230,55 +230,28 @@ class LanePool:
                     if idle[i].stage_bytes == stage_bytes:
                         self._busy += 1
                         return idle.pop(i)
-                if self._room_for_new(key, needed, max_lanes, budget):
-                    break
+                count = sum(1 for ln in self._all if (ln.device, ln.stage_bytes) == key) + self._creating.get(key, 0)
+                if count < max_lanes:
+                    # Free idle lanes of other shapes until the new one fits the budget.
+                    while self._pinned() + needed > budget and self._drop_one_idle(keep=stage_bytes):
+                        pass
+                    if self._pinned() + needed <= budget:
+                        break
                 self._cond.wait()
             self._busy += 1
-        return self._create(key, needed, busy=True)
-
-    def add_idle(self, device: int | None, stage_bytes: int, max_lanes: int, budget: int) -> bool:
-        """Make one new lane of this shape and leave it idle in the pool, ready for the next
-        :meth:`acquire`, if the count and the pinned budget allow (never waits, never takes an
-        idle lane). False where they do not."""
-        key = (device, stage_bytes)
-        needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
-        with self._cond:
-            if not self._room_for_new(key, needed, max_lanes, budget):
-                return False
-        self._create(key, needed, busy=False)
-        return True
-
-    def _room_for_new(self, key: tuple[Any, int], needed: int, max_lanes: int, budget: int) -> bool:
-        """Whether a new lane of ``key``'s shape fits the count and the budget (idle lanes of
-        other shapes are freed to make it fit); if so it is counted as being created. Called
-        with the condition held."""
-        count = sum(1 for ln in self._all if (ln.device, ln.stage_bytes) == key) + self._creating.get(key, 0)
-        if count >= max_lanes:
-            return False
-        while self._pinned() + needed > budget and self._drop_one_idle(keep=key[1]):
-            pass
-        if self._pinned() + needed > budget:
-            return False
-        self._creating[key] = self._creating.get(key, 0) + 1
-        self._creating_pinned += needed
-        return True
-
-    def _create(self, key: tuple[Any, int], needed: int, *, busy: bool) -> Lane:
-        """Make the lane :meth:`_room_for_new` counted; it joins the pool busy (the caller's) or idle."""
+            self._creating[key] = self._creating.get(key, 0) + 1
+            self._creating_pinned += needed
         lane: Lane | None = None
         try:
-            lane = self._make_lane(*key)
+            lane = self._make_lane(device, stage_bytes)
         finally:
             with self._cond:
                 self._creating[key] -= 1
                 self._creating_pinned -= needed
                 if lane is None:
-                    if busy:
-                        self._busy -= 1
+                    self._busy -= 1
                 else:
                     self._add(lane)
-                    if not busy:
-                        self._idle.setdefault(lane.device, []).append(lane)
                 self._cond.notify_all()
         return lane
 
@@ -510,14 +483,9 @@ def run_requests(requests: Sequence[Any], chunk_size: int, alignment: int,
 
 
 def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alignment: int,
-            workers: int | None = None, *, hold: bool = True) -> None:
+            workers: int | None = None) -> None:
     """Create every lane a large request on ``device`` will use (or the first ``workers``
-    of them), in parallel on the worker threads.
-
-    ``hold``: each worker holds its lane until all exist, so that each makes its own. Without,
-    each lane goes to the pool as soon as it is made: a read submitted meanwhile (a loader's,
-    after its warm-up started) begins on the first lanes, and its workers make any still missing.
-    """
+    of them), in parallel on the worker threads."""
     n_lanes, chunk = lanes.stage_layout(device, threads, chunk_size, budget, alignment)
     if workers is not None:
         n_lanes = max(1, min(n_lanes, workers))
@@ -537,10 +505,7 @@ def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alig
             pass
         return lane
 
-    def make_idle() -> None:
-        lanes.add_idle(device, stage_bytes, n_lanes, budget)
-
-    futures = [ex.submit(make if hold else make_idle) for _ in range(n_lanes)] if n_lanes <= threads else []
+    futures = [ex.submit(make) for _ in range(n_lanes)] if n_lanes <= threads else []
     made, errors = [], []
     for fut in futures:  # every one, even after a failure: a straggler would keep its lane busy
         try:
@@ -549,16 +514,15 @@ def prepare(device: int | None, threads: int, chunk_size: int, budget: int, alig
             barrier.abort()
             errors.append(exc)
     for lane in made:
-        if lane is not None:
-            lanes.release(lane)
+        lanes.release(lane)
     if errors:
         raise errors[0]
 
 
-def set_up(device: int | None, workers: int | None = None, *, hold: bool = True) -> None:
+def set_up(device: int | None, workers: int | None = None) -> None:
     """What ``gdskit.prepare`` and a loader's warm-up set up: whether this machine has a direct
     route, then the lanes of ``device`` (default: the current one) for ``workers`` workers
-    (:func:`prepare`, ``hold`` as there). Without a GPU, only the worker threads."""
+    (:func:`prepare`). Without a GPU, only the worker threads."""
     cfg = settings.snapshot()
     dev = None
     if cuda.available():
@@ -568,7 +532,7 @@ def set_up(device: int | None, workers: int | None = None, *, hold: bool = True)
         # Worked out here, before the ring: side by side with the ring's set-up (another thread)
         # it made that set-up slower by as much as it saved on the H200 machine.
         direct_route()
-    prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment, workers, hold=hold)
+    prepare(dev, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment, workers)
 
 
 def stop_workers() -> None:

@@ -168,8 +168,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     """Set the engine up for a read of ``nbytes`` onto GPU ``device`` by ``workers`` workers
     (default: all) in the background (as ``gdskit.prepare``: pinned stages, streams, worker
     threads, the direct-route facts) while the caller allocates the destinations; returns the
-    function that waits for it. Each lane is the pool's as soon as it is made: reads submitted
-    before the warm-up ends begin on the first lanes (their workers make any still missing).
+    function that waits for it.
 
     Nothing starts once the ring exists, or for a read too small to use every worker's lane;
     a call while a warm-up of the device is under way waits for that one. Start it after a
@@ -186,7 +185,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
     def run() -> None:
         try:
-            pool.set_up(device, workers, hold=False)
+            pool.set_up(device, workers)
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gdskit.formats._engine import (ScatterList, can_scatter, scattered_device_view, scattered_hot_workers,
+from gdskit.formats._engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
                                     spread, start_warm_up, synchronized_device_view,
                                     synchronized_device_views)
 from gdskit.formats.progress import Progress
@@ -47,9 +47,8 @@ def _engine_buffer(t: torch.Tensor) -> Any:
 def _engine_buffers(made: list[torch.Tensor], device: torch.device) -> list[Any]:
     """:func:`_engine_buffer` of each tensor ``execute`` made itself on ``device``: torch's one
     allocator made them all on one device, so the driver is asked what the memory is once, for
-    the first, instead of once each. In a first call the driver is busy making the engine's
-    pinned stages, and 256 such questions took a third of the time before the reads began
-    (docs/engine.md, "Measurements behind the defaults")."""
+    the first, instead of once each (about 12 µs a question, longer while the warm-up registers
+    the pinned stages: docs/engine.md, "Measurements behind the defaults")."""
     if device.type != "cuda":
         return [_flat_bytes_view(t) for t in made]
     return synchronized_device_views([(t.data_ptr(), t.numel() * t.element_size(), t) for t in made])
@@ -232,6 +231,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         out[e.key] = t
         return t
 
+    wait_for_warm_up = no_wait
     index = 0
     groups_hot = scatter and _held_in_page_cache(f, plan.groups)
     # Where every small tensor has its destination already (load_into), this thread makes none
@@ -242,28 +242,31 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # Where hot small tensors hold most of the bytes, set up only the staging of the few
         # workers their reads get; reads of the large tensors make any other lanes they need.
         few = groups_hot and not groups_given and plan.group_bytes > plan.direct_bytes
-        # Not waited for: the reads below begin on the first lanes it makes.
-        start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
-        # Blocks torch's caching allocator hands out, and given destinations, may still be in use
-        # by queued work; the engine writes from its own streams or threads. One wait here, for
-        # the whole device, covers every request below (which then skip their own waits).
-        torch.cuda.synchronize(device)
-        # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
-        # only the direct tensors and the staging ring count.
-        fresh = [e.nbytes for e in plan.direct if e.key not in dests]
-        if not scatter:
-            fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
-        reserve_device_memory(device, fresh)
-    for e in plan.empty:
-        dest_for(e)
-    ring: list[torch.Tensor] = []
-    if plan.groups and not scatter:
-        nbuf = min(depth, len(plan.groups))
-        ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-    made_here = [e for e in plan.direct if e.key not in dests]
-    views = dict(zip((e.key for e in made_here), _engine_buffers([dest_for(e) for e in made_here], device)))
-    views.update((e.key, _engine_buffer(dest_for(e))) for e in plan.direct if e.key in dests)
-    reads = [(views[e.key], e.nbytes, e.file_offset) for e in plan.direct]
+        wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
+    try:
+        if on_cuda:
+            # Blocks torch's caching allocator hands out, and given destinations, may still be in use
+            # by queued work; the engine writes from its own streams or threads. One wait here, for
+            # the whole device, covers every request below (which then skip their own waits).
+            torch.cuda.synchronize(device)
+            # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
+            # only the direct tensors and the staging ring count.
+            fresh = [e.nbytes for e in plan.direct if e.key not in dests]
+            if not scatter:
+                fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
+            reserve_device_memory(device, fresh)
+        for e in plan.empty:
+            dest_for(e)
+        ring: list[torch.Tensor] = []
+        if plan.groups and not scatter:
+            nbuf = min(depth, len(plan.groups))
+            ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+        made_here = [e for e in plan.direct if e.key not in dests]
+        views = dict(zip((e.key for e in made_here), _engine_buffers([dest_for(e) for e in made_here], device)))
+        views.update((e.key, _engine_buffer(dest_for(e))) for e in plan.direct if e.key in dests)
+        reads = [(views[e.key], e.nbytes, e.file_offset) for e in plan.direct]
+    finally:
+        wait_for_warm_up()
 
     futures: list[concurrent.futures.Future[Any]] = []
     try:
