@@ -72,6 +72,65 @@ def sets(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+class StackSampler:
+    """Every thread's Python stack, sampled about every ``interval`` seconds by a thread of its own
+    (which holds the interpreter while it samples: the load it watches runs somewhat slower)."""
+
+    def __init__(self, interval: float = 0.0003, depth: int = 3) -> None:
+        import threading
+
+        self.samples: list[tuple[float, int, str]] = []
+        self.depth = depth
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def _run(self) -> None:
+        me = threading_ident()
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                names = []
+                while frame is not None and len(names) < self.depth:
+                    names.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+                    frame = frame.f_back
+                self.samples.append((t, tid, " < ".join(names)))
+            self._stop.wait(self._interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def summary(self, t0: float) -> dict:
+        """The main thread's most sampled stack in each 10 ms from ``t0``, and each thread's most
+        sampled stacks overall."""
+        import collections
+        import threading
+
+        self._stop.set()
+        self._thread.join()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        main = threading.main_thread().ident
+        buckets: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for t, tid, stack in self.samples:
+            if t < t0:
+                continue
+            who = "main" if tid == main else names.get(tid, "ended")
+            threads[who][stack] += 1
+            if tid == main:
+                buckets[int((t - t0) * 100)][stack] += 1
+        return {"main_by_10ms": [[b * 10, *buckets[b].most_common(1)[0]] for b in sorted(buckets)],
+                "threads": {w: c.most_common(4) for w, c in threads.items() if sum(c.values()) >= 20}}
+
+
+def threading_ident() -> int:
+    import threading
+
+    return threading.get_ident()
+
+
 def child(args: argparse.Namespace) -> None:
     import torch
 
@@ -94,6 +153,9 @@ def child(args: argparse.Namespace) -> None:
         out["first_s"] = time.perf_counter() - t0
         fresh_process.report(out)
         return
+    sampler = StackSampler() if args.stack_samples else None
+    if sampler is not None:
+        sampler.start()
     t0 = time.perf_counter()
     import gdskit.safetensors
     t_import = time.perf_counter()
@@ -157,6 +219,8 @@ def child(args: argparse.Namespace) -> None:
     got = gdskit.safetensors.load_file(paths if len(paths) > 1 else paths[0], device=dev, progress=False)
     sync()
     t_first = time.perf_counter()
+    if sampler is not None:
+        out["stack_samples"] = sampler.summary(t0)
     timing[0] = False
     for owner, name, fn in real:
         setattr(owner, name, fn)
@@ -175,6 +239,15 @@ def child(args: argparse.Namespace) -> None:
     fresh_process.report(out)
 
 
+def print_samples(r: dict) -> None:
+    samples = r["stack_samples"]
+    print(f"\n{r['set']} {r['tree']} round {r['round']}: the main thread's most sampled stack, by 10 ms")
+    for start, stack, n in samples["main_by_10ms"]:
+        print(f"  {start:5d} ms  {n:3d}x {stack}")
+    for who, stacks in samples["threads"].items():
+        print(f"  {who}: " + " | ".join(f"{n}x {s}" for s, n in stacks))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/gdskit-first-load")
@@ -186,6 +259,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
+    ap.add_argument("--stack-samples", action="store_true",
+                    help="sample every thread's stack during the first call and print where it went "
+                         "(slows the call: not for the rates)")
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--child-loader", dest="loader", help=argparse.SUPPRESS)
     ap.add_argument("--child-paths", dest="paths", help=argparse.SUPPRESS)
@@ -211,12 +287,15 @@ def main() -> None:
             env_path = os.path.abspath(trees[tree]) + os.pathsep + os.environ.get("PYTHONPATH", "")
             os.environ["PYTHONPATH"] = env_path
             r = fresh_process.run_child(__file__, ["--child-loader", loader, "--child-paths", ",".join(files[name]),
-                                                   "--device", args.device],
+                                                   "--device", args.device]
+                                        + (["--stack-samples"] if args.stack_samples else []),
                                         args.timeout)
             os.environ["PYTHONPATH"] = env_path.split(os.pathsep, 1)[1]
             r.update(round=rnd, tree=tree, set=name, loader=loader)
             runs.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
+            if "stack_samples" in r:
+                print_samples(r)
     print(f"\n{'set':6} {'tree':8} {'loader':12} {'first GB/s':>18} {'second GB/s':>12} {'import ms':>10} "
           f"{'setup ms':>9} {'1st byte ms':>11} {'last byte ms':>12}")
     for name in files:
