@@ -270,11 +270,7 @@ def main() -> None:
         child(args)
         return
     here = os.path.dirname(os.path.abspath(__file__))
-    trees = dict(item.split("=", 1) for item in args.src.split(",") if item) or \
-        {"this": os.path.join(here, "..", "src")}
-    import compileall
-    for tree in trees.values():  # as an installed package is: bytecode made at install, not at import
-        compileall.compile_dir(tree, quiet=1)
+    trees = fresh_process.source_trees(args.src, os.path.join(here, "..", "src"))
     files = sets(args)
     warm([p for ps in files.values() for p in ps])
     runs = []
@@ -284,13 +280,9 @@ def main() -> None:
         if rnd % 2:
             order.reverse()  # alternate the order: drift of the machine falls on every case alike
         for tree, name, loader in order:
-            env_path = os.path.abspath(trees[tree]) + os.pathsep + os.environ.get("PYTHONPATH", "")
-            os.environ["PYTHONPATH"] = env_path
-            r = fresh_process.run_child(__file__, ["--child-loader", loader, "--child-paths", ",".join(files[name]),
-                                                   "--device", args.device]
-                                        + (["--stack-samples"] if args.stack_samples else []),
-                                        args.timeout)
-            os.environ["PYTHONPATH"] = env_path.split(os.pathsep, 1)[1]
+            r = fresh_process.run_child_in_tree(
+                __file__, ["--child-loader", loader, "--child-paths", ",".join(files[name]), "--device", args.device]
+                + (["--stack-samples"] if args.stack_samples else []), trees[tree], args.timeout)
             r.update(round=rnd, tree=tree, set=name, loader=loader)
             runs.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
@@ -318,9 +310,7 @@ def main() -> None:
     errors = [r for r in runs if "error" in r]
     for r in errors:
         print(f"error: {r['set']} {r['tree']} {r['loader']}: {r['error']}")
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump({"argv": sys.argv, "runs": runs}, fh, indent=1)
+    fresh_process.write_runs(args.json_out, runs)
 
 
 if __name__ == "__main__":

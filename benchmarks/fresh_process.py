@@ -26,3 +26,35 @@ def run_child(script: str, argv: list[str], timeout: float) -> dict:
             return json.loads(line[7:])
     tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
     return {"error": " | ".join(tail) or f"exit {p.returncode}"}
+
+
+def source_trees(spec: str, default: str) -> dict[str, str]:
+    """The gdskit source trees a ``--src name=path,...`` argument names (``{"this": default}`` where
+    it names none), each compiled first, as installing a package does: bytecode made at install,
+    not at import."""
+    import compileall
+
+    trees = dict(item.split("=", 1) for item in spec.split(",") if item) or {"this": default}
+    for tree in trees.values():
+        compileall.compile_dir(tree, quiet=1)
+    return trees
+
+
+def run_child_in_tree(script: str, argv: list[str], tree: str, timeout: float) -> dict:
+    """:func:`run_child` with the gdskit source tree ``tree`` first on the child's ``PYTHONPATH``."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.path.abspath(tree) + (os.pathsep + saved if saved else "")
+    try:
+        return run_child(script, argv, timeout)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def write_runs(path: str | None, runs: list[dict]) -> None:
+    """Every run's result, with the command line, as JSON at ``path`` (nothing where it is None)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"argv": sys.argv, "runs": runs}, fh, indent=1)

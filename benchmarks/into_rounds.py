@@ -79,12 +79,8 @@ def main() -> None:
     if args.rounds < 1 or args.loads < 1:
         raise SystemExit("--rounds and --loads must be at least 1")
     here = os.path.dirname(os.path.abspath(__file__))
-    trees = dict(item.split("=", 1) for item in args.src.split(",") if item) or \
-        {"this": os.path.join(here, "..", "src")}
+    trees = fresh_process.source_trees(args.src, os.path.join(here, "..", "src"))
     variants = dict(item.split("=", 1) for item in args.variants.split(",") if item) or {"default": ""}
-    import compileall
-    for tree in trees.values():
-        compileall.compile_dir(tree, quiet=1)
     from loaders import ensure_files
     from page_cache import warm
 
@@ -94,14 +90,9 @@ def main() -> None:
     runs = []
     for rnd in range(args.rounds):
         for tree, variant in (cases if rnd % 2 == 0 else cases[::-1]):  # drift falls on every case alike
-            saved = os.environ.get("PYTHONPATH", "")
-            os.environ["PYTHONPATH"] = os.path.abspath(trees[tree]) + (os.pathsep + saved if saved else "")
-            try:
-                r = fresh_process.run_child(__file__, ["--child-path", path, "--child-variant", variants[variant],
-                                                       "--device", args.device, "--loads", str(args.loads)],
-                                            args.timeout)
-            finally:
-                os.environ["PYTHONPATH"] = saved
+            r = fresh_process.run_child_in_tree(
+                __file__, ["--child-path", path, "--child-variant", variants[variant], "--device", args.device,
+                           "--loads", str(args.loads)], trees[tree], args.timeout)
             r.update(round=rnd, tree=tree, variant=variant)
             runs.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
@@ -114,9 +105,7 @@ def main() -> None:
     for r in runs:
         if "error" in r:
             print(f"error: {r['tree']} {r['variant']}: {r['error']}")
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump({"argv": sys.argv, "runs": runs}, fh, indent=1)
+    fresh_process.write_runs(args.json_out, runs)
 
 
 if __name__ == "__main__":
