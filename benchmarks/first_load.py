@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import fresh_process  # benchmarks/ is on sys.path when run as a script
@@ -77,8 +78,6 @@ class StackSampler:
     (which holds the interpreter while it samples: the load it watches runs somewhat slower)."""
 
     def __init__(self, interval: float = 0.0003, depth: int = 3) -> None:
-        import threading
-
         self.samples: list[tuple[float, int, str]] = []
         self.depth = depth
         self._interval = interval
@@ -86,7 +85,7 @@ class StackSampler:
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
 
     def _run(self) -> None:
-        me = threading_ident()
+        me = threading.get_ident()
         while not self._stop.is_set():
             t = time.perf_counter()
             for tid, frame in sys._current_frames().items():
@@ -106,7 +105,6 @@ class StackSampler:
         """The main thread's most sampled stack in each 10 ms from ``t0``, and each thread's most
         sampled stacks overall."""
         import collections
-        import threading
 
         self._stop.set()
         self._thread.join()
@@ -123,12 +121,6 @@ class StackSampler:
                 buckets[int((t - t0) * 100)][stack] += 1
         return {"main_by_10ms": [[b * 10, *buckets[b].most_common(1)[0]] for b in sorted(buckets)],
                 "threads": {w: c.most_common(4) for w, c in threads.items() if sum(c.values()) >= 20}}
-
-
-def threading_ident() -> int:
-    import threading
-
-    return threading.get_ident()
 
 
 def child(args: argparse.Namespace) -> None:

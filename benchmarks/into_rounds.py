@@ -8,7 +8,7 @@ KiB, page cache hot). The target is a dict of tensors on ``--device`` made befor
 built model's parameters are). Each process prints the rate of each of its ``--loads`` loads.
 
 ``--src name=path,...`` compares gdskit source trees (each compiled first, as installing does);
-``--variants name=MODULE.CONSTANT=VALUE;...,...`` sets engine constants in the child before its
+``--variants name=MODULE.CONSTANT=INTEGER;...,...`` sets integer engine constants in the child before its
 first load, e.g. ``w16=gdskit.backends.bounce.SCATTERED_HOT_WORKERS=16``. Trees and variants
 combine: every tree runs every variant.
 
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per tree and variant")
     ap.add_argument("--loads", type=int, default=4, help="loads in each process")
     ap.add_argument("--src", default="", help="name=path,... gdskit source trees to compare (default: this one)")
-    ap.add_argument("--variants", default="", help="name=MODULE.CONSTANT=VALUE;...,... (default: none)")
+    ap.add_argument("--variants", default="", help="name=MODULE.CONSTANT=INTEGER;...,... (default: none)")
     ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", dest="json_out")

@@ -243,6 +243,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # workers their reads get; reads of the large tensors make any other lanes they need.
         few = groups_hot and not groups_given and plan.group_bytes > plan.direct_bytes
         wait_for_warm_up = start_warm_up(index, plan.read_bytes, scattered_hot_workers() if few else None)
+    made_here = [e for e in plan.direct if e.key not in dests]  # the direct tensors this call makes
     try:
         if on_cuda:
             # Blocks torch's caching allocator hands out, and given destinations, may still be in use
@@ -251,7 +252,7 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             torch.cuda.synchronize(device)
             # Group members are small (below every caller's 1 MiB threshold: torch's small pool), so
             # only the direct tensors and the staging ring count.
-            fresh = [e.nbytes for e in plan.direct if e.key not in dests]
+            fresh = [e.nbytes for e in made_here]
             if not scatter:
                 fresh += [plan.staging_bytes] * min(depth, len(plan.groups))
             reserve_device_memory(device, fresh)
@@ -261,7 +262,6 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         if plan.groups and not scatter:
             nbuf = min(depth, len(plan.groups))
             ring = [torch.empty(plan.staging_bytes, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-        made_here = [e for e in plan.direct if e.key not in dests]
         views = dict(zip((e.key for e in made_here), _engine_buffers([dest_for(e) for e in made_here], device)))
         views.update((e.key, _engine_buffer(dest_for(e))) for e in plan.direct if e.key in dests)
         reads = [(views[e.key], e.nbytes, e.file_offset) for e in plan.direct]
