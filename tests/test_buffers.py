@@ -130,6 +130,31 @@ def test_torch_tensor_filled_on_a_side_stream_is_written_after_the_fill(tmp_path
 
 
 @pytest.mark.gpu
+@pytest.mark.torch
+def test_a_plain_cuda_tensor_is_described_without_a_dlpack_export(monkeypatch):
+    """torch itself describes a plain CUDA tensor (a DLPack export costs more than a small read),
+    its producer's work being what is queued on torch's current stream; others still go through
+    DLPack, and what it refuses stays refused."""
+    import torch
+
+    def no_export(*_a, **_k):
+        raise AssertionError("exported through DLPack")
+
+    side = torch.cuda.Stream()
+    t = torch.zeros(1000, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", no_export)
+    with torch.cuda.stream(side):
+        v = adapt(t[10:])
+    assert (v.ptr, v.nbytes, v.kind, v.device) == (t.data_ptr() + 20, 990 * 2, MemoryKind.DEVICE, 0)
+    assert v.producer_sync and v.producer_stream == side.cuda_stream
+    assert adapt(t).producer_stream == torch.cuda.current_stream().cuda_stream
+    monkeypatch.undo()
+    for refused in (torch.zeros(3, device="cuda", requires_grad=True), torch.zeros(10, 10, device="cuda").t()):
+        with pytest.raises(UnsupportedBufferError):
+            adapt(refused)
+
+
+@pytest.mark.gpu
 def test_device_kinds():
     from devbuf import DeviceBuffer
 

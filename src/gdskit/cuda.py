@@ -42,7 +42,8 @@ class _DriverState:
     """What gdskit holds of one CUDA driver: the driver module, the primary contexts retained
     on it, its device count and whether it batches copies. One per driver (:func:`use_driver`)."""
 
-    __slots__ = ("batched_copies", "contexts", "device_count", "driver", "ordered_copy", "peers_enabled")
+    __slots__ = ("batched_copies", "contexts", "device_count", "driver", "ordered_copy", "peers_enabled",
+                 "pointer_query")
 
     def __init__(self, driver: Any = None) -> None:
         self.driver = driver                         # None: the bindings, loaded on first use
@@ -52,6 +53,9 @@ class _DriverState:
         self.batched_copies: bool | None = None
         self.ordered_copy: list[Any] | None = None   # cuMemcpyBatchAsync's attributes, made once
         self.peers_enabled: set[tuple[int, int]] = set()  # (device, peer) opened by enable_peer_access
+        # pointer_info's attribute list and the memory types it compares with, made once: the
+        # bindings' enum lookups cost more than the question (it is asked for every buffer).
+        self.pointer_query: tuple[list[Any], int, int] | None = None
 
 
 _state = _DriverState()
@@ -215,25 +219,35 @@ class PointerInfo:
     device: int | None  # CUDA device ordinal for device/managed memory
 
 
+_HOST_POINTER = PointerInfo(MemoryKind.HOST, None)
+_PINNED_POINTER = PointerInfo(MemoryKind.PINNED, None)
+
+
 def pointer_info(ptr: int) -> PointerInfo:
     """Ask CUDA what kind of memory ``ptr`` points into (host if CUDA does not know it)."""
     if not available():
-        return PointerInfo(MemoryKind.HOST, None)
+        return _HOST_POINTER
+    state = _state
     drv = _in_context()
-    attr = drv.CUpointer_attribute
-    wanted = [attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, attr.CU_POINTER_ATTRIBUTE_IS_MANAGED,
-              attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL]
-    err, values = drv.cuPointerGetAttributes(len(wanted), wanted, ptr)
+    query = state.pointer_query
+    if query is None:
+        attr = drv.CUpointer_attribute
+        query = state.pointer_query = ([attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, attr.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                                        attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL],
+                                       int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE),
+                                       int(drv.CUmemorytype.CU_MEMORYTYPE_HOST))
+    wanted, device_type, host_type = query
+    err, values = drv.cuPointerGetAttributes(3, wanted, ptr)
     if int(err) != 0:  # memory no context knows: pageable host memory
-        return PointerInfo(MemoryKind.HOST, None)
+        return _HOST_POINTER
     memory_type, managed, device = (int(v) for v in values)
     if managed:
         return PointerInfo(MemoryKind.MANAGED, device)
-    if memory_type == int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+    if memory_type == device_type:
         return PointerInfo(MemoryKind.DEVICE, device)
-    if memory_type == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST):
-        return PointerInfo(MemoryKind.PINNED, None)
-    return PointerInfo(MemoryKind.HOST, None)
+    if memory_type == host_type:
+        return _PINNED_POINTER
+    return _HOST_POINTER
 
 
 class PinnedBuffer:

@@ -526,8 +526,18 @@ def record_bounce_pieces(pieces: Iterable[tuple[Reason, int, int]], device: int 
     """Record a job's bounce-ring pieces, each ``(reason, nbytes, cached)`` (``cached`` of its bytes
     came through the page cache, the rest O_DIRECT), as one row per reason and path; ``elapsed``,
     the job's time, is shared among the rows by their bytes."""
-    rows: dict[tuple[Path, Reason], list[int]] = {}  # -> [bytes, pieces]
     items = list(pieces)
+    if len(items) == 1:  # one read (a small read in its caller's thread): no rows to add up
+        reason, nbytes, cached = items[0]
+        cached = min(cached, nbytes)
+        if cached or not nbytes:
+            ledger.record(Path.BOUNCE_CACHED, reason, "read", cached, 1,
+                          elapsed * cached / nbytes if nbytes else 0.0, device=device)
+        if nbytes > cached:
+            ledger.record(Path.BOUNCE_DIRECT, reason, "read", nbytes - cached, 1,
+                          elapsed * (nbytes - cached) / nbytes, device=device)
+        return
+    rows: dict[tuple[Path, Reason], list[int]] = {}  # -> [bytes, pieces]
     total = sum(nbytes for _r, nbytes, _c in items) or 1
     for reason, nbytes, cached in items:
         cached = min(cached, nbytes)
