@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a hot small read into GPU memory spends its time, and the bounce path against the host path.
 
-Three parts, in one process, on one (cached) file:
+Parts, in one process, on one (cached) file:
 
 * ``steps``: one 4 KiB and one 1 MiB read into device memory taken apart, each step timed
   with ``perf_counter_ns`` around the engine's own pieces, as the bounce path runs them in
@@ -13,7 +13,9 @@ Three parts, in one process, on one (cached) file:
   (``gdskit.cuda.use_driver``): driver calls per read and the time inside them.
 * ``paths``: ``File.read`` and ``File.read_batch`` latency (p50/p99) and rate per worker,
   1 and 4 worker threads, 4 KiB and 1 MiB: the bounce path into device memory against the
-  host path into pageable and pinned host memory.
+  host path into pageable and pinned host memory (and into a torch tensor, where torch is there).
+* ``profile`` (not run by default): ``File.read`` under ``cProfile``, the functions that take
+  the most time of their own per read: where the time outside the steps above goes.
 
 Needs a GPU. About a minute:
 
@@ -190,6 +192,10 @@ def driver_calls(path: str, size: int, io: int, n: int) -> dict[str, Any]:
 def _buffer(kind: str, nbytes: int) -> Any:
     if kind == "device":
         return cuda.DeviceArray(nbytes)
+    if kind == "torch":
+        import torch  # noqa: PLC0415 - optional: the row is left out without it
+
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     if kind == "pinned":
         return cuda.PinnedBuffer(nbytes)
     return np.zeros(nbytes, dtype=np.uint8)
@@ -209,7 +215,10 @@ def _free(buf: Any) -> None:
 def paths(path: str, size: int, io: int, workers: int, n: int, how: str) -> dict[str, dict[str, float]]:
     """Per-read latency and per-worker rate of ``workers`` threads each making ``n`` reads of ``io``."""
     out = {}
-    for kind, mode in (("device", "bounce"), ("pageable", "host"), ("pinned", "host")):
+    kinds = [("device", "bounce"), ("pageable", "host"), ("pinned", "host")]
+    if _have_torch():
+        kinds.insert(1, ("torch", "bounce"))
+    for kind, mode in kinds:
         bufs = [_buffer(kind, io if how == "read" else 64 * io) for _ in range(workers)]
         lat: list[list[int]] = [[] for _ in range(workers)]
         walls = [0.0] * workers
@@ -254,6 +263,39 @@ def paths(path: str, size: int, io: int, workers: int, n: int, how: str) -> dict
     return out
 
 
+def profile(path: str, size: int, io: int, n: int, top: int = 25) -> list[dict[str, Any]]:
+    """``n`` bounce ``File.read`` calls of ``io`` bytes into device memory under ``cProfile``:
+    the ``top`` functions by time of their own, in µs per read (the profiler's own cost included,
+    so the ranking, not the sum, is the answer)."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    dst = cuda.DeviceArray(io)
+    offsets = _offsets(size, io, n, 7)
+    with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
+        f.read(dst, io, offsets[0])
+        prof = cProfile.Profile()
+        prof.enable()
+        for off in offsets:
+            f.read(dst, io, off)
+        prof.disable()
+    dst.free()
+    rows = []
+    for (file, line, name), (_cc, calls, own, cum, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{os.path.basename(file)}:{line}({name})", "calls_per_read": calls / n,
+                     "own_us_per_read": own / n * 1e6, "cum_us_per_read": cum / n * 1e6})
+    rows.sort(key=lambda r: -r["own_us_per_read"])
+    return rows[:top]
+
+
+def _have_torch() -> bool:
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 # -- main -------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,7 +303,10 @@ def main() -> int:
     ap.add_argument("--file", default=None, help="the file to read (default: a new 256 MiB file in --out)")
     ap.add_argument("--size", type=int, default=256 * MiB)
     ap.add_argument("--reads", type=int, default=4000, help="4 KiB reads per measurement (1 MiB: a tenth)")
+    ap.add_argument("--parts", default="steps,calls,paths",
+                    help="which parts to run (comma-separated: steps, calls, paths, profile)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     if cuda.device_count() == 0:
         print("small_io.py needs a GPU", file=sys.stderr)
         return 2
@@ -275,11 +320,16 @@ def main() -> int:
     try:
         for io in SIZES:
             n = args.reads if io < MiB else max(50, args.reads // 10)
-            entry: dict[str, Any] = {"steps": steps(path, args.size, io, n),
-                                     "calls": driver_calls(path, args.size, io, n), "paths": {}}
-            for workers in (1, 4):
-                for how in ("read", "read_batch"):
-                    entry["paths"][f"{how} x{workers}"] = paths(path, args.size, io, workers, n, how)
+            entry: dict[str, Any] = {}
+            if "steps" in parts:
+                entry["steps"] = steps(path, args.size, io, n)
+            if "calls" in parts:
+                entry["calls"] = driver_calls(path, args.size, io, n)
+            if "paths" in parts:
+                entry["paths"] = {f"{how} x{workers}": paths(path, args.size, io, workers, n, how)
+                                  for workers in (1, 4) for how in ("read", "read_batch")}
+            if "profile" in parts:
+                entry["profile"] = profile(path, args.size, io, n)
             result["sizes"][str(io)] = entry
     finally:
         if made:
@@ -293,19 +343,28 @@ def main() -> int:
 def _print(result: dict[str, Any]) -> None:
     for io, entry in result["sizes"].items():
         label = f"{int(io) // KiB} KiB" if int(io) < MiB else f"{int(io) // MiB} MiB"
-        print(f"\n== {label}: one bounce read in the caller's thread, step by step (us) ==")
-        print(f"{'step':22s} {'p50':>8s} {'p99':>8s}")
-        for k, v in entry["steps"].items():
-            print(f"{k:22s} {v['p50_us']:8.1f} {v['p99_us']:8.1f}")
-        c = entry["calls"]
-        print(f"driver calls per File.read (us inside): " + ", ".join(
-            f"{k} {v:.2f} ({c['us_per_read'][k]:.1f})" for k, v in c["per_read"].items())
-              + f"; wall {c['wall_us_per_read']:.1f} us/read")
-        print(f"{'how':16s} {'memory (path)':20s} {'p50 us':>8s} {'p99 us':>8s} {'GiB/s/worker':>13s}")
-        for how, rows in entry["paths"].items():
-            for mem, v in rows.items():
-                print(f"{how:16s} {mem:20s} {v['p50_us']:8.1f} {v['p99_us']:8.1f} {v['gib_per_s_per_worker']:13.3f}")
-
+        print(f"\n== {label} ==")
+        if "steps" in entry:
+            print("one bounce read in the caller's thread, step by step (us)")
+            print(f"{'step':22s} {'p50':>8s} {'p99':>8s}")
+            for k, v in entry["steps"].items():
+                print(f"{k:22s} {v['p50_us']:8.1f} {v['p99_us']:8.1f}")
+        if "calls" in entry:
+            c = entry["calls"]
+            print("driver calls per File.read (us inside): " + ", ".join(
+                f"{k} {v:.2f} ({c['us_per_read'][k]:.1f})" for k, v in c["per_read"].items())
+                  + f"; wall {c['wall_us_per_read']:.1f} us/read")
+        if "paths" in entry:
+            print(f"{'how':16s} {'memory (path)':20s} {'p50 us':>8s} {'p99 us':>8s} {'GiB/s/worker':>13s}")
+            for how, rows in entry["paths"].items():
+                for mem, v in rows.items():
+                    print(f"{how:16s} {mem:20s} {v['p50_us']:8.1f} {v['p99_us']:8.1f} "
+                          f"{v['gib_per_s_per_worker']:13.3f}")
+        if "profile" in entry:
+            print(f"{'File.read under cProfile: own time (us/read)':60s} {'own':>7s} {'cum':>7s} {'calls':>6s}")
+            for r in entry["profile"]:
+                print(f"{r['function'][:60]:60s} {r['own_us_per_read']:7.2f} {r['cum_us_per_read']:7.2f} "
+                      f"{r['calls_per_read']:6.2f}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,6 @@ the pinned budget, thread safety, no leaks."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 
@@ -15,7 +14,6 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 import gdskit
 from gdskit import cuda
-from gdskit.backends import bounce
 from gdskit.cuda import MemoryKind
 from gdskit.errors import CudaError, GdskitIOError, UnsupportedBufferError
 
@@ -317,81 +315,3 @@ def test_a_freed_device_array_is_refused_and_a_managed_one_known(data_file, fake
     with gdskit.open(path) as f, pytest.raises(UnsupportedBufferError, match="freed"):
         f.read(buf, 4096, 0)
 
-
-# -- a read of several pieces in the caller's thread ----------------------------------------------
-PIECE = bounce.CALLER_PIECE_BYTES
-
-
-@hsettings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(offset=st.integers(0, SIZE), size=st.integers(2 * PIECE, 3 << 20), shift=st.integers(0, 5000),
-       policy=st.sampled_from(["auto", "always", "never"]), cold=st.booleans())
-def test_a_read_in_pieces_gives_the_bytes_of_a_plain_read(data_file, offset, size, shift, policy, cold):
-    path, data = data_file
-    if cold:
-        drop_cache(path)
-    buf = cuda.DeviceArray(size + shift)
-    try:
-        buf.fill(0xA5)
-        with gdskit.settings.set(mode="bounce", odirect=policy), gdskit.open(path) as f:
-            n = f.read(buf, size, offset, shift)
-        want = data[offset:offset + size]
-        assert n == len(want)
-        got = buf.to_numpy()
-        assert got[shift:shift + n].tobytes() == want
-        assert (got[:shift] == 0xA5).all() and (got[shift + n:] == 0xA5).all(), "nothing else written"
-    finally:
-        buf.free()
-
-
-@pytest.mark.parametrize("offset,copies", [(0, 4), (4096 * 3 + 5, 5)])
-def test_a_1m_read_queues_each_pieces_copy_and_waits_once(data_file, fake_cuda, offset, copies):
-    """Each piece's copy is queued as soon as the piece is read, so it runs while the next piece
-    is read; only the last is waited for, and the ledger counts one request."""
-    path, data = data_file
-    _warm(path)
-    buf = cuda.DeviceArray(4 * PIECE)
-    try:
-        with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
-            f.read(buf, 4096, 0)  # the lane is made here
-            before, stats = dict(fake_cuda.calls), gdskit.stats()
-            assert f.read(buf, 4 * PIECE, offset) == 4 * PIECE
-            calls, rows = _calls(fake_cuda, before), _delta_rows(stats)
-        assert buf.to_numpy().tobytes() == data[offset:offset + 4 * PIECE]
-    finally:
-        buf.free()
-    assert calls.get("cuMemcpyHtoDAsync") == copies
-    assert calls.get("cuEventRecord") == 1 and calls.get("cuEventSynchronize") == 1
-    assert rows == {"bounce-cached": (4 * PIECE, 1, 1)}
-
-
-def test_a_piece_that_fails_after_queued_copies_drops_the_lane(fake_cuda, tmp_path):
-    """/proc/self/mem over a file mapping twice the file's length: the first pieces are read and
-    their copies queued, then a read past the file's end fails. The lane (its copies may still
-    read the stage) is not kept."""
-    import mmap
-
-    backing = tmp_path / "half"
-    backing.write_bytes(bytes(range(256)) * (2 * PIECE // 256))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    fd = os.open(backing, os.O_RDONLY)
-    addr = libc.mmap(None, 4 * PIECE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    os.close(fd)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    buf = cuda.DeviceArray(4 * PIECE)
-    try:
-        with gdskit.settings.set(mode="bounce", odirect="never"), gdskit.open("/proc/self/mem") as m:
-            assert m.read(buf, 2 * PIECE, addr) == 2 * PIECE  # the lane exists, and a good read
-            assert buf.to_numpy(2 * PIECE).tobytes() == backing.read_bytes()
-            lanes_before, before = gdskit.resources().lanes, dict(fake_cuda.calls)
-            with pytest.raises(GdskitIOError):
-                m.read(buf, 4 * PIECE, addr)
-            usage, calls = gdskit.resources(), _calls(fake_cuda, before)
-        assert calls.get("cuMemcpyHtoDAsync") == 2, "the two pieces read had their copies queued"
-        assert usage.lanes_busy == 0 and usage.lanes == lanes_before - 1, "a lane in doubt is not kept"
-    finally:
-        buf.free()
-        libc.munmap(addr, 4 * PIECE)
-        gdskit.release_resources()

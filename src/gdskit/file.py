@@ -587,6 +587,9 @@ class File:
             for r in routes:
                 reqs.append((r.backend, Request("read", view, r.size, r.file_offset, r.buf_offset, r.reason)))
                 pieces[i].append(len(reqs) - 1)
+        if len(items) == 1 and len(reqs) == 1 and not routed:  # one piece (most reads): no jobs to gather
+            name, req = reqs[0]
+            return backend(name).read_many(self._of, [req], on_bytes)
         counts = [0] * len(reqs)
         # One job per backend (and per device for the bounce ring, whose lanes belong to one):
         # the pieces of all items share the workers instead of being read one after another.

@@ -194,7 +194,10 @@ class LanePool:
     """Lanes per device (``None`` = host), bounded by count and pinned budget."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # Taken as ``self._lock`` where nothing waits (a Condition's ``with`` runs in Python, and
+        # every small read takes a lane and gives it back); ``self._cond`` to wait and notify.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._idle: dict[Any, list[Lane]] = {}
         self._all: list[Lane] = []
         self._all_pinned = 0  # the pinned bytes of the lanes in _all (a sum every request would ask for)
@@ -220,7 +223,7 @@ class LanePool:
         """
         key = (device, stage_bytes)
         needed = Lane.stages_per_device_lane * stage_bytes if device is not None else 0
-        with self._cond:
+        with self._lock:
             while True:
                 # The budget may have shrunk since idle lanes were made: trim them first.
                 while self._pinned() > budget and self._drop_one_idle(keep=None):
@@ -274,7 +277,7 @@ class LanePool:
             return Lane(device, stage_bytes, cuda.PinnedBuffer)
 
     def release(self, lane: Lane) -> None:
-        with self._cond:
+        with self._lock:
             self._busy -= 1
             self._idle.setdefault(lane.device, []).append(lane)
             self._cond.notify_all()

@@ -125,11 +125,14 @@ class OpenFile:
         self._closers: list[Callable[[], None]] = []
         self._users = 0             # operations under way
         self._shut = False          # no new operation may start
-        self._idle = threading.Condition(threading.Lock())
+        # Operations take the lock itself, not the condition: a Condition's ``with`` runs in
+        # Python, and every read enters and leaves once.
+        self._users_lock = threading.Lock()
+        self._idle = threading.Condition(self._users_lock)
 
     def enter(self) -> bool:
         """Start an operation; False (and nothing started) once :meth:`shut` has begun."""
-        with self._idle:
+        with self._users_lock:
             if self._shut:
                 return False
             self._users += 1
@@ -137,7 +140,7 @@ class OpenFile:
 
     def leave(self) -> None:
         """End an operation started by a successful :meth:`enter`."""
-        with self._idle:
+        with self._users_lock:
             self._users -= 1
             if self._users == 0 and self._shut:
                 self._idle.notify_all()

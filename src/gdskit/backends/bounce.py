@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gdskit import cuda, numa
 from gdskit.backends.base import UNKNOWN, Backend, OpenFile, Request
-from gdskit.backends.staged import (ChunkResult, StageTarget, contiguous_prefix, file_residency, read_chunk,
-                                   read_to_stage, write_from_stage)
+from gdskit.backends.staged import (ChunkResult, contiguous_prefix, file_residency, read_to_stage,
+                                   write_from_stage)
 from gdskit.buffers import BufferView
 from gdskit.ledger import ledger, record_bounce_pieces
-from gdskit.plan import Chunk, align_down, chunks
+from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
 from gdskit.residency import Residency
 from gdskit.settings import Settings, settings
-from gdskit.vocabulary import ODirectPolicy, Path, Reason
+from gdskit.vocabulary import Path, Reason
 
 # Workers for a job of scattered reads whose bytes the page cache holds, while its caller makes
 # more destinations. Such a job is many small copies, and each costs Python in its worker, which
@@ -40,11 +39,6 @@ SCATTERED_HOT_WORKERS = 4
 # only from this size: below it the two sched_setaffinity calls cost more than the few KiB the
 # thread writes into the stage across the CPUs' interconnect. A batch moves once for all its reads.
 NUMA_MOVE_MIN = 1 << 20
-
-# A read in its caller's thread of at least twice this size goes into its stage in pieces of
-# this size, each piece's copy to the GPU queued as soon as it is read: the copies then run
-# while the next pieces are read, and only the last one is waited for.
-CALLER_PIECE_BYTES = 256 << 10
 
 
 def _record(req: Request, op: str, results: list[ChunkResult], total: int, elapsed: float) -> None:
@@ -103,16 +97,15 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
         t0 = clock()
         for file_offset, buf_offset, size in reads:
             stage, _ = lane.next_stage()
-            if size < 2 * CALLER_PIECE_BYTES:
-                res = read_to_stage(f, stage.view, file_offset, size, cfg.odirect, align)
-                if res.nbytes:
-                    queued = True
-                    _queue_copy(stream, buf, buf_offset, stage.ptr + file_offset % align, res.nbytes)
-            else:
-                queued = True  # a piece's copy is queued when a later piece's read may fail
-                res = _read_in_pieces(f, cfg, stage, stream, buf, file_offset, buf_offset, size)
-                queued = res.nbytes > 0
+            res = read_to_stage(f, stage.view, file_offset, size, cfg.odirect, align)
             if res.nbytes:
+                src = stage.ptr + file_offset % align
+                queued = True
+                if buf.scatter is None:
+                    stream.copy_h2d(buf.ptr + buf_offset, src, res.nbytes)
+                else:
+                    stream.copy_h2d_many([(dst, src + skip, n) for dst, skip, n
+                                          in buf.scatter.pieces(buf_offset, res.nbytes)])
                 event.record(stream)
                 event.wait()
                 queued = False
@@ -133,38 +126,6 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
     numa.restore_cpus(cpus)
     lanes.release(lane)
     return out
-
-
-def _queue_copy(stream: cuda.Stream, buf: BufferView, buf_offset: int, src: int, nbytes: int) -> None:
-    """Queue the copy of ``nbytes`` staged at ``src`` to ``buf`` at ``buf_offset``."""
-    if buf.scatter is None:
-        stream.copy_h2d(buf.ptr + buf_offset, src, nbytes)
-    else:
-        stream.copy_h2d_many([(dst, src + skip, n) for dst, skip, n in buf.scatter.pieces(buf_offset, nbytes)])
-
-
-def _read_in_pieces(f: OpenFile, cfg: Settings, stage: Any, stream: cuda.Stream, buf: BufferView,
-                    file_offset: int, buf_offset: int, size: int) -> ChunkResult:
-    """Read ``size`` bytes into the stage :data:`CALLER_PIECE_BYTES` at a time, each piece's copy
-    queued as soon as it is read, so that it runs while the next piece is read; the page cache is
-    asked about the whole range once. The copies are queued, not waited for."""
-    align = cfg.alignment
-    target = StageTarget(stage.view, file_offset, align)
-    base = file_offset - file_offset % align  # the file offset of stage byte 0
-    where = file_residency(f, file_offset, size) if cfg.odirect is ODirectPolicy.AUTO else UNKNOWN
-    pos, end, nbytes, cached = file_offset, file_offset + size, 0, 0
-    while pos < end:
-        stop = align_down(pos + CALLER_PIECE_BYTES, align)  # pieces end aligned, as O_DIRECT reads need
-        n = min(end, stop if stop > pos else end) - pos
-        res = read_chunk(f, target, pos, n, cfg.odirect, where)
-        if res.nbytes:
-            _queue_copy(stream, buf, buf_offset + (pos - file_offset), stage.ptr + (pos - base), res.nbytes)
-        nbytes += res.nbytes
-        cached += res.cached
-        if res.nbytes < n:  # end of file
-            break
-        pos += n
-    return ChunkResult(nbytes, cached)
 
 
 def _scattered_cached_and_crowded(f: OpenFile, reqs: Sequence[Request]) -> bool:
