@@ -116,3 +116,23 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(MissingDependencyError):
         plot(_report(), str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
+
+
+def test_small_io_from_several_processes_into_gpu_memory_says_the_gpu_takes_turns():
+    """Worker processes each have a CUDA context, and the GPU serves the contexts in turns: at
+    4 KiB the bounce path's latency grows with the processes. Said where it applies, only."""
+    from gdskit.bench import runner
+    from gdskit.bench.params import make_params
+
+    def noted(paths, **kw):
+        params = make_params(size="4M", paths=",".join(paths), repeat=1, cache="hot", **kw)
+        runs = [_run(p, params.io_sizes[0], 0, 1.0, taken={p if p != "bounce" else "bounce-cached": 2**30})
+                for p in paths]
+        return [w for w in runner._warnings(runs, params) if "CUDA context" in w]
+
+    found = noted(["bounce", "host"], io_size="4K", workers=4, processes=True)
+    assert len(found) == 1 and "4 worker processes" in found[0] and "bounce latency" in found[0]
+    assert noted(["host"], io_size="4K", workers=4, processes=True) == []       # no copy into GPU memory
+    assert noted(["bounce"], io_size="4K", workers=4) == []                     # threads: one context
+    assert noted(["bounce"], io_size="4K", workers=1, processes=True) == []     # one process
+    assert noted(["bounce"], io_size="1M", workers=4, processes=True) == []     # large I/O

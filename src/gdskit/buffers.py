@@ -130,7 +130,9 @@ def _plain_cuda_tensor_view(torch: Any, t: Any) -> BufferView | None:
     info = cuda.pointer_info(ptr)  # torch's allocator may be a managed-memory one
     if info.kind is not MemoryKind.DEVICE and info.kind is not MemoryKind.MANAGED:
         return None
-    stream = torch.cuda.current_stream(t.device.index).cuda_stream
+    index = t.device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle alone: no Stream object made
+    stream = raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
     return BufferView(ptr, t.numel() * t.element_size(), info.kind, info.device, False, None, t,
                       int(stream), True)
 

@@ -533,8 +533,12 @@ def engine_rate(params: BenchParams, targets: Targets, paths: list[str]) -> Engi
 
 
 # -- the whole benchmark ----------------------------------------------------------------
-#: I/O sizes up to this, from several worker threads, are bound by the interpreter lock.
+#: I/O sizes up to this, from several worker threads, are bound by the interpreter lock; from
+#: several worker processes, on the paths that copy into GPU memory, by the GPU's turns between
+#: the processes' contexts (benchmarks/RESULTS.md, "Small reads from several processes").
 SMALL_IO_FOR_THREADS = 64 * 1024
+#: The paths whose bytes reach GPU memory through a copy the GPU schedules per context.
+GPU_COPY_PATHS = ("bounce", "cufile")
 
 
 def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
@@ -543,6 +547,12 @@ def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
         out.append(f"{params.workers} worker threads share Python's interpreter lock between I/Os: at "
                    f"{min(params.io_sizes) // 1024} KiB that can cap the rate below the storage's; "
                    "--processes runs each worker in its own process (as fio's jobs) to measure the storage")
+    gpu_paths = sorted({r.path for r in runs} & set(GPU_COPY_PATHS))
+    if params.processes and params.workers > 1 and gpu_paths and min(params.io_sizes) <= SMALL_IO_FOR_THREADS:
+        out.append(f"{params.workers} worker processes each have their own CUDA context, and without MPS the "
+                   "GPU takes the contexts' work in turns: a small copy into GPU memory waits for its "
+                   f"process's turn, so the {'/'.join(gpu_paths)} latency here grows with the processes "
+                   "(threads of one process share one context)")
     if params.huge_pages and "host" in {r.path for r in runs} and transparent_huge_pages() in ("never", None):
         out.append("--huge-pages: transparent huge pages are off here (or unknown), so the host buffers "
                    f"are on ordinary pages ({THP_SETTING})")
