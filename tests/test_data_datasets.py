@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import shutil
 
 import numpy as np
@@ -199,6 +200,40 @@ def test_directories_globs_and_lists(tmp_path):
     with pytest.raises(GdskitFileNotFoundError):
         resolve(tmp_path / "empty")
     assert not issubclass(GdskitIsADirectoryError, InvalidArgumentError)
+
+
+def _reference_walk(top):
+    """The directory's files as a plain os.walk sees them (the rules resolve documents)."""
+    found = []
+    for root, dirs, names in os.walk(top):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            path = os.path.join(root, n)
+            if not n.startswith(".") and stat.S_ISREG(os.stat(path).st_mode):
+                found.append((os.path.relpath(path, top).replace(os.sep, "/"), path, os.stat(path).st_size))
+    return sorted(found)
+
+
+def test_a_directory_is_listed_as_os_walk_lists_it(tmp_path, monkeypatch):
+    """Keys relative to the directory however it was written, links to files in and links to
+    directories not followed, hidden names and what is not a regular file left out; a link that
+    leads nowhere is an error that names it."""
+    top = tmp_path / "data"
+    for name in ("z.bin", "a/b/c/deep.bin", "a/one.bin", "a b/space.bin", "a/.hid/x.bin", "é/ü.bin", "a/b/two.bin"):
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_bytes(b"x" * (len(name) * 3))
+    (top / "link.bin").symlink_to(top / "a" / "one.bin")
+    (top / "dirlink").symlink_to(top / "a", target_is_directory=True)
+    os.mkfifo(top / "a" / "pipe")
+    monkeypatch.chdir(tmp_path)
+    for given in (top, str(top) + "/", "data", "./data/", "data/../data"):
+        got = [(s.key, s.path, s.size) for s in resolve(given)]
+        assert got == _reference_walk(os.fspath(given)), given
+    assert [k for k, _p, _s in _reference_walk("data")] == [
+        "a b/space.bin", "a/b/c/deep.bin", "a/b/two.bin", "a/one.bin", "link.bin", "z.bin", "é/ü.bin"]
+    (top / "a" / "gone.bin").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(GdskitFileNotFoundError, match="gone.bin"):
+        resolve(top)
 
 
 def test_fingerprint_follows_the_samples_not_the_place(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import operator
 import os
 import stat
 from collections.abc import Iterable
@@ -98,25 +99,49 @@ def _glob(pattern: str) -> list[Source]:
 
 
 def _walk(top: str) -> list[Source]:
-    found = []
+    """The directory's regular files, as ``os.walk`` (top down, links to directories not
+    followed) would list them, keyed by their path below ``top``. Keys are built as the walk
+    goes down rather than by ``os.path.relpath``, which took most of the time of listing
+    100,000 files (benchmarks/RESULTS.md, "Listing a directory of many files")."""
+    found: list[Source] = []
     errors: list[OSError] = []
-    for root, dirs, names in os.walk(top, onerror=errors.append):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for n in sorted(names):
-            if n.startswith("."):
+    todo = [(top, "")]  # (directory, its key prefix), taken depth first in sorted order
+    while todo:
+        directory, prefix = todo.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=_name)
+        except OSError as exc:
+            errors.append(exc)
+            continue
+        below = []
+        for e in entries:
+            name = e.name
+            if name.startswith("."):
                 continue
-            path = os.path.join(root, n)
             try:
-                st = os.stat(path)
+                is_dir = e.is_dir()  # a link to a directory counts as one (and is not walked)
+            except OSError:
+                is_dir = False
+            if is_dir:
+                if not e.is_symlink():
+                    below.append((e.path, f"{prefix}{name}/"))
+                continue
+            try:
+                st = e.stat()
             except OSError as exc:
-                raise from_os_error(exc, path) from exc
+                raise from_os_error(exc, e.path) from exc
             if stat.S_ISREG(st.st_mode):
-                key = os.path.relpath(path, top).replace(os.sep, "/")
-                found.append(Source(key, path, st.st_size))
+                found.append(Source(prefix + name, e.path, st.st_size))
+        todo.extend(reversed(below))
     if errors:
         raise from_os_error(errors[0], errors[0].filename)
     if not found:
         raise GdskitFileNotFoundError(errno.ENOENT, "No file in the directory", top)
-    found.sort(key=lambda s: s.key)
+    found.sort(key=_key)
     return found
+
+
+_name = operator.attrgetter("name")
+_key = operator.attrgetter("key")
 
