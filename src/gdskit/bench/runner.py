@@ -535,7 +535,7 @@ def engine_rate(params: BenchParams, targets: Targets, paths: list[str]) -> Engi
 # -- the whole benchmark ----------------------------------------------------------------
 #: I/O sizes up to this, from several worker threads, are bound by the interpreter lock; from
 #: several worker processes, on the paths that copy into GPU memory, by the GPU's turns between
-#: the processes' contexts (benchmarks/RESULTS.md, "Small reads from several processes").
+#: the processes' contexts (benchmarks/RESULTS.md, "Small reads into GPU memory, fewer layers").
 SMALL_IO_FOR_THREADS = 64 * 1024
 #: The paths whose bytes reach GPU memory through a copy the GPU schedules per context.
 GPU_COPY_PATHS = ("bounce", "cufile")
