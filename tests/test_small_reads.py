@@ -312,6 +312,10 @@ def test_a_freed_device_array_is_refused_and_a_managed_one_known(data_file, fake
         managed.free()
     buf = cuda.DeviceArray(4096)
     buf.free()
+    with pytest.raises(UnsupportedBufferError, match="freed"):
+        adapt(buf)
     with gdskit.open(path) as f, pytest.raises(UnsupportedBufferError, match="freed"):
         f.read(buf, 4096, 0)
+    assert buf.__cuda_array_interface__["shape"] == (0,) and buf.__cuda_array_interface__["data"][0] == 0, \
+        "other consumers of the interface are not handed the freed pointer either"
 

@@ -601,6 +601,8 @@ class DeviceArray:
             if drv is not None:
                 drv.cuMemFree(self.ptr)
             self.ptr = 0
+            # Exported as empty from now on: a consumer of the interface never sees the freed pointer.
+            self.__cuda_array_interface__ = {**self.__cuda_array_interface__, "shape": (0,), "data": (0, False)}
 
     def __del__(self) -> None:
         if exiting():
