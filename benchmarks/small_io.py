@@ -366,5 +366,6 @@ def _print(result: dict[str, Any]) -> None:
                 print(f"{r['function'][:60]:60s} {r['own_us_per_read']:7.2f} {r['cum_us_per_read']:7.2f} "
                       f"{r['calls_per_read']:6.2f}")
 
+
 if __name__ == "__main__":
     sys.exit(main())
