@@ -578,7 +578,7 @@ class FakeDriver:
         err = self._count("cuCtxSetCurrent")
         if err:
             return (err,)
-        self._tls.ctx = int(ctx) - 1000
+        self._tls.ctx = None if not int(ctx) else int(ctx) - 1000  # NULL unbinds, as in CUDA
         return (OK,)
 
     def cuCtxGetCurrent(self):  # noqa: N802

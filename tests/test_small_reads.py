@@ -131,14 +131,14 @@ def test_a_hot_4k_read_is_one_copy_one_event_and_no_stream_sync(data_file, fake_
         buf.free()
     assert calls.get("cuMemcpyHtoDAsync") == 1 and calls.get("cuEventRecord") == 1
     assert calls.get("cuEventSynchronize") == 1 and "cuStreamSynchronize" not in calls
-    assert "cuPointerGetAttributes" not in calls and "cuCtxGetCurrent" not in calls, \
-        "gdskit's own device memory is described without asking the driver"
-    assert calls.get("cuCtxSetCurrent", 0) <= 1
+    assert "cuPointerGetAttributes" not in calls, "gdskit's own device memory is described without asking the driver"
+    assert calls.get("cuCtxGetCurrent", 0) + calls.get("cuCtxSetCurrent", 0) <= 1, \
+        "the device's context already current: asked about once, and not changed"
     assert not fake_cuda.event_flags[waited] & BLOCKING_SYNC, "a short copy is waited for without sleeping"
     # A batch: one copy, one record and one wait per read, the device made current once.
     assert batch.get("cuMemcpyHtoDAsync") == 5 and batch.get("cuEventRecord") == 5
     assert batch.get("cuEventSynchronize") == 5 and "cuStreamSynchronize" not in batch
-    assert batch.get("cuCtxSetCurrent", 0) <= 1
+    assert batch.get("cuCtxGetCurrent", 0) + batch.get("cuCtxSetCurrent", 0) <= 1
 
 
 def test_large_chunks_still_wait_on_sleeping_events(data_file, fake_cuda):
@@ -319,3 +319,38 @@ def test_a_freed_device_array_is_refused_and_a_managed_one_known(data_file, fake
     assert buf.__cuda_array_interface__["shape"] == (0,) and buf.__cuda_array_interface__["data"][0] == 0, \
         "other consumers of the interface are not handed the freed pointer either"
 
+
+
+def test_a_read_in_the_callers_thread_leaves_the_threads_device_as_it_was(data_file, stand_in_gpus):
+    """A small read into one GPU's memory from a thread whose current device is another (or that
+    has none) makes the copy in the memory's context and then puts the thread's own back: torch
+    reads its current device from the driver, so a changed one would send the caller's next
+    tensors to the wrong GPU. The lane made by the first read is made the same way."""
+    from fake_cuda import FakeDriver
+
+    path, data = data_file
+    fake = stand_in_gpus(FakeDriver(devices=2))
+    errors: list[BaseException] = []
+
+    def reads(expect_device: int | None) -> None:
+        try:
+            buf = cuda.DeviceArray(3 * 4096, device=0)
+            try:
+                assert fake._context() == expect_device, "making device memory changed the thread's device"
+                with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
+                    assert f.read(buf, 4096, 0) == 4096  # the first read makes the lane here
+                    assert fake._context() == expect_device
+                    assert f.read_batch(buf, [4096, 8192], 4096, [4096, 8192]) == [4096, 4096]
+                    assert fake._context() == expect_device
+                assert buf.to_numpy().tobytes() == data[:3 * 4096]
+            finally:
+                buf.free()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            errors.append(exc)
+
+    cuda.set_device(1)
+    reads(1)
+    th = threading.Thread(target=reads, args=(None,))  # a thread with no context at all keeps none
+    th.start()
+    th.join()
+    assert not errors, errors[0]

@@ -20,7 +20,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,17 +192,35 @@ def current_device() -> int:
     return int(check(result, "cuCtxGetDevice"))
 
 
+def make_current(device: int) -> Any:
+    """Make ``device``'s primary context current in the calling thread, and return what
+    :func:`put_back` needs to put back the context current before (None where it already was
+    this one: then nothing is changed, and one driver call was made)."""
+    drv = _driver()
+    ctx = _primary_context(device)
+    before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(before) == int(ctx):
+        return None
+    check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return before
+
+
+def put_back(before: Any) -> None:
+    """Undo :func:`make_current`: the caller's context again (or none, if it had none)."""
+    if before is not None:
+        check(_driver().cuCtxSetCurrent(before), "cuCtxSetCurrent")
+
+
 @contextmanager
 def on_device(device: int) -> Iterator[None]:
     """Make ``device``'s primary context current in the calling thread for the block, then put
-    back whatever was current before (the caller's, or none): a caller's thread keeps its device."""
-    drv = _driver()
-    before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    set_device(device)
+    back whatever was current before (the caller's, or none): a caller's thread keeps its device,
+    and so does torch, which reads it from the driver."""
+    before = make_current(device)
     try:
         yield
     finally:
-        check(drv.cuCtxSetCurrent(before), "cuCtxSetCurrent")
+        put_back(before)
 
 
 def _in_context() -> Any:
@@ -402,9 +420,10 @@ class Stream:
 
     def __init__(self, device: int) -> None:
         drv = _driver()
-        set_device(device)
         self.device = device
-        self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        with on_device(device):  # made in the device's context; the caller's thread keeps its own
+            self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                                "cuStreamCreate")
 
     def copy_h2d(self, dst: int, src: int, nbytes: int) -> None:
         check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, self.handle), "cuMemcpyHtoDAsync")
@@ -557,16 +576,16 @@ class DeviceArray:
 
     def __init__(self, nbytes: int, device: int | None = None, managed: bool = False) -> None:
         drv = _driver()
-        if device is not None:
-            set_device(device)
-        self.device = current_device()
-        self.nbytes = nbytes
-        self.managed = managed
-        if managed:
-            attach = int(drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
-            self.ptr = int(check(drv.cuMemAllocManaged(max(nbytes, 1), attach), "cuMemAllocManaged"))
-        else:
-            self.ptr = int(check(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
+        self.ptr = 0
+        with on_device(device) if device is not None else nullcontext():  # the caller's device stays
+            self.device = current_device()
+            self.nbytes = nbytes
+            self.managed = managed
+            if managed:
+                attach = int(drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+                self.ptr = int(check(drv.cuMemAllocManaged(max(nbytes, 1), attach), "cuMemAllocManaged"))
+            else:
+                self.ptr = int(check(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
         # "stream": None: the memory has no producer work pending (we synchronise after our own writes).
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3, "strides": None, "stream": None}

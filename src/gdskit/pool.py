@@ -104,15 +104,17 @@ class Lane:
             if device is None:
                 self.stages = [_HostStage(stage_bytes)]
             else:
-                cuda.set_device(device)
-                self.stream = cuda.Stream(device)
-                # The stages' pages are faulted in here, by this thread: on the GPU's NUMA node.
-                node = numa.place_of(device).node
-                with numa.memory_on(node) as bound:
-                    for _ in range(self.stages_per_device_lane):
-                        self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
-                        self.events.append(cuda.Event())
-                self.quick_event = cuda.Event(blocking_sync=False)
+                # Made in the device's context; a caller's thread (a small read makes its lane
+                # there) keeps its own context.
+                with cuda.on_device(device):
+                    self.stream = cuda.Stream(device)
+                    # The stages' pages are faulted in here, by this thread: on the GPU's NUMA node.
+                    node = numa.place_of(device).node
+                    with numa.memory_on(node) as bound:
+                        for _ in range(self.stages_per_device_lane):
+                            self.stages.append((pinned or cuda.PinnedBuffer)(stage_bytes))
+                            self.events.append(cuda.Event())
+                    self.quick_event = cuda.Event(blocking_sync=False)
                 self.numa_node = node if bound else None
         except BaseException:
             self.free()

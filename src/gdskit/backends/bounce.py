@@ -85,10 +85,12 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
     lane = lanes.acquire(device, chunk + 2 * align, n_lanes, cfg.pinned_budget)
     queued = False  # a copy may be in flight: a lane left so must not go back to the pool as it is
     cpus = None
+    caller_context = None
     out: list[ChunkResult] = []
     try:
-        # The copies go to the lane's stream, which belongs to the lane's device.
-        cuda.set_device(device)
+        # The copies go to the lane's stream, which belongs to the lane's device; the caller's
+        # thread gets its own context back after (torch reads its current device from it).
+        caller_context = cuda.make_current(device)
         if move_thread:
             cpus = numa.run_on(numa.place_of(device).cpus)
         stream, event = lane.stream, lane.quick_event
@@ -122,9 +124,11 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
             lanes.discard(lane)  # its copy may still read the stage: freed once its stream is done
         else:
             lanes.release(lane)
+        cuda.put_back(caller_context)
         raise
     numa.restore_cpus(cpus)
     lanes.release(lane)
+    cuda.put_back(caller_context)
     return out
 
 
