@@ -21,6 +21,7 @@ from gdskit.backends.base import UNKNOWN, Backend, OpenFile, Request
 from gdskit.backends.staged import (ChunkResult, contiguous_prefix, file_residency, read_to_stage,
                                    write_from_stage)
 from gdskit.buffers import BufferView
+from gdskit.errors import CudaError
 from gdskit.ledger import ledger, record_bounce_pieces
 from gdskit.plan import Chunk, chunks
 from gdskit.pool import LaneRef, lanes, run_chunks, run_requests
@@ -124,7 +125,10 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
             lanes.discard(lane)  # its copy may still read the stage: freed once its stream is done
         else:
             lanes.release(lane)
-        cuda.put_back(caller_context)
+        try:
+            cuda.put_back(caller_context)
+        except CudaError:
+            pass  # the error already under way is the one to report
         raise
     numa.restore_cpus(cpus)
     lanes.release(lane)
