@@ -247,10 +247,9 @@ def main() -> None:
     ap.add_argument("--llama-size", type=float, default=5, help="GiB of the Llama-shaped set")
     ap.add_argument("--sets", default="large,llama")
     ap.add_argument("--loaders", default="gdskit,safetensors")
-    ap.add_argument("--src", default="", help="name=path,... gdskit source trees to compare (default: this one)")
+    fresh_process.add_tree_options(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=120)
-    ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
     ap.add_argument("--stack-samples", action="store_true",
                     help="sample every thread's stack during the first call and print where it went "
                          "(slows the call: not for the rates)")
@@ -261,8 +260,7 @@ def main() -> None:
     if args.loader:
         child(args)
         return
-    here = os.path.dirname(os.path.abspath(__file__))
-    trees = fresh_process.source_trees(args.src, os.path.join(here, "..", "src"))
+    trees = fresh_process.source_trees(args.src)
     files = sets(args)
     warm([p for ps in files.values() for p in ps])
     runs = []

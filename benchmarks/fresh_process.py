@@ -28,13 +28,23 @@ def run_child(script: str, argv: list[str], timeout: float) -> dict:
     return {"error": " | ".join(tail) or f"exit {p.returncode}"}
 
 
-def source_trees(spec: str, default: str) -> dict[str, str]:
-    """The gdskit source trees a ``--src name=path,...`` argument names (``{"this": default}`` where
-    it names none), each compiled first, as installing a package does: bytecode made at install,
-    not at import."""
+#: The source tree of the checkout these benchmarks belong to.
+THIS_TREE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+
+
+def add_tree_options(ap) -> None:
+    """The options of a script that compares gdskit source trees in fresh processes."""
+    ap.add_argument("--src", default="", help="name=path,... gdskit source trees to compare (default: this one)")
+    ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
+
+
+def source_trees(spec: str) -> dict[str, str]:
+    """The gdskit source trees a ``--src name=path,...`` argument names (``{"this": THIS_TREE}``
+    where it names none), each compiled first, as installing a package does: bytecode made at
+    install, not at import."""
     import compileall
 
-    trees = dict(item.split("=", 1) for item in spec.split(",") if item) or {"this": default}
+    trees = dict(item.split("=", 1) for item in spec.split(",") if item) or {"this": THIS_TREE}
     for tree in trees.values():
         compileall.compile_dir(tree, quiet=1)
     return trees

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -65,9 +64,8 @@ def main() -> None:
     ap.add_argument("--avg-kib", type=int, default=100, help="their average size")
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per tree and variant")
     ap.add_argument("--loads", type=int, default=4, help="loads in each process")
-    ap.add_argument("--src", default="", help="name=path,... gdskit source trees to compare (default: this one)")
+    fresh_process.add_tree_options(ap)
     ap.add_argument("--variants", default="", help="name=MODULE.CONSTANT=INTEGER;...,... (default: none)")
-    ap.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script without a GPU")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--child-path", dest="path", help=argparse.SUPPRESS)
@@ -78,8 +76,7 @@ def main() -> None:
         return
     if args.rounds < 1 or args.loads < 1:
         raise SystemExit("--rounds and --loads must be at least 1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    trees = fresh_process.source_trees(args.src, os.path.join(here, "..", "src"))
+    trees = fresh_process.source_trees(args.src)
     variants = dict(item.split("=", 1) for item in args.variants.split(",") if item) or {"default": ""}
     from loaders import ensure_files
     from page_cache import warm

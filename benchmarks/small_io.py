@@ -37,9 +37,7 @@ import numpy as np
 
 import gdskit
 from gdskit import cuda
-from gdskit.backends.base import Request
 from gdskit.backends.staged import StageTarget, file_residency, read_chunk
-from gdskit.file import backend
 from gdskit.ledger import ledger
 from gdskit.pool import lanes
 from gdskit.vocabulary import Path, Reason

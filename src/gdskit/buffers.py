@@ -117,11 +117,12 @@ def _plain_cpu_tensor_bytes(torch: Any, t: Any) -> Any:
 
 
 def _plain_cuda_tensor_view(torch: Any, t: Any) -> BufferView | None:
-    """A plain CUDA tensor described from torch itself, without a DLPack export (about 15 µs,
-    more than a small read's copy): the producer work to wait for is what is queued on torch's
-    current stream of the tensor's device, as the export's ``stream=1`` would order it. None for
-    anything DLPack must judge (see :func:`_plain_cpu_tensor_bytes`)."""
-    if (t.device.type != "cuda" or t.layout is not torch.strided or t.requires_grad or t.is_quantized
+    """A CUDA tensor ``t`` (its caller checked ``is_cuda``), if plain, described from torch itself
+    without a DLPack export (about 15 µs, more than a small read's copy): the producer work to wait
+    for is what is queued on torch's current stream of the tensor's device, as the export's
+    ``stream=1`` would order it. None for anything DLPack must judge (see
+    :func:`_plain_cpu_tensor_bytes`)."""
+    if (t.layout is not torch.strided or t.requires_grad or t.is_quantized
             or t.is_conj() or t.is_neg() or not t.is_contiguous()):
         return None
     ptr = t.data_ptr()

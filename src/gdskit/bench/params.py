@@ -30,6 +30,8 @@ SWEEP_MAX = 16 * MiB
 
 #: The order paths appear in when every available path is compared.
 PATH_NAMES = ("cufile", "bounce", "host")
+#: The paths whose buffers are GPU memory (the host path reads into host memory).
+GPU_PATHS = frozenset({"cufile", "bounce"})
 
 #: gdsio's numeric ``-I`` values, accepted so its users' muscle memory works.
 _GDSIO_OPS = {"0": "read", "1": "write", "2": "randread", "3": "randwrite"}

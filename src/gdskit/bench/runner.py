@@ -35,7 +35,7 @@ from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
 from gdskit.bench.memory import THP_SETTING, DeviceBuffer, pattern, transparent_huge_pages
-from gdskit.bench.params import GiB, MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
+from gdskit.bench.params import GPU_PATHS, GiB, MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, EngineResult, RunResult, VerifyResult
 from gdskit.bench.worker import (RunPlan, RunWindow, Targets, WorkerOut, counter_delta, make_cold, open_worker,
                                  run_counters, work)
@@ -490,7 +490,7 @@ def engine_rate(params: BenchParams, targets: Targets, paths: list[str]) -> Engi
     """``File.read`` of the benchmark's file into GPU memory at the engine's settings, one pass per
     repetition (the cache made cold before each where the runs' was): what an application gets.
     None where no GPU path ran a read benchmark."""
-    if not params.op.is_read or not ({"bounce", "cufile"} & set(paths)) or cuda.device_count() == 0:
+    if not params.op.is_read or not GPU_PATHS & set(paths) or cuda.device_count() == 0:
         return None
     path = targets.files[0]
     total = min(params.size, os.path.getsize(path), ENGINE_PASS_MAX)
@@ -534,11 +534,9 @@ def engine_rate(params: BenchParams, targets: Targets, paths: list[str]) -> Engi
 
 # -- the whole benchmark ----------------------------------------------------------------
 #: I/O sizes up to this, from several worker threads, are bound by the interpreter lock; from
-#: several worker processes, on the paths that copy into GPU memory, by the GPU's turns between
-#: the processes' contexts (benchmarks/RESULTS.md, "Small reads into GPU memory, fewer layers").
+#: several worker processes, on the GPU paths, by the GPU's turns between the processes' contexts
+#: (benchmarks/RESULTS.md, "Small reads into GPU memory, fewer layers").
 SMALL_IO_FOR_THREADS = 64 * 1024
-#: The paths whose bytes reach GPU memory through a copy the GPU schedules per context.
-GPU_COPY_PATHS = ("bounce", "cufile")
 
 
 def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
@@ -547,7 +545,7 @@ def _warnings(runs: list[RunResult], params: BenchParams) -> list[str]:
         out.append(f"{params.workers} worker threads share Python's interpreter lock between I/Os: at "
                    f"{min(params.io_sizes) // 1024} KiB that can cap the rate below the storage's; "
                    "--processes runs each worker in its own process (as fio's jobs) to measure the storage")
-    gpu_paths = sorted({r.path for r in runs} & set(GPU_COPY_PATHS))
+    gpu_paths = sorted({r.path for r in runs} & GPU_PATHS)
     if params.processes and params.workers > 1 and gpu_paths and min(params.io_sizes) <= SMALL_IO_FOR_THREADS:
         out.append(f"{params.workers} worker processes each have their own CUDA context, and without MPS the "
                    "GPU takes the contexts' work in turns: a small copy into GPU memory waits for its "

@@ -20,7 +20,7 @@ import numpy as np
 import gdskit
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench.memory import allocate, pattern
-from gdskit.bench.params import BenchParams, Cache, PathUnavailableError
+from gdskit.bench.params import GPU_PATHS, BenchParams, Cache, PathUnavailableError
 from gdskit.errors import DirectPathUnavailable, GdskitIOError
 
 
@@ -137,7 +137,7 @@ class RunPlan:
 
     @property
     def on_device(self) -> bool:
-        return self.name != "host"
+        return self.name in GPU_PATHS
 
     @property
     def cold(self) -> bool:
