@@ -30,6 +30,8 @@ every peer alike.
 
     python benchmarks/data.py --device cuda:0 --cold --json /tmp/out/data.json   # about 4 minutes
     python benchmarks/data.py --device cpu --quick                                # smoke run, any machine
+    python benchmarks/data.py --workloads preload-small --peers gdskit,odirect --cold --no-hot --rounds 3 \
+        --src before=/old/src,now=src                                 # two trees, cold pairs by round
 """
 
 from __future__ import annotations
@@ -396,8 +398,18 @@ def summarize(r: dict, sz: dict, workload: str) -> dict:
     return r
 
 
+def _per_tree(peer: str) -> bool:
+    """Whether ``peer`` runs gdskit's code, and so once for each ``--src`` tree."""
+    return peer.startswith("gdskit") or peer == "engine"
+
+
 def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
     results = []
+    # With --src, gdskit's peers run once per tree; the last tree named keeps the plain label (the
+    # one the targets are read for), the others are labelled peer@name. The other peers run with
+    # the last tree on their path (the raw reads' host buffers are gdskit's).
+    trees = fresh_process.source_trees(args.src) if args.src else {"this": None}
+    last = list(trees)[-1]
     modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
     workloads = args.workloads.split(",")
     every_path = [p for ps in data.values() for p in ps]
@@ -407,19 +419,21 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
             named = args.peers.split(",") if args.peers else None
             peers = [p for p in PEERS[w] if named is None or p in named] + \
                 [p for p in EXTRA_PEERS.get(w, []) if named is not None and p in named]
+            runs = [(f"{p}@{name}" if name != last else p, p, tree)
+                    for p in peers for name, tree in (trees.items() if _per_tree(p) else [(last, trees[last])])]
             if rnd % 2:
-                peers = peers[::-1]  # alternate the order: none always first after the data was made
+                runs = runs[::-1]  # alternate the order: none always first after the data was made
             paths = data["tokens"] if w in ("tokens", "step") else data["shards" if w == "preload-shards" else "small"]
             listing = os.path.join(args.dir, f"{w}.paths.json")  # many paths outgrow argv
             with open(listing, "w") as f:
                 json.dump(paths, f)
             for mode in modes:  # the hot runs of a workload together: its files are warmed once
-                for peer in peers:
+                for label, peer, tree in runs:
                     if (mode == "cold" and (w in HOT_ONLY or peer == "memory")) or \
                             (mode == "hot" and peer in COLD_ONLY):
                         continue
                     if not installed(peer):
-                        results.append({"workload": w, "peer": peer, "mode": mode, "round": rnd,
+                        results.append({"workload": w, "peer": label, "mode": mode, "round": rnd,
                                         "error": "not installed"})
                         continue
                     if mode == "cold":
@@ -430,12 +444,13 @@ def measure(args: argparse.Namespace, data: dict, sz: dict) -> list[dict]:
                             warm(paths)
                             warmed.add(w)
                         how = "warmed"
-                    r = summarize(run_child(["--child", peer, "--workload", w, "--device", args.device,
-                                             "--threads", str(args.threads), "--sizes", json.dumps(sz),
-                                             "--paths", listing], args.timeout), sz, w)
-                    r.update(workload=w, peer=peer, mode=mode, round=rnd, cache=how)
+                    argv = ["--child", peer, "--workload", w, "--device", args.device, "--threads",
+                            str(args.threads), "--sizes", json.dumps(sz), "--paths", listing]
+                    r = summarize(run_child(argv, args.timeout) if tree is None else
+                                  fresh_process.run_child_in_tree(__file__, argv, tree, args.timeout), sz, w)
+                    r.update(workload=w, peer=label, mode=mode, round=rnd, cache=how)
                     results.append(r)
-                    print(f"# {time.perf_counter() - START:6.1f} s  round {rnd + 1} {w} {peer} {mode}: "
+                    print(f"# {time.perf_counter() - START:6.1f} s  round {rnd + 1} {w} {label} {mode}: "
                           f"{r.get('gb_per_s') or r.get('step_ms') or r.get('error')}", file=sys.stderr, flush=True)
     return results
 
@@ -454,9 +469,25 @@ def combine(results: list[dict]) -> list[dict]:
         out.append({**(ok[(len(ok) - 1) // 2] if ok else runs[0]), "rounds": len(runs)})
     order = {w: i for i, w in enumerate(WORKLOADS)}
 
-    def peer_rank(r: dict) -> int:
-        return (PEERS[r["workload"]] + EXTRA_PEERS.get(r["workload"], [])).index(r["peer"])
+    def peer_rank(r: dict) -> tuple[int, str]:
+        peer, _, tree = r["peer"].partition("@")
+        return (PEERS[r["workload"]] + EXTRA_PEERS.get(r["workload"], [])).index(peer), tree
     return sorted(out, key=lambda r: (order[r["workload"]], r["mode"], peer_rank(r)))
+
+
+def pairs(results: list[dict]) -> list[str]:
+    """Each cold preload round's gdskit runs against the O_DIRECT run of the same round (its wall
+    time over theirs: higher is better), the figures to read on a disk that drifts."""
+    lines = []
+    for w in ("preload-shards", "preload-small"):
+        cold = [r for r in results if r["workload"] == w and r["mode"] == "cold" and "wall_s" in r]
+        ref = {r["round"]: r for r in cold if r["peer"] == "odirect"}
+        for label in dict.fromkeys(r["peer"] for r in cold if _per_tree(r["peer"].partition("@")[0])):
+            by = [f"{ref[r['round']]['wall_s'] / r['wall_s']:.2f}x" for r in cold
+                  if r["peer"] == label and r["round"] in ref]
+            if by:
+                lines.append(f"pairs {w} cold {label} / odirect, by round: {', '.join(by)}")
+    return lines
 
 
 def _fmt(x, spec: str) -> str:
@@ -561,6 +592,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=None, help="the step alone, in ms (calibrated)")
     ap.add_argument("--dl-workers", type=int, default=None, help="cap on DataLoader workers (small machines)")
     ap.add_argument("--timeout", type=float, default=120, help="seconds per measurement")
+    ap.add_argument("--src", default="", help="name=path,... gdskit source trees: each gdskit peer runs once per "
+                    "tree, interleaved; the last named is the one the targets are read for")
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--child", dest="peer", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
@@ -580,15 +613,19 @@ def main() -> None:
     if args.small_files:
         sz["small"] = args.small_files
     data = ensure_data(args.dir, sz, args.workloads.split(","))
-    rows = combine(measure(args, data, sz))
+    results = measure(args, data, sz)
+    rows = combine(results)
     text = report(rows)
     print(text)
+    for line in pairs(results):
+        print(line)
     goals = targets(rows)
     for k, v in goals.items():
         print(f"target {k}: {v}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": args.device, "sizes": sz, "rows": rows, "targets": goals}, f, indent=1)
+            json.dump({"device": args.device, "sizes": sz, "rows": rows, "targets": goals, "pairs": pairs(results)},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

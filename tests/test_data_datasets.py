@@ -202,6 +202,39 @@ def test_directories_globs_and_lists(tmp_path):
     assert not issubclass(GdskitIsADirectoryError, InvalidArgumentError)
 
 
+def test_a_list_mixing_files_directories_and_globs_resolves_as_each_item_alone(tmp_path):
+    """A list's plain files take a short way (one stat each); everything else in it resolves
+    as that item would alone, in the list's order, and its errors are the item's."""
+    import pathlib
+
+    for name in ("d/1.bin", "d/2.bin", "g/x.bin", "g/y.bin", "f.bin", "h.bin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    items = [str(tmp_path / "f.bin"), tmp_path / "d", str(tmp_path / "g" / "*.bin"), pathlib.Path(tmp_path / "h.bin")]
+    alone = [s for item in items for s in resolve(item)]
+    assert resolve(items) == alone
+    assert [s.key for s in alone] == [str(tmp_path / "f.bin"), "1.bin", "2.bin", str(tmp_path / "g" / "x.bin"),
+                                      str(tmp_path / "g" / "y.bin"), str(tmp_path / "h.bin")]
+    assert [s.size for s in alone] == [5, 7, 7, 7, 7, 5]
+    with pytest.raises(InvalidArgumentError, match="1.bin"):  # a directory's key named twice
+        resolve([tmp_path / "d", tmp_path / "d"])
+    with pytest.raises(GdskitFileNotFoundError, match="gone.bin"):
+        resolve([str(tmp_path / "f.bin"), str(tmp_path / "gone.bin")])
+    with pytest.raises(InvalidArgumentError, match="not a path"):
+        resolve([str(tmp_path / "f.bin"), 3])
+
+    class BytesPath:
+        def __fspath__(self):
+            return os.fsencode(tmp_path / "f.bin")
+
+    with pytest.raises(InvalidArgumentError, match="bytes"):
+        resolve([BytesPath()])
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe")
+        with pytest.raises(InvalidArgumentError, match="not a regular file"):
+            resolve([str(tmp_path / "f.bin"), str(tmp_path / "pipe")])
+
+
 def _reference_walk(top):
     """The directory's files as a plain os.walk sees them (the rules resolve documents)."""
     found = []

@@ -163,6 +163,33 @@ def test_small_files_cold_and_hot_with_raw_and_empty_files_equal_np_load(tmp_pat
                 f.read()
 
 
+def test_files_sharing_a_header_and_files_that_only_look_alike_equal_np_load(tmp_path):
+    """A small file whose first bytes are the header of the .npy file placed before it takes that
+    header's layout, parsed once; a file that only starts alike (another byte order, memory order
+    or dtype, or no .npy at all) gets its own, and a shared header over a short array is named."""
+    rng = np.random.default_rng(4)
+    a = rng.random((16, 8)).astype("<f4")
+    want = {f"{k:03d}a.npy": a + k for k in range(50)}
+    want["020b.npy"] = (a * 3).astype(">f4")
+    want["030b.npy"] = np.asfortranarray(a + 1)
+    want["040b.npy"] = rng.integers(0, 9, (16, 8)).astype("<i4")
+    for name, arr in want.items():
+        np.save(tmp_path / name, arr)
+    header = (tmp_path / "000a.npy").read_bytes()[:128]
+    raw = header + b"\x05" * 300
+    (tmp_path / "025b.bin").write_bytes(raw)  # the shared header's bytes, but no .npy file
+    got = gd.preload(tmp_path, device="cuda:0")
+    assert sorted(got) == sorted([*want, "025b.bin"])
+    for name, arr in want.items():
+        t = got[name].cpu().numpy()
+        assert t.dtype == arr.dtype.newbyteorder("=") and t.shape == arr.shape and np.array_equal(t, arr), name
+        assert got[name].is_contiguous() == (not np.isfortran(arr)), name
+    assert got["025b.bin"].dtype == torch.uint8 and bytes(got["025b.bin"].cpu().numpy()) == raw
+    (tmp_path / "045b.npy").write_bytes(header + bytes(100))  # the shared header, the array cut short
+    with pytest.raises(gd.TruncatedFileError, match="045b.npy"):
+        gd.preload(tmp_path, device="cuda:0")
+
+
 def test_the_first_bad_file_in_order_is_named_whether_read_whole_or_not(tmp_path):
     from leak_helpers import fd_count
 

@@ -126,6 +126,60 @@ def test_a_cold_job_that_fails_half_way_closes_the_next_stages_files(tmp_path, f
     assert fd_count() == fds and 39 not in place.seen
 
 
+def test_a_cold_jobs_next_stage_is_opened_beside_the_worker_by_a_thread_that_does_not_outlive_it(
+        tmp_path, fake_cuda, monkeypatch):
+    """The worker reads, places and copies one stage while a helper thread opens the next stage's
+    files (and so asks them into the page cache); the helper is gone when the job ends, whether
+    it ends well, on a file's error or on an interrupt."""
+    import threading
+
+    files = _files(tmp_path, [30_000] * 40)
+    opened_by, placed_by = [], set()
+    real_open = wf.open_file_fd
+
+    def spy(path, flags):
+        opened_by.append((path, threading.current_thread().name))
+        return real_open(path, flags)
+
+    monkeypatch.setattr(wf, "open_file_fd", spy)
+    place = _Landing(files)
+
+    def placing(i, data):
+        placed_by.add(threading.current_thread().name)
+        return place(i, data)
+
+    def helpers():
+        return [t for t in threading.enumerate() if t.name.startswith("gdskit-ahead")]
+
+    fds = fd_count()
+    with gdskit.settings.set(mode="bounce", chunk_size="64KiB", odirect="auto"):
+        for p, _d in files:
+            drop_cache(p)
+        _read(files, placing)
+        assert all(place.landed(i) == d for i, (_p, d) in enumerate(files))
+        assert [p for p, _t in opened_by] == [p for p, _d in files]  # each file opened once, in order
+        assert {t for _p, t in opened_by} == {next(t for _p, t in opened_by)} and placed_by.isdisjoint(
+            t for _p, t in opened_by)
+        assert not helpers()
+
+        def fussy(i, data):
+            if i == 9:
+                raise InvalidArgumentError("file 9 is not wanted")
+            return place(i, data)
+
+        for p, _d in files:
+            drop_cache(p)
+        with pytest.raises(InvalidArgumentError, match="file 9 "):
+            _read(files, fussy)
+        assert not helpers()
+        for p, _d in files:
+            drop_cache(p)
+        with pytest.raises(KeyboardInterrupt):
+            _read(files, place, on_bytes=lambda n: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert not helpers()
+    assert fd_count() == fds
+
+
 def test_the_first_bad_file_in_list_order_is_raised_and_nothing_is_left_open(tmp_path, fake_cuda):
     files = _files(tmp_path, [3000] * 300)
     os.unlink(files[250][0])

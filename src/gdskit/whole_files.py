@@ -13,10 +13,10 @@ and read whole, in one request, into the next slot of a worker's pinned stage:
 - the stage goes to the GPU in one batched copy with one event.
 
 A job the page cache holds (judged by a sample, :func:`gdskit.residency.job_cached`) runs on
-:data:`HOT_WORKERS` workers. Any other runs on one worker that asks the next stage's files into the
-page cache (``posix_fadvise(WILLNEED)``, which queues their reads and returns) before it reads,
-places and copies the current stage's: the disk reads one stage while the interpreter works on the
-one before. Two workers waiting on the disk in turn were slower (their Python phases then meet at
+:data:`HOT_WORKERS` workers. Any other runs on one worker, beside a helper thread that opens the
+next stage's files and asks them into the page cache (``posix_fadvise(WILLNEED)``, which queues
+their reads and returns) while the worker reads, places and copies the current stage's: the disk
+reads one stage while the interpreter works on the one before. Two workers waiting on the disk in turn were slower (their Python phases then meet at
 the interpreter); benchmarks/RESULTS.md, "Many small files read whole". ``settings.odirect="always"``
 reads every file with O_DIRECT instead. Only a job the bounce ring serves whatever the file comes
 here (:func:`gdskit.router.bounce_for_any_file`); the ledger records its bytes as bounce-cached
@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,28 +163,32 @@ def _stage(job: _Job, ref: LaneRef, group: tuple[int, int]) -> None:
 
 
 def _stages(job: _Job, ref: LaneRef, groups: list[tuple[int, int]]) -> None:
-    """Every stage in turn on one worker, the next stage's files opened (and so asked into the
-    page cache) before the current stage's are read."""
+    """Every stage in turn on one worker. The next stage's files are opened, and so asked into
+    the page cache, on a helper thread while the current stage's are read, placed and copied:
+    that advice is kernel work (about 10 µs a file) the worker would otherwise wait for
+    (benchmarks/RESULTS.md, "Cold small files: the next stage opened beside the worker")."""
     if not groups:
         return
     lane = ref.get()
-    upcoming: _Opened = []
-    try:
-        upcoming = _open_group(job, groups[0])
-        for k, group in enumerate(groups):
-            current, upcoming = upcoming, []
-            if job.errors:
-                _close(current)
-                return  # after a failed file, start nothing more
-            if k + 1 < len(groups):
-                try:
-                    upcoming = _open_group(job, groups[k + 1])
-                except BaseException:
+    with ThreadPoolExecutor(1, thread_name_prefix="gdskit-ahead") as ahead:
+        upcoming: Future[_Opened] | None = ahead.submit(_open_group, job, groups[0])
+        try:
+            for k, group in enumerate(groups):
+                assert upcoming is not None
+                current, upcoming = upcoming.result(), None
+                if job.errors:
                     _close(current)
-                    raise
-            _fill(job, lane, group, current)
-    finally:
-        _close(upcoming)
+                    return  # after a failed file, start nothing more
+                if k + 1 < len(groups):
+                    upcoming = ahead.submit(_open_group, job, groups[k + 1])
+                _fill(job, lane, group, current)  # closes the current stage's files
+        finally:
+            if upcoming is not None:  # the worker stopped early: the files opened ahead are closed
+                try:
+                    opened = upcoming.result()
+                except BaseException:  # noqa: BLE001 - it closed its own; the first error is the one raised
+                    opened = []
+                _close(opened)
 
 
 def _close(opened: _Opened) -> None:

@@ -115,13 +115,31 @@ def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]
     or ``(bytes, layout)`` where its bytes must be swapped once they have landed. The first bad
     file (in order) raises."""
     made: list[Any] = [None] * len(sources)
+    # The last .npy header parsed: (its bytes, layout, data offset, whether the tensor is made
+    # in the layout itself). A dataset's files mostly share one header; a file whose first bytes
+    # are those has that layout. One tuple, swapped whole: two workers may place at once.
+    last: list[tuple[bytes, Any, int, bool]] = [(b"", None, 0, False)]
 
     def place(i: int, data: memoryview) -> tuple[tuple[int, int, int], ...]:
-        lay, off = _layout_in(sources[i], data)
-        raw = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
-        # Views cost no kernel: made here, while other files' reads are at the disk.
-        made[i] = (raw, lay) if lay.byteswap else sample_view(raw, lay)
-        return ((raw.data_ptr(), off, lay.nbytes),) if lay.nbytes else ()
+        src = sources[i]
+        head, lay, off, plain = last[0]
+        npy_file = _is_npy(src)
+        if not (npy_file and head and bytes(data[:off]) == head and len(data) >= src.size):
+            lay, off = _layout_in(src, data)
+            plain = not lay.byteswap and not lay.fortran
+            if npy_file:
+                last[0] = (bytes(data[:off]), lay, off, plain)
+        nbytes = lay.nbytes
+        if src.size < off + nbytes:
+            raise TruncatedFileError(f"{src.path}: {src.size} bytes, but its header describes {off + nbytes}")
+        if plain:  # the tensor itself, no views to make
+            t = torch.empty(lay.shape, dtype=lay.dtype, device=dev)
+            made[i] = t
+        else:
+            t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            # Views cost no kernel: made here, while other files' reads are at the disk.
+            made[i] = (t, lay) if lay.byteswap else sample_view(t, lay)
+        return ((t.data_ptr(), off, nbytes),) if nbytes else ()
 
     engine_read_whole_files([s.path for s in sources], [s.size for s in sources], dev.index, place, on_bytes)
     return made

@@ -8,8 +8,8 @@ import operator
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Union
+from stat import S_ISREG
+from typing import NamedTuple, Union
 
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError, from_os_error
 
@@ -18,10 +18,10 @@ PathLike = Union[str, "os.PathLike[str]"]
 Files = Union[PathLike, Iterable[PathLike]]
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """One file: ``key`` is its name as the caller gave it (relative to a directory given),
-    ``path`` where to open it, ``size`` its size when it was found."""
+    ``path`` where to open it, ``size`` its size when it was found. A named tuple: a list of
+    100,000 files makes 100,000 of them, at a third of a frozen dataclass's cost."""
 
     key: str
     path: str
@@ -58,9 +58,20 @@ def resolve(files: Files) -> list[Source]:
     out: list[Source] = []
     seen: set[str] = set()
     for item in items:
-        if not isinstance(item, (str, os.PathLike)):
-            raise InvalidArgumentError(f"not a path: {item!r:.60}")
-        for src in _one(os.fspath(item)):
+        # A list of 100,000 file names is the common case: each is one stat and one Source
+        # here, the rest (directories, globs, errors) goes the long way (_one).
+        name = item if type(item) is str else _name_of(item)
+        try:
+            st: os.stat_result | None = os.stat(name)
+        except OSError:
+            st = None
+        if st is not None and S_ISREG(st.st_mode):
+            if name in seen:
+                raise InvalidArgumentError(f"{name!r} is named twice")
+            seen.add(name)
+            out.append(Source(name, name, st.st_size))
+            continue
+        for src in _one(name, st):
             if src.key in seen:
                 raise InvalidArgumentError(f"{src.key!r} is named twice")
             seen.add(src.key)
@@ -68,9 +79,20 @@ def resolve(files: Files) -> list[Source]:
     return out
 
 
-def _one(name: str) -> list[Source]:
+def _name_of(item: object) -> str:
+    if not isinstance(item, (str, os.PathLike)):
+        raise InvalidArgumentError(f"not a path: {item!r:.60}")
+    name = os.fspath(item)
+    if not isinstance(name, str):
+        raise InvalidArgumentError("file names must be str or os.PathLike, not bytes")
+    return name
+
+
+def _one(name: str, st: os.stat_result | None = None) -> list[Source]:
+    """What one item names; ``st`` is its ``stat`` where the caller has made it."""
     try:
-        st = os.stat(name)
+        if st is None:
+            st = os.stat(name)
     except FileNotFoundError:
         if glob.has_magic(name):
             return _glob(name)
