@@ -22,7 +22,8 @@ CORE = ("gdskit.file", "gdskit.router", "gdskit.plan", "gdskit.pool", "gdskit.ba
 
 #: What the core may read facts through besides itself: the probes' plain readers of /proc, /sys
 #: and /etc (not their verdicts, reports or live checks).
-FACT_READERS = ("gdskit.probe.root", "gdskit.probe.gds", "gdskit.probe.mounts", "gdskit.probe.topology")
+FACT_READERS = ("gdskit.probe.root", "gdskit.probe.gds", "gdskit.probe.mounts", "gdskit.probe.topology",
+                "gdskit.probe.numa_facts")
 
 
 #: The layers over the engine that load data: they reach it through ``gdskit.formats._engine`` only.

@@ -14,12 +14,29 @@ from gdskit import cuda, numa, pool
 from gdskit.backends import bounce
 from gdskit.numa import NumaPlace, parse_cpulist
 from gdskit.probe.root import SystemRoot
-from gdskit.probe.routes import numa_place
+from gdskit.probe.numa_facts import numa_place
 
 from check_helpers import fixture_root
 
 needs_policy = pytest.mark.skipif(numa.current_policy() is None, reason="no set_mempolicy on this platform")
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no sched_setaffinity")
+
+
+def test_the_engines_numa_question_loads_no_storage_probe():
+    """The first device lane asks where its GPU sits (on the way to a first read): that reads two
+    sysfs files, and loads neither the mounts, topology nor routes probes (about 15 ms of imports,
+    on the H200 machine, while the other lanes waited)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gdskit, gdskit.numa\n"
+            "place = gdskit.numa._source('0000:00:00.0')\n"
+            "print(type(place).__name__, sorted(m for m in sys.modules if m.startswith('gdskit.probe.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "NumaPlace"
+    loaded = " ".join(out[1:])
+    for heavy in ("mounts", "topology", "routes", "check", "gpus"):
+        assert f"gdskit.probe.{heavy}'" not in loaded, loaded
 
 
 @pytest.mark.parametrize("text, cpus", [

@@ -79,8 +79,8 @@ def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageF
 
 
 def _gpu_numa_place(pci_bus_id: str) -> "NumaPlace":
-    """A GPU's NUMA node and its CPUs, read from sysfs (gdskit.probe.routes)."""
-    from gdskit.probe.routes import live_numa_place  # noqa: PLC0415 - read when a device lane is first made
+    """A GPU's NUMA node and its CPUs, read from sysfs (gdskit.probe.numa_facts)."""
+    from gdskit.probe.numa_facts import live_numa_place  # noqa: PLC0415 - read when a device lane is first made
 
     return live_numa_place(pci_bus_id)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gdskit.probe.mounts import NETWORK_FS, block_node, device_name, mount_block_tree, network_rdma, read_mounts
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.topology import PciPlace, PeerDevice, Topology, pci_place, rdma_devices
-from gdskit.numa import UNKNOWN as NUMA_UNKNOWN, NumaPlace, parse_cpulist
+from gdskit.probe.numa_facts import numa_of
 from gdskit.routing import (
     UNKNOWN_PEER, Distance, PeerLink, RouteDecision, RouteWhy, StorageFacts, decide,
 )
@@ -81,19 +81,11 @@ class Storage:
                 for d in self.devices]
 
 
-def _numa_of(root: SystemRoot, bdf: str) -> int | None:
-    try:
-        v = int(root.read_value(f"/sys/bus/pci/devices/{bdf}/numa_node") or "")
-    except ValueError:
-        return None
-    return v if v >= 0 else None
-
-
 def _device_at(root: SystemRoot, name: str, kind: str, bdf: str, known: Sequence[PeerDevice]) -> PeerDevice:
     for p in known:
         if p.pci_bus_id == bdf:
             return p
-    return PeerDevice(kind, name, bdf, pci_place(root, bdf), _numa_of(root, bdf))
+    return PeerDevice(kind, name, bdf, pci_place(root, bdf), numa_of(root, bdf))
 
 
 def block_storage(root: SystemRoot, tree: Any, known: Sequence[PeerDevice] = ()) -> Storage:
@@ -128,7 +120,7 @@ def storage_facts(root: SystemRoot, storage: Storage, gpu_bus_ids: Sequence[str]
         return StorageFacts(detail=storage.why_unknown)
     out = {}
     for bus in gpu_bus_ids:
-        out[bus] = storage.distance_to(pci_place(root, bus), _numa_of(root, bus))
+        out[bus] = storage.distance_to(pci_place(root, bus), numa_of(root, bus))
     return StorageFacts(tuple(d.pci_bus_id or d.name for d in storage.devices), out)
 
 
@@ -168,20 +160,6 @@ class FixtureFacts:
 
     def __call__(self, st_dev: int, gpu_bus_ids: tuple[str, ...]) -> StorageFacts:
         return storage_facts(self.root, self.storage, gpu_bus_ids)
-
-
-# --------------------------------------------------------------------------- NUMA
-def numa_place(root: SystemRoot, bdf: str) -> NumaPlace:
-    """The NUMA node of the PCI function ``bdf`` and that node's CPUs (sysfs)."""
-    node = _numa_of(root, bdf)
-    if node is None:
-        return NUMA_UNKNOWN
-    return NumaPlace(node, parse_cpulist(root.read_value(f"/sys/devices/system/node/node{node}/cpulist") or ""))
-
-
-def live_numa_place(bdf: str) -> NumaPlace:
-    """The engine's NUMA fact source on the running machine (gdskit.numa)."""
-    return numa_place(SystemRoot("/"), bdf)
 
 
 # --------------------------------------------------------------------------- peer access
