@@ -16,8 +16,9 @@ A job the page cache holds (judged by a sample, :func:`gdskit.residency.job_cach
 :data:`HOT_WORKERS` workers. Any other runs on one worker, beside a helper thread that opens the
 next stage's files and asks them into the page cache (``posix_fadvise(WILLNEED)``, which queues
 their reads and returns) while the worker reads, places and copies the current stage's: the disk
-reads one stage while the interpreter works on the one before. Two workers waiting on the disk in turn were slower (their Python phases then meet at
-the interpreter); benchmarks/RESULTS.md, "Many small files read whole". ``settings.odirect="always"``
+reads one stage while the interpreter works on the one before. Two workers waiting on the disk in
+turn were slower (their Python phases then meet at the interpreter); benchmarks/RESULTS.md, "Many
+small files read whole". ``settings.odirect="always"``
 reads every file with O_DIRECT instead. Only a job the bounce ring serves whatever the file comes
 here (:func:`gdskit.router.bounce_for_any_file`); the ledger records its bytes as bounce-cached
 (read through the page cache) or bounce-direct with that reason.
