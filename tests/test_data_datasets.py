@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -233,6 +234,41 @@ def test_a_list_mixing_files_directories_and_globs_resolves_as_each_item_alone(t
         os.mkfifo(tmp_path / "pipe")
         with pytest.raises(InvalidArgumentError, match="not a regular file"):
             resolve([str(tmp_path / "f.bin"), str(tmp_path / "pipe")])
+
+
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.sampled_from(["f0", "f1", "f2", "d", "d/a.bin", "g*", "gone", "pipe", "d/*.bin"]),
+                      min_size=1, max_size=8))
+def test_any_list_resolves_as_its_items_one_by_one(tmp_path_factory, picks):
+    """Whatever a list mixes (files, a directory, globs, a file inside that directory, a missing
+    name, a FIFO, repeats), it resolves to its items' own resolutions in order, or raises what the
+    first failing item raises, or refuses a key named twice."""
+    top = tmp_path_factory.mktemp("mix")
+    for name in ("f0", "f1", "f2", "d/a.bin", "d/b.bin", "g1", "g2"):
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_bytes(b"x" * (len(name) + 3))
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(top / "pipe")
+    items = [str(top / p) for p in picks]
+    want: list = []
+    error: type | None = None
+    keys: set = set()
+    for item in items:
+        try:
+            part = resolve(item)
+        except (GdskitFileNotFoundError, InvalidArgumentError) as exc:
+            error = type(exc)
+            break
+        if any(s.key in keys for s in part):
+            error = InvalidArgumentError
+            break
+        keys.update(s.key for s in part)
+        want.extend(part)
+    if error is None:
+        assert resolve(items) == want
+    else:
+        with pytest.raises(error):
+            resolve(items)
 
 
 def _reference_walk(top):
