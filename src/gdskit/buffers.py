@@ -99,14 +99,20 @@ def _from_device_array(arr: cuda.DeviceArray) -> BufferView:
 
 # -- buffer protocol ---------------------------------------------------------
 
+def _plain_tensor(torch: Any, t: Any) -> bool:
+    """Whether ``t`` is a tensor gdskit may describe itself rather than through DLPack: strided,
+    contiguous, not quantized, and neither requiring grad nor carrying a conjugate or negative bit
+    (DLPack refuses those)."""
+    return (t.layout is torch.strided and not t.requires_grad and not t.is_quantized
+            and not t.is_conj() and not t.is_neg() and t.is_contiguous())
+
+
 def _plain_cpu_tensor_bytes(torch: Any, t: Any) -> Any:
     """A plain CPU tensor's bytes as a uint8 ndarray over its memory (about 3 µs, where
     DLPack's export takes about 15: paid per tensor of a checkpoint, per batch of a loader);
-    None for anything DLPack must judge: other devices, pinned memory (DLPack may say so),
-    tensors that require grad or carry a conjugate or negative bit (DLPack refuses them),
-    non-contiguous, sparse or quantized ones."""
-    if (t.device.type != "cpu" or t.layout is not torch.strided or t.requires_grad or t.is_quantized
-            or t.is_conj() or t.is_neg() or not t.is_contiguous() or t.is_pinned()):
+    None for anything DLPack must judge: other devices, pinned memory (DLPack may say so), and
+    whatever is not :func:`_plain_tensor`."""
+    if t.device.type != "cpu" or not _plain_tensor(torch, t) or t.is_pinned():
         return None
     try:
         if t.dtype is not torch.uint8:
@@ -121,9 +127,8 @@ def _plain_cuda_tensor_view(torch: Any, t: Any) -> BufferView | None:
     without a DLPack export (about 15 µs, more than a small read's copy): the producer work to wait
     for is what is queued on torch's current stream of the tensor's device, as the export's
     ``stream=1`` would order it. None for anything DLPack must judge (see
-    :func:`_plain_cpu_tensor_bytes`)."""
-    if (t.layout is not torch.strided or t.requires_grad or t.is_quantized
-            or t.is_conj() or t.is_neg() or not t.is_contiguous()):
+    :func:`_plain_tensor`)."""
+    if not _plain_tensor(torch, t):
         return None
     ptr = t.data_ptr()
     if not ptr:
