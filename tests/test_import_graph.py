@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 CORE = ("gdskit.file", "gdskit.router", "gdskit.plan", "gdskit.pool", "gdskit.backends", "gdskit.buffers",
         "gdskit.cuda", "gdskit.ledger", "gdskit.settings", "gdskit.shutdown", "gdskit.direct_route",
         "gdskit.residency", "gdskit.durable", "gdskit.vocabulary", "gdskit.errors", "gdskit.profiles",
-        "gdskit.routing", "gdskit.routed", "gdskit.numa", "gdskit.many_files", "gdskit.streamed")
+        "gdskit.routing", "gdskit.routed", "gdskit.numa", "gdskit.many_files", "gdskit.streamed", "gdskit.threads")
 
 #: What the core may read facts through besides itself: the probes' plain readers of /proc, /sys
 #: and /etc (not their verdicts, reports or live checks).
@@ -31,8 +31,8 @@ FORMATS = ("gdskit.formats", "gdskit.data", "gdskit.dcp", "gdskit.torch", "gdski
            "gdskit.transformers")
 ENGINE_DOOR = "gdskit.formats._engine"
 #: What of the core every layer may use directly: the error tree, the words, pure arithmetic,
-#: durable file replacement.
-SHARED_CORE = ("gdskit.errors", "gdskit.vocabulary", "gdskit.plan", "gdskit.durable")
+#: durable file replacement, how a thread starts.
+SHARED_CORE = ("gdskit.errors", "gdskit.vocabulary", "gdskit.plan", "gdskit.durable", "gdskit.threads")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:

@@ -24,6 +24,7 @@ from gdskit.shutdown import FREE_MEMORY, STOP_WORK, at_exit
 from gdskit.errors import CudaError
 from gdskit.plan import Chunk, align_down, chunks
 from gdskit.settings import settings
+from gdskit.threads import executor
 from gdskit.vocabulary import PinnedAlloc
 
 T = TypeVar("T")
@@ -362,7 +363,7 @@ def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
             return found[0]
         if found is not None:
             found[0].shutdown(wait=False)
-        ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"gdskit-{kind}")
+        ex = executor(threads, f"gdskit-{kind}")
         _executors[kind] = (ex, threads)
         return ex
 

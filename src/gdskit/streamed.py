@@ -47,6 +47,7 @@ from gdskit.plan import align_down, chunks
 from gdskit.router import Route, host_reason, plan_routes
 from gdskit.settings import Settings
 from gdskit.shutdown import FREE_MEMORY, STOP_WORK, at_exit
+from gdskit.threads import start_thread
 from gdskit.vocabulary import Path
 
 #: Stage sets per device, and the most bytes one stage holds: a fixed, small amount of pinned
@@ -293,8 +294,7 @@ def _start_settler() -> None:
     global _settler
     with _settler_lock:
         if _settler is None or not _settler.is_alive():  # none yet, or a forked child's
-            _settler = threading.Thread(target=_settle_loop, name="gdskit-stream-settle", daemon=True)
-            _settler.start()
+            _settler = start_thread(_settle_loop, "gdskit-stream-settle")
 
 
 def _settle(op: _StreamOp, error: BaseException | None = None) -> None:

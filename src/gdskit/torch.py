@@ -16,7 +16,6 @@ TorchScript archives are handed to ``torch.load``. Needs torch
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
 import os
@@ -36,6 +35,7 @@ from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
 
 __all__ = ["save", "load", "UnsafeCheckpointError", "DeviceUnavailableError", "STORAGE_ALIGNMENT"]
@@ -511,7 +511,7 @@ class _ReadAhead:
         self.device = device
         self._path, self._dests, self._small = path, dests, small
         self._prog = prog
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-load")
+        self._pool = executor(1, "gdskit-load")
         self._job = self._pool.submit(read_large)
 
     @classmethod

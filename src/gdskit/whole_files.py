@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from gdskit.pool import LaneRef, lanes, run_chunks
 from gdskit.residency import job_cached
 from gdskit.router import bounce_for_any_file
 from gdskit.settings import Settings, settings
+from gdskit.threads import executor
 from gdskit.vocabulary import IoUring, ODirectPolicy, Reason
 
 __all__ = ["Copy", "Place", "limit", "read_whole_files"]
@@ -171,7 +172,7 @@ def _stages(job: _Job, ref: LaneRef, groups: list[tuple[int, int]]) -> None:
     if not groups:
         return
     lane = ref.get()
-    with ThreadPoolExecutor(1, thread_name_prefix="gdskit-ahead") as ahead:
+    with executor(1, "gdskit-ahead") as ahead:
         upcoming: Future[_Opened] | None = ahead.submit(_open_group, job, groups[0])
         try:
             for k, group in enumerate(groups):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import os
 import shutil
@@ -41,6 +42,7 @@ from gdskit.bench.worker import (RunPlan, RunWindow, Targets, WorkerOut, counter
                                  run_counters, work)
 from gdskit.errors import GdskitIOError, InvalidArgumentError, NoSpaceError, from_os_error
 from gdskit.settings import format_size
+from gdskit.threads import start_thread
 from gdskit.vocabulary import Reason
 
 if TYPE_CHECKING:
@@ -389,10 +391,7 @@ def _run_threads(plan: RunPlan, targets: Targets) -> RunWindow:
                 stop.set()
                 barrier.abort()  # a worker failing before the start must not leave the others waiting
 
-        threads = [threading.Thread(target=worker, args=(w,), name=f"gdskit-bench-{w}", daemon=True)
-                   for w in range(W)]
-        for t in threads:
-            t.start()
+        threads = [start_thread(functools.partial(worker, w), f"gdskit-bench-{w}") for w in range(W)]
         counters_before = run_counters(plan)
         ledger_before = gdskit.stats()
         try:

@@ -39,6 +39,7 @@ from gdskit.errors import InvalidArgumentError
 from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
                                     closed_at_exit, pinned_budget, settings_values, stats, stats_delta)
 from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.threads import start_thread
 
 __all__ = ["Loader"]
 
@@ -261,9 +262,8 @@ class _Pipeline:
         if prefetch and todo:
             for _ in range(min(prefetch, len(todo))):
                 self._credits.put(True)
-            self._thread = threading.Thread(target=self._produce, name="gdskit-data-prefetch", daemon=True)
             _live.add(self)
-            self._thread.start()
+            self._thread = start_thread(self._produce, "gdskit-data-prefetch")
 
     def _produce(self) -> None:
         for pos, (number, indices) in enumerate(self._todo):

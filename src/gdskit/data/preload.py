@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from gdskit.formats._engine import (first_page_cached, no_wait, start_warm_up, s
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.plan import spread
+from gdskit.threads import executor
 
 __all__ = ["preload"]
 
@@ -81,7 +81,7 @@ def _layouts(sources: list[Source]) -> tuple[list[tuple[Layout, int]], Failure |
     if threads < 2 or not any(first_page_cached(p) is False for p in sample):
         return _part_layouts(sources, 0, 0)
     per = -(-len(sources) // threads)
-    with ThreadPoolExecutor(threads, thread_name_prefix="gdskit-headers") as pool:
+    with executor(threads, "gdskit-headers") as pool:
         parts = [pool.submit(_part_layouts, sources[k:k + per], k, WHOLE_FILE_AHEAD)
                  for k in range(0, len(sources), per)]
     out: list[tuple[Layout, int]] = []

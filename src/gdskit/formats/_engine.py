@@ -190,12 +190,11 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
             pass
 
     from gdskit.shutdown import STOP_WORK, at_exit
+    from gdskit.threads import start_thread
 
     at_exit(STOP_WORK, _join_warm_ups)
     with _warm_ups_lock:
         worker = _warm_ups.get(device)
         if worker is None or not worker.is_alive():
-            worker = threading.Thread(target=run, name="gdskit-warm-up", daemon=True)
-            _warm_ups[device] = worker
-            worker.start()
+            worker = _warm_ups[device] = start_thread(run, "gdskit-warm-up")
     return worker.join

@@ -33,6 +33,7 @@ from gdskit.formats import read_plan
 from gdskit.formats._engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
+from gdskit.threads import executor
 
 #: The default budget is the larger of this and twice the largest tensor.
 DEFAULT_INFLIGHT_BYTES = 1 << 30
@@ -133,7 +134,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._ready: deque[tuple[str, torch.Tensor]] = deque()
         self._live = _Live()
         self._reader = _Reader(device, {p: h.file_size for p, h in index.headers})
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-stream")
+        self._thread = executor(1, "gdskit-stream")
         self._closed = False
 
     @property

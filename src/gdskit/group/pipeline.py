@@ -34,6 +34,7 @@ from gdskit.formats.torch_io import execute
 from gdskit.group import exchange, failure
 from gdskit.group.plan import FanOutPlan, Unit, Window
 from gdskit.ledger import ledger
+from gdskit.threads import executor
 
 #: The engine reads units below this size together (read_plan's small-range coalescing).
 _SMALL_READ = 1 << 20
@@ -101,7 +102,7 @@ class _Reader:
         self._paths = files
         self._sizes = sizes
         self._open: dict[int, Any] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdskit-group-read")
+        self._pool = executor(1, "gdskit-group-read")
 
     def _file(self, index: int) -> Any:
         f = self._open.get(index)

@@ -43,6 +43,7 @@ from gdskit.telemetry.location import (
     start_ticks,
 )
 from gdskit.telemetry.snapshot import build
+from gdskit.threads import start_thread
 
 _start_lock = threading.Lock()
 _publisher: Publisher | None = None
@@ -207,8 +208,7 @@ class Publisher:
         self.publish(force=True)  # at once: `gdskit stats -p` finds the process as soon as it publishes
         self.started = True
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gdskit-stats", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, "gdskit-stats")
 
     def _loop(self) -> None:
         stop = self._stop

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,13 +128,16 @@ def run_workload(argv: list[str], *, level: int = 3, env: dict[str, str] | None 
     timed_out = False
     try:
         t0 = time.monotonic()
-        try:
-            proc = subprocess.Popen(argv, env=child_env, cwd=cwd, stdout=stdout)
-        except FileNotFoundError as exc:
-            raise GdskitFileNotFoundError(errno.ENOENT, "command not found", argv[0]) from exc
-        except OSError as exc:
-            raise from_os_error(exc, argv[0]) from exc
-        with _forward_signals(proc):
+        # Forwarding starts before the workload does: a Ctrl-C while it is being started is
+        # passed on once it exists, instead of ending the runner and leaving the workload behind.
+        with _forward_signals() as forward_to:
+            try:
+                proc = subprocess.Popen(argv, env=child_env, cwd=cwd, stdout=stdout)
+            except FileNotFoundError as exc:
+                raise GdskitFileNotFoundError(errno.ENOENT, "command not found", argv[0]) from exc
+            except OSError as exc:
+                raise from_os_error(exc, argv[0]) from exc
+            forward_to(proc)
             try:
                 returncode = proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -229,23 +232,43 @@ def _terminal_reached(proc: subprocess.Popen) -> bool:
 
 
 @contextlib.contextmanager
-def _forward_signals(proc: subprocess.Popen) -> Iterator[None]:
-    """Pass SIGINT, SIGTERM and SIGHUP on to the workload while it runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _forward_signals() -> Iterator[Callable[[subprocess.Popen], None]]:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the workload while it runs (main thread only).
 
-    def forward(signum: int, _frame: Any) -> None:
+    Yields ``forward_to(proc)``, to be called once the workload is started: a signal that came
+    before it is passed on then.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda proc: None
+        return
+    target: list[subprocess.Popen] = []
+    held: list[int] = []  # signals that came before the workload existed
+
+    def send(proc: subprocess.Popen, signum: int) -> None:
         if signum == signal.SIGINT and _terminal_reached(proc):
             return  # the terminal sent it to the workload as well: once is enough
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
+    def forward(signum: int, _frame: Any) -> None:
+        if target:
+            send(target[0], signum)
+        else:
+            held.append(signum)
+
+    def forward_to(proc: subprocess.Popen) -> None:
+        target.append(proc)
+        while held:
+            send(proc, held.pop(0))
+
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, forward)
     try:
-        yield
+        yield forward_to
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if not target:  # no workload was started: the signals are the runner's own after all
+            for sig in dict.fromkeys(held):
+                signal.raise_signal(sig)
