@@ -163,11 +163,11 @@ class CountingDriver:
         return timed
 
 
-def driver_calls(path: str, size: int, io: int, n: int) -> dict[str, Any]:
+def driver_calls(path: str, size: int, io: int, n: int, buffer: str = "device") -> dict[str, Any]:
     wrapped = CountingDriver(cuda.driver_or_none())  # the driver gdskit is on (the bindings' module)
     with cuda.use_driver(wrapped):
         cuda.set_device(0)
-        dst = cuda.DeviceArray(io)
+        dst = _buffer(buffer, io)
         with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
             for off in _offsets(size, io, 20, 2):
                 f.read(dst, io, off)
@@ -178,7 +178,7 @@ def driver_calls(path: str, size: int, io: int, n: int) -> dict[str, Any]:
             for off in offsets:
                 f.read(dst, io, off)
             wall = time.perf_counter_ns() - t0
-        dst.free()
+        _free(dst)
         gdskit.release_resources()
     # Calls made less than once in 20 reads are the collector's (a buffer freed meanwhile), not the reads'.
     return {"per_read": {k: v / n for k, v in sorted(wrapped.calls.items()) if v / n >= 0.05},
@@ -261,14 +261,14 @@ def paths(path: str, size: int, io: int, workers: int, n: int, how: str) -> dict
     return out
 
 
-def profile(path: str, size: int, io: int, n: int, top: int = 25) -> list[dict[str, Any]]:
-    """``n`` bounce ``File.read`` calls of ``io`` bytes into device memory under ``cProfile``:
+def profile(path: str, size: int, io: int, n: int, top: int = 25, buffer: str = "device") -> list[dict[str, Any]]:
+    """``n`` bounce ``File.read`` calls of ``io`` bytes into device memory (``buffer``) under ``cProfile``:
     the ``top`` functions by time of their own, in µs per read (the profiler's own cost included,
     so the ranking, not the sum, is the answer)."""
     import cProfile  # noqa: PLC0415
     import pstats  # noqa: PLC0415
 
-    dst = cuda.DeviceArray(io)
+    dst = _buffer(buffer, io)
     offsets = _offsets(size, io, n, 7)
     with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
         f.read(dst, io, offsets[0])
@@ -277,7 +277,7 @@ def profile(path: str, size: int, io: int, n: int, top: int = 25) -> list[dict[s
         for off in offsets:
             f.read(dst, io, off)
         prof.disable()
-    dst.free()
+    _free(dst)
     rows = []
     for (file, line, name), (_cc, calls, own, cum, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
         rows.append({"function": f"{os.path.basename(file)}:{line}({name})", "calls_per_read": calls / n,
@@ -303,6 +303,8 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=4000, help="4 KiB reads per measurement (1 MiB: a tenth)")
     ap.add_argument("--parts", default="steps,calls,paths",
                     help="which parts to run (comma-separated: steps, calls, paths, profile)")
+    ap.add_argument("--buffer", choices=("device", "torch"), default="device",
+                    help="what the calls and profile parts read into: a cuda.DeviceArray or a torch tensor")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if cuda.device_count() == 0:
@@ -322,12 +324,12 @@ def main() -> int:
             if "steps" in parts:
                 entry["steps"] = steps(path, args.size, io, n)
             if "calls" in parts:
-                entry["calls"] = driver_calls(path, args.size, io, n)
+                entry["calls"] = driver_calls(path, args.size, io, n, args.buffer)
             if "paths" in parts:
                 entry["paths"] = {f"{how} x{workers}": paths(path, args.size, io, workers, n, how)
                                   for workers in (1, 4) for how in ("read", "read_batch")}
             if "profile" in parts:
-                entry["profile"] = profile(path, args.size, io, n)
+                entry["profile"] = profile(path, args.size, io, n, buffer=args.buffer)
             result["sizes"][str(io)] = entry
     finally:
         if made:
