@@ -171,6 +171,26 @@ def test_cuda_errors_surface_and_release_everything(tmp_path, fake_cuda, failing
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == 0
 
 
+def test_the_chunks_own_error_is_raised_when_freeing_its_lane_fails_too(tmp_path, fake_cuda):
+    """A failed copy often leaves the driver refusing the lane's clean-up as well (a sticky GPU
+    error): the copy's error is the one raised, not the clean-up's."""
+    p = tmp_path / "e.bin"
+    p.write_bytes(os.urandom(2 << 20))
+    buf = cuda.DeviceArray(2 << 20)
+    gdskit.release_resources()
+    fake_cuda.fail["cuEventSynchronize"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
+    fake_cuda.fail["cuMemHostUnregister"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    try:
+        with gdskit.settings.set(mode="bounce", threads=4, chunk_size="256KiB"), gdskit.open(str(p)) as f:
+            with pytest.raises(CudaError) as ei:
+                f.read(buf)
+    finally:
+        fake_cuda.fail.clear()
+    assert ei.value.code == "CUDA_ERROR_LAUNCH_FAILED", ei.value
+    assert gdskit.resources().lanes_busy == 0
+    gdskit.release_resources()
+
+
 def test_write_from_device_memory(tmp_path):
     data = np.random.default_rng(5).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
     buf = cuda.DeviceArray(data.size)

@@ -454,7 +454,10 @@ def run_chunks(chunk_list: Sequence[C], work: Callable[[LaneRef, C], T], *, devi
                 if ok:
                     lanes.release(ref.lane)
                 else:
-                    lanes.discard(ref.lane)
+                    try:
+                        lanes.discard(ref.lane)
+                    except Exception:  # noqa: BLE001 - freeing after a failed chunk fails for the same cause:
+                        pass           # the chunk's own error (in ``failed``) is the one raised
 
     if n == 1:
         worker()
