@@ -660,6 +660,8 @@ class FakeDriver:
 
     def cuMemcpy(self, dst: int, src: int, n: int):  # noqa: N802
         dst, src = int(dst), int(src)
+        if self._context() is None:  # a blocking copy runs in the current context: none, refused
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         with self._api():
             self._memory(src, n, "cuMemcpy")
             self._memory(dst, n, "cuMemcpy")
@@ -694,6 +696,10 @@ class FakeDriver:
     def cuStreamSynchronize(self, stream: int):  # noqa: N802
         with self._api():
             err = self._count("cuStreamSynchronize")
+            # A stream made by cuStreamCreate names its context; the null, legacy and per-thread
+            # streams are the current context's, and a thread with none is refused (as on an H200).
+            if int(stream) in (0, 1, 2) and self._context() is None:
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
             s = self._stream(stream)
             if s is None:
                 return (err or CUresult.CUDA_ERROR_INVALID_HANDLE,)

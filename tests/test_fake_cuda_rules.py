@@ -175,3 +175,35 @@ def test_streams_a_wait_needs_run_in_a_seeded_order(drv):
 
     assert order(7) == order(7)
     assert len({tuple(order(seed)) for seed in range(8)}) > 1, "the order of independent streams varies by seed"
+
+
+def test_a_thread_with_no_context_is_answered_as_the_driver_answers_it(drv):
+    """What an H200's driver (580) did for a thread with no current context (benchmarks/RESULTS.md,
+    "Which driver calls a thread with no context may make"): calls on objects that name their
+    context work; the null stream's wait, allocations, registration and blocking copies are refused."""
+    import threading
+
+    stream = _ok(drv.cuStreamCreate(NON_BLOCKING))
+    dst = _ok(drv.cuMemAlloc(N))
+    src = _pinned(drv, os.urandom(N))
+    extra = _ok(drv.cuMemAlloc(N))
+    seen = {}
+
+    def bare():
+        seen["copy"] = drv.cuMemcpyHtoDAsync(dst, src, N, stream)[0]
+        seen["wait"] = drv.cuStreamSynchronize(stream)[0]
+        seen["free"] = drv.cuMemFree(extra)[0]
+        seen["null stream"] = drv.cuStreamSynchronize(0)[0]
+        seen["alloc"] = drv.cuMemAlloc(N)[0]
+        seen["blocking copy"] = drv.cuMemcpy(dst, src, N)[0]
+        seen["context sync"] = drv.cuCtxSynchronize()[0]
+
+    t = threading.Thread(target=bare)
+    t.start()
+    t.join()
+    ok, refused = CUresult.CUDA_SUCCESS, CUresult.CUDA_ERROR_INVALID_CONTEXT
+    assert seen == {"copy": ok, "wait": ok, "free": ok, "null stream": refused, "alloc": refused,
+                    "blocking copy": refused, "context sync": refused}
+    back = ctypes.create_string_buffer(N)
+    _ok(drv.cuMemcpy(ctypes.addressof(back), dst, N))
+    assert back.raw == _peek(src, N)
