@@ -161,3 +161,29 @@ def test_a_worker_process_that_cannot_start_is_a_clear_error(tmp_path, monkeypat
     with pytest.raises(WorkerProcessError, match="cannot start"):
         runner.run_benchmark(p, workdir=str(tmp_path))
     assert os.listdir(tmp_path) == [] and _children() == []
+
+
+def test_workers_started_from_a_gdskit_thread_still_take_sigterm(tmp_path):
+    """A child inherits the signal mask of the thread that started it (gdskit's threads block the
+    process's signals): a worker unblocks them first thing, so the parent's SIGTERM ends it."""
+    import re
+    from pathlib import Path
+
+    from gdskit.threads import start_thread
+
+    made = []
+    start_thread(lambda: made.append(procs.WorkerProcesses(1)), "gdskit-test").join()
+    (pool,) = made
+    try:
+        p = make_params(size="1M", io_size="1M", workers=1, paths="host", repeat=1, processes=True)
+        data = tmp_path / "d.bin"
+        data.write_bytes(os.urandom(MiB))
+        targets = runner.Targets(files=[str(data)], slices=[(str(data), 0, MiB)])
+        assert runner.run_once(p, targets, "host", MiB, 0, pool).bytes == MiB  # the worker is past its start
+        (pid,) = pool.pids
+        status = Path(f"/proc/{pid}/status").read_text()
+        blocked = int(re.search(r"^SigBlk:\s*([0-9a-fA-F]+)$", status, re.M).group(1), 16)
+        assert not blocked >> (signal.SIGTERM - 1) & 1
+    finally:
+        pool.close(now=True)
+    assert _children() == []

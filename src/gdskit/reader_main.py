@@ -82,6 +82,9 @@ def serve(sock: socket.socket, view: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from gdskit.threads import take_signals_back
+
+    take_signals_back()  # the loader's SIGTERM ends this process, whichever thread started it
     sock_fd, mem_fd, nbytes = (int(a) for a in argv[1:4])
     sock = socket.socket(fileno=sock_fd)
     shared = mmap.mmap(mem_fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -35,6 +35,14 @@ def leave_signals_to_main() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, PROCESS_SIGNALS)
 
 
+def take_signals_back() -> None:
+    """Unblock :data:`PROCESS_SIGNALS` in the calling thread: the first thing a process gdskit
+    starts does (a reader, a benchmark worker). A child inherits the signal mask of the thread
+    that started it, and one started from a gdskit thread would otherwise never see SIGTERM."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PROCESS_SIGNALS)
+
+
 def start_thread(target: Callable[[], Any], name: str, *, daemon: bool = True) -> threading.Thread:
     """Start ``target`` on a new thread named ``name`` that leaves the process's signals to the
     main thread."""

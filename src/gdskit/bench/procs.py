@@ -37,6 +37,7 @@ from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import worker
 from gdskit.bench.params import PathUnavailableError
 from gdskit.errors import GdskitError, GdskitIOError, WorkerProcessError
+from gdskit.threads import take_signals_back
 
 #: How long a worker process gets to exit after being asked, before it is killed.
 _EXIT_GRACE_S = 5.0
@@ -216,6 +217,7 @@ def _serve_run(plan: worker.RunPlan, w: int, slice_: tuple[str, int, int], rin: 
 
 
 def _child_main() -> None:
+    take_signals_back()  # a SIGTERM from the parent ends us, whichever thread started us
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends us
     wout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the message stream
