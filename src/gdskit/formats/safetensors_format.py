@@ -291,9 +291,12 @@ def header_length(prefix: bytes, file_size: int) -> int:
 #: size: a checkpoint of many tensors loaded again in the same process (weights swapped back in,
 #: a reload) skips the parse, which for 20,000 tensors costs tens of milliseconds.
 MEMO_MIN_BYTES = 64 << 10
-#: At most this many headers, of at most this many bytes in all, are remembered (least recently used go first).
-MEMO_ENTRIES = 16
-MEMO_MAX_BYTES = 64 << 20
+#: At most this many headers, of at most this many bytes in all, are remembered (least recently
+#: used go first): enough entries for every shard of a checkpoint of a few hundred (a loop over
+#: more shards than are kept would find none of them). The parsed entries take about 3.5 times
+#: their header's bytes again (20,000 tensors: 2.1 MB of header, 7.4 MB parsed).
+MEMO_ENTRIES = 256
+MEMO_MAX_BYTES = 16 << 20
 
 _memo: OrderedDict[tuple[int, int, int, int | None], tuple[bytes, Header]] = OrderedDict()
 _memo_bytes = 0
