@@ -19,7 +19,7 @@ from gdskit.errors import CudaError, GdskitIOError, UnsupportedBufferError
 
 from backend_conformance import drop_cache
 from data_files import random_file
-from fake_cuda import CUresult
+from fake_cuda import CUmemorytype, CUresult
 from leak_helpers import fd_count
 
 pytestmark = [pytest.mark.stand_in_gpu,
@@ -354,3 +354,28 @@ def test_a_read_in_the_callers_thread_leaves_the_threads_device_as_it_was(data_f
     th.start()
     th.join()
     assert not errors, errors[0]
+
+
+def test_a_failed_small_read_raises_its_own_error_when_its_lane_cannot_be_freed(data_file, fake_cuda):
+    """A failed copy often leaves the driver refusing the clean-up as well (a sticky GPU error):
+    the read's own error is the one raised, not the clean-up's."""
+    path, _data = data_file
+    buf = cuda.DeviceArray(4096)
+    before = set(fake_cuda._allocs)
+    try:
+        with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
+            fake_cuda.fail["cuEventSynchronize"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
+            fake_cuda.fail["cuMemHostUnregister"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+            with pytest.raises(CudaError) as ei:
+                f.read(buf, 4096, 0)
+            fake_cuda.fail.clear()
+        assert ei.value.code == "CUDA_ERROR_LAUNCH_FAILED", ei.value
+        assert gdskit.resources().lanes_busy == 0
+    finally:
+        fake_cuda.fail.clear()
+        buf.free()
+        gdskit.release_resources()
+        # The stage whose unregistration was refused stays registered: give it back to the stand-in.
+        for ptr in set(fake_cuda._allocs) - before:
+            if fake_cuda._allocs[ptr][2] == CUmemorytype.CU_MEMORYTYPE_HOST:
+                fake_cuda.cuMemHostUnregister(ptr)

@@ -295,6 +295,15 @@ class LanePool:
                 self._remove(lane)
                 self._cond.notify_all()
 
+    def discard_after_failure(self, lane: Lane) -> None:
+        """:meth:`discard` while a failure is being raised: freeing the lane often fails for the
+        same cause (a sticky GPU error refuses the unregistration too), and the failure under way,
+        not the clean-up's, is the one its caller must see."""
+        try:
+            self.discard(lane)
+        except Exception:  # noqa: BLE001 - see above; the lane is out of the pool either way
+            pass
+
     def _pinned(self) -> int:
         return self._all_pinned + self._creating_pinned
 
@@ -454,10 +463,7 @@ def run_chunks(chunk_list: Sequence[C], work: Callable[[LaneRef, C], T], *, devi
                 if ok:
                     lanes.release(ref.lane)
                 else:
-                    try:
-                        lanes.discard(ref.lane)
-                    except Exception:  # noqa: BLE001 - freeing after a failed chunk fails for the same cause:
-                        pass           # the chunk's own error (in ``failed``) is the one raised
+                    lanes.discard_after_failure(ref.lane)  # the chunk's own error (in ``failed``) is raised
 
     if n == 1:
         worker()

@@ -122,7 +122,7 @@ def _read_in_caller(f: OpenFile, cfg: Settings, device: int, n_lanes: int, chunk
     except BaseException:
         numa.restore_cpus(cpus)
         if queued:
-            lanes.discard(lane)  # its copy may still read the stage: freed once its stream is done
+            lanes.discard_after_failure(lane)  # its copy may still read the stage: freed once its stream is done
         else:
             lanes.release(lane)
         try:
