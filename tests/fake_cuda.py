@@ -696,8 +696,9 @@ class FakeDriver:
     def cuStreamSynchronize(self, stream: int):  # noqa: N802
         with self._api():
             err = self._count("cuStreamSynchronize")
-            # A stream made by cuStreamCreate names its context; the null, legacy and per-thread
-            # streams are the current context's, and a thread with none is refused (as on an H200).
+            # A stream made by cuStreamCreate names its context; the null stream is the current
+            # context's, and a thread with none is refused (measured on an H200). The legacy and
+            # per-thread handles name that context's default stream too: taken alike, not measured.
             if int(stream) in (0, 1, 2) and self._context() is None:
                 return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
             s = self._stream(stream)
