@@ -259,6 +259,20 @@ class FakeDriver:
             allocs = list(self._allocs.values())
         return sum(1 for _b, _n, k, _d in allocs if kind is None or k == kind)
 
+    def allocated(self) -> set[int]:
+        """The addresses of every allocation and host registration the stand-in holds now."""
+        with self._lock:
+            return set(self._allocs)
+
+    def unregister_host_since(self, before: set[int]) -> None:
+        """Unregister the host memory registered since ``before`` (an :meth:`allocated`): what gdskit
+        had to leave registered where a test made the driver refuse the unregistration."""
+        with self._lock:
+            new = [p for p, (_b, _n, kind, _d) in self._allocs.items()
+                   if p not in before and kind == CUmemorytype.CU_MEMORYTYPE_HOST]
+        for ptr in new:
+            self.cuMemHostUnregister(ptr)
+
     # -- memory -----------------------------------------------------------------------------------
     def _alloc(self, n: int, kind: CUmemorytype) -> tuple[CUresult, int]:
         ctx = self._context()

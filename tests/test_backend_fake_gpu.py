@@ -178,7 +178,7 @@ def test_the_chunks_own_error_is_raised_when_freeing_its_lane_fails_too(tmp_path
     p.write_bytes(os.urandom(2 << 20))
     buf = cuda.DeviceArray(2 << 20)
     gdskit.release_resources()
-    before = set(fake_cuda._allocs)
+    before = fake_cuda.allocated()
     fake_cuda.fail["cuEventSynchronize"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
     fake_cuda.fail["cuMemHostUnregister"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
     try:
@@ -192,9 +192,7 @@ def test_the_chunks_own_error_is_raised_when_freeing_its_lane_fails_too(tmp_path
     gdskit.release_resources()
     # The stages whose unregistration was refused stay registered (and mapped: gdskit unmaps only
     # what CUDA gave back); the test gives them back to the stand-in itself.
-    for ptr in set(fake_cuda._allocs) - before:
-        if fake_cuda._allocs[ptr][2] == CUmemorytype.CU_MEMORYTYPE_HOST:
-            fake_cuda.cuMemHostUnregister(ptr)
+    fake_cuda.unregister_host_since(before)
     buf.free()
 
 

@@ -19,7 +19,7 @@ from gdskit.errors import CudaError, GdskitIOError, UnsupportedBufferError
 
 from backend_conformance import drop_cache
 from data_files import random_file
-from fake_cuda import CUmemorytype, CUresult
+from fake_cuda import CUresult
 from leak_helpers import fd_count
 
 pytestmark = [pytest.mark.stand_in_gpu,
@@ -361,7 +361,7 @@ def test_a_failed_small_read_raises_its_own_error_when_its_lane_cannot_be_freed(
     the read's own error is the one raised, not the clean-up's."""
     path, _data = data_file
     buf = cuda.DeviceArray(4096)
-    before = set(fake_cuda._allocs)
+    before = fake_cuda.allocated()
     try:
         with gdskit.settings.set(mode="bounce"), gdskit.open(path) as f:
             fake_cuda.fail["cuEventSynchronize"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
@@ -376,6 +376,4 @@ def test_a_failed_small_read_raises_its_own_error_when_its_lane_cannot_be_freed(
         buf.free()
         gdskit.release_resources()
         # The stage whose unregistration was refused stays registered: give it back to the stand-in.
-        for ptr in set(fake_cuda._allocs) - before:
-            if fake_cuda._allocs[ptr][2] == CUmemorytype.CU_MEMORYTYPE_HOST:
-                fake_cuda.cuMemHostUnregister(ptr)
+        fake_cuda.unregister_host_since(before)

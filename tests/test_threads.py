@@ -11,11 +11,9 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,13 +27,6 @@ from gdskit.telemetry import workload as workload_mod
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "gdskit"
 ASYNC = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGCHLD)
-
-
-def _blocked_in(thread: threading.Thread) -> set[int]:
-    """The signals ``thread`` blocks, as the kernel sees them."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    mask = int(re.search(r"^SigBlk:\s*([0-9a-fA-F]+)$", status, re.M).group(1), 16)
-    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
 
 
 def test_threads_started_through_the_helpers_block_the_process_signals():
@@ -56,14 +47,14 @@ def test_threads_started_through_the_helpers_block_the_process_signals():
 
 
 _ENGINE_THREADS = """
-import json, re, sys, threading
+import json, sys, threading
+sys.path.insert(0, sys.argv[2])
 import numpy as np
 import gdskit
+from signal_helpers import blocked_signals
 
 def blocked(t):
-    status = open(f"/proc/self/task/{t.native_id}/status").read()
-    mask = int(re.search(r"^SigBlk:\\s*([0-9a-fA-F]+)$", status, re.M).group(1), 16)
-    return [n for n in range(1, 65) if mask >> (n - 1) & 1]
+    return sorted(blocked_signals(tid=t.native_id))
 
 path = sys.argv[1]
 data = np.fromfile(path, dtype=np.uint8)
@@ -80,7 +71,8 @@ def test_the_engines_threads_block_the_process_signals(tmp_path, stats_dir):
     """In a fresh process publishing its figures: the workers, a request thread, the publisher."""
     path = tmp_path / "data.bin"
     path.write_bytes(np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes())
-    out = subprocess.run([sys.executable, "-c", _ENGINE_THREADS, str(path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _ENGINE_THREADS, str(path), str(Path(__file__).parent)],
+                         capture_output=True, text=True,
                          env={**os.environ, "GDSKIT_STATS": "1"}, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     masks = json.loads(out.stdout)
