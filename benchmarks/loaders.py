@@ -333,6 +333,10 @@ def _prepare(loader: str, path: str, device: str):
             module = module._modules[part]
         module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
                                                            requires_grad=False))
+    # A program builds its model without gdskit parsing the checkpoint's headers: the load must
+    # not find them remembered (a 20,000-tensor header is tens of milliseconds to parse).
+    from gdskit.formats.safetensors_format import forget_headers
+    forget_headers()
     return root
 
 
