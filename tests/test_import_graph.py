@@ -28,7 +28,7 @@ FACT_READERS = ("gdskit.probe.root", "gdskit.probe.gds", "gdskit.probe.mounts", 
 
 #: The layers over the engine that load data: they reach it through ``gdskit.formats._engine`` only.
 FORMATS = ("gdskit.formats", "gdskit.data", "gdskit.dcp", "gdskit.torch", "gdskit.safetensors",
-           "gdskit.transformers")
+           "gdskit.transformers", "gdskit.vllm")
 ENGINE_DOOR = "gdskit.formats._engine"
 #: What of the core every layer may use directly: the error tree, the words, pure arithmetic,
 #: durable file replacement, how a thread starts.

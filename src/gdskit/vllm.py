@@ -1,0 +1,129 @@
+"""vLLM's load format ``gdskit``: a model's weights read by gdskit and handed to vLLM one by one.
+
+With gdskit installed beside vLLM, vLLM finds the load format through gdskit's
+``vllm.general_plugins`` entry point (:func:`register`), in every process it starts:
+
+    vllm serve /path/to/checkpoint --load-format gdskit
+    LLM(model="/path/to/checkpoint", load_format="gdskit")
+
+:class:`GdskitModelLoader` streams a local safetensors checkpoint (a directory with its
+index file, or with its ``*.safetensors`` files) with :func:`gdskit.safetensors.iter_tensors`
+straight onto the worker's GPU, within a memory budget, and feeds the tensors to the model's
+own ``load_weights``, which slices them for tensor parallelism and copies them into its
+parameters. It then logs how the bytes were read (the ledger's summary) and refuses a model
+left with parameters the checkpoint did not fill, as vLLM's own loader does. See
+docs/models.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from gdskit.errors import FormatError, InvalidArgumentError, MissingDependencyError
+
+try:
+    import torch
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+except ImportError as e:
+    raise MissingDependencyError(f"gdskit.vllm needs vLLM (pip install vllm): {e}") from None
+
+__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError"]
+
+_log = logging.getLogger("gdskit.vllm")
+
+#: The name users pass as vLLM's ``load_format``.
+LOAD_FORMAT = "gdskit"
+#: What ``model_loader_extra_config`` may hold: ``max_inflight_bytes``, the most bytes of
+#: tensors read ahead and not yet taken by the model (``iter_tensors``' budget; its default
+#: when absent).
+_EXTRA_KEYS = frozenset({"max_inflight_bytes"})
+
+
+class UninitializedWeightsError(FormatError):
+    """The checkpoint left some of the model's parameters unfilled."""
+
+
+def _checkpoint_dir(model_config: Any) -> str:
+    path = model_config.model
+    if not os.path.isdir(path):
+        raise FormatError(f"{path}: the load format {LOAD_FORMAT!r} reads a local checkpoint directory; "
+                          "download the model first (hf download <repo> --local-dir <dir>) and pass that directory")
+    subfolder = getattr(model_config, "subfolder", None)
+    return os.path.join(path, subfolder) if subfolder else path
+
+
+def _weights_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters live: vLLM builds them on the worker's device before loading."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class GdskitModelLoader(BaseModelLoader):
+    """vLLM's model loader for ``load_format="gdskit"``."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        unknown = sorted(set(extra) - _EXTRA_KEYS)
+        if unknown:
+            raise InvalidArgumentError(f"model_loader_extra_config: unknown keys {unknown} for the load format "
+                                       f"{LOAD_FORMAT!r} (it takes {sorted(_EXTRA_KEYS)})")
+        budget = extra.get("max_inflight_bytes")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise InvalidArgumentError(f"model_loader_extra_config: max_inflight_bytes must be a positive "
+                                       f"integer, got {budget!r}")
+        self.max_inflight_bytes: int | None = budget
+
+    def download_model(self, model_config: Any) -> None:
+        _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
+
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        import gdskit.safetensors
+        from gdskit.formats._engine import stats, stats_delta
+
+        path = _checkpoint_dir(model_config)
+        device = _weights_device(model)
+        before, start = stats(), time.perf_counter()
+        with gdskit.safetensors.iter_tensors(path, device, max_inflight_bytes=self.max_inflight_bytes) as weights:
+            loaded = model.load_weights(weights)
+        seconds = time.perf_counter() - start
+        delta = stats_delta(before, stats())
+        read = delta.bytes_read
+        _log.info("gdskit read %.2f GB of %s onto %s in %.2f s (%.1f GB/s)\n%s", read / 1e9, path, device, seconds,
+                  read / 1e9 / seconds if seconds > 0 else 0.0, delta.summary())
+        if loaded is not None and getattr(model_config, "quantization", None) is None:
+            _refuse_unfilled(model, set(loaded), path)
+
+
+def _refuse_unfilled(model: torch.nn.Module, loaded: set[str], path: str) -> None:
+    """Raise if a parameter was not filled, leaving out those vLLM's own loader leaves out:
+    the parameters of modules whose quantization method makes or processes them after
+    loading (scales a checkpoint need not hold)."""
+    expected = {name for name, _ in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "uses_meta_device", False) or getattr(method, "process_weights_after_loading", None):
+            loaded.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters())
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise UninitializedWeightsError(f"{path}: {len(missing)} of the model's parameters are not in the "
+                                        f"checkpoint: {shown}")
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``load_format="gdskit"`` known to vLLM (the ``vllm.general_plugins`` entry point;
+    vLLM calls it in each of its processes). Calling it again does nothing."""
+    global _registered
+    if not _registered:
+        register_model_loader(LOAD_FORMAT)(GdskitModelLoader)
+        _registered = True

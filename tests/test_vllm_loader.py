@@ -1,0 +1,143 @@
+"""vLLM's load format ``gdskit`` (gdskit.vllm), through vLLM's own engine and classes.
+
+Where vLLM is installed (the GPU machine's test run carries it), each engine runs in a fresh
+process as a user starts one (tests/vllm_worker.py): vLLM finds the load format through the
+installed entry point, and the model it builds with ``load_format="gdskit"`` must hold the
+same bytes, and generate the same tokens, as with vLLM's own ``load_format="safetensors"``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, MissingDependencyError
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
+
+
+def test_the_installed_package_declares_the_vllm_plugin() -> None:
+    try:
+        dist = importlib.metadata.distribution("gdskit")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("gdskit is not installed as a package (pip install -e .)")
+    found = [(e.name, e.value) for e in dist.entry_points if e.group == "vllm.general_plugins"]
+    assert found == [("gdskit", "gdskit.vllm:register")]
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_without_vllm_the_module_says_what_to_install() -> None:
+    with pytest.raises(MissingDependencyError, match="pip install vllm") as info:
+        import gdskit.vllm  # noqa: F401
+    assert isinstance(info.value, ImportError) and isinstance(info.value, GdskitError)
+    assert "gdskit.vllm" not in sys.modules
+
+
+@needs_vllm
+def test_register_makes_the_load_format_known() -> None:
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    import gdskit.vllm as gv
+    gv.register()
+    gv.register()  # a second call (vLLM loads plugins in each process, maybe again) changes nothing
+    assert type(get_model_loader(LoadConfig(load_format="gdskit"))) is gv.GdskitModelLoader
+
+
+@needs_vllm
+@pytest.mark.parametrize("extra", [{"nope": 1}, {"max_inflight_bytes": 0}, {"max_inflight_bytes": "1GB"},
+                                   {"max_inflight_bytes": True}])
+def test_bad_extra_config_refused(extra) -> None:
+    from vllm.config.load import LoadConfig
+
+    import gdskit.vllm as gv
+    with pytest.raises(InvalidArgumentError):
+        gv.GdskitModelLoader(LoadConfig(load_format="gdskit", model_loader_extra_config=extra))
+
+
+@needs_vllm
+def test_a_model_that_is_not_a_local_directory_is_refused(tmp_path) -> None:
+    from vllm.config.load import LoadConfig
+
+    import gdskit.vllm as gv
+    loader = gv.GdskitModelLoader(LoadConfig(load_format="gdskit"))
+    with pytest.raises(FormatError, match="local checkpoint directory"):
+        loader.download_model(SimpleNamespace(model="some-org/some-model", subfolder=None))
+    loader.download_model(SimpleNamespace(model=str(tmp_path), subfolder=None))
+
+
+# -- whole engines, on the GPU ------------------------------------------------------------------
+
+def _llama(tmp_path_factory, name: str, tied: bool) -> Path:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=512, max_position_embeddings=128,
+                                      tie_word_embeddings=tied, torch_dtype="bfloat16")
+    torch.manual_seed(3 if tied else 4)
+    out = tmp_path_factory.mktemp(name)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out, max_shard_size="400KB")
+    assert (out / "model.safetensors.index.json").exists()
+    return out
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    return {"tied": _llama(tmp_path_factory, "tied", True), "untied": _llama(tmp_path_factory, "untied", False)}
+
+
+def _engine(path: Path, load_format: str, out: Path, extra: dict | None = None) -> tuple[dict, str]:
+    """One vLLM engine in a fresh process: (what it wrote, its log)."""
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
+    args = [sys.executable, str(WORKER), str(path), load_format, str(out)] + ([json.dumps(extra)] if extra else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        return {}, log
+    return json.loads(out.read_text()), log
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,extra", [("tied", None), ("untied", {"max_inflight_bytes": 1 << 20})])
+def test_gpu_engine_with_gdskit_matches_vllms_own_loader(llamas, tmp_path, which, extra) -> None:
+    ref, ref_log = _engine(llamas[which], "safetensors", tmp_path / "ref.json")
+    assert ref, ref_log[-4000:]
+    ours, log = _engine(llamas[which], "gdskit", tmp_path / "ours.json", extra)
+    assert ours, log[-4000:]
+    assert ours["weights"] == ref["weights"]  # every parameter, byte for byte, as vLLM's own loader made it
+    assert ours["tokens"] == ref["tokens"]
+    assert len(ours["tokens"]) == 3 and all(len(t) == 12 for t in ours["tokens"])
+    assert "gdskit read" in log and "ledger:" in log  # the ledger's summary, logged by the engine process
+
+
+@needs_vllm
+@pytest.mark.gpu
+def test_gpu_engine_refuses_a_checkpoint_missing_a_parameter(llamas, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = llamas["untied"]
+    dst = tmp_path / "missing"
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    dropped = "model.norm.weight"
+    shard = index["weight_map"].pop(dropped)
+    for f in sorted(set(index["weight_map"].values()) | {shard}):
+        tensors = load_file(src / f)
+        tensors.pop(dropped, None)
+        save_file(tensors, dst / f, metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    ours, log = _engine(dst, "gdskit", tmp_path / "ours.json")
+    assert not ours
+    assert "UninitializedWeightsError" in log and dropped in log, log[-4000:]
