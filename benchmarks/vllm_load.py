@@ -49,7 +49,7 @@ def timed_engine(path: str, load_format: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", required=True, help="where the checkpoint is made (once)")
+    ap.add_argument("--dir", help="where the checkpoint is made (once); required")
     ap.add_argument("--size", type=float, default=8, help="checkpoint size in GiB (default 8)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--formats", default="safetensors,gdskit",
@@ -60,6 +60,8 @@ def main() -> None:
     if args.engine:
         engine(*args.engine)
         return
+    if not args.dir:
+        ap.error("--dir is required")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     formats = [f for f in args.formats.split(",") if f]

@@ -33,7 +33,8 @@ except ImportError as e:
 
 __all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError"]
 
-_log = logging.getLogger("gdskit.vllm")
+#: Under vLLM's logger, so that the lines show where vLLM's own do, with its handlers and level.
+_log = logging.getLogger("vllm.gdskit")
 
 #: The name users pass as vLLM's ``load_format``.
 LOAD_FORMAT = "gdskit"
