@@ -3,8 +3,7 @@
 With gdskit installed beside vLLM, vLLM finds the load format through gdskit's
 ``vllm.general_plugins`` entry point (:func:`register`), in every process it starts:
 
-    vllm serve /path/to/checkpoint --load-format gdskit
-    LLM(model="/path/to/checkpoint", load_format="gdskit")
+    LLM(model="/path/to/checkpoint", load_format="gdskit")      # or vllm serve --load-format gdskit
 
 :class:`GdskitModelLoader` streams a local safetensors checkpoint (a directory with its
 index file, or with its ``*.safetensors`` files) with :func:`gdskit.safetensors.iter_tensors`
