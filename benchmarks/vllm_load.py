@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 
-from loaders import ensure_llama  # benchmarks/ is on sys.path when run as a script
+from loaders import _shard_files, ensure_llama  # benchmarks/ is on sys.path when run as a script
 from page_cache import warm
 
 _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB(?: memory)? and ([0-9.]+) seconds")
@@ -66,7 +66,7 @@ def main() -> None:
         ap.error("--rounds must be at least 1")
     formats = [f for f in args.formats.split(",") if f]
     path = ensure_llama(args.dir, args.size)
-    shards = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    shards = _shard_files(path)
     nbytes = sum(os.path.getsize(f) for f in shards)
     runs: dict[str, list[dict]] = {f: [] for f in formats}
     for r in range(args.rounds):

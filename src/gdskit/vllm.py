@@ -21,7 +21,9 @@ import os
 import time
 from typing import Any
 
+import gdskit.safetensors
 from gdskit.errors import FormatError, InvalidArgumentError, MissingDependencyError
+from gdskit.formats._engine import stats, stats_delta
 
 try:
     import torch
@@ -84,9 +86,6 @@ class GdskitModelLoader(BaseModelLoader):
         _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        import gdskit.safetensors
-        from gdskit.formats._engine import stats, stats_delta
-
         path = _checkpoint_dir(model_config)
         device = _weights_device(model)
         before, start = stats(), time.perf_counter()
