@@ -1,0 +1,156 @@
+"""Run one test case in a child process with a memory cap and a timeout.
+
+A fuzz or mutation case that makes the code under test allocate without bound must fail that
+case, not take the test run (or the machine) down with it. :func:`run_capped` runs
+``fn(*args, **kwargs)`` in a forked child whose address space may grow by at most
+``cap_bytes`` beyond what it had when forked (``resource.setrlimit(RLIMIT_AS, ...)``: an
+allocation past the cap raises ``MemoryError`` in the child), kills the child after
+``timeout_s`` seconds, and reports what happened as an :class:`Outcome`::
+
+    from memory_cap import run_capped
+
+    outcome = run_capped(read_metadata_of, blob, cap_bytes=256 << 20, timeout_s=30)
+    assert outcome.status == "raised" and outcome.error == "FormatError", outcome
+
+    outcome = run_capped(lambda: parse(blob))          # closures work: the child is forked
+    value = outcome.result()                           # the returned value, or AssertionError
+
+``Outcome.status`` is one of:
+
+- ``"returned"``: ``fn`` returned; ``value`` holds what it returned (pickled back to the
+  parent, so it must pickle; an unpicklable value comes back as its ``repr``).
+- ``"raised"``: ``fn`` raised; ``error`` is the exception's class name (``"FormatError"``,
+  ``"MemoryError"`` when the cap was hit), ``error_bases`` the names of every class in its
+  MRO (so ``"GdskitError" in outcome.error_bases`` asks ``isinstance``), ``detail`` its
+  formatted traceback, for the assertion message only (never assert on it).
+- ``"killed"``: the child died of signal ``signal`` (a segfault, the OOM killer) or exited
+  without reporting.
+- ``"timed_out"``: the child ran past ``timeout_s`` and was killed.
+
+Many cases can share one child: pass a function that loops over them (a hypothesis
+``@given`` test included) and let the cap and the timeout bound the whole loop. Linux only
+(fork, ``/proc/self/status``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import resource
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Default extra address space a case may take: enough for any sane input of a test's size.
+DEFAULT_CAP_BYTES = 1 << 30
+#: Default wall-clock limit of one child, from fork to report.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one capped child: see the module docstring for ``status``."""
+
+    status: str
+    value: Any = None
+    error: str | None = None
+    error_bases: tuple[str, ...] = ()
+    detail: str = ""
+    signal: int | None = None
+    exitcode: int | None = None
+
+    def raised(self, name: str) -> bool:
+        """Whether the child raised an instance of the class called ``name`` (or a subclass)."""
+        return self.status == "raised" and name in self.error_bases
+
+    def result(self) -> Any:
+        """The value ``fn`` returned; AssertionError (with the whole outcome) otherwise."""
+        if self.status != "returned":
+            raise AssertionError(f"the capped child did not return: {self}")
+        return self.value
+
+
+def _address_space_in_use() -> int:
+    """This process's virtual size (VmSize) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def _cap_address_space(cap_bytes: int) -> None:
+    """Let this process's address space grow by at most ``cap_bytes`` from now on."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _address_space_in_use() + cap_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           cap_bytes: int) -> None:
+    """The forked child: cap, run, report one message through ``conn``."""
+    try:
+        _cap_address_space(cap_bytes)
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - every way out is reported
+        bases = tuple(cls.__name__ for cls in type(exc).__mro__)
+        message: tuple[Any, ...] = ("raised", type(exc).__name__, bases, "".join(traceback.format_exception(exc)))
+        del exc  # drop the frames (and what they hold) before sending
+    else:
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - an unpicklable result comes back as text
+            value = repr(value)
+        message = ("returned", value)
+    conn.send(message)
+    conn.close()
+
+
+def run_capped(fn: Callable[..., Any], *args: Any, cap_bytes: int = DEFAULT_CAP_BYTES,
+               timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Outcome:
+    """Run ``fn(*args, **kwargs)`` in a forked child under a memory cap and a timeout.
+
+    Parameters
+    ----------
+    fn, args, kwargs
+        The case. Any callable (closures too: the child is forked, nothing is pickled on the
+        way in); what it returns must pickle to come back whole.
+    cap_bytes
+        How much the child's address space may grow past its size at the fork.
+    timeout_s
+        Seconds the child may run before it is killed.
+
+    Returns
+    -------
+    Outcome
+        ``returned`` / ``raised`` / ``killed`` / ``timed_out``, as the module docstring says.
+    """
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args, kwargs, cap_bytes), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        message = receive.recv() if receive.poll(timeout_s) else None
+    except EOFError:  # the child died before it could report
+        message = None
+    finally:
+        receive.close()
+    if message is None and proc.is_alive():
+        proc.kill()
+        proc.join()
+        return Outcome("timed_out", exitcode=proc.exitcode)
+    proc.join(timeout=10)
+    if proc.is_alive():  # reported, then hung on its way out
+        proc.kill()
+        proc.join()
+    if message is None:
+        code = proc.exitcode
+        return Outcome("killed", signal=-code if code is not None and code < 0 else None, exitcode=code)
+    if message[0] == "returned":
+        return Outcome("returned", value=message[1], exitcode=proc.exitcode)
+    _tag, name, bases, detail = message
+    return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode)
