@@ -626,6 +626,7 @@ def main() -> None:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "sizes": sz, "rows": rows, "targets": goals, "pairs": pairs(results)},
                       f, indent=1)
+    raise SystemExit(fresh_process.exit_status(rows))
 
 
 if __name__ == "__main__":

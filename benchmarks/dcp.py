@@ -32,7 +32,8 @@ import subprocess
 import sys
 import time
 
-from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+from fresh_process import exit_status  # benchmarks/ is on sys.path when run as a script
+from page_cache import drop_caches, warm
 from raw_disk import odirect_io
 
 GB = 1e9
@@ -283,6 +284,7 @@ def main() -> None:
         with open(args.json_out, "w") as fh:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                        "results": results, "targets": verdict}, fh, indent=2)
+    raise SystemExit(exit_status(results))
 
 
 def evaluate(results: list[dict], raw: float | None) -> dict[str, str]:

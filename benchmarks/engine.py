@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 sys.path.insert(0, SRC)
 
-from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
+from fresh_process import exit_status  # benchmarks/ is on sys.path when run as a script
+from page_cache import drop_caches, warm
 from raw_disk import odirect_io
 
 GB = 1e9
@@ -405,6 +406,7 @@ def main() -> None:
     for k in results:
         if k in ("pinned_alloc", "pinned_variants", "tune", "timeline") or k.startswith("first_"):
             print(f"{k}:", json.dumps(results[k]))
+    raise SystemExit(exit_status(v for v in results.values() if isinstance(v, dict)))
 
 
 if __name__ == "__main__":

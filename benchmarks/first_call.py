@@ -32,7 +32,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from page_cache import warm  # benchmarks/ is on sys.path when run as a script
+from fresh_process import exit_status  # benchmarks/ is on sys.path when run as a script
+from page_cache import warm
 
 from gdskit.bench.memory import anon_huge_bytes, transparent_huge_pages
 from gdskit.bench.runner import fill_file
@@ -268,6 +269,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=2)
+    raise SystemExit(exit_status(results))
 
 
 if __name__ == "__main__":

@@ -301,6 +301,7 @@ def main() -> None:
     for r in errors:
         print(f"error: {r['set']} {r['tree']} {r['loader']}: {r['error']}")
     fresh_process.write_runs(args.json_out, runs)
+    raise SystemExit(fresh_process.exit_status(runs))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def run_child_in_tree(script: str, argv: list[str], tree: str, timeout: float) -
             os.environ["PYTHONPATH"] = saved
 
 
+def exit_status(rows) -> int:
+    """A benchmark's exit status: 1 when no row measured anything (every one is an ``{"error": ...}``
+    row, or there is none), else 0. A run whose rows all failed is a failed run, not a result."""
+    return 0 if any("error" not in row for row in rows) else 1
+
+
 def write_runs(path: str | None, runs: list[dict]) -> None:
     """Every run's result, with the command line, as JSON at ``path`` (nothing where it is None)."""
     if path:

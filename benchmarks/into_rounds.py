@@ -103,6 +103,7 @@ def main() -> None:
         if "error" in r:
             print(f"error: {r['tree']} {r['variant']}: {r['error']}")
     fresh_process.write_runs(args.json_out, runs)
+    raise SystemExit(fresh_process.exit_status(runs))
 
 
 if __name__ == "__main__":

@@ -597,7 +597,9 @@ def main() -> None:
         modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
         names = args.loaders.split(",")
         rounds = _rounds(args, names, lambda order, i: _one_round(args, files, order, modes, common, i))
-    report(combine(rounds, names), args)
+    rows = combine(rounds, names)
+    report(rows, args)
+    raise SystemExit(fresh_process.exit_status(rows))
 
 
 def _rounds(args: argparse.Namespace, names: list[str],

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fresh_process import exit_status  # noqa: E402
 from page_cache import drop_caches, warm  # noqa: E402
 
 GB = 1e9
@@ -313,6 +314,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], args: argparse.N
     else:
         print(json.dumps({"results": [{k: v for k, v in r.items() if k != "raw"} for r in results],
                           "speedups": speedups}))
+    raise SystemExit(exit_status(results))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 
-from loaders import _shard_files, ensure_llama  # benchmarks/ is on sys.path when run as a script
+from fresh_process import exit_status  # benchmarks/ is on sys.path when run as a script
+from loaders import _shard_files, ensure_llama
 from page_cache import warm
 
 _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB(?: memory)? and ([0-9.]+) seconds")
@@ -94,6 +95,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bytes": nbytes, "shards": len(shards), "runs": runs}, fh, indent=2)
+    raise SystemExit(exit_status(run for each in runs.values() for run in each))
 
 
 if __name__ == "__main__":

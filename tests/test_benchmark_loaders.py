@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,3 +29,38 @@ def test_target_made_before_the_clock_leaves_no_header_remembered(tmp_path) -> N
     target = loaders._prepare("gdskit-into", str(path), "cpu")
     assert {k: tuple(v.shape) for k, v in target.state_dict().items()} == {k: (2,) for k in values}
     assert not safetensors_format._memo
+
+
+# --------------------------------------------------------------------------- exit status
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_a_benchmark_whose_every_row_failed_exits_non_zero(tmp_path) -> None:
+    # kvikio is a peer of preload-shards that is not installed here: its only row is an error row.
+    import importlib.util
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("kvikio") is not None:
+        pytest.skip("kvikio is installed: its row would measure")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "data.py"), "--device", "cpu", "--quick",
+                           "--workloads", "preload-shards", "--peers", "kvikio", "--dir", str(tmp_path / "data"),
+                           "--json", str(tmp_path / "rows.json")],
+                          capture_output=True, text=True, timeout=240, env=env)
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]   # the run got as far as its table
+    assert rows and all("error" in r for r in rows)
+    assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("rows, status", [
+    ([], 1),
+    ([{"error": "ModuleNotFoundError: No module named 'gdskit'"}], 1),
+    ([{"error": "not installed"}, {"error": "timed out after 120 s"}], 1),
+    ([{"error": "not installed"}, {"wall_s": 0.5}], 0),
+    ([{"wall_s": 0.5}], 0),
+])
+def test_exit_status_is_one_only_when_no_row_measured(rows, status) -> None:
+    import fresh_process
+
+    assert fresh_process.exit_status(rows) == status
