@@ -4,18 +4,23 @@ Where vLLM is installed (the GPU machine's test run carries it), each engine run
 process as a user starts one (tests/vllm_worker.py): vLLM finds the load format through the
 installed entry point, and the model it builds with ``load_format="gdskit"`` must hold the
 same bytes, and generate the same tokens, as with vLLM's own ``load_format="safetensors"``.
+Where it is not, the loader's checks of its settings run over a stand-in of the three names
+gdskit.vllm imports from vLLM (:func:`_vllm_stand_in`).
 """
 
 from __future__ import annotations
 
+import abc
+import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
@@ -73,15 +78,86 @@ def test_register_makes_the_load_format_known() -> None:
     assert type(get_model_loader(LoadConfig(load_format="gdskit"))) is gv.GdskitModelLoader
 
 
-@needs_vllm
-@pytest.mark.parametrize("extra", [{"nope": 1}, {"max_inflight_bytes": 0}, {"max_inflight_bytes": "1GB"},
-                                   {"max_inflight_bytes": True}])
-def test_bad_extra_config_refused(extra) -> None:
-    from vllm.config.load import LoadConfig
+def _vllm_stand_in() -> dict[str, types.ModuleType]:
+    """The modules that hold what gdskit.vllm imports from vLLM, as strict as vLLM's own:
+    ``BaseModelLoader`` is an abstract class that keeps its ``load_config`` and whose two loading
+    methods a subclass must define; ``register_model_loader`` takes only its subclasses."""
+    class BaseModelLoader(abc.ABC):
+        def __init__(self, load_config) -> None:
+            self.load_config = load_config
 
-    import gdskit.vllm as gv
+        @abc.abstractmethod
+        def download_model(self, model_config) -> None: ...
+
+        @abc.abstractmethod
+        def load_weights(self, model, model_config) -> None: ...
+
+    def register_model_loader(load_format: str):
+        def register(cls):
+            if not issubclass(cls, BaseModelLoader):
+                raise TypeError(f"{cls} is not a BaseModelLoader")
+            return cls
+        return register
+
+    names = ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader",
+             "vllm.model_executor.model_loader.base_loader")
+    modules = {name: types.ModuleType(name) for name in names}
+    modules["vllm.model_executor.model_loader"].register_model_loader = register_model_loader
+    modules["vllm.model_executor.model_loader.base_loader"].BaseModelLoader = BaseModelLoader
+    return modules
+
+
+@pytest.fixture
+def gdskit_vllm(monkeypatch):
+    """gdskit.vllm over vLLM where it is installed, else over :func:`_vllm_stand_in`
+    (imported afresh, and forgotten afterwards: without vLLM the module is not importable)."""
+    pytest.importorskip("torch")
+    if HAS_VLLM:
+        import gdskit.vllm as gv
+        yield gv
+        return
+    for name, module in _vllm_stand_in().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    import gdskit
+    try:
+        yield importlib.import_module("gdskit.vllm")
+    finally:
+        sys.modules.pop("gdskit.vllm", None)
+        gdskit.__dict__.pop("vllm", None)
+
+
+def _load_config(extra):
+    """vLLM's LoadConfig holding ``extra`` where vLLM is installed; else an object with the same
+    two fields (LoadConfig lets any value of model_loader_extra_config through: its type is
+    ``dict | TensorizerConfig``, and TensorizerConfig is ``Any`` at run time)."""
+    if HAS_VLLM:
+        from vllm.config.load import LoadConfig
+        return LoadConfig(load_format="gdskit", model_loader_extra_config=extra)
+    return SimpleNamespace(load_format="gdskit", model_loader_extra_config=extra)
+
+
+@pytest.mark.parametrize("extra", [{"nope": 1}, {"max_inflight_bytes": 0}, {"max_inflight_bytes": "1GB"},
+                                   {"max_inflight_bytes": True}, {1: 2, "nope": 3}])
+def test_bad_extra_config_refused(gdskit_vllm, extra) -> None:
     with pytest.raises(InvalidArgumentError):
-        gv.GdskitModelLoader(LoadConfig(load_format="gdskit", model_loader_extra_config=extra))
+        gdskit_vllm.GdskitModelLoader(_load_config(extra))
+
+
+@pytest.mark.parametrize("extra", ["max_inflight_bytes=1048576", '{"max_inflight_bytes": 1048576}', "",
+                                   [("max_inflight_bytes", 1 << 20)], ["max_inflight_bytes"], [], 5, 0, 1.5,
+                                   True, False, b"{}", object()],
+                         ids=lambda v: "object" if type(v) is object else repr(v))
+def test_extra_config_that_is_not_a_mapping_is_refused(gdskit_vllm, extra) -> None:
+    with pytest.raises(InvalidArgumentError):
+        gdskit_vllm.GdskitModelLoader(_load_config(extra))
+
+
+@pytest.mark.parametrize("extra,budget", [(None, None), ({}, None), ({"max_inflight_bytes": None}, None),
+                                          ({"max_inflight_bytes": 1 << 20}, 1 << 20),
+                                          (MappingProxyType({"max_inflight_bytes": 4096}), 4096)])
+def test_extra_config_taken(gdskit_vllm, extra, budget) -> None:
+    loader = gdskit_vllm.GdskitModelLoader(_load_config(extra))
+    assert loader.max_inflight_bytes == budget
 
 
 @needs_vllm

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import reprlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import gdskit.safetensors
@@ -66,21 +68,35 @@ def _weights_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _inflight_budget(extra: Any) -> int | None:
+    """``max_inflight_bytes`` from vLLM's ``model_loader_extra_config`` (None: not given).
+
+    vLLM passes the setting through unchecked (its type admits any object), so everything
+    but a mapping of the keys in ``_EXTRA_KEYS`` is refused here; None means no extra config.
+    """
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise InvalidArgumentError(f"model_loader_extra_config must be a mapping (such as "
+                                   f"{{'max_inflight_bytes': 2 << 30}}) for the load format {LOAD_FORMAT!r}, "
+                                   f"not {type(extra).__name__} {reprlib.repr(extra)}")
+    unknown = sorted(map(repr, set(extra) - _EXTRA_KEYS))  # repr: keys of any type, sorted together
+    if unknown:
+        raise InvalidArgumentError(f"model_loader_extra_config: unknown keys {', '.join(unknown)} for the load "
+                                   f"format {LOAD_FORMAT!r} (it takes {sorted(_EXTRA_KEYS)})")
+    budget = extra.get("max_inflight_bytes")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise InvalidArgumentError(f"model_loader_extra_config: max_inflight_bytes must be a positive "
+                                   f"integer, got {budget!r}")
+    return budget
+
+
 class GdskitModelLoader(BaseModelLoader):
     """vLLM's model loader for ``load_format="gdskit"``."""
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
-        extra = dict(load_config.model_loader_extra_config or {})
-        unknown = sorted(set(extra) - _EXTRA_KEYS)
-        if unknown:
-            raise InvalidArgumentError(f"model_loader_extra_config: unknown keys {unknown} for the load format "
-                                       f"{LOAD_FORMAT!r} (it takes {sorted(_EXTRA_KEYS)})")
-        budget = extra.get("max_inflight_bytes")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise InvalidArgumentError(f"model_loader_extra_config: max_inflight_bytes must be a positive "
-                                       f"integer, got {budget!r}")
-        self.max_inflight_bytes: int | None = budget
+        self.max_inflight_bytes: int | None = _inflight_budget(load_config.model_loader_extra_config)
 
     def download_model(self, model_config: Any) -> None:
         _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
