@@ -322,6 +322,59 @@ def test_a_missing_shard_or_index_is_named(tmp_path) -> None:
     assert info.value.filename == str(tmp_path / "nothere.safetensors.index.json")
 
 
+def _index_naming(directory, shard_name: str):
+    _good(directory / "a.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_bytes(json.dumps({"weight_map": {"ta.safetensors": "a.safetensors", "y": shard_name}}).encode())
+    return index
+
+
+def _every_loader(path) -> list:
+    """What each safetensors loader of gdskit raised on ``path`` (None where it loaded)."""
+    outcomes = []
+    for load in (lambda: gs.load_file(path, device="cpu"),
+                 lambda: gs.load_into({"ta.safetensors": torch.empty(4)}, path, strict=False),
+                 lambda: list(gs.iter_tensors(path, device="cpu"))):
+        try:
+            load()
+            outcomes.append(None)
+        except Exception as exc:  # noqa: BLE001 - the class is what is checked
+            outcomes.append(exc)
+    return outcomes
+
+
+@pytest.mark.parametrize("shard_name", ["b\0.safetensors", "\0", "a.safetensors\0x"])
+def test_a_shard_name_with_a_nul_byte_is_a_format_error_naming_the_index(tmp_path, shard_name: str) -> None:
+    index = _index_naming(tmp_path, shard_name)
+    for exc in _every_loader(tmp_path):
+        assert isinstance(exc, FormatError), repr(exc)
+        assert os.path.samefile(exc.path, index)
+
+
+_SHARD_NAMES = st.one_of(
+    st.text(min_size=1, max_size=40),
+    st.text(max_size=20).map(lambda s: "/" + s),                                   # absolute
+    st.lists(st.sampled_from(["..", ".", "a", "", "b.safetensors"]), min_size=1, max_size=5).map("/".join),
+    st.text(max_size=10).map(lambda s: s + "\0" + s),                              # NUL inside
+    st.integers(256, 5000).map(lambda n: "x" * n),                                  # too long for a name or a path
+    st.lists(st.sampled_from(["..", "a", "\\"]), min_size=1, max_size=4).map("\\".join),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shard_name=_SHARD_NAMES)
+def test_hypothesis_shard_names_are_refused_as_gdskit_errors_or_loaded(tmp_path_factory, shard_name: str) -> None:
+    directory = tmp_path_factory.mktemp("shards")
+    index = _index_naming(directory, shard_name)
+    parts = shard_name.replace("\\", "/").split("/")
+    leaves = os.path.isabs(shard_name) or ".." in parts or "\0" in shard_name
+    for exc in _every_loader(directory):
+        assert exc is not None                     # tensor "y" is in no shard: never a silent load
+        assert isinstance(exc, GdskitError), repr(exc)
+        if leaves:
+            assert isinstance(exc, FormatError) and os.path.samefile(exc.path, index), repr(exc)
+
+
 def test_a_shard_with_a_dtype_torch_lacks_is_named(tmp_path) -> None:
     _good(tmp_path / "a.safetensors")
     bad = tmp_path / "b.safetensors"

@@ -580,6 +580,15 @@ class ShardSet:
     index: str | None = None
 
 
+def _check_shard_name(fname: str, index_path: str) -> None:
+    """A shard named by an index must be a plain name inside the index's directory: not absolute,
+    no ``..``, no NUL (which no file name holds; ``open`` would raise a bare ``ValueError``)."""
+    if "\0" in fname:
+        raise FormatError(f"shard name {fname!r} holds a NUL byte", path=index_path)
+    if not fname or os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
+        raise FormatError(f"shard name {fname!r} leaves the checkpoint directory", path=index_path)
+
+
 def _read_index(index_path: str) -> ShardSet:
     try:
         doc = json.loads(read_whole_file(index_path).decode("utf-8"))
@@ -594,8 +603,7 @@ def _read_index(index_path: str) -> ShardSet:
     files: list[str] = []
     resolved: dict[str, str] = {}
     for name, fname in wm.items():
-        if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
-            raise FormatError(f"shard name {fname!r} leaves the checkpoint directory", path=index_path)
+        _check_shard_name(fname, index_path)
         full = os.path.join(base, fname)
         resolved[name] = full
         if full not in files:

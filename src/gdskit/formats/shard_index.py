@@ -57,5 +57,5 @@ def index_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os.P
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
             if name not in where or os.path.abspath(where[name].path) != os.path.abspath(p):
-                raise FormatError(f"index says {name!r} is in {p}, but it is not there")
+                raise FormatError(f"index says {name!r} is in {p}, but it is not there", path=shards.index)
     return ShardIndex(headers, where)
