@@ -95,6 +95,29 @@ def test_a_dtype_converted_as_from_pretrained_converts(checkpoints) -> None:
         gtr.load_model(path, device="cpu", torch_dtype="not-a-dtype")
 
 
+def test_dtype_is_transformers_5s_name_for_torch_dtype(checkpoints) -> None:
+    path, cls = checkpoints["llama"]
+    ref = cls.from_pretrained(path, dtype=torch.bfloat16)
+    ours = gtr.load_model(path, device="cpu", dtype=torch.bfloat16)
+    assert ours.model.embed_tokens.weight.dtype is torch.bfloat16
+    assert_same_model(ours, ref, 97)
+    assert gtr.load_model(path, device="cpu", dtype="float16").dtype is torch.float16
+    assert gtr.load_model(path, device="cpu", dtype="auto").dtype is cls.from_pretrained(path).dtype
+    # Both given: the same dtype however it is named, or refused before anything is read.
+    both = gtr.load_model(path, device="cpu", dtype="bfloat16", torch_dtype=torch.bfloat16)
+    assert_same_model(both, ref, 97)
+    with pytest.raises(InvalidArgumentError):
+        gtr.load_model(path, device="cpu", dtype="not-a-dtype")
+    for dtype, torch_dtype in [(torch.bfloat16, torch.float16), ("auto", torch.float32), (torch.float32, "auto")]:
+        with pytest.raises(InvalidArgumentError):
+            gtr.load_model(path, device="cpu", dtype=dtype, torch_dtype=torch_dtype)
+
+
+def test_conflicting_dtypes_are_refused_before_the_checkpoint_is_read(tmp_path) -> None:
+    with pytest.raises(InvalidArgumentError):  # not a checkpoint either: the arguments are checked first
+        gtr.load_model(tmp_path, device="cpu", dtype=torch.bfloat16, torch_dtype=torch.float16)
+
+
 def test_base_model_from_a_checkpoint_with_a_head(checkpoints) -> None:
     path, _cls = checkpoints["bert"]
     with pytest.raises(gs.KeyMismatchError) as info:  # no pooler in a masked LM; its head is left over

@@ -76,17 +76,35 @@ def _model_class(transformers: Any, config: Any, model_class: Any) -> Any:
     return transformers.AutoModel
 
 
-def _resolve_dtype(torch: Any, config: Any, torch_dtype: Any, index: Any) -> Any:
-    """As from_pretrained's default ``"auto"``: the config's dtype, else the checkpoint's first
-    floating-point tensor's, else torch's default."""
-    if isinstance(torch_dtype, torch.dtype):
-        return torch_dtype
-    if torch_dtype is not None and torch_dtype != "auto":
-        found = getattr(torch, str(torch_dtype), None) if isinstance(torch_dtype, str) else None
-        if not isinstance(found, torch.dtype):
-            raise InvalidArgumentError(f"torch_dtype must be a torch.dtype, a dtype's name or 'auto', "
-                                       f"not {torch_dtype!r}")
-        return found
+def _dtype_arg(torch: Any, name: str, value: Any) -> Any:
+    """``value`` of argument ``name`` as from_pretrained reads it: a torch.dtype, or None for ``"auto"``."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value == "auto":
+        return None
+    found = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(found, torch.dtype):
+        raise InvalidArgumentError(f"{name} must be a torch.dtype, a dtype's name or 'auto', not {value!r}")
+    return found
+
+
+def _chosen_dtype(torch: Any, dtype: Any, torch_dtype: Any) -> Any:
+    """The dtype asked for by ``dtype`` (transformers 5's name) or ``torch_dtype`` (the older
+    one): a torch.dtype, or None for ``"auto"``; both given must name the same."""
+    given = {name: _dtype_arg(torch, name, value)
+             for name, value in (("dtype", dtype), ("torch_dtype", torch_dtype)) if value is not None}
+    if len(set(given.values())) > 1:
+        raise InvalidArgumentError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} differ: give one of them "
+                                   "(dtype is transformers 5's name for torch_dtype)")
+    return next(iter(given.values()), None)
+
+
+def _resolve_dtype(torch: Any, config: Any, chosen: Any, index: Any) -> Any:
+    """``chosen`` (from :func:`_chosen_dtype`), or where it is None (``"auto"``), as
+    from_pretrained's default: the config's dtype, else the checkpoint's first floating-point
+    tensor's, else torch's default."""
+    if chosen is not None:
+        return chosen
     dt = getattr(config, "dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
@@ -192,7 +210,7 @@ def _tolerated(patterns: Any, extra: tuple[str, ...] = ()) -> re.Pattern[str] | 
 
 
 def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_class: Any = None,
-               torch_dtype: Any = None, strict: bool = True) -> Any:
+               dtype: Any = None, torch_dtype: Any = None, strict: bool = True) -> Any:
     """Build a transformers model from the checkpoint directory ``path`` and fill it on ``device``.
 
     Parameters
@@ -205,9 +223,12 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     model_class : class, optional
         A model class (``LlamaForCausalLM``) or an Auto class; default: the config's
         first ``architectures`` entry, else ``AutoModel``.
-    torch_dtype : torch.dtype, str or None
+    dtype : torch.dtype, str or None
         As ``from_pretrained(dtype=...)``; None means ``"auto"`` (the config's dtype), as
         there. Checkpoint tensors of another dtype are converted on ``device``.
+    torch_dtype : torch.dtype, str or None
+        The older name of ``dtype``; given with it, it must name the same dtype
+        (else :class:`~gdskit.errors.InvalidArgumentError`).
     strict : bool
         True: checkpoint names that do not pair with the model's (beyond what the model
         itself tolerates, and tied weights) raise :class:`gdskit.safetensors.KeyMismatchError`.
@@ -224,6 +245,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     from gdskit import safetensors as gs
     from gdskit.formats.shard_index import index_checkpoint
 
+    chosen = _chosen_dtype(torch, dtype, torch_dtype)  # before anything is read
     path = os.fspath(path)
     weights = _checkpoint_files(path)
     index = index_checkpoint(weights)  # every header checked before the model is built
@@ -233,7 +255,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     config = (config_class or transformers.AutoConfig).from_pretrained(path)
     if getattr(config, "quantization_config", None) is not None:
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
-    dtype = _resolve_dtype(torch, config, torch_dtype, index)
+    dtype = _resolve_dtype(torch, config, chosen, index)
     dev = gs._device(torch, device)
     if EARLY_WARM_UP and dev.type == "cuda":  # load_into's own reads wait for it, or find it done
         from gdskit.formats._engine import start_warm_up
