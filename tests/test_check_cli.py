@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 
 import pytest
 import typer
 from cli_app import one_command_app
+from rich.console import Console
 from typer.testing import CliRunner
 
-from check_helpers import fixture_root
+from check_helpers import FIXTURES, fixture_root
 from gdskit.cli import check as check_cli
 
 TOP_KEYS = {"schema", "schema_version", "gdskit_version", "root", "platform", "gpus", "topology", "mounts", "routing",
@@ -88,3 +91,49 @@ def test_help_lists_the_options(app):
     assert res.exit_code == 0
     for opt in ("--json", "--require", "--probe", "--root"):
         assert opt in res.stdout
+
+
+# --------------------------------------------------------------------------- 80 columns
+ALL_FIXTURES = sorted(n for n in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, n)))
+
+
+def _words(text: str) -> set[str]:
+    return set(text.split())
+
+
+def _rendered_at(width: int, name: str) -> tuple[str, dict]:
+    from gdskit.probe import run_check
+
+    report = run_check(root=fixture_root(name))
+    buf = io.StringIO()
+    check_cli.render(report, Console(file=buf, width=width, color_system=None, legacy_windows=False))
+    return buf.getvalue(), report.to_dict()
+
+
+def _assert_whole(out: str, d: dict, width: int) -> None:
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= width
+    seen = _words(out.replace(",", " "))
+    for f in d["findings"]:
+        if f["severity"] == "ok":
+            continue
+        for field in ("subject", "title", "consequence", "fix"):
+            assert _words(f[field].replace(",", " ")) <= seen, (field, f[field])
+        if f["reason"]:
+            assert f"[{f['reason']}]" in seen
+    for m in d["mounts"]:
+        assert _words(m["mountpoint"]) | {m["verdict"], m["fstype"], *m["reasons"]} <= seen, m["mountpoint"]
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_report_cuts_no_cell_at_80_columns_or_wider(name, width):
+    out, d = _rendered_at(width, name)
+    _assert_whole(out, d, width)
+
+
+def test_the_command_at_80_columns_cuts_nothing(app):
+    res = CliRunner().invoke(app, ["check", "--root", fixture_root("vm-firecracker")], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    d = json.loads(run(app, "--root", fixture_root("vm-firecracker"), "--json").stdout)
+    _assert_whole(res.stdout, d, 80)

@@ -32,6 +32,81 @@ def _yes(v: Any, yes: str = "yes", no: str = "no") -> str:
     return "unknown" if v is None else yes if v else no
 
 
+def _text(cell: Any) -> Any:
+    """A cell as rich Text: report strings are shown as they are, never read as markup
+    (a finding's ``[reason]`` would otherwise vanish as an unknown style tag)."""
+    from rich.text import Text
+
+    return Text(cell) if isinstance(cell, str) else cell
+
+
+def _row(table: Any, *cells: Any) -> None:
+    table.add_row(*map(_text, cells))
+
+
+def _print_table(console: Any, table: Any) -> None:
+    """Print ``table`` with widths that cut no word; where the console is too narrow for that,
+    each row as a block of ``column  value`` lines instead. Rich's own fitting can squeeze a
+    column below its longest word and end the cell with an ellipsis."""
+    widths = _word_safe_widths(console, table)
+    if widths is None:
+        _print_blocks(console, table)
+        return
+    for column, width in zip(table.columns, widths):
+        column.width = width
+    console.print(table)
+
+
+def _word_safe_widths(console: Any, table: Any) -> list[int] | None:
+    """Each column at least as wide as its longest word, the room left shared out towards each
+    column's longest line; None where even the longest words do not fit side by side."""
+    from rich.cells import cell_len
+    from rich.measure import Measurement
+
+    shortest, longest = [], []
+    for column in table.columns:
+        texts = [_text(c).plain for c in (column.header if table.show_header else "", *column.cells)]
+        shortest.append(max([cell_len(w) for t in texts for w in t.split()] or [1]))
+        longest.append(max([cell_len(line) for t in texts for line in t.splitlines()] or [1]))
+    for column, width in zip(table.columns, shortest):
+        column.width = width
+    unbounded = console.options.update_width(sum(longest) + 8 * len(longest) + 8)  # wider than the table
+    spare = console.width - Measurement.get(console, unbounded, table).maximum
+    if spare < 0:
+        return None
+    widths = list(shortest)
+    while spare > 0:  # equal shares to the columns that still want room
+        wanting = [i for i, (w, m) in enumerate(zip(widths, longest)) if w < m]
+        if not wanting:
+            break
+        share = max(1, spare // len(wanting))
+        for i in wanting[:spare]:
+            grow = min(share, longest[i] - widths[i], spare)
+            widths[i] += grow
+            spare -= grow
+    return widths
+
+
+def _print_blocks(console: Any, table: Any) -> None:
+    """``table`` for a narrow console: its title, then per row the first cell as a heading and
+    the others below it, one ``column  value`` line each (a word longer than the line folds)."""
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    if table.title:
+        console.print(Text(str(table.title), style="italic"))
+    headers = [str(c.header) for c in table.columns]
+    for row in zip(*(list(c.cells) for c in table.columns)):
+        console.print(Text.assemble(Text(f"{headers[0]}: ", style="bold"), _text(row[0])))
+        block = Table.grid(padding=(0, 2))
+        block.add_column(style="bold", no_wrap=True)
+        block.add_column(overflow="fold")
+        for header, cell in zip(headers[1:], row[1:]):
+            block.add_row(header, _text(cell))
+        console.print(Padding(block, (0, 0, 0, 2)))
+
+
 def render(report: Any, console: Any) -> None:
     """Print the report as grouped rich tables: platform, GPUs, topology, mounts, findings."""
     from rich.table import Table
@@ -46,23 +121,23 @@ def render(report: Any, console: Any) -> None:
     plat.add_column("item", style="bold")
     plat.add_column("value")
     drv = p["driver"]
-    plat.add_row("kernel", f"{p['kernel_release'] or 'unknown'}"
+    _row(plat, "kernel", f"{p['kernel_release'] or 'unknown'}"
                  + (f" ({p['virtualization']} guest)" if p["virtualization"] else ""))
-    plat.add_row("NVIDIA driver", f"{drv['driver_version']} ({drv['kernel_module']} kernel module)"
+    _row(plat, "NVIDIA driver", f"{drv['driver_version']} ({drv['kernel_module']} kernel module)"
                  if drv["driver_version"] else f"not loaded ({drv['nvml_error'] or 'no NVML'})")
     cu = p["cufile"]
-    plat.add_row("libcufile", f"{cu['version'] or 'version unknown'} ({cu['path'] or 'path unknown'})"
+    _row(plat, "libcufile", f"{cu['version'] or 'version unknown'} ({cu['path'] or 'path unknown'})"
                  if cu["found"] else "not found")
     nv = p["nvidia_fs"]
-    plat.add_row("nvidia-fs", f"loaded {nv['version'] or ''}".strip() if nv["loaded"] else "not loaded")
+    _row(plat, "nvidia-fs", f"loaded {nv['version'] or ''}".strip() if nv["loaded"] else "not loaded")
     pp = p["p2pdma"]
-    plat.add_row("PCI P2PDMA", "available and enabled" if pp["available"] else
+    _row(plat, "PCI P2PDMA", "available and enabled" if pp["available"] else
                  f"kernel symbol {_yes(pp['kernel_symbol'])}, kernel >= 6.2 {_yes(pp['kernel_version_ok'])}, "
                  f"open driver >= 570 {_yes(pp['driver_ok'])}, use_pci_p2pdma {_yes(pp['enabled_in_config'])}")
-    plat.add_row("IOMMU", p["iommu"]["state"])
-    plat.add_row("udev database", "readable" if p["udev"]["database"] else "missing (/run/udev/data)")
+    _row(plat, "IOMMU", p["iommu"]["state"])
+    _row(plat, "udev database", "readable" if p["udev"]["database"] else "missing (/run/udev/data)")
     iou = p["io_uring"]
-    plat.add_row("io_uring", f"{iou['status']}: {iou['detail']}" if iou["detail"] else iou["status"])
+    _row(plat, "io_uring", f"{iou['status']}: {iou['detail']}" if iou["detail"] else iou["status"])
     cfg = p["cufile_config"]
     if cfg["found"]:
         bits = [f"allow_compat_mode={cfg['allow_compat_mode']}", f"force_compat_mode={cfg['force_compat_mode']}",
@@ -73,10 +148,10 @@ def render(report: Any, console: Any) -> None:
             bits.append("posix_gds_min_kb: " + ", ".join(f"{k}={v}" for k, v in sorted(cfg["posix_gds_min_kb"].items())))
         if cfg["logging_dir"]:
             bits.append(f"logging dir={cfg['logging_dir']}")
-        plat.add_row("cufile.json", f"{cfg['path']}: " + ", ".join(bits) + (f" [{cfg['error']}]" if cfg["error"] else ""))
+        _row(plat, "cufile.json", f"{cfg['path']}: " + ", ".join(bits) + (f" [{cfg['error']}]" if cfg["error"] else ""))
     else:
-        plat.add_row("cufile.json", f"{cfg['path']} not found (cuFile defaults)")
-    console.print(plat)
+        _row(plat, "cufile.json", f"{cfg['path']} not found (cuFile defaults)")
+    _print_table(console, plat)
 
     if d["gpus"]:
         gt = Table(title="GPUs", title_justify="left")
@@ -84,11 +159,11 @@ def render(report: Any, console: Any) -> None:
             gt.add_column(col)
         for g in d["gpus"]:
             pc = g["pcie"]
-            gt.add_row(str(g["index"]), g["name"], g["pci_bus_id"], str(g["numa_node"] if g["numa_node"] is not None else "-"),
+            _row(gt, str(g["index"]), g["name"], g["pci_bus_id"], str(g["numa_node"] if g["numa_node"] is not None else "-"),
                        f"Gen{pc['gen']} x{pc['width']} (max Gen{pc['max_gen']} x{pc['max_width']})",
                        Text(_size(g["bar1_total_bytes"]), style="yellow" if g["bar1_small"] else ""),
                        _size(g["bar1_used_bytes"]))
-        console.print(gt)
+        _print_table(console, gt)
     else:
         console.print(Text("GPUs: none found", style="bold red"))
 
@@ -97,11 +172,11 @@ def render(report: Any, console: Any) -> None:
         for col in ("GPU", "peer", "relation", "bridges in between", "ACS blocking"):
             tt.add_column(col)
         for link in d["topology"]["links"]:
-            tt.add_row(str(link["gpu"]), f"{link['peer']} ({link['peer_kind']})", link["relation"],
+            _row(tt, str(link["gpu"]), f"{link['peer']} ({link['peer_kind']})", link["relation"],
                        ", ".join(b["bdf"] for b in link["bridges"]) or "-",
                        Text(", ".join(link["acs_blocking"]) or ("unknown" if link["acs_unknown"] else "none"),
                             style="red" if link["acs_blocking"] else ""))
-        console.print(tt)
+        _print_table(console, tt)
 
     mt = Table(title="Mounts", title_justify="left")
     for col in ("mount", "fs", "device", "O_DIRECT", "verdict", "path", "reasons"):
@@ -118,8 +193,8 @@ def render(report: Any, console: Any) -> None:
         if report.probed:
             pr = m["probe"] or {}
             row.append(pr.get("summary", "-"))
-        mt.add_row(*row)
-    console.print(mt)
+        _row(mt, *row)
+    _print_table(console, mt)
 
     if report.routes is not None:
         render_routes(report.routes, console)
@@ -131,9 +206,9 @@ def render(report: Any, console: Any) -> None:
             ft.add_column(col)
         for f in sorted(problems, key=lambda f: -SEVERITIES.index(f["severity"])):  # worst first
             title = f["title"] + (f" [{f['reason']}]" if f["reason"] else "")
-            ft.add_row(Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]), f["subject"], title,
+            _row(ft, Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]), f["subject"], title,
                        f["consequence"], f["fix"])
-        console.print(ft)
+        _print_table(console, ft)
 
     s = d["summary"]
     v = s["verdicts"]
@@ -169,17 +244,17 @@ def render_routes(table: Any, console: Any) -> None:
     for m in table.mounts:
         storage = ", ".join(f"{dev.name} ({dev.pci_bus_id})" for dev in m.storage.devices)
         if not m.storage.devices:
-            rt.add_row(m.mountpoint, Text(f"unknown: {m.storage.why_unknown}", style="yellow"), "-", "all", "-",
+            _row(rt, m.mountpoint, Text(f"unknown: {m.storage.why_unknown}", style="yellow"), "-", "all", "-",
                        "straight")
             continue
         near = ", ".join(str(g) for g in m.nearest) or "unknown"
         near += f" ({m.nearest_distance.value})" if m.nearest else ""
         for i, r in enumerate(m.routes):
             far = r.target_distance.value in ("cross-root-complex", "cross-socket")
-            rt.add_row(m.mountpoint if i == 0 else "", storage if i == 0 else "", near if i == 0 else "",
+            _row(rt, m.mountpoint if i == 0 else "", storage if i == 0 else "", near if i == 0 else "",
                        str(r.target), Text(r.target_distance.value, style="yellow" if far else ""),
                        Text(describe(r), style="green" if r.routed else ""))
-    console.print(rt)
+    _print_table(console, rt)
     if table.peers:
         pairs = ", ".join(f"{a}-{b}: " + ("NVLink" if link.nvlink else "peer access" if link.access else
                                          "no peer access" if link.access is False else "unknown")
