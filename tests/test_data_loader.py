@@ -393,3 +393,33 @@ def test_a_gpu_asked_for_where_there_is_none_is_a_device_error(tokens, tmp_path)
     for make in (lambda: gd.Loader(ds, 4), lambda: gd.Loader(ds, 4, device=1), lambda: gd.preload(paths[0])):
         with pytest.raises(DeviceUnavailableError, match="device='cpu'"):
             make()
+
+
+@pytest.mark.parametrize("world_size", [2**40, 2**64 + 3])
+def test_a_rank_of_a_world_far_larger_than_the_dataset_gets_its_one_sample(tokens, world_size):
+    """Every rank of a huge world gets one padded sample, planned from its share alone."""
+    import tracemalloc
+
+    paths, want = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    for rank in (0, 5, world_size - 1):
+        tracemalloc.start()
+        try:
+            with gd.Loader(ds, 4, device="cpu", world_size=world_size, rank=rank, prefetch=0) as loader:
+                (batch,) = list(loader)
+                assert loader.state_dict()["world_size"] == world_size
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert np.array_equal(batch.numpy(), want[rank % len(want)][None])
+        assert peak < 8 << 20
+
+
+def test_sampler_arguments_of_the_wrong_kind_are_refused(tokens):
+    paths, _ = tokens
+    ds = gd.TokenDataset(paths, dtype="uint32", seq_len=SEQ)
+    for kw in (dict(world_size=0), dict(world_size=2.0), dict(world_size="4"), dict(world_size=True),
+               dict(rank=-1, world_size=2), dict(rank=1.0, world_size=2), dict(rank=2**40, world_size=2**40),
+               dict(shuffle="no"), dict(shuffle=np.array([True, False])), dict(drop_last=2)):
+        with pytest.raises(InvalidArgumentError):
+            gd.Loader(ds, 4, device="cpu", **kw)

@@ -480,9 +480,8 @@ class Loader:
                                        f"not {type(dataset).__name__}")
         rank, world_size = _rank_and_world(rank, world_size)
         self.dataset = dataset
-        self._shards = Shards(len(dataset), _int("batch_size", batch_size, 1), world_size, rank,
-                              bool(shuffle), _int("seed", seed, 0), bool(drop_last))
-        check_stackable(dataset, batch_size)
+        self._shards = Shards(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
+        check_stackable(dataset, self._shards.batch_size)
         self.prefetch = _int("prefetch", prefetch, 0)
         self.workers = _int("workers", workers, 0)
         if self.workers and dataset.layout is None:

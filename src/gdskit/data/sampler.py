@@ -55,9 +55,38 @@ def permutation(n: int, seed: int) -> np.ndarray:
     return torch.randperm(n, generator=g).numpy()
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: True, False (numpy's too), or the integers 1 and 0; else :class:`InvalidArgumentError`."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n not in (0, 1):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r:.40}")
+    return bool(n)
+
+
+def dealt(start: int, step: int, count: int, n: int) -> np.ndarray:
+    """``(start + k * step) % n`` for ``k`` in ``range(count)``, where ``start < n`` and
+    ``(count - 1) * step < n``: the places of a rank's samples in an order repeated as often as
+    the ranks need, with no number beyond ``2 * n`` ever formed (int64 holds them all)."""
+    offsets = np.arange(count, dtype=np.int64)
+    if count > 1:  # one sample a rank: step may be any size, and is not needed
+        offsets *= step
+    wrap = n - start
+    return np.where(offsets < wrap, offsets + start, offsets - wrap)
+
+
 @dataclass(frozen=True)
 class Shards:
-    """One rank's share of ``n`` samples, in batches."""
+    """One rank's share of ``n`` samples, in batches.
+
+    Only the rank's share is ever made: its samples' places in the padded order are found by
+    arithmetic, so memory and time follow the share (and ``n``, with ``shuffle``), never
+    ``world_size``.
+    """
 
     n: int
     batch_size: int
@@ -68,10 +97,13 @@ class Shards:
     drop_last: bool = False
 
     def __post_init__(self) -> None:
-        _int("batch_size", self.batch_size, 1)
-        _int("world_size", self.world_size, 1)
-        _int("rank", self.rank, 0)
-        _int("seed", self.seed, 0, SEED_LIMIT)
+        # Kept as Python values: numpy integers would wrap in the arithmetic below.
+        checked = {"n": _int("n", self.n, 0), "batch_size": _int("batch_size", self.batch_size, 1),
+                   "world_size": _int("world_size", self.world_size, 1), "rank": _int("rank", self.rank, 0),
+                   "seed": _int("seed", self.seed, 0, SEED_LIMIT), "shuffle": flag("shuffle", self.shuffle),
+                   "drop_last": flag("drop_last", self.drop_last)}
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         if self.rank >= self.world_size:
             raise InvalidArgumentError(f"rank {self.rank} is not below world_size {self.world_size}")
         if self.n <= 0:
@@ -86,28 +118,28 @@ class Shards:
         """Samples of each rank per epoch (padding included)."""
         if self.drop_last and self.n % self.world_size:
             return self.n // self.world_size
-        return math.ceil(self.n / self.world_size)
+        return -(-self.n // self.world_size)
 
     @property
     def num_batches(self) -> int:
         """Batches of each rank per epoch."""
         if self.drop_last:
             return self.num_samples // self.batch_size
-        return math.ceil(self.num_samples / self.batch_size)
-
-    def order(self, epoch: int) -> np.ndarray:
-        """Every rank's samples of ``epoch`` before they are dealt out (padded or cut to a multiple of the ranks)."""
-        epoch_of(epoch, self.seed)
-        base = permutation(self.n, self.seed + epoch) if self.shuffle else np.arange(self.n, dtype=np.int64)
-        total = self.num_samples * self.world_size
-        if total <= self.n:
-            return base[:total]
-        reps = math.ceil(total / self.n)
-        return np.tile(base, reps)[:total]
+        return -(-self.num_samples // self.batch_size)
 
     def indices(self, epoch: int) -> np.ndarray:
-        """This rank's samples of ``epoch``, in order (``DistributedSampler``'s list)."""
-        return self.order(epoch)[self.rank::self.world_size]
+        """This rank's samples of ``epoch``, in order (``DistributedSampler``'s list).
+
+        Every rank's order is the epoch's order, repeated from its start (padding) or cut to
+        ``num_samples * world_size``; the rank takes every ``world_size``-th from ``rank``:
+        places ``rank + k * world_size`` of the repeated order, ``(rank + k * world_size) % n``
+        of the epoch's (the cut keeps only places below ``n``).
+        """
+        epoch_of(epoch, self.seed)
+        places = dealt(self.rank % self.n, self.world_size, self.num_samples, self.n)
+        if not self.shuffle:
+            return places
+        return permutation(self.n, self.seed + epoch)[places].astype(np.int64, copy=False)
 
     def batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         """This rank's batches of ``epoch`` from batch ``start`` on: arrays of sample indices."""
