@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -55,10 +56,9 @@ def make_checkpoints(d: Path) -> dict[str, Any]:
         weight_map.update({k: fname for k in sd})
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
-    base = torch.randn(1000, generator=g)
-    ckpt = {"base": base, "view": base[100:300], "w": torch.randn(300, 301, generator=g),
-            "small": torch.arange(10, dtype=torch.int16), "step": 7}
+    ckpt = _torch_checkpoint(g)
     torch.save(ckpt, str(d / "ckpt.pt"))
+    _other_and_copies(d, rep, g)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ckpt.values()
                 if isinstance(t, torch.Tensor)}
     return {
@@ -68,6 +68,28 @@ def make_checkpoints(d: Path) -> dict[str, Any]:
         "sharded_total": sum(_nbytes(t) for sd in shards for t in sd.values()),
         "torch_total": sum(storages.values()),
     }
+
+
+def _torch_checkpoint(g: torch.Generator) -> dict[str, Any]:
+    base = torch.randn(1000, generator=g)
+    return {"base": base, "view": base[100:300], "w": torch.randn(300, 301, generator=g),
+            "small": torch.arange(10, dtype=torch.int16), "step": 7}
+
+
+def _other_and_copies(d: Path, rep: dict[str, Any], g: torch.Generator) -> None:
+    """``other/``: replicated.safetensors and ckpt.pt with the same layout (names, types, shapes,
+    offsets, pickle) and other values; ``copy/``: byte copies of both with another mtime."""
+    (d / "other").mkdir()
+    other = {k: (torch.rand(t.shape, generator=g) > 0.5 if t.dtype == torch.bool
+                 else torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t)
+             for k, t in rep.items()}
+    save_file(other, str(d / "other" / "replicated.safetensors"))
+    torch.save(_torch_checkpoint(g), str(d / "other" / "ckpt.pt"))  # same name: the same archive layout
+    (d / "copy").mkdir()
+    for name in ("replicated.safetensors", "ckpt.pt"):
+        copied = d / "copy" / name
+        shutil.copyfile(d / name, copied)
+        os.utime(copied, ns=(1_000_000_000, 1_000_000_000))  # a copy on another node has its own mtime
 
 
 def launch(name: str, world: int, workdir: Path, backend: str = "gloo", killed: tuple[int, int] | None = None,

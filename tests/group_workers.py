@@ -135,8 +135,8 @@ class Rank:
         mine = [n for i, n in enumerate(names) if n.startswith("shared") or i % self.world == self.rank]
         return self.load_st(self.path("replicated.safetensors"), keys=mine)
 
-    def torch_load(self) -> dict[str, Any]:
-        path = self.path("ckpt.pt")
+    def torch_load(self, name: str = "ckpt.pt") -> dict[str, Any]:
+        path = self.path(name)
         with gdskit.group.options(window=WINDOW, piece=PIECE):
             got, stats = gdskit.torch.load(path, map_location=self.device, process_group=self.pg, return_stats=True)
         views_shared = got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
@@ -145,6 +145,13 @@ class Rank:
         differs = same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)},
                        {k: v for k, v in want.items() if isinstance(v, torch.Tensor)})
         return {"differs": differs, "step": got["step"], "views_shared": views_shared, **ledger_facts(stats)}
+
+    def copy_on_rank_one(self) -> dict[str, Any]:
+        """Rank 1 loads a byte copy of rank 0's file (another path, another mtime)."""
+        return self.load_st(self.path("copy/replicated.safetensors" if self.rank == 1 else "replicated.safetensors"))
+
+    def torch_copy_on_rank_one(self) -> dict[str, Any]:
+        return self.torch_load("copy/ckpt.pt" if self.rank == 1 else "ckpt.pt")
 
     # -- loads that fail ------------------------------------------------------------------------
     def bad_file_on_last_rank(self) -> dict[str, Any]:
@@ -158,6 +165,23 @@ class Rank:
     def other_checkpoint_on_rank_one(self) -> dict[str, Any]:
         name = "sharded" if self.rank == 1 else "replicated.safetensors"
         return self.expect_failure(lambda: self.load_st(self.path(name)))
+
+    def other_values_on_rank_one(self) -> dict[str, Any]:
+        """Rank 1's file has the same layout as rank 0's, other values."""
+        name = "other/replicated.safetensors" if self.rank == 1 else "replicated.safetensors"
+        return self.expect_failure(lambda: self.load_st(self.path(name)))
+
+    def other_torch_values_on_rank_one(self) -> dict[str, Any]:
+        name = "other/ckpt.pt" if self.rank == 1 else "ckpt.pt"
+        return self.expect_failure(lambda: self.torch_load(name))
+
+    def other_torch_values_loaded_alone(self) -> dict[str, Any]:
+        """A callable map_location: every rank loads its own file, and the group still refuses."""
+        name = "other/ckpt.pt" if self.rank == 1 else "ckpt.pt"
+
+        def load() -> None:
+            gdskit.torch.load(self.path(name), map_location=lambda storage, location: storage, process_group=self.pg)
+        return self.expect_failure(load)
 
     def callback_raises_on_last_rank(self) -> dict[str, Any]:
         def stop(done: int, total: int) -> None:
@@ -202,8 +226,9 @@ class Rank:
 WORLDS: dict[str, list[str]] = {
     # A world ends with the scenario that breaks its process group.
     "two": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank", "missing_key_on_rank_zero",
-            "other_checkpoint_on_rank_one", "callback_raises_on_last_rank", "replicated_after_failures",
-            "stalled_last_rank"],
+            "other_checkpoint_on_rank_one", "other_values_on_rank_one", "other_torch_values_on_rank_one",
+            "other_torch_values_loaded_alone", "copy_on_rank_one", "torch_copy_on_rank_one",
+            "callback_raises_on_last_rank", "replicated_after_failures", "stalled_last_rank"],
     "four": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank",
              "callback_raises_on_last_rank", "replicated_after_failures", "killed_last_rank"],
     "one": ["replicated", "keys", "torch_load"],

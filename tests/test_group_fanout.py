@@ -103,6 +103,25 @@ def test_ranks_loading_different_checkpoints_all_raise(runs: dict[str, Any]) -> 
     assert_failed(_facts(runs, "two", "other_checkpoint_on_rank_one"), None, None)
 
 
+@pytest.mark.parametrize("scenario", ["other_values_on_rank_one", "other_torch_values_on_rank_one",
+                                      "other_torch_values_loaded_alone"])
+def test_same_layout_other_values_is_refused_on_every_rank(runs: dict[str, Any], scenario: str) -> None:
+    """Files alike in every name, type, shape and offset but not in their values are not the same
+    checkpoint: every rank raises GroupError, none returns the other rank's values."""
+    facts = _facts(runs, "two", scenario)
+    assert_failed(facts, None, None)
+
+
+@pytest.mark.parametrize("scenario, total", [("copy_on_rank_one", "replicated_total"),
+                                             ("torch_copy_on_rank_one", "torch_total")])
+def test_a_copy_of_the_same_file_loads(runs: dict[str, Any], scenario: str, total: str) -> None:
+    """Another path and another mtime, the same bytes: the same checkpoint (a node-local copy)."""
+    facts = _facts(runs, "two", scenario)
+    for f in facts:
+        assert f["differs"] == ""
+    assert_each_byte_read_once(facts, runs["manifest"][total])
+
+
 @pytest.mark.parametrize("world_name", list(WORLDS))
 def test_failure_during_the_load_raises_on_every_rank(runs: dict[str, Any], world_name: str) -> None:
     assert_failed(_facts(runs, world_name, "callback_raises_on_last_rank"), WORLDS[world_name] - 1, "Stop")

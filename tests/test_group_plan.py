@@ -190,3 +190,33 @@ def test_a_load_needs_an_initialised_group():
     with pytest.raises(InvalidArgumentError):
         gdskit.safetensors.load_file("x.safetensors", "cpu", process_group=object())
     del torch
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 50_000)), max_size=20),
+       st.integers(1, 20), st.integers(1, 8192))
+@settings(max_examples=300, deadline=None)
+def test_fingerprint_samples_lie_within_the_ranges(ranges, blocks, block_bytes):
+    """The contents fingerprint reads at most ``blocks`` samples, each inside one range, no larger
+    than ``block_bytes``, the first at the first byte; nothing where there are no bytes."""
+    pytest.importorskip("torch")
+    from gdskit.group.load import sample_extents
+
+    got = sample_extents(ranges, blocks, block_bytes)
+    nonempty = [r for r in ranges if r[1] > 0]
+    if not nonempty:
+        assert got == []
+        return
+    assert 1 <= len(got) <= blocks
+    assert (nonempty[0][0], min(block_bytes, nonempty[0][1])) in got
+    for offset, n in got:
+        assert 0 < n <= block_bytes
+        assert any(o <= offset and offset + n <= o + size for o, size in nonempty)
+
+
+def test_fingerprint_samples_spread_over_the_whole_run():
+    pytest.importorskip("torch")
+    from gdskit.group.load import sample_extents
+
+    # Four ranges of 100 bytes, eight samples: two in each range, 50 bytes apart.
+    got = sample_extents([(1000, 100), (0, 100), (5000, 100), (300, 100)], 8, 10)
+    assert got == sorted([(1000, 10), (1050, 10), (0, 10), (50, 10), (5000, 10), (5050, 10), (300, 10), (350, 10)])

@@ -3,24 +3,27 @@
 1. ``prepare()`` on every rank (parse the checkpoint, choose what this rank wants,
    make its destinations) gives a :class:`LoadJob`;
 2. one exchange tells every rank what the others prepared: whether they failed, a digest
-   of the checkpoint's layout and of the plan options (they must agree), which segments
-   each wants, which memory they load into;
+   of the checkpoint's layout and of the plan options and a fingerprint of the files'
+   contents (both must agree), which segments each wants, which memory they load into;
 3. every rank computes the same :func:`gdskit.group.plan.plan` and runs it
    (:func:`gdskit.group.pipeline.run`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-from gdskit.errors import GroupError
+from gdskit.durable import open_file_fd
+from gdskit.errors import GroupError, from_os_error
 from gdskit.formats._gc import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.group import exchange, failure, pipeline
@@ -54,12 +57,13 @@ class _Told:
     ok: bool
     error: str = ""
     layout: bytes = b""
+    contents: bytes = b""
     device_types: tuple[str, ...] = ()
     wanted: bytes = b""
 
     def encode(self) -> bytes:
         head = json.dumps({"ok": self.ok, "error": self.error, "layout": self.layout.hex(),
-                           "device_types": list(self.device_types)}).encode()
+                           "contents": self.contents.hex(), "device_types": list(self.device_types)}).encode()
         return struct.pack("<I", len(head)) + head + self.wanted
 
     @classmethod
@@ -67,7 +71,7 @@ class _Told:
         (n,) = struct.unpack_from("<I", raw)
         head = json.loads(raw[4:4 + n].decode())
         return cls(bool(head["ok"]), str(head["error"]), bytes.fromhex(head["layout"]),
-                   tuple(head["device_types"]), raw[4 + n:])
+                   bytes.fromhex(head["contents"]), tuple(head["device_types"]), raw[4 + n:])
 
 
 def _bitmap(flags: list[bool]) -> bytes:
@@ -87,6 +91,70 @@ def _digest(job: LoadJob, opts: group_options.Options) -> bytes:
     return hashlib.sha256(json.dumps(doc, default=repr).encode()).digest()
 
 
+#: Blocks of each file's tensor bytes that every rank reads before a group load, and their size:
+#: :func:`_fingerprint`. 16 x 4 KiB per file costs a few reads next to the header's.
+FINGERPRINT_BLOCKS = 16
+FINGERPRINT_BLOCK_BYTES = 4096
+
+
+def sample_extents(ranges: list[tuple[int, int]], blocks: int = FINGERPRINT_BLOCKS,
+                   block_bytes: int = FINGERPRINT_BLOCK_BYTES) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of ``blocks`` reads spread evenly over the bytes of ``ranges``
+    (``(offset, nbytes)`` pairs, taken as one run of bytes in the order given), each at most
+    ``block_bytes`` and within one range; the first starts at the first byte."""
+    ranges = [r for r in ranges if r[1] > 0]
+    total = sum(n for _, n in ranges)
+    starts = [0]
+    for _, n in ranges:
+        starts.append(starts[-1] + n)
+    out: list[tuple[int, int]] = []
+    for k in range(blocks if total else 0):
+        pos = k * total // blocks
+        i = bisect.bisect_right(starts, pos) - 1
+        offset, n = ranges[i]
+        within = pos - starts[i]
+        out.append((offset + within, min(block_bytes, n - within)))
+    return sorted(set(out))
+
+
+def _fingerprint(job: LoadJob) -> bytes:
+    """A digest of each file's size and of a sample of its tensor bytes (its whole extent where
+    it has no segments), read with plain reads as the headers are.
+
+    Files of one layout with other values (another training step, another fine-tune) differ
+    here, where the layout digest cannot tell them apart. Neither the path nor the mtime is in
+    it: a node-local copy of the file has its own of both and is the same checkpoint. Files that
+    differ only between the samples are not told apart (docs/multigpu.md).
+    """
+    digest = hashlib.sha256()
+    for i, path in enumerate(job.files):
+        fd, st = open_file_fd(path, os.O_RDONLY)
+        try:
+            mine = [(s.file_offset, s.nbytes) for s in sorted(job.segments, key=lambda s: s.file_offset)
+                    if s.file == i]
+            digest.update(struct.pack("<QQ", i, st.st_size))
+            for offset, n in sample_extents(mine or [(0, st.st_size)]):
+                digest.update(struct.pack("<QQ", offset, n))
+                digest.update(os.pread(fd, n, offset))
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        finally:
+            os.close(fd)
+    return digest.digest()
+
+
+def _disagreement(everyone: list[_Told]) -> str:
+    """What the ranks disagree on ('' where they agree): the layout and options, or the contents."""
+    for field, what in (("layout", "the same checkpoint (or not with the same gdskit.group.options)"),
+                        ("contents", "the same checkpoint: the files have the same layout but other contents")):
+        values = [getattr(t, field) for t in everyone]
+        if len(set(values)) != 1:
+            others = [r for r, v in enumerate(values) if v != values[0]]
+            return (f"the ranks of the process group are not loading {what}; rank{'s' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))} differ{'' if len(others) > 1 else 's'} from rank 0")
+    return ""
+
+
 def run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: ProgressArg) -> LoadJob:
     """Prepare on this rank, agree with the group, read and share; the job with its destinations filled."""
     with collector_paused():
@@ -100,8 +168,8 @@ def _run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: Prog
     error: BaseException | None = None
     try:
         job = prepare()
-        told = _Told(True, layout=_digest(job, opts), device_types=tuple(sorted(job.device_types)),
-                     wanted=_bitmap(job.wanted))
+        told = _Told(True, layout=_digest(job, opts), contents=_fingerprint(job),
+                     device_types=tuple(sorted(job.device_types)), wanted=_bitmap(job.wanted))
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
         error = exc
         told = _Told(False, error=type(exc).__name__)
@@ -114,9 +182,9 @@ def _run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: Prog
     if failed:
         names = ", ".join(f"{r} ({everyone[r].error})" for r in failed)
         raise GroupError(f"rank{'s' if len(failed) > 1 else ''} {names} of the process group failed {what}", failed)
-    if len({t.layout for t in everyone}) != 1:
-        raise GroupError("the ranks of the process group are not loading the same checkpoint "
-                         "(or not with the same gdskit.group.options)")
+    disagreement = _disagreement(everyone)
+    if disagreement:
+        raise GroupError(disagreement)
     assert job is not None
     types = {d for t in everyone for d in t.device_types}
     comm = info.comm_device(types) if types else info.control_device()

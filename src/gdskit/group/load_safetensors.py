@@ -78,7 +78,7 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
         asked = set(names)
         reserve_device_memory(dev, [where[n][1].nbytes for n in names])
         dests = {n: torch.empty(where[n][1].nbytes, dtype=torch.uint8, device=dev) for n in names if n not in empty}
-        layout = [[h.file_size, [[e.name, e.dtype, list(e.shape)] for e in h.entries]] for h in headers]
+        layout = [[h.file_size, h.metadata, [[e.name, e.dtype, list(e.shape)] for e in h.entries]] for h in headers]
         return LoadJob(files, [h.file_size for h in headers], segments, layout,
                        [s.key in asked for s in segments], dests, {dev.type})
 

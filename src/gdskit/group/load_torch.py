@@ -10,6 +10,7 @@ raises on all.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -81,13 +82,16 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
             slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
             return typed
 
-        result = pt.unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, map_location, path)
+        pickled = reader.get_record("data.pkl")
+        result = pt.unpickle(torch, pickled, persistent_load, weights_only, map_location, path)
         keys = sorted(slots, key=lambda k: slots[k][1])
         segments = [Segment(k, 0, slots[k][1], slots[k][2]) for k in keys]
         wanted = [slots[k][3].type != "meta" for k in keys]
         dests = {k: pt.bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2])
                  for k, w in zip(keys, wanted) if w}
-        return LoadJob([path], [archive_size], segments, [archive_size, keys], wanted, dests,
+        # The pickle's digest: the objects around the tensors (a step count) are the checkpoint's too.
+        layout = [archive_size, keys, hashlib.sha256(bytes(pickled)).hexdigest()]
+        return LoadJob([path], [archive_size], segments, layout, wanted, dests,
                        {t.device.type for t in dests.values()}, result)
 
     before = stats() if return_stats else None
