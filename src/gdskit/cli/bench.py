@@ -93,10 +93,26 @@ def bench(
     elif csv_file != "-":
         from rich.console import Console
         render_table(report, Console(width=None if sys.stdout.isatty() else 160))
+        note = no_gpu_note(report)
+        if note:
+            typer.echo(note)
     if plot_path is not None:  # on stderr when stdout carries JSON or CSV
         typer.echo(f"plot written to {plot_path}", err=as_json or csv_file == "-")
     if report.verify_ok is False:
         raise typer.Exit(1)
+
+
+def no_gpu_note(report: Any) -> str | None:
+    """One line for a run whose GPU paths could not run for want of a GPU (``make run`` on a laptop,
+    CI): what its ``host`` row is, and what the same command shows on a GPU machine."""
+    from gdskit.vocabulary import Reason
+
+    gpu_paths = ("cufile", "bounce")
+    if any(report.unavailable.get(p) != Reason.NO_GPU.value for p in gpu_paths):
+        return None
+    return ("No GPU here: the host row is gdskit's parallel POSIX I/O between the file and host memory, "
+            "its path on any machine; on a GPU machine the table adds cufile (GPUDirect Storage) and "
+            "bounce (pinned ring) rows moving the bytes to GPU memory, and File.read for reads.")
 
 
 class _progress:
