@@ -4,6 +4,7 @@ Also what ships with it: the README's example, the Makefile's two set-ups, the l
 
 from __future__ import annotations
 
+import email.parser
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -428,3 +430,30 @@ def test_licence_changelog_and_type_hints_ship(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "gdskit/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+
+def test_sdist_carries_the_docs_and_the_project_metadata(tmp_path):
+    pytest.importorskip("setuptools")
+    for name in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in"):
+        if (REPO / name).exists():
+            shutil.copy(REPO / name, tmp_path / name)
+    shutil.copytree(SRC, tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    # `python -m build --sdist` without the build package: the backend's own hook, as build calls it
+    proc = subprocess.run([sys.executable, "-c", "from setuptools import build_meta as b; print(b.build_sdist('dist'))"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    sdist = tmp_path / "dist" / proc.stdout.strip().splitlines()[-1]
+    top = f"gdskit-{gdskit.__version__}"
+    with tarfile.open(sdist) as tar:
+        names = set(tar.getnames())
+        info = tar.extractfile(f"{top}/PKG-INFO").read().decode()
+    docs = {f"{top}/docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
+    assert docs and docs <= names
+    assert {f"{top}/CHANGELOG.md", f"{top}/LICENSE", f"{top}/README.md"} <= names
+    meta = email.parser.Parser().parsestr(info)
+    assert {u.split(",")[0] for u in meta.get_all("Project-URL") or []} >= {"Homepage", "Documentation", "Issues",
+                                                                            "Changelog"}
+    classifiers = meta.get_all("Classifier") or []
+    assert "Programming Language :: Python :: 3" in classifiers
+    assert meta.get("Author") or meta.get("Author-email")
