@@ -4,33 +4,45 @@
 >>> tensors = gdskit.safetensors.load_file("model.safetensors", device="cuda:0")
 >>> gdskit.safetensors.save_file(tensors, "copy.safetensors")
 
-Files written here are standard safetensors files (``safetensors.torch.load_file``
-reads them) whose data section starts on a 4 KiB boundary; see docs/checkpoints.md.
-Needs torch (``pip install 'gdskit[torch]'``).
+A drop-in for ``safetensors.torch`` (``load_file``, ``save_file``, ``load``, ``save``,
+``load_model``, ``save_model``) and ``safetensors.safe_open``: the same signatures and
+defaults, the same refusals (each error a :class:`gdskit.errors.GdskitError` that also is
+the built-in exception the reference raises). Files written here are standard safetensors
+files whose data section starts on a 4 KiB boundary; see docs/checkpoints.md for this and
+every other difference. Needs torch (``pip install 'gdskit[torch]'``).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gdskit.errors import DeviceUnavailableError, GdskitError, InvalidArgumentError, with_path
+from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError, InvalidArgumentError,
+                           UnsupportedBufferError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats._device import torch_device
 from gdskit.formats._gc import collector_paused
 from gdskit.formats._engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, LayoutError, MissingTensorError,
-                                               TruncatedFileError, UnencodableNameError, UnknownDtypeError)
+from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
+                                               MissingTensorError, TruncatedFileError, UnencodableNameError,
+                                               UnknownDtypeError)
+
+require_torch("gdskit.safetensors")  # without torch, fail here with the install hint, as every torch-facing module
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["load_file", "save_file", "read_metadata", "HeaderError", "LayoutError", "DuplicateNameError",
+__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "safe_open", "TensorSlice",
+           "read_metadata", "HeaderError", "HeaderTypeError", "LayoutError", "DuplicateNameError",
            "MissingTensorError", "TruncatedFileError", "UnknownDtypeError", "UnsupportedDtypeError",
-           "UnsupportedShapeError", "UnsupportedTensorError", "UnencodableNameError", "DeviceUnavailableError"]
+           "UnsupportedShapeError", "UnsupportedTensorError", "NotATensorError", "SparseTensorError",
+           "NonContiguousTensorError", "MetaTensorError", "UnsupportedTensorDtypeError", "SharedTensorsError",
+           "StateDictMismatchError", "InvalidIndexError", "UnencodableNameError", "DeviceUnavailableError"]
 
 #: Tensors of at least this many bytes are read straight into their own memory;
 #: smaller file-adjacent tensors are read together through a staging buffer.
@@ -50,7 +62,48 @@ class UnsupportedShapeError(fmt.FormatError):
 
 
 class UnsupportedTensorError(GdskitError, TypeError):
-    """A tensor cannot be stored in safetensors (sparse, quantized, meta, or not a tensor)."""
+    """A tensor cannot be stored in safetensors (sparse, quantized, meta, or not a tensor). Each
+    subclass also is the built-in exception ``safetensors.torch`` raises for the same case."""
+
+
+class NotATensorError(UnsupportedTensorError, ValueError):
+    """A value of the mapping to save is not a ``torch.Tensor``."""
+
+
+class SparseTensorError(UnsupportedTensorError, ValueError):
+    """A tensor to save is not strided (sparse, ...): ``.to_dense()`` it first."""
+
+
+class NonContiguousTensorError(UnsupportedTensorError, ValueError):
+    """A tensor to save is not contiguous: ``.contiguous()`` it, or use ``save_model``."""
+
+
+class MetaTensorError(UnsupportedTensorError, NotImplementedError):
+    """A tensor to save is on the meta device: it has no bytes (a ``RuntimeError``, as torch's)."""
+
+
+class UnsupportedTensorDtypeError(UnsupportedTensorError, KeyError):
+    """A tensor to save has a dtype safetensors has no type for (``complex128``, quantized ...);
+    a ``KeyError`` as the reference's."""
+
+    def __str__(self) -> str:  # a message, not KeyError's repr of one
+        return Exception.__str__(self)
+
+
+class SharedTensorsError(GdskitError, RuntimeError):
+    """Tensors to save overlap in memory (tied weights): ``save_model`` keeps one of each."""
+
+
+class StateDictMismatchError(GdskitError, RuntimeError):
+    """``load_model(..., strict=True)``: names of the file and the model do not pair up."""
+
+
+class InvalidIndexError(GdskitError, IndexError):
+    """A slice index torch refuses for the tensor's shape (out of range, too many indices)."""
+
+
+class UnsupportedIndexError(GdskitError, TypeError):
+    """A slice index of a type torch does not index with."""
 
 
 def _torch() -> Any:
@@ -107,7 +160,7 @@ def _st_type(torch: Any, name: str, t: Any) -> tuple[str, tuple[int, ...]]:
     rev = {v: k for k, v in _dtype_table(torch).items()}
     st = rev.get(t.dtype)
     if st is None:
-        raise UnsupportedTensorError(f"tensor {name!r}: dtype {t.dtype} has no safetensors type")
+        raise UnsupportedTensorDtypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors type")
     shape = tuple(t.shape)
     if st == "F4":
         if not shape:
@@ -123,22 +176,33 @@ def _device(torch: Any, device: Any) -> Any:
     return dev
 
 
+_BACKENDS = ("mmap", "pread")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise InvalidArgumentError(f"backend {backend!r} is invalid (expected one of: {', '.join(_BACKENDS)})")
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
     """The ``__metadata__`` strings of a safetensors file (None when it has none)."""
     return fmt.read_header_file(path).metadata
 
 
-def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-              device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
+def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+              device: Any = "cpu", *, backend: str = "mmap", keys: Iterable[str] | None = None,
               progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None) -> Any:
     """Load a safetensors checkpoint into memory on ``device``.
 
     Parameters
     ----------
-    path_or_paths : path, list of paths, directory or ``*.safetensors.index.json``
+    filename : path, list of paths, directory or ``*.safetensors.index.json``
         One file, shards, or a Hugging Face sharded checkpoint.
     device : str, int or torch.device
-        Where the tensors go (``"cpu"`` works too, through the engine's host path).
+        Where the tensors go: ``"cpu"`` (the default, as ``safetensors.torch.load_file``'s) or a
+        CUDA device, whose bytes go straight there.
+    backend : {"mmap", "pread"}
+        Taken for ``safetensors.torch`` compatibility; gdskit reads through its engine either way.
     keys : iterable of str, optional
         Load only these tensors; only their bytes are read.
     progress : bool, callable or None
@@ -166,6 +230,8 @@ def load_file(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike
     gdskit.errors.GroupError
         With ``process_group``: another rank failed, or did not answer in time.
     """
+    _check_backend(backend)
+    path_or_paths = filename
     if process_group is not None:
         from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
@@ -248,28 +314,85 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     return out
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
+def _savable(torch: Any, tensors: Any) -> list[fmt.TensorSpec]:
+    """The specs of ``tensors`` once they pass the reference's checks, in its order (so the
+    first fault found is the one it reports): a dict, tensors, strided, no two overlapping in
+    memory, then each contiguous, with bytes, of a safetensors dtype."""
+    if not isinstance(tensors, dict):
+        raise InvalidArgumentError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    sparse = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise NotATensorError(f"Key `{name}` is invalid, expected torch.Tensor but received {type(t)}")
+        if t.layout != torch.strided:
+            sparse.append(name)
+    if sparse:
+        raise SparseTensorError(f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+                                "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+                                "aware this might make a much larger file than needed.")
+    overlapping = [names for names in shared_tensor_groups(tensors) if len(names) > 1]
+    if overlapping:
+        raise SharedTensorsError(f"Some tensors share memory, which would store them twice and load them apart: "
+                                 f"{overlapping}. Save one of each (save_model does).")
+    specs = []
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise NonContiguousTensorError(f"You are trying to save a non contiguous tensor: `{name}` which is not "
+                                           "allowed. Call `.contiguous()` on it before saving.")
+        if t.device.type == "meta":
+            raise MetaTensorError(f"tensor {name!r}: Cannot copy out of meta tensor; no data!")
+        st, shape = _st_type(torch, name, t)
+        specs.append(fmt.TensorSpec(name, st, shape))
+    return specs
+
+
+def save(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes of a safetensors file holding ``tensors``, exactly as ``safetensors.torch.save``
+    writes them (CPU or GPU tensors, contiguous and dense)."""
+    torch = _torch()
+    lay = fmt.packed_layout(_savable(torch, tensors), metadata)
+    out = bytearray(lay.file_size)
+    out[:lay.data_start] = lay.header
+    view = memoryview(out)
+    for e in lay.entries:
+        if e.nbytes:
+            src = tensors[e.name].detach().reshape(-1).view(torch.uint8).cpu()
+            view[lay.file_offset(e):lay.file_offset(e) + e.nbytes] = src.numpy().data
+    return bytes(out)
+
+
+def load(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``data`` (bytes), in CPU memory, each owning
+    its memory (as ``safetensors.torch.load``)."""
+    torch = _torch()
+    if not isinstance(data, bytes):
+        raise UnsupportedBufferError(f"data must be bytes, not {type(data).__name__}")
+    header = fmt.parse_bytes(data)
+    out = {}
+    for e in header.entries:
+        dt, shape = _torch_type(torch, e)
+        if e.nbytes == 0:
+            out[e.name] = _empty_tensor(torch, e, dt, shape, torch.device("cpu"))
+            continue
+        raw = bytearray(data[header.data_start + e.start:header.data_start + e.end])
+        out[e.name] = torch.frombuffer(raw, dtype=torch.uint8).view(dt).reshape(shape)
+    return out
+
+
+def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str],
               metadata: Mapping[str, str] | None = None, *, progress: ProgressArg = False) -> None:
     """Write ``tensors`` to a standard safetensors file whose data section starts 4 KiB-aligned.
 
-    CPU and GPU tensors are accepted (non-contiguous ones too); GPU bytes go
-    through the engine without a stop in pageable host memory. The write is
-    atomic: a temporary file beside ``path`` is fsynced and renamed.
+    Takes and refuses what ``safetensors.torch.save_file`` does (contiguous, dense tensors, none
+    overlapping another in memory). CPU and GPU tensors; GPU bytes go through the engine without
+    a stop in pageable host memory. The write is atomic: a temporary file beside ``filename`` is
+    fsynced and renamed.
     """
     torch = _torch()
-    from gdskit.formats.torch_io import flat_bytes, has_plain_bytes  # noqa: PLC0415 - needs torch
+    from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - needs torch
 
-    if not isinstance(tensors, Mapping):
-        raise InvalidArgumentError("tensors must be a mapping of names to tensors")
-    specs = []
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if not has_plain_bytes(t):
-            raise UnsupportedTensorError(f"tensor {name!r} ({t.layout}, {t.device}) has no plain bytes to store")
-        st, shape = _st_type(torch, name, t)
-        specs.append(fmt.TensorSpec(name, st, shape))
-    lay = fmt.layout(specs, metadata)
+    lay = fmt.layout(_savable(torch, tensors), metadata)
+    path = filename
 
     for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
         torch.cuda.synchronize(d)  # the engine reads the bytes outside torch's streams
@@ -281,15 +404,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
             for e in lay.entries:
                 if e.nbytes == 0:
                     continue
-                t = tensors[e.name]
-                copied = not t.is_contiguous()
-                src = flat_bytes(t)
-                if copied and src.device.type == "cuda":
-                    torch.cuda.synchronize(src.device)  # the copy was made on torch's stream
-                fut = f.pwrite(src, size=e.nbytes, file_offset=lay.file_offset(e))
+                fut = f.pwrite(flat_bytes(tensors[e.name]), size=e.nbytes, file_offset=lay.file_offset(e))
                 fut.add_done_callback(lambda _f, n=e.nbytes: prog.advance(n))
-                if copied:
-                    fut.result()  # bound the extra memory to one temporary copy
                 futures.append(fut)
             for fut in futures:
                 fut.result()
@@ -396,3 +512,327 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
     from gdskit.formats.stream import TensorStream
     return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
                         torch_type=_torch_type, shape=_READ_SHAPE)
+
+
+# -- tensors that share memory, and whole models (as safetensors.torch's save_model/load_model) --
+
+def _storage_of(t: Any) -> tuple[Any, int, int] | None:
+    """Which memory ``t`` lives in: (device, storage address, storage bytes); None for memory that
+    is no memory (the meta device, an empty or unallocated storage)."""
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    if storage.data_ptr() == 0 or storage.nbytes() == 0:
+        return None
+    return t.device, storage.data_ptr(), storage.nbytes()
+
+
+def _end_address(t: Any) -> int:
+    """One past the last byte of ``t``'s last element (its start when it has none)."""
+    if t.numel() == 0:
+        return t.data_ptr()
+    return t.data_ptr() + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+
+
+def shared_tensor_groups(tensors: Mapping[str, Any]) -> list[set[str]]:
+    """The names of ``tensors`` in groups whose memory overlaps (a group of one: overlapping
+    nothing); tensors on the meta device or without memory are in none."""
+    by_storage: dict[tuple[Any, int, int], list[str]] = {}
+    for name, t in tensors.items():
+        key = _storage_of(t)
+        if key is not None:
+            by_storage.setdefault(key, []).append(name)
+    groups: list[set[str]] = []
+    for names in by_storage.values():
+        spans = sorted((tensors[n].data_ptr(), _end_address(tensors[n]), n) for n in names)
+        reach = None
+        for start, end, name in spans:
+            if reach is not None and start < reach:
+                groups[-1].add(name)
+                reach = max(reach, end)
+            else:
+                groups.append({name})
+                reach = end
+    return groups
+
+
+def _covers_its_storage(t: Any) -> bool:
+    return t.data_ptr() == t.untyped_storage().data_ptr() and t.nbytes == t.untyped_storage().nbytes()
+
+
+def names_to_drop(state_dict: Mapping[str, Any], *, preferred_names: Iterable[str] = ()) -> dict[str, list[str]]:
+    """For each group of tensors sharing memory, the name kept (one covering the whole storage:
+    a preferred name if any, else the first by name) and the names dropped with it.
+
+    Raises
+    ------
+    SharedTensorsError
+        No tensor of a group covers its whole storage: saving one would not save the others.
+    """
+    preferred = set(preferred_names)
+    drop: dict[str, list[str]] = {}
+    for group in shared_tensor_groups(state_dict):
+        if len(group) < 2:
+            continue
+        complete = sorted(n for n in group if _covers_its_storage(state_dict[n]))
+        if not complete:
+            raise SharedTensorsError(f"tensors {sorted(group)} share memory and none covers all of it: saving one "
+                                     "would lose the others, saving each would store more than the model holds")
+        keep = next((n for n in complete if n in preferred), complete[0])
+        drop[keep] = sorted(group - {keep})
+    return drop
+
+
+def save_model(model: torch.nn.Module, filename: str | os.PathLike[str], metadata: Mapping[str, str] | None = None,
+               force_contiguous: bool = True) -> None:
+    """Save ``model.state_dict()``, each group of tied tensors once (as ``safetensors.torch.save_model``).
+
+    A dropped name is recorded in the metadata as ``{dropped: kept}`` unless ``metadata`` already
+    has that key; ``force_contiguous`` saves non-contiguous tensors as contiguous copies.
+    """
+    state_dict = model.state_dict()
+    meta = dict(metadata) if metadata is not None else None
+    for kept, dropped in names_to_drop(state_dict).items():
+        for name in dropped:
+            meta = {} if meta is None else meta
+            meta.setdefault(name, kept)
+            del state_dict[name]
+    if force_contiguous:
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    try:
+        save_file(state_dict, filename, metadata=meta)
+    except NonContiguousTensorError as exc:
+        exc.args = (f"{exc} Or use save_model(..., force_contiguous=True).",)
+        raise
+
+
+def load_model(model: torch.nn.Module, filename: str | os.PathLike[str], strict: bool = True,
+               device: Any = "cpu", *, backend: str = "mmap") -> tuple[set[str], list[str]]:
+    """Load a file written by :func:`save_model` (or any safetensors file) into ``model``, tied
+    tensors filled from whichever of their names the file holds.
+
+    Returns
+    -------
+    (missing, unexpected)
+        Names of the model the file did not fill, and names of the file the model did not take.
+
+    Raises
+    ------
+    StateDictMismatchError
+        ``strict`` and either is not empty.
+    """
+    state_dict = load_file(filename, device=device, backend=backend)
+    tied = names_to_drop(model.state_dict(), preferred_names=state_dict.keys())
+    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing_list)
+    for name in (n for names in tied.values() for n in names):
+        if name in missing:
+            missing.remove(name)     # filled through the name it is tied to
+        else:
+            unexpected.append(name)  # the file holds it, but the model fills it through another name
+    if strict and (missing or unexpected):
+        error = f"Error(s) in loading state_dict for {type(model).__name__}:"
+        if missing:
+            error += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
+        if unexpected:
+            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
+        raise StateDictMismatchError(error)
+    return missing, unexpected
+
+
+# -- safe_open: one tensor, or one slice of one, at a time ------------------------------
+
+_FRAMEWORKS = ("pt", "torch", "pytorch")
+
+
+class safe_open:  # noqa: N801 - the name safetensors gives it
+    """A safetensors file opened to read tensors, or slices of them, one at a time (as
+    ``safetensors.safe_open`` with ``framework="pt"``).
+
+    >>> with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+    ...     head = f.get_slice("lm_head.weight")[:1024]
+
+    Parameters
+    ----------
+    filename : path
+        One safetensors file; its header is read and checked here.
+    framework : str
+        ``"pt"`` (or ``"torch"``, ``"pytorch"``): gdskit makes torch tensors only.
+    device : str, int or torch.device
+        Where tensors go; bytes for a CUDA device go straight there.
+    """
+
+    def __init__(self, filename: str | os.PathLike[str], framework: str, device: Any = "cpu", *,
+                 backend: str = "mmap") -> None:
+        torch = _torch()
+        if framework not in _FRAMEWORKS:
+            raise InvalidArgumentError(f"framework {framework!r} is not one gdskit.safetensors reads into "
+                                       f"(it makes torch tensors: {', '.join(_FRAMEWORKS)})")
+        _check_backend(backend)
+        self._device = _device(torch, device)
+        self._path = os.fspath(filename)
+        self._header: fmt.Header | None = fmt.read_header_file(self._path)
+        self._by_name = {e.name: e for e in self._header.entries}
+
+    def __enter__(self) -> safe_open:
+        self._open_header()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._header = None
+
+    def _open_header(self) -> fmt.Header:
+        if self._header is None:
+            raise ClosedFileError(f"{self._path}: the file is closed")
+        return self._header
+
+    def keys(self) -> list[str]:
+        """The tensor names, sorted."""
+        self._open_header()
+        return sorted(self._by_name)
+
+    def offset_keys(self) -> list[str]:
+        """The tensor names in the order of their bytes in the file."""
+        return self._open_header().names()
+
+    def metadata(self) -> dict[str, str] | None:
+        """The ``__metadata__`` strings (None when the file has none)."""
+        header = self._open_header()
+        return None if header.metadata is None else dict(header.metadata)
+
+    def _entry(self, name: str) -> fmt.TensorEntry:
+        self._open_header()
+        if not isinstance(name, str):
+            raise HeaderTypeError(f"a tensor name is a str, not {type(name).__name__}")
+        entry = self._by_name.get(name)
+        if entry is None:
+            raise MissingTensorError(f"{self._path} does not contain tensor {name!r}")
+        return entry
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` on the device, owning its memory; only its bytes are read."""
+        return self.get_slice(name)[...]
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, as :func:`load_file` reads them."""
+        self._open_header()
+        return load_file(self._path, self._device)
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A handle on tensor ``name`` that reads only the part indexed from it."""
+        return TensorSlice(self, self._entry(name))
+
+
+class TensorSlice:
+    """One tensor of a :class:`safe_open` file, read in part by indexing it (``s[:, 1:3]``):
+    torch's indexing, but only the bytes of the smallest box of the tensor that holds the
+    indexed part are read, straight to the device. Advanced indices (lists, tensors, bools)
+    read the whole tensor."""
+
+    def __init__(self, owner: safe_open, entry: fmt.TensorEntry) -> None:
+        self._owner = owner
+        self._entry = entry
+
+    def get_shape(self) -> list[int]:
+        """The shape as the file records it."""
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype (``"F32"``, ``"BF16"`` ...)."""
+        return self._entry.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        torch = _torch()
+        owner = self._owner
+        header = owner._open_header()
+        entry = self._entry
+        try:
+            dt, shape = _torch_type(torch, entry)
+        except fmt.FormatError as exc:
+            raise with_path(exc, owner._path) from None
+        items = index if isinstance(index, tuple) else (index,)
+        meta = (torch.empty(shape, dtype=dt, device="meta") if entry.nbytes
+                else torch.empty(0, dtype=dt, device="meta").reshape(shape))  # allocates nothing
+        _index_torch(lambda: meta[items])  # torch's refusals, before a byte is read
+        box, inside = _box(shape, items)
+        data = _read_box(torch, owner._path, header, entry, dt, shape, box, owner._device)
+        part = _index_torch(lambda: data[inside])
+        if part.data_ptr() == data.data_ptr() and part.nbytes == data.nbytes and part.is_contiguous():
+            return part
+        return part.clone(memory_format=torch.contiguous_format)  # its own memory, not a view on the box
+
+
+def _index_torch(fn: Any) -> Any:
+    """``fn()``, an indexing, with torch's refusals as gdskit errors of the same built-in classes."""
+    try:
+        return fn()
+    except IndexError as exc:
+        raise InvalidIndexError(str(exc)) from None
+    except TypeError as exc:
+        raise UnsupportedIndexError(str(exc)) from None
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def _box(shape: tuple[int, ...], items: tuple[Any, ...]) -> tuple[list[tuple[int, int]], tuple[Any, ...]]:
+    """The smallest box (``[lo, hi)`` per dimension) holding what ``items`` index from a tensor of
+    ``shape``, and the index that takes it from the box. ``items`` were accepted by torch."""
+    full = [(0, n) for n in shape]
+    if not all(type(i) is int or isinstance(i, slice) or i is None or i is Ellipsis for i in items):
+        return full, items  # advanced indexing: the whole tensor
+    box = list(full)
+    inside: list[Any] = []
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    dim = 0
+    for item in items:
+        if item is None:
+            inside.append(None)
+        elif item is Ellipsis:
+            inside.append(Ellipsis)
+            dim += len(shape) - consumed
+        elif isinstance(item, slice):
+            start, stop, step = item.indices(shape[dim])
+            count = len(range(start, stop, step))
+            box[dim] = (start, start + (count - 1) * step + 1) if count else (start, start)
+            inside.append(slice(0, box[dim][1] - box[dim][0], step))
+            dim += 1
+        else:
+            at = item % shape[dim]
+            box[dim] = (at, at + 1)
+            inside.append(0)
+            dim += 1
+    return box, tuple(inside)
+
+
+def _read_box(torch: Any, path: str, header: fmt.Header, entry: fmt.TensorEntry, dt: Any, shape: tuple[int, ...],
+              box: list[tuple[int, int]], dev: Any) -> Any:
+    """A new tensor on ``dev`` of the ``box`` of tensor ``entry``: its rows of bytes, and no
+    other, read into it."""
+    out = torch.empty([hi - lo for lo, hi in box], dtype=dt, device=dev)
+    if out.numel() == 0:
+        return out
+    item = out.element_size()
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    split = len(box) - 1  # the rows: the dimensions after `split` are whole
+    while split >= 0 and box[split] == (0, shape[split]):
+        split -= 1
+    row_start = box[split][0] * strides[split] if split >= 0 else 0
+    row_bytes = out.nbytes // math.prod(hi - lo for lo, hi in box[:max(split, 0)]) if split > 0 else out.nbytes
+    base = header.data_start + entry.start + row_start * item
+    flat = out.view(-1).view(torch.uint8)
+    extents, dests = [], {}
+    for n, corner in enumerate(itertools.product(*(range(lo, hi) for lo, hi in box[:max(split, 0)]))):
+        offset = base + item * sum(i * s for i, s in zip(corner, strides))
+        extents.append(read_plan.Extent(n, offset, row_bytes))
+        dests[n] = flat[n * row_bytes:(n + 1) * row_bytes]
+    plan = read_plan.plan(extents, small=SMALL_TENSOR_BYTES, max_group=MAX_GROUP_BYTES, max_gap=0)
+    from gdskit.formats.torch_io import execute
+    with open_file(path, "r") as f:
+        if f.size != header.file_size:
+            raise TruncatedFileError(f"changed size after its header was read ({header.file_size} -> {f.size} bytes)",
+                                     path=path)
+        try:
+            execute(f, plan, dev, dests=dests)
+        except fmt.FormatError as exc:
+            raise with_path(exc, path) from None
+    return out

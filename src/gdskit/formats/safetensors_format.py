@@ -82,6 +82,12 @@ class UnencodableNameError(HeaderError, UnicodeError):
     surrogate): it has no UTF-8 form. Raised before anything is written."""
 
 
+class HeaderTypeError(HeaderError, TypeError):
+    """A tensor name, or the metadata, to be written is of a type a header cannot hold (names
+    and metadata keys and values are ``str``, metadata a mapping); a ``TypeError`` as the
+    reference raises. Raised before anything is written."""
+
+
 class LayoutError(FormatError):
     """Tensor offsets are out of range, overlap, leave holes, or disagree with shape and dtype."""
 
@@ -514,11 +520,37 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     is a multiple of ``alignment`` go first, in the given order: each of them
     starts aligned. The rest follow in the given order.
     """
+    specs = _checked(specs, metadata)
+    sized = [(s, nbytes_of(s.dtype, s.shape)) for s in specs]
+    ordered = ([x for x in sized if x[1] % alignment == 0]
+               + [x for x in sized if x[1] % alignment != 0])
+    return _header_and_entries(ordered, metadata, lambda raw: (-(8 + len(raw))) % alignment)
+
+
+#: The order of the reference's dtypes (the Rust crate's ``Dtype`` enum, smallest first); its
+#: serializer writes tensors of the larger dtypes first, each dtype's tensors by name.
+REFERENCE_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                         "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+                         "C64", "F64", "I64", "U64")
+_REFERENCE_RANK = {d: i for i, d in enumerate(REFERENCE_DTYPE_ORDER)}
+
+
+def packed_layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None) -> Layout:
+    """The layout the reference's serializer writes, byte for byte: tensors ordered by dtype
+    (largest first) then name, the header padded with spaces to a multiple of 8 bytes."""
+    specs = _checked(specs, metadata)
+    ordered = sorted(((s, nbytes_of(s.dtype, s.shape)) for s in specs),
+                     key=lambda x: (-_REFERENCE_RANK[x[0].dtype], x[0].name))
+    return _header_and_entries(ordered, metadata, lambda raw: -len(raw) % 8)
+
+
+def _checked(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None) -> list[TensorSpec]:
+    """``specs`` as a list, once every name, dtype and metadata string is one a header holds."""
     specs = list(specs)
     seen: set[str] = set()
     for s in specs:
         if not isinstance(s.name, str):
-            raise HeaderError(f"tensor names must be strings, got {type(s.name).__name__}")
+            raise HeaderTypeError(f"tensor names must be strings, got {type(s.name).__name__}")
         if s.name == METADATA_KEY:
             raise HeaderError(f"{METADATA_KEY!r} cannot be a tensor name")
         if s.name in seen:
@@ -527,27 +559,32 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
             raise UnknownDtypeError(f"unknown safetensors dtype {s.dtype!r}")
         seen.add(s.name)
     if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise HeaderTypeError(f"metadata must be a dict of strings, got {type(metadata).__name__}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise HeaderError("metadata must map strings to strings")
+            raise HeaderTypeError("metadata must map strings to strings")
     _utf8_only("tensor name", (s.name for s in specs))
     if metadata:
         _utf8_only("metadata string", (t for kv in metadata.items() for t in kv))
-    sized = [(s, nbytes_of(s.dtype, s.shape)) for s in specs]
-    ordered = ([x for x in sized if x[1] % alignment == 0]
-               + [x for x in sized if x[1] % alignment != 0])
+    return specs
+
+
+def _header_and_entries(ordered: list[tuple[TensorSpec, int]], metadata: Mapping[str, str] | None,
+                        padding: Callable[[bytes], int]) -> Layout:
+    """The tensors placed back to back in ``ordered`` order, and the header (JSON as serde_json
+    writes it, then ``padding(json)`` spaces)."""
     entries = []
     pos = 0
     for s, n in ordered:
         entries.append(TensorEntry(s.name, s.dtype, tuple(s.shape), pos, pos + n))
         pos += n
     doc: dict[str, object] = {}
-    if metadata:
-        doc[METADATA_KEY] = dict(metadata)
+    if metadata is not None:  # an empty one is written too, as the reference writes it
+        doc[METADATA_KEY] = dict(sorted(metadata.items()))
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.start, e.end]}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    pad = (-(8 + len(raw))) % alignment
-    raw += b" " * pad
+    raw += b" " * padding(raw)
     return Layout(struct.pack("<Q", len(raw)) + raw, tuple(entries))
 
 
