@@ -29,6 +29,10 @@ from gdskit.errors import InvalidArgumentError
 __all__ = ["Dataset", "NpyDataset", "RecordDataset", "TokenDataset"]
 
 
+#: Samples are numbered in int64.
+MAX_SAMPLES = 2**63 - 1
+
+
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an int > 0, or :class:`InvalidArgumentError`."""
     if isinstance(value, bool):
@@ -268,18 +272,17 @@ class NpyDataset(Dataset):
     def _rows_of(self, headers: list[npy.NpyHeader]) -> None:
         row: Layout | None = None
         for s, h in zip(self._sources, headers):
-            if not h.shape:
-                raise UnsupportedLayoutError(f"{s.path}: a 0-d array has no rows")
-            if h.fortran_order and len(h.shape) > 1 and h.shape[0] > 1 and math.prod(h.shape[1:]) > 1:
-                raise UnsupportedLayoutError(f"{s.path}: the rows of a Fortran-order array are not contiguous "
-                                             "in the file; save it in C order for row samples")
-            lay = from_numpy(h.dtype, h.shape[1:], False)
+            lay = row_layout(s.path, h)
             if row is not None and lay != row:
                 raise SampleMismatchError(f"{s.path}: rows of {lay.describe()}, but earlier files' are "
                                           f"{row.describe()}")
             row = lay
         assert row is not None
-        self._counts = np.array([h.shape[0] for h in headers], dtype=np.int64)
+        counts = [h.shape[0] for h in headers]
+        if row.nbytes == 0 and sum(counts) > MAX_SAMPLES:  # only empty rows come in such numbers
+            raise UnsupportedLayoutError(f"the files hold {sum(counts)} rows, more than a dataset can number "
+                                         f"({MAX_SAMPLES})")
+        self._counts = np.array(counts, dtype=np.int64)
         self._bases = np.array([h.data_offset for h in headers], dtype=np.int64)
         self._stride = row.nbytes
         self._layout = row
@@ -288,6 +291,27 @@ class NpyDataset(Dataset):
     def _params(self) -> dict[str, Any]:
         lay = self._layout
         return {"rows": self.rows, "layout": lay.describe() if lay is not None else "mixed"}
+
+
+def row_layout(path: str, header: npy.NpyHeader) -> Layout:
+    """The layout of each row of the array ``header`` describes, where each row is one run of bytes.
+
+    In C order every row is. In Fortran order row ``i`` is elements ``i``, ``i + n``, ``i + 2n``...
+    of the file (``n`` rows): one run only where there is at most one row, or a row holds at most
+    one element; other Fortran-order arrays raise :class:`UnsupportedLayoutError`. The single row
+    of a Fortran-order array is in Fortran order itself, which matters only where two of its
+    dimensions exceed 1 (elsewhere both orders lay it out alike: it is taken as C order, and
+    stacks with C-order files' rows).
+    """
+    shape = header.shape
+    if not shape:
+        raise UnsupportedLayoutError(f"{path}: a 0-d array has no rows")
+    n, row = shape[0], shape[1:]
+    if header.fortran_order and n > 1 and math.prod(row) > 1:
+        raise UnsupportedLayoutError(f"{path}: the rows of a Fortran-order array of {n} rows are scattered "
+                                     "through the file; save it in C order for row samples")
+    fortran = header.fortran_order and n == 1 and sum(d > 1 for d in row) > 1
+    return from_numpy(header.dtype, row, fortran)
 
 
 def check_stackable(dataset: Dataset, batch_size: int) -> None:

@@ -8,7 +8,8 @@ reads it with a small parser of exactly the literals that header needs (quoted s
 pass over at most :data:`MAX_HEADER_CHARS` characters.
 
 What it accepts, numpy accepts with the same dtype, shape and order (the tests hold it to
-that, against ``numpy.lib.format``). Some headers numpy takes are refused here: Python 2
+that, against ``numpy.lib.format``), and its shape is one ``np.load`` makes an array of: an
+empty array's dimensions too are held to numpy's bounds. Some headers numpy takes are refused here: Python 2
 longs (``3L``), comments, escapes in strings, duplicate keys, booleans or negative numbers as
 dimensions, and every dtype that has no plain numeric tensor type (structured, strings,
 dates, ``longdouble``; objects above all: those would mean unpickling).
@@ -134,10 +135,29 @@ def parse_header(data: bytes) -> NpyHeader:
     if not isinstance(descr, str):
         raise NpyHeaderError(f"descr is not a dtype string: {descr!r:.40}")
     dtype = numeric_dtype(descr)
-    header = NpyHeader(dtype, shape, fortran, total, version)
-    if header.nbytes > _MAX_BYTES:
-        raise NpyHeaderError(f"shape {shape} describes more bytes than any file holds")
-    return header
+    _check_extent(shape, dtype.itemsize, fortran)
+    return NpyHeader(dtype, shape, fortran, total, version)
+
+
+def _check_extent(shape: tuple[int, ...], itemsize: int, fortran: bool) -> None:
+    """Refuse a shape that ``np.load`` cannot make an array of (nor torch a tensor).
+
+    numpy reshapes the data it read to the shape (reversed for Fortran order), multiplying the
+    dimensions in that order, and refuses a product past ``2**63 - 1`` even where a later 0 would
+    make it 0; the array it makes must then have its item size times every non-zero dimension
+    within that bound (its strides). An empty array can thus have large dimensions, but not any.
+    """
+    count = 1
+    for d in shape[::-1] if fortran else shape:
+        count *= d
+        if count > _MAX_BYTES:
+            raise NpyHeaderError(f"shape {shape} has more elements than any array holds")
+    extent = itemsize
+    for d in shape:
+        extent *= d or 1
+        if extent > _MAX_BYTES:
+            raise NpyHeaderError(f"shape {shape} describes more bytes than any array holds"
+                                 + (" (it is empty, but numpy cannot make it)" if count == 0 else ""))
 
 
 def numeric_dtype(descr: str) -> np.dtype:
