@@ -41,17 +41,29 @@ class UnsupportedModelError(GdskitError, NotImplementedError):
     modules kept in float32 under a half-precision dtype)."""
 
 
-def _transformers() -> Any:
+#: What brings torch and transformers 5 both.
+_INSTALL_HINT = "pip install 'gdskit[transformers]'"
+
+
+def _dependencies() -> tuple[Any, Any]:
+    """torch and transformers (5 or later); :class:`MissingDependencyError` with the install hint
+    where either is missing."""
+    try:
+        torch = require_torch("gdskit.transformers")
+    except MissingDependencyError:
+        raise MissingDependencyError(f"gdskit.transformers needs torch: {_INSTALL_HINT}") from None
     try:
         import transformers
     except ImportError:
-        raise MissingDependencyError("gdskit.transformers needs transformers: "
-                                     "pip install 'gdskit[transformers]'") from None
+        raise MissingDependencyError(f"gdskit.transformers needs transformers: {_INSTALL_HINT}") from None
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
         raise MissingDependencyError(f"gdskit.transformers needs transformers 5 or later "
-                                     f"(this is {transformers.__version__})")
-    return transformers
+                                     f"(this is {transformers.__version__}): {_INSTALL_HINT}")
+    return torch, transformers
+
+
+_dependencies()  # at import, as every torch-facing module of gdskit fails without what it needs
 
 
 def _checkpoint_files(path: str) -> str:
@@ -240,8 +252,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     transformers.PreTrainedModel
         In eval mode, weights tied, with its generation config where the directory has one.
     """
-    torch = require_torch("gdskit.transformers")
-    transformers = _transformers()
+    torch, transformers = _dependencies()
     from gdskit import safetensors as gs
     from gdskit.formats.shard_index import index_checkpoint
 
