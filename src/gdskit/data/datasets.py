@@ -234,7 +234,7 @@ class NpyDataset(Dataset):
     several; ``rows=True`` takes the rows of every file (their rows must agree in dtype and
     shape), ``rows=False`` one sample per file even of one. Headers are read once, here;
     the data is read by scattered reads (no memory map). C and Fortran order and either byte
-    order are taken; object arrays are refused (never unpickled).
+    order are taken; object arrays are refused (never unpickled). Row ``i`` is ``np.load(path)[i]``.
 
     Raises
     ------
@@ -243,7 +243,8 @@ class NpyDataset(Dataset):
     TruncatedFileError
         A file is shorter than its header says.
     UnsupportedLayoutError
-        ``rows`` of a 0-d array, or of a Fortran-order array (its rows are not contiguous).
+        ``rows`` of a 0-d array, or of a Fortran-order array whose rows are scattered through
+        the file (more than one row, of more than one element: see :func:`row_layout`).
     SampleMismatchError
         ``rows=True`` over files whose rows differ.
     """

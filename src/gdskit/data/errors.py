@@ -30,8 +30,8 @@ class FileSizeError(FormatError):
 
 
 class UnsupportedLayoutError(FormatError):
-    """An ``.npy`` array whose rows cannot be samples: a 0-d array, or a Fortran-order one
-    whose rows are scattered through the file."""
+    """An ``.npy`` array whose rows cannot be samples: a 0-d array, a Fortran-order one whose
+    rows are scattered through the file, or empty rows past what int64 numbers."""
 
 
 class SampleMismatchError(FormatError):

@@ -466,6 +466,9 @@ class Loader:
 
     Raises
     ------
+    InvalidArgumentError
+        An argument out of range or of the wrong kind (``rank`` not below ``world_size``,
+        ``shuffle`` not a bool...). Any ``world_size`` is planned from this rank's share alone.
     DatasetTooSmallError
         No sample, or (``drop_last``) less than one batch for each rank.
     SampleMismatchError
