@@ -38,6 +38,8 @@ from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
 
+require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
+
 __all__ = ["save", "load", "UnsafeCheckpointError", "DeviceUnavailableError", "STORAGE_ALIGNMENT"]
 
 #: Storages in files written by :func:`save` start on this boundary.
