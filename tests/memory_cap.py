@@ -27,6 +27,10 @@ allocation past the cap raises ``MemoryError`` in the child), kills the child af
   without reporting.
 - ``"timed_out"``: the child ran past ``timeout_s`` and was killed.
 
+``Outcome.peak_rss_growth`` is how far the child's resident memory rose above its size at the
+start of ``fn`` at its highest (bytes; ``VmHWM``, which a fork starts afresh), so that a test can
+ask that a case was cheap as well as bounded; None where the child did not report.
+
 Many cases can share one child: pass a function that loops over them (a hypothesis
 ``@given`` test included) and let the cap and the timeout bound the whole loop. Linux only
 (fork, ``/proc/self/status``).
@@ -59,6 +63,7 @@ class Outcome:
     detail: str = ""
     signal: int | None = None
     exitcode: int | None = None
+    peak_rss_growth: int | None = None
 
     def raised(self, name: str) -> bool:
         """Whether the child raised an instance of the class called ``name`` (or a subclass)."""
@@ -71,19 +76,19 @@ class Outcome:
         return self.value
 
 
-def _address_space_in_use() -> int:
-    """This process's virtual size (VmSize) in bytes."""
+def _status_bytes(field: str) -> int:
+    """A size this process's ``/proc/self/status`` gives (``VmSize``, ``VmRSS``, ``VmHWM``), in bytes."""
     with open("/proc/self/status", encoding="ascii") as fh:
         for line in fh:
-            if line.startswith("VmSize:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _cap_address_space(cap_bytes: int) -> None:
     """Let this process's address space grow by at most ``cap_bytes`` from now on."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = _address_space_in_use() + cap_bytes
+    limit = _status_bytes("VmSize") + cap_bytes
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
@@ -92,6 +97,7 @@ def _cap_address_space(cap_bytes: int) -> None:
 def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
            cap_bytes: int) -> None:
     """The forked child: cap, run, report one message through ``conn``."""
+    start_rss = _status_bytes("VmRSS")
     try:
         _cap_address_space(cap_bytes)
         value = fn(*args, **kwargs)
@@ -105,7 +111,7 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         except Exception:  # noqa: BLE001 - an unpicklable result comes back as text
             value = repr(value)
         message = ("returned", value)
-    conn.send(message)
+    conn.send((_status_bytes("VmHWM") - start_rss, message))
     conn.close()
 
 
@@ -133,24 +139,29 @@ def run_capped(fn: Callable[..., Any], *args: Any, cap_bytes: int = DEFAULT_CAP_
     proc = ctx.Process(target=_child, args=(send, fn, args, kwargs, cap_bytes), daemon=True)
     proc.start()
     send.close()
+    message = None
     try:
-        message = receive.recv() if receive.poll(timeout_s) else None
+        timed_out = not receive.poll(timeout_s)
+        if not timed_out:
+            message = receive.recv()
     except EOFError:  # the child died before it could report
-        message = None
+        pass
     finally:
         receive.close()
-    if message is None and proc.is_alive():
+    if timed_out:
         proc.kill()
         proc.join()
         return Outcome("timed_out", exitcode=proc.exitcode)
     proc.join(timeout=10)
-    if proc.is_alive():  # reported, then hung on its way out
+    if proc.is_alive():  # reported (or closed its end), then hung on its way out
         proc.kill()
         proc.join()
     if message is None:
         code = proc.exitcode
         return Outcome("killed", signal=-code if code is not None and code < 0 else None, exitcode=code)
+    peak, message = message
     if message[0] == "returned":
-        return Outcome("returned", value=message[1], exitcode=proc.exitcode)
+        return Outcome("returned", value=message[1], exitcode=proc.exitcode, peak_rss_growth=peak)
     _tag, name, bases, detail = message
-    return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode)
+    return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode,
+                   peak_rss_growth=peak)

@@ -53,3 +53,15 @@ def test_a_child_past_its_timeout_is_timed_out() -> None:
 def test_an_unpicklable_result_comes_back_as_text() -> None:
     outcome = run_capped(lambda: (lambda: None))
     assert outcome.status == "returned" and isinstance(outcome.value, str)
+
+
+def _touch(n: int) -> int:
+    block = bytearray(n)
+    block[::4096] = b"\1" * len(range(0, n, 4096))  # resident, not only reserved
+    return len(block)
+
+
+def test_peak_growth_counts_what_the_case_made_resident() -> None:
+    small, large = run_capped(_touch, 1 << 20), run_capped(_touch, 256 << 20)
+    assert large.peak_rss_growth >= 200 << 20  # less what the start had that the kernel reclaimed since
+    assert small.peak_rss_growth < 64 << 20
