@@ -370,9 +370,10 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_batch(workdir: Path, cases: list[tuple[str, int]], timeout: float) -> tuple[list[dict], str]:
+def _run_batch(workdir: Path, cases: list[tuple[str, int]], timeout: float,
+               mode: str = "load") -> tuple[list[dict], str]:
     """Judge ``cases`` in one worker; the rows it reported and, if it did not finish, why."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "torch_fuzz.py"), str(workdir)], env=_worker_env(),
+    proc = subprocess.Popen([sys.executable, str(HERE / "torch_fuzz.py"), str(workdir), mode], env=_worker_env(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate("".join(json.dumps(c) + "\n" for c in cases), timeout=timeout)
@@ -387,13 +388,14 @@ def _run_batch(workdir: Path, cases: list[tuple[str, int]], timeout: float) -> t
     return rows, (ended + ": " + err[-2000:]) if ended else ""
 
 
-def _judge_all(workdir: Path, cases: list[tuple[str, int]]) -> list[dict]:
-    """Every case's verdict; a worker that dies or hangs has its current case judged again
-    alone (a crash or hang there is that case's verdict) and the rest go to a new worker."""
+def judge_all(workdir: Path, cases: list[tuple[str, int]], mode: str = "load") -> list[dict]:
+    """Every case's verdict (``mode``: as tests/torch_fuzz.py takes it); a worker that dies or
+    hangs has its current case judged again alone (a crash or hang there is that case's
+    verdict) and the rest go to a new worker."""
     verdicts: list[dict] = []
     todo = list(cases)
     while todo:
-        rows, ended = _run_batch(workdir, todo, BATCH_TIMEOUT_S)
+        rows, ended = _run_batch(workdir, todo, BATCH_TIMEOUT_S, mode)
         for row in rows:
             verdicts.append({**row, "case": todo[row["case"]]})
         todo = todo[len(rows):]
@@ -401,7 +403,7 @@ def _judge_all(workdir: Path, cases: list[tuple[str, int]]) -> list[dict]:
             assert not todo
             break
         suspect, todo = todo[0], todo[1:]
-        alone, why = _run_batch(workdir, [suspect], CASE_TIMEOUT_S)
+        alone, why = _run_batch(workdir, [suspect], CASE_TIMEOUT_S, mode)
         if alone:
             verdicts.append({**alone[0], "case": suspect})
         else:
@@ -418,7 +420,7 @@ def test_mutated_checkpoints_never_crash_and_never_disagree_with_torch(tmp_path)
     cases = [(torch_fuzz.BASES[i % len(torch_fuzz.BASES)], rng.randrange(1 << 30)) for i in range(FUZZ_CASES)]
     halves = [cases[0::2], cases[1::2]]  # two workers: the CI machine has two cores
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        verdicts = [v for part in pool.map(lambda c: _judge_all(tmp_path, c), halves) for v in part]
+        verdicts = [v for part in pool.map(lambda c: judge_all(tmp_path, c), halves) for v in part]
     assert len(verdicts) == len(cases)
     bad = [v for v in verdicts if v["verdict"] != "ok"]
     assert not bad, "\n".join(json.dumps(v) for v in bad[:20])
@@ -432,6 +434,6 @@ def test_fuzz_harness_reports_a_crash(tmp_path, monkeypatch) -> None:
     import torch_fuzz
     torch_fuzz.make_bases(tmp_path)
     monkeypatch.setenv("GDSKIT_TORCH_FUZZ_CRASH_ON", "state_dict:5")
-    verdicts = _judge_all(tmp_path, [("state_dict", 5), ("state_dict", 4)])
+    verdicts = judge_all(tmp_path, [("state_dict", 5), ("state_dict", 4)])
     by_case = {tuple(v["case"]): v["verdict"] for v in verdicts}
     assert by_case == {("state_dict", 5): "crash-or-hang", ("state_dict", 4): "ok"}

@@ -1,6 +1,6 @@
 """Mutations of real torch.save files, judged against torch.load (used by test_torch_hostile.py).
 
-Run as a worker: ``python torch_fuzz.py WORKDIR`` reads cases (``[base, seed]`` per line)
+Run as a worker: ``python torch_fuzz.py WORKDIR [MODE]`` reads cases (``[base, seed]`` per line)
 from stdin, and for each prints one JSON line ``{"case": i, "verdict": ..., "detail": ...}``
 as soon as it is judged, so that the parent knows which case a dying worker was on.
 
@@ -8,6 +8,10 @@ A case passes when gdskit.torch.load (map_location None and "cpu") raises a Gdsk
 or returns exactly what ``torch.load(weights_only=True)`` returns for the same bytes
 (structure, types, dtypes, shapes, strides, offsets, storage bytes, which storages are
 shared); where torch.load refuses the bytes, gdskit must refuse them too.
+
+In mode ``into`` (:func:`judge_into`) a case passes when gdskit.torch.load_into and
+gdskit.torch.load decide alike: both refuse with the same class of GdskitError, or both
+read the same values. The worker then runs with its address space capped (:func:`cap_memory`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from typing import Any
 
 #: The bases each case mutates, by name; made by :func:`make_bases`.
 BASES = ("state_dict", "gdskit_save", "large_storage", "deflated")
+#: The bases of mode ``into``: every one a mapping of names to tensors and other values.
+INTO_BASES = BASES
+#: Address space a worker of mode ``into`` may add to what it has once torch is imported.
+MEMORY_HEADROOM = 3 << 30
 
 
 def make_bases(directory: Path) -> None:
@@ -194,8 +202,87 @@ def judge(path: str) -> tuple[str, str]:
     return "ok", outcome
 
 
-def worker(workdir: Path) -> None:
+def cap_memory() -> None:
+    """Cap this process's address space at what it has now plus :data:`MEMORY_HEADROOM`."""
+    import resource
+    with open("/proc/self/status") as f:
+        vm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    cap = vm_kib * 1024 + MEMORY_HEADROOM
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _plain_tensors(obj: Any) -> dict[str, Any] | None:
+    """The tensors of a state dict load_into can fill from, by name; None where ``obj`` is not
+    one (load_into refuses those by design: not a mapping, names that are not strings, a tensor
+    that is not plain strided memory)."""
+    import torch
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        return None
+    out = {}
+    for k, v in obj.items():
+        if isinstance(v, torch.Tensor):
+            if v.layout is not torch.strided or v.is_quantized or type(v) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            out[k] = v
+    return out
+
+
+def _raw(t: Any) -> bytes:
+    import torch
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def judge_into(path: str, fallback: dict[str, Any]) -> tuple[str, str]:
+    """``(verdict, detail)``: load_into against load (map_location "cpu") on the file at ``path``.
+    ``fallback``: the tensors of the unmutated base, the target where load refuses the file."""
+    import torch
+
+    import gdskit.torch as gt
+    from gdskit.errors import GdskitError
+
+    def attempt(fn: Any) -> tuple[Any, BaseException | None]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return fn(), None
+        except GdskitError as exc:
+            return None, exc
+
+    try:
+        loaded, load_error = attempt(lambda: gt.load(path, map_location="cpu"))
+        tensors = _plain_tensors(loaded) if load_error is None else fallback
+        if tensors is None:
+            return "ok", "not-a-state-dict"
+        target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in tensors.items()}
+        result, into_error = attempt(lambda: gt.load_into(target, path, strict=False))
+    except Exception as exc:  # noqa: BLE001 - exactly what the test is looking for
+        return "not-a-gdskit-error", f"{type(exc).__name__}: {exc}"[:500]
+    if load_error is not None:
+        if into_error is None:
+            return "load-into-accepted-what-load-refuses", f"load raised {type(load_error).__name__}: {load_error}"[:500]
+        if type(into_error) is not type(load_error):
+            return "different-errors", f"load {type(load_error).__name__}: {load_error}; " \
+                                       f"load_into {type(into_error).__name__}: {into_error}"[:800]
+        return "ok", "refused"
+    if into_error is not None:
+        return "load-into-refused-what-load-reads", f"{type(into_error).__name__}: {into_error}"[:500]
+    others = [k for k, v in loaded.items() if not isinstance(v, torch.Tensor)]
+    if result.missing_keys or result.unexpected_keys != others:
+        return "different-names", f"{result}; not tensors: {others}"[:500]
+    wrong = [k for k, v in tensors.items() if _raw(target[k]) != _raw(v)]
+    if wrong:
+        return "different-data", f"tensors {wrong[:8]}"
+    return "ok", "accepted"
+
+
+def worker(workdir: Path, mode: str = "load") -> None:
     bases = {name: (workdir / name).read_bytes() for name in BASES}
+    fallbacks = {}
+    if mode == "into":
+        import torch
+        for name in BASES:
+            fallbacks[name] = _plain_tensors(torch.load(workdir / name, weights_only=True))
+        cap_memory()
     target = workdir / f"case.{os.getpid()}"
     crash_on = os.environ.get("GDSKIT_TORCH_FUZZ_CRASH_ON")  # "base:seed": the harness's own test
     for i, line in enumerate(sys.stdin):
@@ -204,10 +291,10 @@ def worker(workdir: Path) -> None:
             os.kill(os.getpid(), signal.SIGSEGV)
         data, how = mutate(bases[base], seed)
         target.write_bytes(data)
-        verdict, detail = judge(str(target))
+        verdict, detail = judge(str(target)) if mode == "load" else judge_into(str(target), fallbacks[base])
         print(json.dumps({"case": i, "verdict": verdict, "detail": detail, "mutation": how}), flush=True)
     target.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]), *sys.argv[2:3])

@@ -21,14 +21,15 @@ import io
 import os
 import pickle
 import re
-import sys
+import stat
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from gdskit.durable import (OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps,
                             replacement_target)
-from gdskit.errors import DeviceUnavailableError, FormatError, GdskitError, GdskitIOError, from_os_error
+from gdskit.errors import (ConfigError, DeviceUnavailableError, FormatError, GdskitError, GdskitIOError,
+                           InvalidArgumentError, from_os_error)
 from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats._device import torch_device
 from gdskit.formats._gc import collector_paused
@@ -210,21 +211,6 @@ def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: Pro
 
 # -- load -----------------------------------------------------------------------
 
-def _file_kind(path: str) -> tuple[str, int]:
-    """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``, and
-    the file's size (opened as the engine opens files: a FIFO is refused, never waited on)."""
-    fd, st = open_file_fd(path, os.O_RDONLY)
-    try:
-        head = os.pread(fd, 4, 0)
-    finally:
-        os.close(fd)
-    if head == b"PK\x03\x04":
-        return "zip", st.st_size
-    if head[:2] == b"\x80\x02":
-        return "legacy", st.st_size
-    return "other", st.st_size
-
-
 # torch's deserializer for CUDA takes "cuda", "cuda:N" and "cudaN..." (then checks the index).
 _CUDA_LOCATION = re.compile(r"cuda(:|[0-9]+)")
 
@@ -276,73 +262,170 @@ class _Target:
                                      "CUDA memory only (pass map_location, or use torch.load)")
 
 
-def load(path: str | os.PathLike[str], map_location: MapLocation = None, weights_only: bool = True, *,
-         progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None) -> Any:
+def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None, weights_only: bool | None = None,
+         *, mmap: bool | None = None, progress: ProgressArg = None, return_stats: bool = False,
+         process_group: Any = None) -> Any:
     """Load a torch.save file, reading the storage bytes through the engine.
 
     Parameters
     ----------
+    f : str, os.PathLike or binary file object
+        As for ``torch.load``: a path, or a seekable binary file object holding the
+        checkpoint from its current position (``io.BytesIO``, an open file). An open file
+        of the file system is read through the engine by its descriptor; any other object
+        is read through its own ``seek`` and ``read``.
     map_location : None, str, torch.device, dict or callable
         As for ``torch.load``: None restores each storage to the device it was
         saved from; a device sends all there; a dict remaps location strings; a
         callable gets each CPU storage and its location and returns the storage
         to use (its storages are read one by one into host memory first).
-    weights_only : bool
-        True (default): only tensors, primitive types and allow-listed classes are
-        unpickled (torch's weights-only unpickler). False runs arbitrary pickle code:
-        only for files you trust.
+    weights_only : bool or None
+        As for ``torch.load``. True: only tensors, primitive types and allow-listed
+        classes are unpickled (torch's weights-only unpickler). False runs arbitrary
+        pickle code: only for files you trust. None (default): True, unless torch's
+        ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+        makes it True whatever is passed.
+    mmap : bool or None
+        Taken for ``torch.load``'s sake, with the values unchanged: gdskit reads every
+        storage into memory of its own (host or GPU) and never maps the file, so the
+        storages are never backed by the file's pages. As with ``torch.load``, ``mmap=True``
+        needs a path (``InvalidArgumentError`` for a file object); files handed to
+        ``torch.load`` (the pre-1.6 format, TorchScript) get the argument as it is.
     progress, return_stats, process_group
-        As for :func:`gdskit.safetensors.load_file`.
+        As for :func:`gdskit.safetensors.load_file` (``process_group`` needs a path).
 
     Every storage is made at the size its record holds and cannot grow: a tensor that
     reaches past its storage is refused (``FormatError``) as torch.load refuses it,
     before any of its bytes are read into it.
     """
+    weights_only = resolve_weights_only(weights_only)
     if process_group is not None:
+        if not _is_path(f):
+            raise InvalidArgumentError("load(process_group=...) reads a checkpoint by its path, not a file object")
         from gdskit.group.load_torch import OneRank, load as group_load
-        return group_load(path, map_location, weights_only, process_group=process_group, progress=progress,
+        return group_load(f, map_location, weights_only, process_group=process_group, progress=progress,
                           return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
     with collector_paused():
-        return _load(os.fspath(path), map_location, weights_only, progress, return_stats)
+        return _load(f, map_location, weights_only, mmap, progress, return_stats)
 
 
-def _load(path: str, map_location: MapLocation, weights_only: bool, progress: ProgressArg,
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """``weights_only`` as torch.load decides it: None means True, and torch's environment
+    variables force it (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` always, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    only where the caller left it None)."""
+    yes = ("1", "y", "yes", "true")
+    force = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in yes
+    force_not = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in yes
+    if force and force_not:
+        raise ConfigError("only one of TORCH_FORCE_WEIGHTS_ONLY_LOAD and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD may be set")
+    if force:
+        return True
+    if weights_only is None:
+        return not force_not
+    return bool(weights_only)
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, os.PathLike))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What a load reads: ``path`` (for the engine; an open file's descriptor as a path), or a
+    stream read through its own methods; ``where`` names it in errors."""
+
+    given: Any                 # what the caller passed (handed on to torch.load)
+    where: str
+    path: str | None = None
+    stream: BinaryIO | None = None
+    start: int = 0             # of the checkpoint in the stream
+
+    @classmethod
+    def of(cls, f: Any) -> _Source:
+        if _is_path(f):
+            path = os.fspath(f)
+            return cls(f, path, path=path)
+        if not all(callable(getattr(f, m, None)) for m in ("read", "seek", "tell")):
+            raise InvalidArgumentError(f"load reads a path or a seekable binary file object, not a {type(f).__name__}")
+        try:
+            start = f.tell()
+        except (OSError, ValueError) as exc:  # io.UnsupportedOperation is both; a closed file says ValueError
+            raise InvalidArgumentError(f"the file object cannot be read at positions: {exc}") from None
+        name = getattr(f, "name", None)
+        where = name if isinstance(name, str) else f"<{type(f).__name__}>"
+        fd = _regular_fd(f)
+        if fd is not None and start == 0:  # read through the engine, by the open file itself
+            return cls(f, where, path=f"/proc/self/fd/{fd}")
+        return cls(f, where, stream=f, start=start)
+
+    def rewind(self) -> None:
+        if self.stream is not None:
+            self.stream.seek(self.start)
+
+
+def _regular_fd(f: Any) -> int | None:
+    """The descriptor of file object ``f`` where it is a regular file this process can reopen
+    by it (and has nothing buffered for writing); else None."""
+    try:
+        fd = f.fileno()
+        if not isinstance(fd, int) or not stat.S_ISREG(os.fstat(fd).st_mode) or not os.path.exists("/proc/self/fd"):
+            return None
+        if callable(getattr(f, "flush", None)) and getattr(f, "writable", lambda: False)():
+            f.flush()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation: no descriptor
+        return None
+    return fd
+
+
+def _file_kind(path: str) -> tuple[str, int]:
+    """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``, and
+    the file's size (opened as the engine opens files: a FIFO is refused, never waited on)."""
+    fd, st = open_file_fd(path, os.O_RDONLY)
+    try:
+        head = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
+    return _kind_of(head), st.st_size
+
+
+def _stream_kind(source: _Source) -> tuple[str, int]:
+    """:func:`_file_kind` of a stream: its kind and the bytes from its start to its end."""
+    stream = source.stream
+    assert stream is not None
+    head = stream.read(4)
+    size = stream.seek(0, os.SEEK_END) - source.start
+    source.rewind()
+    return _kind_of(head if isinstance(head, bytes) else b""), size
+
+
+def _kind_of(head: bytes) -> str:
+    if head == b"PK\x03\x04":
+        return "zip"
+    if head[:2] == b"\x80\x02":
+        return "legacy"
+    return "other"
+
+
+def _load(f: Any, map_location: MapLocation, weights_only: bool, mmap: bool | None, progress: ProgressArg,
           return_stats: bool) -> Any:
     torch = _torch()
+    source = _Source.of(f)
     try:
-        kind, archive_size = _file_kind(path)
+        kind, archive_size = _file_kind(source.path) if source.path is not None else _stream_kind(source)
     except OSError as exc:
-        raise from_os_error(exc, path) from None
+        raise from_os_error(exc, source.where) from None
     if kind == "other":
-        raise FormatError(f"{path}: not a torch.save file (neither a zip archive nor a pickle stream)")
+        raise FormatError(f"{source.where}: not a torch.save file (neither a zip archive nor a pickle stream)")
     if kind == "legacy":
-        return _fallback(torch, path, map_location, weights_only, return_stats)
+        return _fallback(torch, source, map_location, weights_only, mmap, return_stats)
+    archive = StorageRecords.open(torch, source.path if source.path is not None else source.stream,
+                                  archive_size, source.where)
     try:
-        reader = torch._C.PyTorchFileReader(path)
-    except (RuntimeError, ValueError) as exc:
-        raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
-    archive = StorageRecords(torch, reader, path, archive_size, path)
-    del reader
-    try:
-        if not archive.has("data.pkl") or "constants.pkl" in archive.names():
-            return _fallback(torch, path, map_location, weights_only, return_stats)
-        # The small records torch.load reads before the pickle: it refuses the archive where they cannot be read.
-        if archive.has(".format_version"):
-            archive.record(".format_version")
-        if archive.has("byteorder"):
-            order = archive.record("byteorder")
-            if order not in (b"little", b"big"):
-                raise FormatError(f"{path}: unknown byte order {order[:16]!r}")
-            if order.decode() != sys.byteorder:
-                return _fallback(torch, path, map_location, weights_only, return_stats)
-        if archive.has(".storage_alignment"):
-            alignment = archive.record(".storage_alignment")
-            try:
-                int(alignment)
-            except ValueError:
-                raise FormatError(f"{path}: the archive's .storage_alignment record is not a number") from None
-        archive.serialization_id()
-        return _ZipLoad(torch, path, archive, _Target(torch, map_location), progress).run(
+        if archive.not_ours() is not None:
+            return _fallback(torch, source, map_location, weights_only, mmap, return_stats)
+        if mmap and not _is_path(f):
+            raise InvalidArgumentError("mmap=True needs a path, as for torch.load")
+        return _ZipLoad(torch, source, archive, _Target(torch, map_location), progress).run(
             weights_only, return_stats)
     finally:
         archive.close()  # whatever an error's traceback keeps alive, the file is closed now
@@ -358,11 +441,15 @@ class _ZipLoad:
     rule, since its storages cannot grow either). A storage that could grow would be
     reallocated instead, and a read still under way would write into the freed memory.
     The load holds every read's destination until the read has ended, whatever fails.
+
+    A checkpoint with a path is read through the engine; one in a stream (``path`` None)
+    is read storage by storage through the stream, as its records are read.
     """
 
-    def __init__(self, torch: Any, path: str, archive: StorageRecords, target: _Target,
+    def __init__(self, torch: Any, source: _Source, archive: StorageRecords, target: _Target,
                  progress: ProgressArg) -> None:
-        self.torch, self.path, self.archive, self.target, self.progress = torch, path, archive, target, progress
+        self.torch, self.archive, self.target, self.progress = torch, archive, target, progress
+        self.path, self.where = source.path, source.where
         self.cache: dict[Any, Any] = {}              # key -> typed storage, as torch.load keeps them
         self.pending: list[tuple[Any, StorageRecord]] = []   # storages read after the unpickle
         self.ahead: _ReadAhead | None = None
@@ -372,13 +459,13 @@ class _ZipLoad:
         torch = self.torch
         before = stats() if return_stats else None
         try:
-            if self.target.single_device:
+            if self.target.single_device and self.path is not None:
                 self.ahead = _ReadAhead.start(torch, self.path, self.archive, self.target, self.progress)
             data = self.archive.record("data.pkl")
-            result = _unpickle(torch, data, self.persistent_load, weights_only, self.target.map_location, self.path)
+            result = _unpickle(torch, data, self.persistent_load, weights_only, self.target.map_location, self.where)
             if self.ahead is not None:
                 self.ahead.complete()
-            else:
+            elif self.path is not None:
                 _read_storages(torch, self.path, self.pending, self.progress)
         except BaseException:
             if self.ahead is not None:
@@ -387,7 +474,7 @@ class _ZipLoad:
         finally:
             if self._file is not None:
                 self._file.close()
-        _validate_sparse(torch, self.path)
+        _validate_sparse(torch, self.where)
         if return_stats:
             return result, stats_delta(before, stats())
         return result
@@ -398,7 +485,7 @@ class _ZipLoad:
         try:
             hit = self.cache.get(identified[0])
         except TypeError:
-            raise FormatError(f"{self.path}: a storage key of the pickle is not hashable") from None
+            raise FormatError(f"{self.where}: a storage key of the pickle is not hashable") from None
         if hit is not None:
             return hit
         rec = self.archive.resolve(saved_id, identified)
@@ -420,7 +507,7 @@ class _ZipLoad:
             return storage
         storage = new_storage(torch, rec.nbytes, self.target.device(rec.location))
         if not self.target.eager:
-            if rec.raw:
+            if rec.raw and self.path is not None:
                 self.pending.append((storage, rec))
             else:
                 self._fill_now(storage, rec)
@@ -431,17 +518,17 @@ class _ZipLoad:
             if mapped is None:
                 mapped = torch.serialization.default_restore_location(storage, rec.location)
         except RuntimeError as exc:
-            raise DeviceUnavailableError(f"{self.path}: storage {rec.name} saved on {rec.location!r}: {exc}") from None
+            raise DeviceUnavailableError(f"{self.where}: storage {rec.name} saved on {rec.location!r}: {exc}") from None
         mapped = mapped._untyped_storage if isinstance(mapped, torch.storage.TypedStorage) else mapped
         return fixed_size(torch, mapped)
 
     def _fill_now(self, storage: Any, rec: StorageRecord) -> None:
-        """Read ``rec``'s bytes into ``storage`` before going on: records torch's reader must
-        inflate, and every storage handed to a ``map_location`` callable."""
+        """Read ``rec``'s bytes into ``storage`` before going on: records that must be inflated,
+        every storage of a stream, and every storage handed to a ``map_location`` callable."""
         torch = self.torch
         if storage.device.type == "meta":
             return
-        if not rec.raw:
+        if not rec.raw or self.path is None:
             data = self.archive.read(rec)  # even an empty record: torch.load refuses one it cannot read
             if rec.nbytes:
                 _bytes_of(torch, storage, rec.nbytes).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -455,7 +542,7 @@ class _ZipLoad:
         fut = self._file.pread(dest, size=rec.nbytes, file_offset=rec.offset)
         wait_for_all([fut])
         if fut.result() != rec.nbytes:
-            raise TruncatedFileError(f"{self.path}: short read of storage {rec.name}")
+            raise TruncatedFileError(f"{self.where}: short read of storage {rec.name}")
 
 
 def new_storage(torch: Any, nbytes: int, device: Any) -> Any:
@@ -657,20 +744,24 @@ def _validate_sparse(torch: Any, where: str) -> None:
         raise FormatError(f"{where}: a sparse tensor of the checkpoint is invalid: {exc}") from None
 
 
-def _fallback(torch: Any, path: str, map_location: MapLocation, weights_only: bool, return_stats: bool) -> Any:
-    """Files gdskit does not read itself (pre-1.6 format, TorchScript, big-endian): torch.load."""
+def _fallback(torch: Any, source: _Source, map_location: MapLocation, weights_only: bool, mmap: bool | None,
+              return_stats: bool) -> Any:
+    """Files gdskit does not read itself (pre-1.6 format, TorchScript, big-endian): torch.load,
+    given what the caller gave (a stream from where the checkpoint starts)."""
+    where = source.where
+    source.rewind()
     try:
-        out = torch.load(path, map_location=map_location, weights_only=weights_only)
+        out = torch.load(source.given, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if weights_only:
-            raise UnsafeCheckpointError(f"{path}: {exc}") from None
-        raise FormatError(f"{path}: {exc}") from None
+            raise UnsafeCheckpointError(f"{where}: {exc}") from None
+        raise FormatError(f"{where}: {exc}") from None
     except OSError as exc:
-        raise from_os_error(exc, path) from None
+        raise from_os_error(exc, where) from None
     except (GdskitError, MemoryError):
         raise
     except Exception as exc:  # whatever torch.load's reading of a damaged file raises
-        raise FormatError(f"{path}: torch.load cannot read it: {type(exc).__name__}: {exc}") from exc
+        raise FormatError(f"{where}: torch.load cannot read it: {type(exc).__name__}: {exc}") from exc
     return (out, None) if return_stats else out
 
 
@@ -680,15 +771,17 @@ __all__ += ["load_into"]
 
 
 def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True, cast: bool = False,
-              weights_only: bool = True, progress: ProgressArg = None, return_stats: bool = False) -> Any:
+              weights_only: bool | None = None, progress: ProgressArg = None, return_stats: bool = False) -> Any:
     """Fill the tensors ``target`` already has from a torch.save state dict, in place.
 
     As :func:`gdskit.safetensors.load_into` (same arguments, result and errors); the file
     is a torch.save zip archive holding a mapping of names to tensors (its entries that are
-    not tensors count as unexpected). ``weights_only`` as for :func:`load`. The pickle is
-    read onto the meta device first, so every check runs before any data is read.
+    not tensors count as unexpected). ``weights_only`` as for :func:`load`. The archive is
+    read and checked as :func:`load` reads it, and its pickle onto the meta device first, so
+    every check runs before any target is written (records stored deflated are inflated then).
     """
     _torch()
+    weights_only = resolve_weights_only(weights_only)
     from gdskit.formats.into_exec import load_torch_into
     return load_torch_into(target, path, file_kind=_file_kind, unpickle=_unpickle,
                            shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),

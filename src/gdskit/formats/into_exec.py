@@ -22,7 +22,6 @@ the tensors already filled.
 from __future__ import annotations
 
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -69,7 +68,9 @@ class Source(NamedTuple):
     bytes at ``file_offset`` of ``path``, viewed as ``dtype`` and then ``shape`` (with
     ``stride`` relative to the first byte, for a strided record of a torch.save file). It is
     also the record :func:`~gdskit.formats.into_plan.plan_into` pairs (``dtype``, ``shape``,
-    ``contiguous``)."""
+    ``contiguous``). ``held``: the record's bytes already in memory (a deflated record of a
+    torch.save archive, inflated while the load was checked); ``file_offset`` then counts
+    from their start."""
 
     path: str
     file_offset: int
@@ -77,6 +78,7 @@ class Source(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...] | None = None
+    held: bytearray | None = None
 
     @property
     def contiguous(self) -> bool:
@@ -277,11 +279,27 @@ def _mark_modified(ts: Iterable[torch.Tensor]) -> None:
             torch.autograd.graph.increment_version(tracked)
 
 
+def _fill_from_memory(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
+                      prog: Progress) -> None:
+    """Copy the records held in memory (``Source.held``) into their targets."""
+    with torch.no_grad():
+        for fl in fills:
+            s = sources[fl.source]
+            if s.nbytes:
+                assert s.held is not None
+                values = torch.frombuffer(s.held, dtype=torch.uint8)[s.file_offset:s.file_offset + s.nbytes]
+                values = values.view(s.dtype)
+                values = values.view(s.shape) if s.stride is None else values.as_strided(s.shape, s.stride)
+                tensors[fl.target].copy_(values)  # converts where dtypes differ
+            prog.advance(s.nbytes)
+
+
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
               file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
-              device: torch.device | None = None) -> None:
+              device: torch.device | None = None, held: bool = False) -> None:
     """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
     (``device``: the one device of every target, where the caller knows there is one).
+    ``held``: whether some sources hold their bytes in memory (they are copied in first).
 
     Raises
     ------
@@ -289,17 +307,23 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
         A read, a file that changed size, or a copy failed; the error names what was filled.
     """
     by_file: dict[str, dict[torch.device, tuple[list[Fill], list[Fill]]]] = {p: {} for p in file_sizes}
-    if len(file_sizes) == 1 and plan.fills and device is not None:
+    from_file, from_memory = plan.fills, ()
+    if held:
+        from_memory = tuple(fl for fl in plan.fills if sources[fl.source].held is not None)
+        from_file = tuple(fl for fl in plan.fills if sources[fl.source].held is None)
+    if len(file_sizes) == 1 and from_file and device is not None:
         # One file, one device (most loads): no lookups per fill to sort them.
         (path,), dev = file_sizes, device
-        direct = [fl for fl in plan.fills if not fl.staged]
-        staged = [fl for fl in plan.fills if fl.staged]
+        direct = [fl for fl in from_file if not fl.staged]
+        staged = [fl for fl in from_file if fl.staged]
         if direct or staged:
             by_file[path][dev] = (direct, staged)
         total = sum([sources[fl.source].nbytes for fl in plan.fills])
     else:
         total = 0
-        for fl in plan.fills:
+        for fl in from_memory:
+            total += sources[fl.source].nbytes
+        for fl in from_file:
             s = sources[fl.source]
             total += s.nbytes
             per_device = by_file[s.path]
@@ -314,6 +338,9 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
     syncing = False
     try:
         with Progress(total, progress, "loading") as prog:
+            if from_memory:
+                _fill_from_memory(from_memory, tensors, sources, prog)
+                done.extend(from_memory)
             for path, per_device in by_file.items():
                 if not per_device:
                     continue
@@ -352,7 +379,8 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
 def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInfo],
             records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
             shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
-            extra_unexpected: Sequence[str] = (), record_names: Iterable[str] | None = None) -> Any:
+            extra_unexpected: Sequence[str] = (), record_names: Iterable[str] | None = None,
+            held: bool = False) -> Any:
     plan = plan_into(infos, records, cast=cast, record_names=record_names)
     unexpected = list(plan.unexpected_keys) + [n for n in extra_unexpected if n not in plan.unexpected_keys]
     if strict and (plan.missing_keys or unexpected):
@@ -362,7 +390,7 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     before = stats() if return_stats else None
     devices = {t.device for t in infos}
     one_device = tensors[infos[0].name].device if len(devices) == 1 else None
-    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device)
+    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held)
     result = LoadResult(list(plan.missing_keys), unexpected)
     if return_stats:
         return result, stats_delta(before, stats())
@@ -410,7 +438,7 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
             dtypes[e.dtype] = dt
         else:
             shp = e.shape
-        sources[name] = make(Source, (loc.path, loc.file_offset, e.end - e.start, dt, shp, None))
+        sources[name] = make(Source, (loc.path, loc.file_offset, e.end - e.start, dt, shp, None, None))
     file_sizes = {p: h.file_size for p, h in index.headers}
     return _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
                    progress=progress, return_stats=return_stats, record_names=located)
@@ -424,12 +452,16 @@ Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any, str], Any]
 
 
 def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tuple[str, int]],
-                   unpickle: Unpickle) -> tuple[dict[str, Source], list[str], int]:
+                   unpickle: Unpickle, wanted: set[str]) -> tuple[dict[str, Source], list[str], int]:
     """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
     the names of entries that are not tensors, and the archive's size.
 
-    The pickle is unpickled onto storages on the meta device, which gives every tensor's
-    storage, offset, shape and strides without reading or allocating any data.
+    The archive is read as :func:`gdskit.torch.load` reads it (the same checks, the same
+    records, through :class:`~gdskit.formats.torch_zip.StorageRecords`), and closed before
+    this returns. The pickle is unpickled onto storages on the meta device, which gives every
+    tensor's storage, offset, shape and strides without reading or allocating any data; the
+    records of ``wanted`` tensors that are not stored as they are (deflated) are inflated here,
+    so that a record that does not inflate is refused before anything is filled.
     """
     from gdskit.formats.torch_zip import StorageRecords
 
@@ -440,33 +472,50 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tup
     if kind != "zip":
         raise FormatError(f"{path}: load_into reads torch.save zip archives (torch 1.6 and later); load this "
                           "one with gdskit.torch.load and Module.load_state_dict")
+    archive = StorageRecords.open(torch, path, archive_size, path)
     try:
-        reader = torch._C.PyTorchFileReader(path)
-    except RuntimeError as exc:
-        raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
-    names = set(reader.get_all_records())
-    if "data.pkl" not in names or "constants.pkl" in names:
-        raise FormatError(f"{path}: a TorchScript archive or no data.pkl; load_into reads torch.save state dicts")
-    if "byteorder" in names and reader.get_record("byteorder").decode() != sys.byteorder:
-        raise FormatError(f"{path}: saved on a machine of the other byte order; load it with gdskit.torch.load")
-    records = StorageRecords(torch, reader, path, archive_size, path)
+        why = archive.not_ours()
+        if why == "torchscript":
+            raise FormatError(f"{path}: a TorchScript archive or no data.pkl; load_into reads torch.save state dicts")
+        if why is not None:
+            raise FormatError(f"{path}: saved on a machine of the other byte order; load it with gdskit.torch.load")
+        where, others = _state_records(archive, path, weights_only, unpickle, wanted)
+    finally:
+        archive.close()
+    return where, others, archive_size
+
+
+def _state_records(archive: Any, path: str, weights_only: bool, unpickle: Unpickle,
+                   wanted: set[str]) -> tuple[dict[str, Source], list[str]]:
     storages: dict[int, tuple[Any, Any]] = {}   # id(meta storage) -> (storage, record)
-    typed: dict[str, Any] = {}
+    typed: dict[Any, Any] = {}
 
-    def persistent_load(saved_id: Any) -> Any:
-        rec = records.resolve(saved_id)
-        if rec.key not in typed:
-            storage = torch.UntypedStorage(rec.nbytes, device="meta")
-            storages[id(storage)] = (storage, rec)
-            typed[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-        return typed[rec.key]
+    def persistent_load(saved_id: Any) -> Any:  # gdskit.torch.load's checks, in its order
+        identified = archive.identify(saved_id)
+        try:
+            hit = typed.get(identified[0])
+        except TypeError:
+            raise FormatError(f"{path}: a storage key of the pickle is not hashable") from None
+        if hit is not None:
+            return hit
+        rec = archive.resolve(saved_id, identified)
+        storage = torch.UntypedStorage(rec.nbytes, device="meta")
+        storages[id(storage)] = (storage, rec)
+        found = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
+        if rec.nbytes:  # as torch.load: a storage without bytes is not shared
+            typed[rec.key] = found
+        return found
 
-    obj = unpickle(torch, reader.get_record("data.pkl"), persistent_load, weights_only, None, path)
-    del reader
+    obj = unpickle(torch, archive.record("data.pkl"), persistent_load, weights_only, None, path)
+    # A meta storage grows to fit a tensor that reaches past it, where gdskit.torch.load's storages
+    # (which cannot grow) refuse it: any tensor of the pickle, a state dict's entry or not.
+    if any(storage.nbytes() > rec.nbytes for storage, rec in storages.values()):
+        raise FormatError(f"{path}: a tensor of the checkpoint reaches past the end of its storage record")
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors)")
     where: dict[str, Source] = {}
     others: list[str] = []
+    inflated: dict[str, bytearray] = {}  # record name -> its bytes
     for name, t in obj.items():
         if not isinstance(name, str):
             raise FormatError(f"{path}: state dict names must be strings, got {type(name).__name__}")
@@ -484,10 +533,19 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tup
         else:
             stride = tuple(t.stride())
             nbytes = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * es if t.numel() else 0
-        if start + nbytes > rec.nbytes:
-            raise FormatError(f"{path}: tensor {name!r} reaches past the end of its storage record")
-        where[name] = Source(path, rec.offset + start, nbytes, t.dtype, tuple(t.shape), stride)
-    return where, others, archive_size
+        if rec.raw:
+            where[name] = Source(path, rec.offset + start, nbytes, t.dtype, tuple(t.shape), stride)
+            continue
+        held = None
+        if name in wanted:  # the same decision as gdskit.torch.load's: StorageRecord.raw
+            held = inflated.get(rec.name)
+            if held is None:
+                held = inflated[rec.name] = bytearray(archive.read(rec))
+        where[name] = Source(path, start, nbytes, t.dtype, tuple(t.shape), stride, held)
+    for _storage, rec in storages.values():  # gdskit.torch.load refuses any the pickle names that does not inflate
+        if not rec.raw and rec.name not in inflated:
+            archive.read(rec)
+    return where, others
 
 
 def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Callable[[str], tuple[str, int]],
@@ -505,9 +563,9 @@ def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], tuple[st
                      strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
     items = target_tensors(target)
     infos = describe(items)
-    records, others, size = _torch_records(path, weights_only, file_kind, unpickle)
     wanted = {name for name, _ in items}
+    records, others, size = _torch_records(path, weights_only, file_kind, unpickle, wanted)
     sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
+    held = any(s.held is not None for s in sources.values())
     return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
-                   progress=progress, return_stats=return_stats, extra_unexpected=others)
-
+                   progress=progress, return_stats=return_stats, extra_unexpected=others, held=held)

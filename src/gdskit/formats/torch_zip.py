@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -71,23 +72,28 @@ class RecordSizes:
 
 
 class _ArchiveBytes:
-    """Positioned reads of the archive torch's reader was opened on (a path or a stream)."""
+    """Positioned reads of the archive torch's reader was opened on (a path or a stream).
 
-    def __init__(self, source: str | BinaryIO) -> None:
+    A stream's archive starts at ``start``, where the stream stood when torch's reader was
+    opened on it (torch's reader counts its offsets from there): offsets here count from there too.
+    """
+
+    def __init__(self, source: str | BinaryIO, start: int = 0) -> None:
         self._fd = -1
         self._stream: BinaryIO | None = None
+        self._start = start
         if isinstance(source, (str, os.PathLike)):
             self._fd, st = open_file_fd(os.fspath(source), os.O_RDONLY)
             self.size = st.st_size
         else:
             self._stream = source
-            self.size = source.seek(0, os.SEEK_END)
+            self.size = source.seek(0, os.SEEK_END) - self._start
 
     def read(self, offset: int, n: int) -> bytes:
         if offset < 0 or n <= 0 or offset >= self.size:
             return b""
         if self._stream is not None:
-            self._stream.seek(offset)
+            self._stream.seek(self._start + offset)
             return self._stream.read(n)
         return os.pread(self._fd, n, offset)
 
@@ -231,11 +237,24 @@ class StorageRecords:
     Holds torch's reader and a descriptor of the archive: :meth:`close` lets go of both.
     """
 
-    def __init__(self, torch: Any, reader: Any, source: str | BinaryIO, limit: int, where: str) -> None:
+    @classmethod
+    def open(cls, torch: Any, source: str | BinaryIO, limit: int, where: str) -> StorageRecords:
+        """torch's reader opened on ``source`` (a path, or a seekable stream at the archive's
+        start), wrapped; FormatError where torch's reader cannot open it."""
+        start = 0 if isinstance(source, (str, os.PathLike)) else source.tell()  # the reader moves a stream
+        try:
+            reader = torch._C.PyTorchFileReader(source)
+        except (RuntimeError, ValueError) as exc:
+            raise FormatError(f"{where}: not a readable torch.save zip archive: {exc}") from None
+        return cls(torch, reader, source, limit, where, start)
+
+    def __init__(self, torch: Any, reader: Any, source: str | BinaryIO, limit: int, where: str,
+                 start: int = 0) -> None:
         self._torch = torch
         self._reader = reader
         self._sizes = RecordSizes(reader, source)
         self._source = source
+        self._start = start  # of the archive in a stream
         self._limit = limit
         self._where = where
         self._located: dict[str, _Place] = {}
@@ -254,7 +273,7 @@ class StorageRecords:
     # -- where a record's bytes are -------------------------------------------------
     def _bytes(self) -> _ArchiveBytes:
         if self._data is None:
-            self._data = _ArchiveBytes(self._source)
+            self._data = _ArchiveBytes(self._source, self._start)
         return self._data
 
     def _entry(self, name: str) -> DirectoryEntry | None:
@@ -435,6 +454,29 @@ class StorageRecords:
         if place.raw and place.offset + nbytes > self._limit:
             raise TruncatedFileError(f"{where}: record {name} ends past the end of the archive")
         return StorageRecord(key, dtype, location, place.offset, nbytes, place.raw, name)
+
+    def not_ours(self) -> str | None:
+        """Check the records torch.load reads before the pickle, as it reads them (FormatError
+        where it refuses the archive). None where the archive is a state that gdskit reads itself;
+        else why it is torch.load's to read: ``"torchscript"`` (a TorchScript archive, or no
+        ``data.pkl``) or ``"byteorder"`` (saved on a machine of the other byte order)."""
+        if not self.has("data.pkl") or "constants.pkl" in self.names():
+            return "torchscript"
+        if self.has(".format_version"):
+            self.record(".format_version")
+        if self.has("byteorder"):
+            order = self.record("byteorder")
+            if order not in (b"little", b"big"):
+                raise FormatError(f"{self._where}: unknown byte order {order[:16]!r}")
+            if order.decode() != sys.byteorder:
+                return "byteorder"
+        if self.has(".storage_alignment"):
+            try:
+                int(self.record(".storage_alignment"))
+            except ValueError:
+                raise FormatError(f"{self._where}: the archive's .storage_alignment record is not a number") from None
+        self.serialization_id()
+        return None
 
     def serialization_id(self) -> None:
         """Read the archive's serialization id as torch.load does: it refuses an archive whose id
