@@ -355,8 +355,11 @@ def test_metadata_of_the_wrong_types_is_refused(tmp_path: Path, change: str) -> 
 
 def test_mutated_metadata_is_read_or_refused_never_anything_else(tmp_path: Path) -> None:
     """Bytes of a real .metadata flipped, cut, repeated and renamed: read_metadata gives valid
-    metadata or a FormatError (or an incomplete-checkpoint error), and nothing planted runs."""
+    metadata or a FormatError (or an incomplete-checkpoint error), and nothing planted runs.
+    The cases run in a child under a memory cap: a case that costs more than the cap fails the
+    test instead of taking the run down."""
     from hypothesis import HealthCheck, given, settings, strategies as st
+    from memory_cap import run_capped
 
     _save({"w": torch.arange(6.0).reshape(2, 3), "b": io.BytesIO(b"xyz"), "n": {"k": 1}},
           gdskit.dcp.StorageWriter(tmp_path / "c"))
@@ -389,7 +392,8 @@ def test_mutated_metadata_is_read_or_refused_never_anything_else(tmp_path: Path)
             return
         assert isinstance(md.state_dict_metadata, dict)
 
-    check()
+    outcome = run_capped(check, cap_bytes=1 << 30, timeout_s=400)
+    assert outcome.status == "returned", outcome
 
 
 def test_metadata_written_by_torch_with_byte_items_and_paths_still_reads(tmp_path: Path) -> None:
