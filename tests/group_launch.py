@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ def make_checkpoints(d: Path) -> dict[str, Any]:
     ckpt = _torch_checkpoint(g)
     torch.save(ckpt, str(d / "ckpt.pt"))
     _other_and_copies(d, rep, g)
+    _rewritten(d / "ckpt.pt", d / "deflated.pt", deflate=lambda name: name.endswith(("/data/0", "/data/2")))
+    _rewritten(d / "ckpt.pt", d / "damaged.pt", replace={"byteorder": b"\xff\xfe\xfd"})
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ckpt.values()
                 if isinstance(t, torch.Tensor)}
     return {
@@ -90,6 +93,17 @@ def _other_and_copies(d: Path, rep: dict[str, Any], g: torch.Generator) -> None:
         copied = d / "copy" / name
         shutil.copyfile(d / name, copied)
         os.utime(copied, ns=(1_000_000_000, 1_000_000_000))  # a copy on another node has its own mtime
+
+
+def _rewritten(src: Path, dst: Path, deflate: Any = lambda name: False,
+               replace: dict[str, bytes] | None = None) -> None:
+    """``src``'s archive written again: records ``deflate`` picks deflated, records named in
+    ``replace`` (by name under the archive's folder) holding other bytes; a valid zip either way."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = (replace or {}).get(info.filename.split("/", 1)[-1], zin.read(info))
+            method = zipfile.ZIP_DEFLATED if deflate(info.filename) else zipfile.ZIP_STORED
+            zout.writestr(info.filename, data, compress_type=method)
 
 
 def launch(name: str, world: int, workdir: Path, backend: str = "gloo", killed: tuple[int, int] | None = None,

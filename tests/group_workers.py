@@ -153,10 +153,18 @@ class Rank:
     def torch_copy_on_rank_one(self) -> dict[str, Any]:
         return self.torch_load("copy/ckpt.pt" if self.rank == 1 else "ckpt.pt")
 
+    def torch_deflated(self) -> dict[str, Any]:
+        """An archive with deflated storage records (and one stored): torch.load's values."""
+        return self.torch_load("deflated.pt")
+
     # -- loads that fail ------------------------------------------------------------------------
     def bad_file_on_last_rank(self) -> dict[str, Any]:
         name = "garbage.safetensors" if self.rank == self.world - 1 else "replicated.safetensors"
         return self.expect_failure(lambda: self.load_st(self.path(name)))
+
+    def torch_damaged(self) -> dict[str, Any]:
+        """Every rank loads an archive whose byteorder record is not text."""
+        return self.expect_failure(lambda: self.torch_load("damaged.pt"))
 
     def missing_key_on_rank_zero(self) -> dict[str, Any]:
         keys = ["no-such-tensor"] if self.rank == 0 else None
@@ -228,7 +236,7 @@ WORLDS: dict[str, list[str]] = {
     "two": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank", "missing_key_on_rank_zero",
             "other_checkpoint_on_rank_one", "other_values_on_rank_one", "other_torch_values_on_rank_one",
             "other_torch_values_loaded_alone", "copy_on_rank_one", "torch_copy_on_rank_one",
-            "callback_raises_on_last_rank", "replicated_after_failures", "stalled_last_rank"],
+            "torch_deflated", "torch_damaged", "callback_raises_on_last_rank", "replicated_after_failures", "stalled_last_rank"],
     "four": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank",
              "callback_raises_on_last_rank", "replicated_after_failures", "killed_last_rank"],
     "one": ["replicated", "keys", "torch_load"],

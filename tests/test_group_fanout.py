@@ -122,6 +122,18 @@ def test_a_copy_of_the_same_file_loads(runs: dict[str, Any], scenario: str, tota
     assert_each_byte_read_once(facts, runs["manifest"][total])
 
 
+def test_deflated_torch_archive_loads_as_torch_load(runs: dict[str, Any]) -> None:
+    """Deflated storage records are inflated as gdskit.torch.load inflates them, not read as they lie."""
+    for f in _facts(runs, "two", "torch_deflated"):
+        assert f["differs"] == "" and f["step"] == 7 and f["views_shared"], f
+
+
+def test_damaged_torch_archive_is_refused_on_every_rank(runs: dict[str, Any]) -> None:
+    """A byteorder record that is not text: FormatError on each rank, as gdskit.torch.load refuses it."""
+    for f in _facts(runs, "two", "torch_damaged"):
+        assert "FormatError" in f["raised"], f
+
+
 @pytest.mark.parametrize("world_name", list(WORLDS))
 def test_failure_during_the_load_raises_on_every_rank(runs: dict[str, Any], world_name: str) -> None:
     assert_failed(_facts(runs, world_name, "callback_raises_on_last_rank"), WORLDS[world_name] - 1, "Stop")
