@@ -1,8 +1,10 @@
 """``gdskit.torch.load(..., process_group=pg)``: each storage byte read once by the group.
 
-Every rank opens the archive and unpickles it (the pickle is small), making each storage
-on its target device as the one-rank loader does; the storages' bytes then come through
-:func:`gdskit.group.load.run_load`. Files the one-rank loader hands to ``torch.load``
+Every rank opens the archive with the one-rank loader's reader
+(:class:`~gdskit.formats.torch_zip.StorageRecords`, the same checks and refusals) and unpickles
+it (the pickle is small), making each storage on its target device as the one-rank loader does;
+the bytes of stored records then come through :func:`gdskit.group.load.run_load`, while a
+deflated record is inflated by every rank, as the one-rank loader inflates it. Files the one-rank loader hands to ``torch.load``
 (pre-1.6 format, TorchScript, another byte order), and a callable ``map_location``, are
 loaded by every rank on its own; the ranks still agree on the outcome, so a failure on one
 raises on all.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
 
     def prepare() -> LoadJob:
         try:
-            kind, _size = pt.file_kind(path)
+            kind, archive_size = pt.file_kind(path)
         except OSError as exc:
             raise from_os_error(exc, path) from None
         if kind == "other":
@@ -61,36 +62,51 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         target = pt.target(torch, map_location)
         if kind == "legacy" or target.eager:
             return local_load()
+        archive = StorageRecords.open(torch, path, archive_size, path)
         try:
-            reader = torch._C.PyTorchFileReader(path)
-        except RuntimeError as exc:
-            raise FormatError(f"{path}: not a readable torch.save zip archive: {exc}") from None
-        names = set(reader.get_all_records())
-        if ("data.pkl" not in names or "constants.pkl" in names
-                or ("byteorder" in names and reader.get_record("byteorder").decode() != sys.byteorder)):
-            return local_load()
-        archive_size = os.path.getsize(path)
-        records = StorageRecords(torch, reader, path, archive_size, path)
+            if archive.not_ours() is not None:  # TorchScript, or the other byte order: torch.load's
+                return local_load()
+            return archive_job(archive, target, archive_size)
+        finally:
+            archive.close()  # whatever an error's traceback keeps alive, the file is closed now
+
+    def archive_job(archive: StorageRecords, target: Any, archive_size: int) -> LoadJob:
         slots: dict[str, tuple[Any, int, int, Any]] = {}  # key -> (typed storage, offset, nbytes, device)
+        inflated: dict[str, str] = {}  # record name -> digest of the bytes of a record read whole (deflated)
+        cache: dict[Any, Any] = {}  # key -> typed storage, every storage the pickle named
 
         def persistent_load(saved_id: Any) -> Any:
-            rec = records.resolve(saved_id)
-            if rec.key in slots:
-                return slots[rec.key][0]
+            identified = archive.identify(saved_id)
+            try:
+                hit = cache.get(identified[0])
+            except TypeError:
+                raise FormatError(f"{path}: a storage key of the pickle is not hashable") from None
+            if hit is not None:
+                return hit
+            rec = archive.resolve(saved_id, identified)
             storage = torch.UntypedStorage(rec.nbytes, device=target.device(rec.location))
-            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-            slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
+            typed = cache[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype,
+                                                                _internal=True)
+            if rec.raw:  # read by the group, after the unpickle
+                slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
+            else:  # inflated here, by every rank, as the one-rank loader inflates it
+                data = archive.read(rec)
+                inflated[rec.name] = hashlib.sha256(data).hexdigest()
+                if rec.nbytes and storage.device.type != "meta":
+                    pt.bytes_of(torch, storage, rec.nbytes).copy_(
+                        torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return typed
 
-        pickled = reader.get_record("data.pkl")
+        pickled = archive.record("data.pkl")
         result = pt.unpickle(torch, pickled, persistent_load, weights_only, map_location, path)
         keys = sorted(slots, key=lambda k: slots[k][1])
         segments = [Segment(k, 0, slots[k][1], slots[k][2]) for k in keys]
         wanted = [slots[k][3].type != "meta" for k in keys]
         dests = {k: pt.bytes_of(torch, slots[k][0]._untyped_storage, slots[k][2])
                  for k, w in zip(keys, wanted) if w}
-        # The pickle's digest: the objects around the tensors (a step count) are the checkpoint's too.
-        layout = [archive_size, keys, hashlib.sha256(bytes(pickled)).hexdigest()]
+        # The pickle's digest: the objects around the tensors (a step count) are the checkpoint's too;
+        # so are the inflated records' bytes, which no rank sends to another.
+        layout = [archive_size, keys, hashlib.sha256(bytes(pickled)).hexdigest(), sorted(inflated.items())]
         return LoadJob([path], [archive_size], segments, layout, wanted, dests,
                        {t.device.type for t in dests.values()}, result)
 
