@@ -10,6 +10,11 @@ destination whose lock it can take: no live process is writing them.
 
 Files are opened through :func:`open_file_fd`, which never waits on a FIFO: a listed file
 swapped for one by another user would otherwise hang the reader until someone writes.
+
+Every temporary file gdskit makes is made by :func:`create_new_file` (through
+:func:`create_temp_file` or :func:`create_locked_temp`): a name no one can guess, fresh for each
+file, created only if nothing is there (never through a symbolic link someone planted) and
+written through its descriptor, never reopened by name.
 """
 
 from __future__ import annotations
@@ -18,14 +23,55 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gdskit.errors import GdskitIsADirectoryError, InvalidArgumentError, NotAFileError, from_os_error
+from gdskit.errors import GdskitIOError, GdskitIsADirectoryError, InvalidArgumentError, NotAFileError, from_os_error
 
 #: Files being written carry this ending (and a leading dot) until they are complete.
 TEMP_SUFFIX = ".gdskit-tmp"
+#: How every new file is opened: made here or not at all (a name someone planted, a symbolic
+#: link included, is an error, never followed), and not inherited by programs started later.
+_NEW_FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def unguessable_token() -> str:
+    """16 random hex digits, fresh on every call: what tells one temporary file's name from another's."""
+    return secrets.token_hex(8)
+
+
+def create_new_file(path: str, mode: int = 0o600) -> int:
+    """Create the file ``path`` for reading and writing and return its descriptor: the one place
+    gdskit's new files are opened. Raises FileExistsError where anything is at ``path`` (a planted
+    symbolic link too: it is never followed)."""
+    return os.open(path, _NEW_FILE_FLAGS, mode)
+
+
+def create_temp_file(directory: str | os.PathLike[str], prefix: str, suffix: str = "",
+                     mode: int = 0o600) -> tuple[int, str]:
+    """A new file ``directory/prefix<random>suffix`` made by :func:`create_new_file`:
+    its descriptor and path (a name someone planted first is passed over for another).
+
+    Use the descriptor, or :func:`fd_path` of it, never the name again: another user who can
+    write ``directory`` can swap what is at the name.
+    """
+    directory = os.fspath(directory)
+    for _attempt in range(16):
+        path = os.path.join(directory, f"{prefix}{unguessable_token()}{suffix}")
+        try:
+            return create_new_file(path, mode), path
+        except FileExistsError:
+            continue
+    raise from_os_error(FileExistsError(errno.EEXIST, "could not make a temporary file"),
+                        os.path.join(directory, prefix))
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the very file open as ``fd`` (``/proc/self/fd/N``), whatever has happened
+    to its name since: for code that can only be given a path (an engine file, a plot's save)."""
+    return f"/proc/self/fd/{fd}"
 
 
 def _kind(mode: int) -> str:
@@ -114,7 +160,7 @@ _TOKEN = re.compile(r"[0-9a-f]{1,32}")
 def temp_name(name: str, token: str | None = None) -> str:
     """The hidden name a file called ``name`` has while it is being written (``token``
     tells writers apart; a random one by default)."""
-    return f".{name}.{token or os.urandom(6).hex()}{TEMP_SUFFIX}"  # not uuid: its import is on every loader's path
+    return f".{name}.{token or unguessable_token()}{TEMP_SUFFIX}"
 
 
 def is_temp_name(name: str) -> bool:
@@ -173,6 +219,22 @@ class OwnedTemp:
     path: str
     fd: int
 
+    @property
+    def fd_path(self) -> str:
+        """A path that opens this very file whatever happens to its name (:func:`fd_path`)."""
+        return fd_path(self.fd)
+
+    def publish(self, destination: str | os.PathLike[str]) -> None:
+        """Rename the file over ``destination``, if the name still holds this file: someone who
+        swapped it (a link to another file) gets an error, never a rename of what they put there."""
+        try:
+            ours = _same_file(os.stat(self.path, follow_symlinks=False), os.fstat(self.fd))
+        except FileNotFoundError:
+            ours = False
+        if not ours:
+            raise GdskitIOError(errno.EEXIST, "the temporary file was replaced by something else", self.path)
+        os.replace(self.path, destination)
+
     def close(self) -> None:
         """Release the descriptor (and with it the lock)."""
         fd, self.fd = self.fd, -1
@@ -192,10 +254,9 @@ class OwnedTemp:
                 pass
 
 
-def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: str | None = None,
-                       mode: int = 0o666) -> OwnedTemp:
-    """Create ``directory``/:func:`temp_name` (``name``, ``token``) exclusively, open for
-    reading and writing, and lock it for as long as the returned descriptor stays open.
+def create_locked_temp(directory: str | os.PathLike[str], name: str, *, mode: int = 0o666) -> OwnedTemp:
+    """Create ``directory``/:func:`temp_name` (``name``) by :func:`create_new_file`, under a fresh
+    random name, and lock it for as long as the returned descriptor stays open.
 
     A concurrent :func:`remove_stale_temps` can take the lock of a new file in the instant
     between its creation and the lock; the file is then gone by the time the lock is ours,
@@ -204,8 +265,11 @@ def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: s
     """
     directory = os.fspath(directory)
     for _attempt in range(16):
-        path = os.path.join(directory, temp_name(name, token))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+        path = os.path.join(directory, temp_name(name))
+        try:
+            fd = create_new_file(path, mode)
+        except FileExistsError:
+            continue  # someone put something at this name: never touched, another name taken
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweep looks at this very file
@@ -223,7 +287,7 @@ def create_locked_temp(directory: str | os.PathLike[str], name: str, *, token: s
             os.close(fd)
             raise
         os.close(fd)  # a sweep removed it before the lock was ours
-    raise FileExistsError(errno.EEXIST, "could not keep a temporary file", os.path.join(directory, name))
+    raise from_os_error(FileExistsError(errno.EEXIST, "could not make a temporary file"), os.path.join(directory, name))
 
 
 def check_output_file(name: str, option: str) -> str:
@@ -247,7 +311,7 @@ def check_output_file(name: str, option: str) -> str:
 
 
 def write_whole(path: str | os.PathLike[str], fill: Callable[[str], None]) -> None:
-    """Have ``fill(tmp)`` write a new file at the hidden temporary path ``tmp`` beside ``path``,
+    """Have ``fill(tmp)`` write a new file at ``tmp``, a path to a hidden temporary file beside ``path``,
     then rename it over ``path``: a reader sees the old file or the new one, never part of one.
     On any error the temporary is removed and ``path`` is left as it was.
 
@@ -267,8 +331,8 @@ def write_whole(path: str | os.PathLike[str], fill: Callable[[str], None]) -> No
     folder, name = os.path.split(real)
     owned = create_locked_temp(folder, name)
     try:
-        fill(owned.path)
-        os.replace(owned.path, real)
+        fill(owned.fd_path)  # the file itself, whatever is put at its name meanwhile
+        owned.publish(real)
     except BaseException:
         owned.discard()
         raise

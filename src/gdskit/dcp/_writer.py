@@ -23,8 +23,8 @@ from gdskit.dcp import _archive
 from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError,
                                 metadata_name)
 from gdskit.dcp._layout import ItemShape, Placement, place
-from gdskit.durable import fsync_dir, is_temp_name, remove_if_present, temp_name
-from gdskit.errors import GdskitError
+from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
+from gdskit.errors import GdskitError, from_os_error
 from gdskit.formats._engine import open_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 
@@ -189,21 +189,22 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             raise GdskitError("the save plan carries no file prefix; was prepare_global_plan skipped?")
         name = f"{prefix}0{DATA_SUFFIX}"
         entries = self._layout(plan.items, planner)
-        final = os.path.join(self.path, name)
-        tmp = os.path.join(self.path, temp_name(name, self.save_id[:8]))
-        f = open_file(tmp, "w")
+        owned = self._new_temp(name)
         try:
-            self._write_entries(f, entries, planner)
-            if self.sync_files:
-                f.fsync()
-            f.close()
-            os.replace(tmp, final)
-            if self.sync_files:
-                fsync_dir(self.path)
+            f = open_file(owned.fd_path, "w")  # the temporary itself, never whatever is at its name
+            try:
+                self._write_entries(f, entries, planner)
+                if self.sync_files:
+                    f.fsync()
+                f.close()
+            except BaseException:
+                f.abort()
+                raise
+            self._publish(owned, name)
         except BaseException:
-            f.abort()
-            remove_if_present(tmp)
+            owned.discard()
             raise
+        owned.close()
         return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
                                         storage_data=_StorageInfo(name, e.where.offset, e.where.length))
                 for e in entries if e.where is not None]
@@ -289,19 +290,39 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         name = self._own_metadata_name()
-        tmp = os.path.join(self.path, temp_name(name, self.save_id[:8]))
+        owned = self._new_temp(name)
         try:
-            with open(tmp, "wb") as fh:
+            with os.fdopen(os.dup(owned.fd), "wb") as fh:
                 pickle.dump(metadata, fh)
                 fh.flush()
                 if self.sync_files:
                     os.fsync(fh.fileno())
-            os.replace(tmp, os.path.join(self.path, name))
+            self._publish(owned, name)
+        except BaseException:
+            owned.discard()
+            raise
+        owned.close()
+
+    # -- temporaries ----------------------------------------------------------
+    def _new_temp(self, name: str) -> OwnedTemp:
+        """A new temporary for ``name`` in the checkpoint's directory: a fresh random name made
+        only if nothing is there (a link planted in the directory is never followed)."""
+        try:
+            return create_locked_temp(self.path, name)
+        except OSError as exc:
+            raise from_os_error(exc, os.path.join(self.path, name)) from exc
+
+    def _publish(self, owned: OwnedTemp, name: str) -> None:
+        """Rename a written temporary over ``name`` (if its name still holds it) and make it durable."""
+        final = os.path.join(self.path, name)
+        try:
+            owned.publish(final)
             if self.sync_files:
                 fsync_dir(self.path)
-        except BaseException:
-            remove_if_present(tmp)
+        except GdskitError:
             raise
+        except OSError as exc:
+            raise from_os_error(exc, final) from exc
 
 
 def _batches(entries: list[_Entry]) -> list[list[_Entry]]:
