@@ -42,11 +42,11 @@ def unguessable_token() -> str:
     return secrets.token_hex(8)
 
 
-def create_new_file(path: str, mode: int = 0o600) -> int:
-    """Create the file ``path`` for reading and writing and return its descriptor: the one place
-    gdskit's new files are opened. Raises FileExistsError where anything is at ``path`` (a planted
-    symbolic link too: it is never followed)."""
-    return os.open(path, _NEW_FILE_FLAGS, mode)
+def create_new_file(path: str, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+    """Create the file ``path`` (in the directory open as ``dir_fd``, if given) for reading and
+    writing and return its descriptor: the one place gdskit's new files are opened. Raises
+    FileExistsError where anything is at ``path`` (a planted symbolic link too: never followed)."""
+    return os.open(path, _NEW_FILE_FLAGS, mode, dir_fd=dir_fd)
 
 
 def create_temp_file(directory: str | os.PathLike[str], prefix: str, suffix: str = "",

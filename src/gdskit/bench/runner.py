@@ -22,7 +22,6 @@ import math
 import os
 import shutil
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from gdskit.bench.params import GPU_PATHS, GiB, MiB, PATH_NAMES, BenchParams, Ca
 from gdskit.bench.report import EXPECTED_PATHS, BenchReport, EngineResult, RunResult, VerifyResult
 from gdskit.bench.worker import (RunPlan, RunWindow, Targets, WorkerOut, counter_delta, make_cold, open_worker,
                                  run_counters, work)
+from gdskit.durable import create_new_file, create_temp_file, fd_path
 from gdskit.errors import GdskitIOError, InvalidArgumentError, NoSpaceError, from_os_error
 from gdskit.settings import format_size
 from gdskit.threads import start_thread
@@ -263,13 +263,15 @@ def prepare_targets(params: BenchParams, workdir: str | None = None) -> Targets:
             where = workdir or os.getcwd()
             ensure_free_space(where, params.size)
             try:
-                fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".tmp", dir=where)
+                fd, path = create_temp_file(where, _TEMP_PREFIX, ".tmp", 0o644)
             except OSError as exc:
                 raise from_os_error(exc, where) from exc
-            os.close(fd)
             t.remove_always.append(path)
             t.files = [path]
-            fill_file(path, params.size, params.seed)
+            try:
+                fill_file(fd_path(fd), params.size, params.seed)  # the file made here, not what is at its name
+            finally:
+                os.close(fd)
         else:
             if params.file is not None:
                 t.files = [params.file]
@@ -290,8 +292,7 @@ def prepare_targets(params: BenchParams, workdir: str | None = None) -> Targets:
                 if size is None:
                     # fail early and clearly on an unwritable place (root squashes, read-only mounts)
                     try:
-                        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                        os.close(fd)
+                        os.close(create_new_file(path, 0o644))
                     except OSError as exc:
                         raise from_os_error(exc, path) from exc
                     t.remove_on_failure.append(path)

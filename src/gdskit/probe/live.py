@@ -9,9 +9,9 @@ probe adds a finding. A temporary file is written and removed; nothing else chan
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
+from gdskit.durable import create_temp_file, fd_path
 from gdskit.probe.mounts import odirect_dir_for, read_mounts
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
@@ -42,8 +42,8 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
     result: dict[str, Any] = {"status": "failed", "directory": directory, "bytes": nbytes,
                               "memory": "device" if on_gpu else "host"}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".gdskit-probe-", dir=directory)
-        os.close(fd)
+        held, tmp = create_temp_file(directory, ".gdskit-probe-")
+        own = fd_path(held)  # the file made here, whatever another user puts at its name
         if on_gpu:
             from gdskit import cuda
 
@@ -56,11 +56,11 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
             src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
         counters0 = counters_now(0)
         s0 = gdskit.stats()
-        with gdskit.open(tmp, "w") as f:
+        with gdskit.open(own, "w") as f:
             written = f.write(src)
             f.fsync()
         s1 = gdskit.stats()
-        with gdskit.open(tmp, "r") as f:
+        with gdskit.open(own, "r") as f:
             read = f.read(dst)
         s2 = gdskit.stats()
         counters1 = counters_now(0)
@@ -68,7 +68,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
             back = dst.to_numpy()
         else:
             back = dst
-        with open(tmp, "rb") as fh:
+        with open(own, "rb") as fh:
             on_disk = fh.read()
         result.update({
             "status": "ok",
@@ -92,6 +92,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
                 os.unlink(tmp)
             except OSError:
                 pass
+            os.close(held)
     return result
 
 

@@ -10,10 +10,10 @@ import errno
 import mmap
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from gdskit.durable import create_temp_file, fd_path
 from gdskit.probe.root import SystemRoot
 from gdskit.probe.topology import place_from_sysfs_path
 
@@ -309,15 +309,14 @@ def probe_odirect(directory: str) -> ODirectResult:
     if not os.access(directory, os.W_OK):
         return ODirectResult("not-probed", f"{directory} is not writable")
     try:
-        fd0, tmp = tempfile.mkstemp(prefix=".gdskit-check-", dir=directory)
+        fd0, tmp = create_temp_file(directory, ".gdskit-check-")
     except OSError as exc:
         return ODirectResult("not-probed", f"cannot create a temp file: {exc.strerror}")
-    os.close(fd0)
     buf = mmap.mmap(-1, 4096)        # page-aligned, as O_DIRECT requires
     fd = -1
     try:
         buf.write(b"gdskit" * 600 + b"\0" * (4096 - 3600))
-        fd = os.open(tmp, os.O_RDWR | os.O_DIRECT)
+        fd = os.open(fd_path(fd0), os.O_RDWR | os.O_DIRECT)  # the file made above, whatever is at its name now
         if os.pwritev(fd, [buf], 0) != 4096:
             return ODirectResult("error", "short O_DIRECT write")
         back = mmap.mmap(-1, 4096)
@@ -334,6 +333,7 @@ def probe_odirect(directory: str) -> ODirectResult:
     finally:
         if fd >= 0:
             os.close(fd)
+        os.close(fd0)
         buf.close()
         try:
             os.unlink(tmp)

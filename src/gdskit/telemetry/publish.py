@@ -29,7 +29,8 @@ import time
 import warnings
 from collections.abc import Mapping
 
-from gdskit.errors import GdskitPermissionError
+from gdskit.durable import create_new_file, unguessable_token
+from gdskit.errors import GdskitPermissionError, from_os_error
 from gdskit.ledger import Stats, ledger
 from gdskit.settings import settings
 from gdskit.telemetry import cufile_counters
@@ -50,8 +51,6 @@ _publisher: Publisher | None = None
 _hooks_installed = False
 _warned = False
 
-# A fresh file only, never through a link; not inherited by programs this process starts.
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def write_private(path: str, data: bytes, *, private: bool = False) -> None:
@@ -69,15 +68,13 @@ def write_private(path: str, data: bytes, *, private: bool = False) -> None:
 
 
 def write_at(dir_fd: int, name: str, data: bytes) -> None:
-    """Write ``data`` to ``name`` in the directory open as ``dir_fd``: temporary file, then rename."""
-    tmp = f".{name}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
-    except FileExistsError:
-        # Left by an earlier process with this pid (or put there): remove the name itself,
-        # never what it may point to, and start afresh.
-        os.unlink(tmp, dir_fd=dir_fd)
-        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+    """Write ``data`` to ``name`` in the directory open as ``dir_fd``: temporary file, then rename.
+
+    The temporary is ``.<name>.<random>.<pid>.tmp``: a fresh name no one can guess (made by
+    :func:`gdskit.durable.create_new_file`, never through a link), ending in the writer's pid
+    so that a reader can tell one left by a process that died.
+    """
+    tmp, fd = _new_temp(dir_fd, name)
     try:
         os.fchmod(fd, 0o600)  # the umask may have taken bits off
         view = memoryview(data)
@@ -93,6 +90,18 @@ def write_at(dir_fd: int, name: str, data: bytes) -> None:
     except BaseException:
         _unlink_at(tmp, dir_fd)
         raise
+
+
+def _new_temp(dir_fd: int, name: str) -> tuple[str, int]:
+    """A new temporary for ``name`` in ``dir_fd``: its name and descriptor (a name someone put
+    there first is passed over, never removed or followed)."""
+    for _attempt in range(16):
+        tmp = f".{name}.{unguessable_token()}.{os.getpid()}.tmp"
+        try:
+            return tmp, create_new_file(tmp, 0o600, dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+    raise from_os_error(FileExistsError(errno.EEXIST, "could not make a temporary file"), name)
 
 
 def _unlink_at(name: str, dir_fd: int) -> None:
