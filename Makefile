@@ -28,8 +28,9 @@ venv: $(CORE_STAMP)
 run: $(CORE_STAMP)
 	$(VENV)/bin/gdskit bench
 
+# Two workers (pytest-xdist): the suite's processes and fresh interpreters share the machine's cores.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 gpu-test:
 	bash scripts/gpu_test.sh
