@@ -68,8 +68,8 @@ def _evidence(f, buf, offsets: list[int], size: int) -> dict:
     """What one batched call moved: libcufile's batch and per-GPU counters, the ledger's paths,
     gdskit's batch activity."""
     import gdskit
-    from gdskit.backends import cufile_batch as cb
-    from gdskit.backends.cufile import cufile_library
+    from gdskit.engine.backends import cufile_batch as cb
+    from gdskit.engine.backends.cufile import cufile_library
 
     lib = cufile_library()
     l1, l3 = cb.batch_counters(lib), lib.counters(buf.device)
@@ -102,7 +102,7 @@ def main() -> None:
     import numpy as np
 
     import gdskit
-    from gdskit import cuda
+    from gdskit.engine import cuda
     from gdskit.bench.runner import fill_file
     from gdskit.settings import parse_size
 

@@ -155,7 +155,7 @@ def resident_bytes(path: str) -> int | None:
                              capture_output=True, text=True)
         if out.stdout.strip().isdigit():
             return int(out.stdout.strip())
-    from gdskit.residency import _cachestat
+    from gdskit.engine.residency import _cachestat
     fd = os.open(path, os.O_RDONLY)
     try:
         got = _cachestat(fd, 0, os.fstat(fd).st_size)

@@ -69,7 +69,7 @@ def make_file(path: str, size: int) -> None:
 
 # ---------------------------------------------------------------- children
 def _DeviceArray(nbytes: int):  # noqa: N802 - reads as the class it returns
-    from gdskit.cuda import DeviceArray
+    from gdskit.engine.cuda import DeviceArray
 
     return DeviceArray(nbytes)
 
@@ -140,7 +140,7 @@ def child_raw_odirect_write(path: str, size: int, threads: int, chunk: int) -> d
 
 def child_pinned_alloc() -> dict:
     """How long pinned allocations take, serial vs in parallel (informs the ring design)."""
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     cuda.set_device(0)  # initialise CUDA before the clock
     out = {}
@@ -169,7 +169,7 @@ def child_pinned_variants() -> dict:
     """Pinned staging set-up cost: cudaHostAlloc vs registering (huge-page backed) mmap memory."""
     import ctypes
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     drv = cuda._driver()
     cuda.set_device(0)
@@ -230,7 +230,7 @@ def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages:
     (to tell gdskit's set-up cost from the first touch of fresh device memory).
     """
     import gdskit
-    from gdskit import pool
+    from gdskit.engine import pool
 
     pool.Lane.stages_per_device_lane = stages
     dev = _DeviceArray(size)
@@ -253,11 +253,11 @@ def child_first_call(path: str, size: int, threads: int, chunk_mib: int, stages:
 def child_timeline(path: str, size: int) -> dict:
     """Where the first call's time goes: per-chunk timings of the first and second call."""
     import gdskit
-    from gdskit import direct_route
-    from gdskit.backends import bounce
+    from gdskit.engine import direct_path
+    from gdskit.engine.backends import bounce
 
     t0 = time.perf_counter()
-    direct_route.direct_route()
+    direct_path.direct_route()
     route_ms = (time.perf_counter() - t0) * 1e3
     dev = _DeviceArray(size)
     log: list = []

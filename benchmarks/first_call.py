@@ -44,7 +44,7 @@ MiB = 1 << 20
 
 
 def case_h2d(size: int, chunk: int, threads: int) -> dict:
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     src = cuda.PinnedBuffer(chunk)
     streams = [cuda.Stream(0) for _ in range(4)]
@@ -65,7 +65,7 @@ def case_h2d(size: int, chunk: int, threads: int) -> dict:
 
 
 def case_pinned(size: int, chunk: int, threads: int) -> dict:
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     def alloc_all(workers: int) -> float:
         t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
     import ctypes
     import mmap
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     drv = cuda._driver()
     cuda.set_device(0)
@@ -114,7 +114,7 @@ def _registered_ring(nbytes: int, huge: bool) -> dict:
 def case_ceiling(size: int, chunk: int, threads: int, path: str, seconds: float = 2.0) -> dict:
     import threading
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     bufs = [cuda.RegisteredHostBuffer(chunk) for _ in range(threads)]
     srcs = [cuda.RegisteredHostBuffer(chunk) for _ in range(4)]
@@ -174,7 +174,7 @@ def case_ceiling(size: int, chunk: int, threads: int, path: str, seconds: float 
 
 def case_engine(size: int, chunk: int, threads: int, path: str, prepare: bool) -> dict:
     import gdskit
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     out: dict = {}
     if prepare:
@@ -191,14 +191,14 @@ def case_engine(size: int, chunk: int, threads: int, path: str, prepare: bool) -
             assert n == size, (n, size)
             out[f"{label}_GBps"] = size / dt / GB
     out["paths"] = {k: v.bytes for k, v in gdskit.stats().paths.items()}
-    from gdskit import pool
+    from gdskit.engine import pool
 
     out["lane_setup_ms"] = sorted(round(x * 1e3, 1) for x in pool.setup_seconds)
     return out
 
 
 def child(args: argparse.Namespace) -> None:
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     cuda.set_device(0)
     cuda.DeviceArray(1).free()  # context outside the clock

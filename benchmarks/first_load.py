@@ -151,8 +151,8 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     import gdskit.safetensors
     t_import = time.perf_counter()
-    from gdskit import pool
-    from gdskit.backends import staged
+    from gdskit.engine import pool
+    from gdskit.engine.backends import staged
 
     marks: list[float] = []
     # An older tree (--src) may lack a function measured here: its step is then not reported.
@@ -176,7 +176,7 @@ def child(args: argparse.Namespace) -> None:
     # When the load reaches each step (seconds from the import's end), for the breakdown.
     steps: dict[str, float] = {}
     from gdskit.formats import safetensors_format, torch_io
-    import gdskit.file
+    import gdskit.engine.file
 
     def step(name: str, fn):
         def wrapper(*a, **k):
@@ -192,17 +192,17 @@ def child(args: argparse.Namespace) -> None:
             return step("warm_up_wait", real_start(*a, **k))
         return start
 
-    import gdskit.direct_route
-    from gdskit import cuda
+    import gdskit.engine.direct_path
+    from gdskit.engine import cuda
 
     patches = [(safetensors_format, "read_header_file", lambda f: step("header", f)),
                (gdskit.safetensors, "open_file", lambda f: step("open", f)),
                (torch_io, "start_warm_up", warm_up),
-               (gdskit.file.File, "pread_many", lambda f: step("submit", f)),
+               (gdskit.engine.file.File, "pread_many", lambda f: step("submit", f)),
                (torch_io, "reserve_device_memory", lambda f: step("reserve", f)),
                # Inside the warm-up: the driver's bindings, the direct-route facts, the lanes.
                (cuda, "_load_bindings", lambda f: step("bindings", f)),
-               (gdskit.direct_route, "direct_route", lambda f: step("direct_route", f)),
+               (gdskit.engine.direct_path, "direct_route", lambda f: step("direct_route", f)),
                (pool, "prepare", lambda f: step("lanes", f))]
     real = [(owner, name, getattr(owner, name)) for owner, name, _ in patches if hasattr(owner, name)]
     for owner, name, wrap in patches:

@@ -9,7 +9,7 @@ built model's parameters are). Each process prints the rate of each of its ``--l
 
 ``--src name=path,...`` compares gdskit source trees (each compiled first, as installing does);
 ``--variants name=MODULE.CONSTANT=INTEGER;...,...`` sets integer engine constants in the child before its
-first load, e.g. ``w16=gdskit.backends.bounce.SCATTERED_HOT_WORKERS=16``. Trees and variants
+first load, e.g. ``w16=gdskit.engine.backends.bounce.SCATTERED_HOT_WORKERS=16``. Trees and variants
 combine: every tree runs every variant.
 
     python benchmarks/into_rounds.py --dir /data/ls --rounds 3 --src before=/old/src,now=src

@@ -2,7 +2,7 @@
 next to the raw O_DIRECT read of the same files.
 
 Two ways are compared in one run: ``whole`` (the default: each file of at most 1 MiB read whole,
-header and array in one read, by ``gdskit.whole_files``) and ``headers-N`` (every header read
+header and array in one read, by ``gdskit.engine.whole_files``) and ``headers-N`` (every header read
 first, then the arrays by the many-file job on N workers: what preload did before, forced here by
 ``preload.WHOLE_FILE_MAX = 0``). Hot: whole preloads, µs a file (best of ``--rounds``). Cold: whole
 preloads with the page cache dropped before each (root: all of it; else each file's pages),
@@ -115,7 +115,7 @@ def main() -> None:
     import torch
 
     import gdskit.data as gd
-    from gdskit.formats._gc import collector_paused
+    from gdskit.formats.gc_pause import collector_paused
 
     if args.device.startswith("cuda"):
         torch.empty(1, device=args.device)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 import gdskit
-from gdskit.backends import uring
+from gdskit.engine.backends import uring
 from page_cache import drop_caches, warm  # benchmarks/ is on sys.path when run as a script
 
 MiB = 1 << 20

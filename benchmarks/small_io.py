@@ -10,7 +10,7 @@ Parts, in one process, on one (cached) file:
   spinning event, and for comparison a blocking-sync event and a stream sync), the ledger
   record, give the lane back.
 * ``calls``: ``File.read`` through a driver wrapper that counts and times every driver call
-  (``gdskit.cuda.use_driver``): driver calls per read and the time inside them.
+  (``gdskit.engine.cuda.use_driver``): driver calls per read and the time inside them.
 * ``paths``: ``File.read`` and ``File.read_batch`` latency (p50/p99) and rate per worker,
   1 and 4 worker threads, 4 KiB and 1 MiB: the bounce path into device memory against the
   host path into pageable and pinned host memory (and into a torch tensor, where torch is there).
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 import gdskit
-from gdskit import cuda
-from gdskit.backends.staged import StageTarget, file_residency, read_chunk
-from gdskit.ledger import ledger
-from gdskit.pool import lanes
+from gdskit.engine import cuda
+from gdskit.engine.backends.staged import StageTarget, file_residency, read_chunk
+from gdskit.engine.ledger import ledger
+from gdskit.engine.pool import lanes
 from gdskit.vocabulary import Path, Reason
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 
 path = sys.argv[1] if len(sys.argv) > 1 else "gdskit-run-probe.bin"
 size = 64 << 20

@@ -5,7 +5,7 @@ import pytest
 
 def _gpu_present() -> bool:
     try:
-        from gdskit import cuda
+        from gdskit.engine import cuda
         return cuda.device_count() > 0
     except Exception:
         return False
@@ -66,7 +66,7 @@ def _stand_in_rules():
 @pytest.fixture(scope="module")
 def fake_cuda():
     """gdskit on a stand-in CUDA driver with one device, for every test of the module."""
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     from fake_cuda import FakeDriver
 
@@ -88,7 +88,7 @@ def stand_in_gpus():
     this machine: none is looked up."""
     import contextlib
 
-    from gdskit import cuda, numa
+    from gdskit.engine import cuda, numa
 
     made: list = []
     with contextlib.ExitStack() as stack:
@@ -126,13 +126,13 @@ def compat_cufile(monkeypatch, fake_cuda):
 @pytest.fixture
 def route_is():
     """``route_is(route)``: every part of gdskit sees ``route`` (a ``DirectRoute``) as this
-    machine's direct route until the test ends (``gdskit.direct_route.override``)."""
-    from gdskit import direct_route
+    machine's direct route until the test ends (``gdskit.engine.direct_path.override``)."""
+    from gdskit.engine import direct_path
 
     made = []
 
     def use(route):
-        made.append(direct_route.override(route))
+        made.append(direct_path.override(route))
         return route
 
     yield use

@@ -11,8 +11,8 @@ from pathlib import Path
 def cufile_unusable_reason(directory: str | os.PathLike[str]) -> str | None:
     """Why cuFile cannot serve a file in ``directory`` (None: it can), asked by registering a
     small probe file there."""
-    from gdskit.backends.base import OpenFile
-    from gdskit.backends.cufile import cufile_library, register
+    from gdskit.engine.backends.base import OpenFile
+    from gdskit.engine.backends.cufile import cufile_library, register
 
     lib = cufile_library()
     if not lib.available():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdskit.cuda import DeviceArray
+from gdskit.engine.cuda import DeviceArray
 
 
 class DeviceBuffer(DeviceArray):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gdskit.backends import cufile as cufile_backend
+from gdskit.engine.backends import cufile as cufile_backend
 
 from fake_cufile import FakeCufile
 

@@ -11,7 +11,7 @@ from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from check_helpers import fixture_root
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.cli import accept as accept_cli
 
 HAS_GPU = cuda.device_count() > 0

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from gdskit import direct_route
-from gdskit import cuda
+from gdskit.engine import direct_path
+from gdskit.engine import cuda
 from gdskit.accept import fault_child, faults, items
 from gdskit.accept.context import QUICK, AcceptContext, AcceptOptions
 from gdskit.accept.workload import raw_round_trip
@@ -69,15 +69,15 @@ def test_ab_fails_with_the_reason_when_cufile_cannot_register(tmp_path, monkeypa
 def test_registration_fault_sends_auto_mode_to_the_bounce_path(tmp_path, monkeypatch, fake_cuda):
     fake = FakeCufile(route="nvfs")          # a machine where cuFile would go direct
     lib = use_cufile(monkeypatch, fake)
-    machine = direct_route.direct_route()
+    machine = direct_path.direct_route()
     try:
         with fault_child.pretend_direct_route():
-            assert direct_route.direct_route().route is not None  # for the router and the cuFile backend alike
+            assert direct_path.direct_route().route is not None  # for the router and the cuFile backend alike
             hits = fault_child.refuse_registration(fake)
             out = raw_round_trip(str(tmp_path), 4 * MiB, 0)
     finally:
         lib.close()
-    assert direct_route.direct_route() is machine  # this machine's own again
+    assert direct_path.direct_route() is machine  # this machine's own again
     assert hits["refused"] >= 1
     assert out["identical"] and out["memory"] == "device"
     assert out["direct_bytes"] == 0

@@ -65,7 +65,7 @@ def test_report_with_embedded_plots_renders(tmp_path, request):
     """A report with a failing captured tree (items 1-2) and the benchmark items on the stand-ins,
     whose plots are embedded as base64 PNG."""
     pytest.importorskip("matplotlib")
-    from gdskit import cuda
+    from gdskit.engine import cuda
     if cuda.device_count() > 0:
         pytest.skip("a real GPU is present: the stand-ins would hide it")
     request.getfixturevalue("compat_cufile")

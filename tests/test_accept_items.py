@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.accept import faults, items, workload
 from gdskit.accept.context import QUICK, AcceptContext, AcceptOptions
 from gdskit.accept.run import run_accept

@@ -11,7 +11,7 @@ import pytest
 
 import gdskit
 from gdskit import errors
-from gdskit.backends import base
+from gdskit.engine.backends import base
 
 
 def _leftovers(directory) -> list[str]:

@@ -8,9 +8,9 @@ import os
 import pytest
 
 import gdskit
-from gdskit import cuda
-from gdskit import direct_route as dr
-from gdskit.backends import cufile as cufile_backend
+from gdskit.engine import cuda
+from gdskit.engine import direct_path as dr
+from gdskit.engine.backends import cufile as cufile_backend
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, NoSpaceError
 from gdskit.vocabulary import Path, Reason
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda, pool
+from gdskit.engine import cuda, pool
 from gdskit.errors import CudaError, InvalidArgumentError
 
 from backend_conformance import BackendTests
@@ -32,7 +32,7 @@ def _fake(fake_cuda):
 
 
 def _spy_libc(monkeypatch, **calls):
-    """gdskit.cuda's C library with ``calls`` (name -> function taking the real one first) in
+    """gdskit.engine.cuda's C library with ``calls`` (name -> function taking the real one first) in
     front of it."""
     real = cuda._libc()
 
@@ -208,7 +208,7 @@ def test_write_from_device_memory(tmp_path):
 
 
 def test_ledger_names_the_gpu_of_each_bounce_read(tmp_path):
-    from gdskit.ledger import ledger
+    from gdskit.engine.ledger import ledger
 
     p = tmp_path / "g.bin"
     p.write_bytes(os.urandom(3 << 20))
@@ -237,7 +237,7 @@ def test_read_batch_into_device_memory(tmp_path):
 
 
 def test_synchronized_device_views_read_like_the_buffer_itself(tmp_path):
-    from gdskit.buffers import synchronized_device_view
+    from gdskit.engine.buffers import synchronized_device_view
     from gdskit.errors import UnsupportedBufferError
 
     data = os.urandom(3 << 20)
@@ -309,7 +309,7 @@ def test_refused_registration_unmaps_the_memory(fake_cuda, monkeypatch):
 
 
 def test_warm_up_builds_the_ring_in_the_background_once(fake_cuda):
-    from gdskit.formats._engine import start_warm_up
+    from gdskit.engine import start_warm_up
 
     gdskit.release_resources()
     assert not pool.lanes.holds(0)

@@ -53,7 +53,7 @@ class TestCufileBackend(_DeviceMemory):
 def test_registered_stage_is_pinned_and_copies():
     import numpy as np
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     n = (8 << 20) + 8192
     stage = cuda.RegisteredHostBuffer(n)
@@ -75,7 +75,7 @@ def test_ring_is_made_the_way_the_setting_says(tmp_path, alloc, kind):
     import os
 
     import gdskit
-    from gdskit import cuda, pool
+    from gdskit.engine import cuda, pool
 
     data = os.urandom(5 << 20)
     p = tmp_path / "ring.bin"

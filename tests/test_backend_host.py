@@ -64,7 +64,7 @@ def test_small_aligned_reads_cold_hot_and_at_the_end(small_io_file, policy, size
 
 def _residency(path: str, nbytes: int):
     """The file's page-cache residency, by ``cachestat`` or else ``mincore`` (which every Linux has)."""
-    from gdskit.residency import new_mapping, residency
+    from gdskit.engine.residency import new_mapping, residency
 
     mapping = new_mapping()
     fd = os.open(path, os.O_RDONLY)
@@ -79,14 +79,14 @@ def _residency(path: str, nbytes: int):
 
 def _dropped(path: str, nbytes: int) -> bool:
     """Drop the file from the page cache; whether it left (tmpfs, for one, keeps every file cached)."""
-    from gdskit.residency import Residency
+    from gdskit.engine.residency import Residency
 
     drop_cache(path)
     return _residency(path, nbytes) is Residency.NONE
 
 
 def test_small_cold_read_under_auto_leaves_the_page_cache_alone(small_io_file):
-    from gdskit.residency import Residency
+    from gdskit.engine.residency import Residency
 
     path, data = small_io_file
     if not _dropped(path, len(data)):
@@ -114,8 +114,8 @@ def test_small_read_of_a_partly_cached_range(small_io_file):
 def test_a_small_unaligned_miss_asks_the_page_cache_once(small_io_file, monkeypatch, how):
     """The one-call check asks for the range's residency; the general path it hands over to uses
     that answer instead of asking again."""
-    from gdskit.backends import staged
-    from gdskit.residency import Residency
+    from gdskit.engine.backends import staged
+    from gdskit.engine.residency import Residency
 
     path, data = small_io_file
     asked = []
@@ -202,7 +202,7 @@ def _o_direct_opens(monkeypatch) -> list[str]:
 def test_a_cached_file_read_under_auto_never_opens_an_o_direct_descriptor(tmp_path, monkeypatch):
     """Many small files read hot (a dataset's preload): a second descriptor per file would cost
     an open and a close each, for reads the page cache serves."""
-    from gdskit.many_files import FileReads, read_files
+    from gdskit.engine.many_files import FileReads, read_files
 
     rng = np.random.default_rng(3)
     files = []
@@ -233,7 +233,7 @@ def test_a_cached_file_read_under_auto_never_opens_an_o_direct_descriptor(tmp_pa
 
 @pytest.mark.parametrize("how", ["read", "read_batch"])
 def test_a_cold_file_under_auto_still_reads_with_o_direct(small_io_file, monkeypatch, how):
-    from gdskit.residency import Residency
+    from gdskit.engine.residency import Residency
 
     path, data = small_io_file
     if not _dropped(path, len(data)):

@@ -9,7 +9,7 @@ import pytest
 from cli_app import one_command_app
 from typer.testing import CliRunner
 
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.cli import bench as bench_cli
 
 SMALL_DEFAULT_RUN = ("bench", "-s", "8M", "-w", "1", "--repeat", "1")   # no -f: the `make run` case

@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.bench import runner
 from gdskit.bench.params import MiB, make_params
 from gdskit.bench.report import BenchReport, EngineResult, render_table

@@ -129,7 +129,7 @@ def test_corrupt_store(tmp_path, monkeypatch, text):
 
 def test_machine_gpu_facts_come_from_the_check_nvml_query(monkeypatch):
     from gdskit.bench import machine
-    from gdskit.probe import gpus
+    from gdskit.machine import gpus
 
     monkeypatch.setattr(gpus, "query_nvml", lambda: {
         "available": True, "driver_version": "580.1", "gpus": [

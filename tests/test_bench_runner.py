@@ -153,7 +153,7 @@ def test_unwritable_target(tmp_path):
     assert res.exit_code == 2
 
 
-@pytest.mark.skipif(gdskit.cuda.device_count() > 0, reason="checks the no-GPU answer")
+@pytest.mark.skipif(gdskit.engine.cuda.device_count() > 0, reason="checks the no-GPU answer")
 def test_sweep_on_an_unavailable_path_is_refused(tmp_path):
     p = make_params(size="64M", sweep=True, paths="cufile,bounce")
     with pytest.raises(PathUnavailableError) as info:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit.buffers import adapt
-from gdskit.cuda import MemoryKind
+from gdskit.engine.buffers import adapt
+from gdskit.engine.cuda import MemoryKind
 from gdskit.errors import UnsupportedBufferError
 
 
@@ -191,7 +191,7 @@ def test_import_stays_light_and_plain_buffers_need_no_numpy():
 
     code = ("import sys, gdskit\n"
             "assert 'numpy' not in sys.modules and 'torch' not in sys.modules, 'heavy import at import time'\n"
-            "from gdskit.buffers import adapt\n"
+            "from gdskit.engine.buffers import adapt\n"
             "b = bytearray(b'abc'); v = adapt(b)\n"
             "import ctypes; assert ctypes.string_at(v.ptr, 3) == b'abc' and not v.readonly\n"
             "r = adapt(b'xyz'); assert ctypes.string_at(r.ptr, 3) == b'xyz' and r.readonly\n")
@@ -205,8 +205,8 @@ def test_an_array_of_python_objects_is_refused():
 
 @pytest.mark.stand_in_gpu
 def test_views_of_many_allocations_ask_the_driver_once(monkeypatch):
-    from gdskit import cuda
-    from gdskit.buffers import synchronized_device_view, synchronized_device_views
+    from gdskit.engine import cuda
+    from gdskit.engine.buffers import synchronized_device_view, synchronized_device_views
 
     arrays = [cuda.DeviceArray(n) for n in (4096, 1, 70_000)]
     asked = []

@@ -351,7 +351,7 @@ def test_device_mapper_loop_and_multipath_layers_are_resolved(tmp_path):
 def test_each_bridge_is_read_once_however_many_links_cross_it(monkeypatch):
     from collections import Counter
 
-    from gdskit.probe import topology
+    from gdskit.machine import topology
 
     reads: Counter[str] = Counter()
     real = topology.read_bridge

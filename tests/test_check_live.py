@@ -35,7 +35,7 @@ def test_check_of_given_paths_on_this_machine(tmp_path):
 
 @pytest.mark.gpu
 def test_check_sees_the_gpus_cuda_sees():
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     r = run_check()
     assert len(r.gpu.gpus) == cuda.device_count()

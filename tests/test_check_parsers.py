@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gdskit.probe.gds import parse_cufile_json, parse_kernel_version, strip_json_comments
-from gdskit.probe.gpus import nvml_bus_id_to_sysfs
-from gdskit.probe.mounts import mount_for_path, parse_mountinfo, probe_odirect, unescape_mount_field
-from gdskit.probe.topology import ACS_BITS, parse_acs, parse_port_type, place_from_sysfs_path
+from gdskit.machine.gds import parse_cufile_json, parse_kernel_version, strip_json_comments
+from gdskit.machine.gpus import nvml_bus_id_to_sysfs
+from gdskit.machine.mounts import mount_for_path, parse_mountinfo, probe_odirect, unescape_mount_field
+from gdskit.machine.topology import ACS_BITS, parse_acs, parse_port_type, place_from_sysfs_path
 
 
 def kernel_escape(s: str) -> str:
@@ -185,7 +185,7 @@ def test_odirect_probe_where_nothing_can_be_written_is_not_probed(tmp_path):
 
 
 def test_a_captured_tree_with_facts_nested_too_deep_reads_as_no_facts(tmp_path):
-    from gdskit.probe.root import FIXTURE_DIR, SystemRoot
+    from gdskit.machine.root import FIXTURE_DIR, SystemRoot
 
     (tmp_path / FIXTURE_DIR).mkdir()
     for name in ("nvml.json", "env.json"):

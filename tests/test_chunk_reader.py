@@ -1,4 +1,4 @@
-"""The one chunk reader of the CPU paths (gdskit.backends.staged): which descriptor serves a
+"""The one chunk reader of the CPU paths (gdskit.engine.backends.staged): which descriptor serves a
 chunk, and the bytes it reads into a staging buffer or the caller's memory, checked against
 a plain read for every policy, page-cache answer and alignment."""
 
@@ -12,11 +12,11 @@ import os
 import numpy as np
 import pytest
 
-from gdskit.backends import staged
-from gdskit.backends.base import OpenFile, RWF_NOWAIT
-from gdskit.backends.staged import MemoryTarget, StageTarget, Via, choose, read_chunk
-from gdskit.plan import align_down
-from gdskit.residency import Residency
+from gdskit.engine.backends import staged
+from gdskit.engine.backends.base import OpenFile, RWF_NOWAIT
+from gdskit.engine.backends.staged import MemoryTarget, StageTarget, Via, choose, read_chunk
+from gdskit.engine.plan import align_down
+from gdskit.engine.residency import Residency
 from gdskit.vocabulary import ODirectPolicy
 
 A = 4096
@@ -194,7 +194,7 @@ def test_a_probe_takes_what_is_cached_and_reads_the_rest_direct(of, data_file, m
 def test_a_large_range_the_page_cache_holds_little_of_is_read_with_o_direct(tmp_path):
     """A header read leaves a file's first pages cached (readahead): the rest of a large read
     still goes O_DIRECT, where buffered it would be a cold read through the cache."""
-    from gdskit.residency import residency
+    from gdskit.engine.residency import residency
 
     path = tmp_path / "shard.bin"
     path.write_bytes(np.random.default_rng(9).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())

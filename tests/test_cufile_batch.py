@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import gdskit
-from gdskit import cuda
-from gdskit import direct_route as dr
-from gdskit.backends import cufile_batch as cb
+from gdskit.engine import cuda
+from gdskit.engine import direct_path as dr
+from gdskit.engine.backends import cufile_batch as cb
 from gdskit.errors import ConfigError, EnvironmentVariableError, GdskitIOError, NoSpaceError
 from gdskit.settings import Settings
 from gdskit.vocabulary import CufileBatch, Path, Reason

@@ -12,7 +12,7 @@ import pytest
 from cufile_probe import cufile_unusable_reason
 
 import gdskit
-from gdskit.backends import cufile_batch as cb
+from gdskit.engine.backends import cufile_batch as cb
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ def data_file(tmp_path_factory):
 @pytest.fixture
 def cufile_serves(data_file):
     """Skip unless libcufile is usable and can register a file here."""
-    from gdskit.backends.cufile import cufile_library
+    from gdskit.engine.backends.cufile import cufile_library
 
     why = cufile_unusable_reason(os.path.dirname(data_file[0]))
     if why:

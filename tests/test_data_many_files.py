@@ -1,4 +1,4 @@
-"""Many files read as one engine job (``gdskit.many_files``), the way ``preload`` reads
+"""Many files read as one engine job (``gdskit.engine.many_files``), the way ``preload`` reads
 datasets of many shards: bytes and order against plain reads, short counts only at the end of
 a file, errors that name the file and leave no descriptor or thread behind, the open files
 bounded, and the device path on the stand-in CUDA driver."""
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda
-from gdskit.buffers import synchronized_device_view
+from gdskit.engine import cuda
+from gdskit.engine.buffers import synchronized_device_view
 from gdskit.errors import (BufferTooSmallError, GdskitError, GdskitFileNotFoundError, GdskitIsADirectoryError,
                            InvalidArgumentError, ReadOnlyBufferError)
-from gdskit.many_files import FileReads, read_files
+from gdskit.engine.many_files import FileReads, read_files
 from data_files import random_files
-from gdskit.residency import CACHED_SAMPLES
+from gdskit.engine.residency import CACHED_SAMPLES
 from leak_helpers import fd_count
 
 CHUNK = 64 << 10
@@ -176,7 +176,7 @@ def test_device_memory_takes_the_bounce_ring_and_the_ledger_counts_it(tmp_path, 
 def test_cached_small_files_into_device_memory_take_one_worker(tmp_path, monkeypatch, cached):
     """Cached small files are Python per file: one worker reads them (more only take turns at
     the interpreter); from the disk, or into host memory, every worker stays."""
-    import gdskit.many_files as mf
+    import gdskit.engine.many_files as mf
 
     files = _files(tmp_path, [5000 + i for i in range(30)])
     if cached is not True:  # all evicted, or all but the first, middle and last
@@ -185,7 +185,7 @@ def test_cached_small_files_into_device_memory_take_one_worker(tmp_path, monkeyp
         for k, (p, _d) in enumerate(files):
             if cached is False or k not in (0, len(files) // 2, len(files) - 1):
                 drop_cache(p)
-        from gdskit.formats._engine import first_page_cached
+        from gdskit.engine import first_page_cached
 
         if first_page_cached(files[1][0]) is not False:
             pytest.skip("this system cannot drop a file's pages from the page cache")
@@ -237,8 +237,8 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
     """Every third file takes the general path (its read split in two routes) between packed
     ones: both take the lane's stages in turn, and the stand-in checks no stage is refilled
     while a copy from it is queued."""
-    import gdskit.many_files as mf
-    from gdskit.router import Route
+    import gdskit.engine.many_files as mf
+    from gdskit.engine.backend_choice import BackendChoice, BackendKind
 
     real = mf.plan_routes
     calls = []
@@ -249,8 +249,8 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
         if len(calls) % 3 or size < 2:
             return routes
         half = size // 2
-        return [Route("bounce", routes[0].reason, file_offset, buf_offset, half),
-                Route("bounce", routes[0].reason, file_offset + half, buf_offset + half, size - half)]
+        return [BackendChoice(BackendKind.BOUNCE, routes[0].reason, file_offset, buf_offset, half),
+                BackendChoice(BackendKind.BOUNCE, routes[0].reason, file_offset + half, buf_offset + half, size - half)]
 
     monkeypatch.setattr(mf, "plan_routes", split_every_third)
     files = _files(tmp_path, [3000 + 977 * (i % 23) for i in range(120)], seed=5)
@@ -264,7 +264,7 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
 
 @pytest.mark.stand_in_gpu
 def test_a_file_gone_from_a_packed_job_is_named_and_nothing_is_left_open(tmp_path, fake_cuda, monkeypatch):
-    import gdskit.many_files as mf
+    import gdskit.engine.many_files as mf
 
     packed = []
     real = mf._packed
@@ -314,7 +314,7 @@ def test_host_and_device_destinations_in_one_job(tmp_path):
 def test_where_a_direct_route_exists_the_aligned_bodies_take_cufile(tmp_path, monkeypatch, route_is):
     from fake_cufile import FakeCufile
     from fake_stack import use_cufile
-    from gdskit import direct_route as dr
+    from gdskit.engine import direct_path as dr
     from gdskit.vocabulary import Path
 
     fake = FakeCufile(route="nvfs")

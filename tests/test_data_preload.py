@@ -102,7 +102,7 @@ def _header_threads(monkeypatch):
 
 
 def test_headers_on_the_disk_are_read_on_threads_and_cached_ones_in_order(tmp_path, monkeypatch):
-    from gdskit.formats._engine import first_page_cached
+    from gdskit.engine import first_page_cached
 
     arrays = {f"{k:03d}.npy": random_array((7, k % 5 + 1), NUMERIC[k % len(NUMERIC)], k) for k in range(200)}
     for name, a in arrays.items():
@@ -136,7 +136,7 @@ def test_small_files_from_the_disk_come_whole_with_their_headers(tmp_path):
     import time
 
     from gdskit.data.sources import resolve
-    from gdskit.formats._engine import open_file
+    from gdskit.engine import open_file
 
     module = importlib.import_module("gdskit.data.preload")
     for k in range(40):

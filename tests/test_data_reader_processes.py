@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
 from data_workers import LOADER_SEQ, SRC, loader_tokens, token_files, windows  # noqa: E402
-from gdskit import readers  # noqa: E402
+from gdskit.engine import reader_processes  # noqa: E402
 from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError  # noqa: E402
 from leak_helpers import fd_count  # noqa: E402
 
@@ -101,7 +101,7 @@ def test_a_pass_left_with_batches_asked_for_leaves_the_next_pass_its_own_answers
     with gd.Loader(ds, 3, device="cpu", shuffle=True, seed=2, workers=2, prefetch=3) as loader:
         order = loader.batch_indices(0)
         got = []
-        for stop in (2, 5, 9):  # each pass ends with six batches asked of the readers and not taken
+        for stop in (2, 5, 9):  # each pass ends with six batches asked of the reader_processes and not taken
             for b in loader:
                 got.append(b.numpy().copy())
                 if len(got) == stop:
@@ -147,11 +147,11 @@ def test_a_reader_process_that_dies_is_an_error_naming_it_and_the_next_pass_star
         next(it)
         victim = reader_pids(loader)[1]
         os.kill(victim, signal.SIGKILL)
-        with pytest.raises(readers.ReaderProcessError, match=f"pid {victim}.*signal 9") as info:
+        with pytest.raises(reader_processes.ReaderProcessError, match=f"pid {victim}.*signal 9") as info:
             for _ in it:
                 pass
         assert isinstance(info.value, GdskitError) and isinstance(info.value, RuntimeError)
-        assert gd.ReaderProcessError is readers.ReaderProcessError
+        assert gd.ReaderProcessError is reader_processes.ReaderProcessError
         assert victim not in children()
         got = [b.numpy().copy() for b in loader]  # a new pass: new processes, the rest of the epoch
         assert victim not in reader_pids(loader)
@@ -233,7 +233,7 @@ offsets = st.lists(st.integers(0, 2**62), max_size=40)
 @given(st.integers(0, 2**62), st.lists(st.tuples(st.integers(0, 2**31), st.integers(1, 2**31), offsets), max_size=5))
 def test_read_messages_come_back_as_they_were_sent(base, groups):
     sent = [(p, size, offs, list(reversed(offs))) for p, size, offs in groups]
-    got_base, got = readers.unpack_read(readers.pack_read(base, sent))
+    got_base, got = reader_processes.unpack_read(reader_processes.pack_read(base, sent))
     assert got_base == base and got == [(p, s, list(o), list(q)) for p, s, o, q in sent]
 
 
@@ -241,15 +241,15 @@ def test_read_messages_come_back_as_they_were_sent(base, groups):
 @given(st.binary(max_size=200))
 def test_a_damaged_read_message_is_a_value_error_or_exactly_what_it_says(junk):
     try:
-        base, groups = readers.unpack_read(junk)
+        base, groups = reader_processes.unpack_read(junk)
     except ValueError:
         return
-    assert readers.pack_read(base, groups) == junk  # what parses is a message, byte for byte
+    assert reader_processes.pack_read(base, groups) == junk  # what parses is a message, byte for byte
 
 
 def test_a_reader_that_answers_nonsense_breaks_the_set_with_a_clear_error(tokens):
     paths, _ = tokens
-    procs = readers.ReaderProcesses(1, paths, 2, 4096, pinned=False, settings_values=gdskit.settings.as_dict())
+    procs = reader_processes.ReaderProcesses(1, paths, 2, 4096, pinned=False, settings_values=gdskit.settings.as_dict())
     try:
         slot = procs.slot(0)
         procs.send(0, slot, [(0, 132, [0], [0])])
@@ -257,10 +257,10 @@ def test_a_reader_that_answers_nonsense_breaks_the_set_with_a_clear_error(tokens
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         procs._socks[0].close()
         procs._socks[0] = mine
-        readers.send_message(theirs, b"D", b"\x05\x00")  # a done message cut short
-        with pytest.raises(readers.ReaderProcessError, match="damaged"):
+        reader_processes.send_message(theirs, b"D", b"\x05\x00")  # a done message cut short
+        with pytest.raises(reader_processes.ReaderProcessError, match="damaged"):
             procs.receive(0)
-        with pytest.raises(readers.ReaderProcessError, match="damaged"):
+        with pytest.raises(reader_processes.ReaderProcessError, match="damaged"):
             procs.send(0, slot, [(0, 132, [0], [0])])  # broken for good
         theirs.close()
     finally:
@@ -272,7 +272,7 @@ def test_the_shared_staging_stays_within_the_pinned_budget(tmp_path):
     paths = token_files(tmp_path, [200_000, 90_000], "uint32")
     want = windows(paths, "uint32", seq)
     ds = gd.TokenDataset(paths, dtype="uint32", seq_len=seq)
-    slot = readers.ReaderProcesses.slot_size(4 * (seq + 1) * 4)  # 320 KiB
+    slot = reader_processes.ReaderProcesses.slot_size(4 * (seq + 1) * 4)  # 320 KiB
     with gdskit.settings.set(pinned_budget="2MiB"):
         with gd.Loader(ds, 4, device="cpu", workers=3, prefetch=4) as loader:
             assert loader._reader.asked_ahead() == 4  # not 4 x 3: six slots fit the budget
@@ -355,7 +355,7 @@ def test_readers_started_from_a_gdskit_thread_still_take_sigterm(tokens):
 
     paths, _ = tokens
     made = []
-    start_thread(lambda: made.append(readers.ReaderProcesses(1, paths, 2, 4096, pinned=False,
+    start_thread(lambda: made.append(reader_processes.ReaderProcesses(1, paths, 2, 4096, pinned=False,
                                                              settings_values=gdskit.settings.as_dict())),
                  "gdskit-test").join()
     (procs,) = made

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import gdskit.data as gd  # noqa: E402
 from data_workers import token_files, windows  # noqa: E402
 from fake_cuda import CUmemorytype  # noqa: E402
-from gdskit import cuda  # noqa: E402
+from gdskit.engine import cuda  # noqa: E402
 from gdskit.data.read import FileCache, plan_batch, read_now  # noqa: E402
 from gdskit.data.staging import Staging  # noqa: E402
 

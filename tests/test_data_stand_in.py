@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 import gdskit  # noqa: E402
 import gdskit.data as gd  # noqa: E402
 from data_workers import token_files, windows  # noqa: E402
-from gdskit import cuda  # noqa: E402
-from gdskit.buffers import synchronized_device_view  # noqa: E402
+from gdskit.engine import cuda  # noqa: E402
+from gdskit.engine.buffers import synchronized_device_view  # noqa: E402
 from gdskit.data.read import FileCache, plan_batch, submit, wait  # noqa: E402
 
 pytestmark = pytest.mark.stand_in_gpu

@@ -22,7 +22,7 @@ def gpu_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gpu_world(gpu_workdir: Path) -> tuple[int, dict[int, Any]]:
-    from gdskit import cuda
+    from gdskit.engine import cuda
     from dcp_launch import run_world
     world = max(1, cuda.device_count())
     return world, run_world("gpu", world, gpu_workdir, device="cuda")

@@ -78,7 +78,7 @@ def test_every_example_is_found_and_says_its_needs_in_known_words():
 
 def _have(need: str) -> bool:
     if need == "gpu":
-        from gdskit import cuda
+        from gdskit.engine import cuda
         return cuda.device_count() > 0
     if need in ("torch", "transformers", "vllm"):
         return importlib.util.find_spec(need) is not None

@@ -78,7 +78,7 @@ def test_cufile_driver_closes_after_workers_and_before_pinned_memory(tmp_path: P
     # an atexit hook registered after it would otherwise run the workers past the driver.
     out = _run("""
         from gdskit import shutdown as s
-        from gdskit.backends.cufile import CufileLibrary
+        from gdskit.engine.backends.cufile import CufileLibrary
         class Mod:
             def driver_open(self): pass
             def driver_close(self): print("driver_close")
@@ -176,7 +176,7 @@ def test_the_exit_closes_cufile_without_stopping_its_statistics(tmp_path: Path) 
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from fake_cufile import FakeCufile
-        from gdskit.backends.cufile import CufileLibrary
+        from gdskit.engine.backends.cufile import CufileLibrary
         fake = FakeCufile()
         fake.stats_stop = lambda: print("stats_stop", flush=True)
         real_close = fake.driver_close

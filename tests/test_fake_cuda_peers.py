@@ -1,5 +1,5 @@
 """The stand-in driver's several devices (tests/fake_cuda.py): peer access as the driver grants
-it, peer copies ordered like every other copy, events bound to their context; and gdskit.cuda's
+it, peer copies ordered like every other copy, events bound to their context; and gdskit.engine.cuda's
 calls over them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from gdskit import cuda
+from gdskit.engine import cuda
 
 from fake_cuda import CUresult, FakeDriver, StandInViolation
 

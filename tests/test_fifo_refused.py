@@ -27,7 +27,7 @@ CASES = {
         import time; time.sleep(0.2)
         gdskit.open(FIFO, 'r+')"""),
     "many-file job": textwrap.dedent("""\
-        import gdskit.many_files as mf
+        import gdskit.engine.many_files as mf
         mf.read_files([mf.FileReads(FIFO, [(bytearray(16), 16, 0)])])"""),
     "npy header": "from gdskit.data import npy\nnpy.read_header(FIFO)",
     "dataset's readability check": textwrap.dedent("""\
@@ -94,7 +94,7 @@ def test_a_fifo_as_the_profile_store_is_a_config_error(tmp_path):
         import os, sys
         sys.path.insert(0, {SRC!r})
         os.environ["XDG_CONFIG_HOME"] = {str(tmp_path)!r}
-        from gdskit import profiles
+        from gdskit.engine import profiles
         from gdskit.errors import ConfigError
         try:
             profiles.load()
@@ -116,7 +116,7 @@ def test_the_system_probe_reads_a_fifo_as_absent(tmp_path):
     code = textwrap.dedent(f"""\
         import sys
         sys.path.insert(0, {SRC!r})
-        from gdskit.probe.root import SystemRoot
+        from gdskit.machine.root import SystemRoot
         root = SystemRoot()
         print(root.read_text({fifo!r}), root.read_bytes({fifo!r}), list(root.iter_lines({fifo!r})))
         """)

@@ -387,7 +387,7 @@ def test_atomic_file_with_a_failed_write_is_not_published(tmp_path, monkeypatch)
     removes the temporary file and raises that error instead of publishing it."""
     import errno
 
-    from gdskit.backends import base
+    from gdskit.engine.backends import base
 
     target = tmp_path / "ckpt.bin"
     target.write_bytes(b"previous checkpoint")

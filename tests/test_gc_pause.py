@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import gdskit.safetensors as gs  # noqa: E402
 import gdskit.torch as gt  # noqa: E402
 from gdskit.errors import FormatError  # noqa: E402
-from gdskit.formats._gc import collector_paused  # noqa: E402
+from gdskit.formats.gc_pause import collector_paused  # noqa: E402
 
 
 @pytest.fixture

@@ -14,25 +14,24 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
-#: The engine core: File, routing, planning, workers, backends, buffers, CUDA, the ledger, settings.
-CORE = ("gdskit.file", "gdskit.router", "gdskit.plan", "gdskit.pool", "gdskit.backends", "gdskit.buffers",
-        "gdskit.cuda", "gdskit.ledger", "gdskit.settings", "gdskit.shutdown", "gdskit.direct_route",
-        "gdskit.residency", "gdskit.durable", "gdskit.vocabulary", "gdskit.errors", "gdskit.profiles",
-        "gdskit.routing", "gdskit.routed", "gdskit.numa", "gdskit.many_files", "gdskit.streamed", "gdskit.threads")
+#: The ground floor every layer may use.
+GROUND = ("gdskit.settings", "gdskit.errors", "gdskit.vocabulary", "gdskit.threads", "gdskit.durable", "gdskit.shutdown")
 
-#: What the core may read facts through besides itself: the probes' plain readers of /proc, /sys
-#: and /etc (not their verdicts, reports or live checks).
-FACT_READERS = ("gdskit.probe.root", "gdskit.probe.gds", "gdskit.probe.mounts", "gdskit.probe.topology",
-                "gdskit.probe.numa_facts")
+#: The engine core: the engine package and the ground floor under it.
+CORE = ("gdskit.engine",) + GROUND
 
+#: What the engine reads facts through besides itself: the machine's plain readers of /proc,
+#: /sys and /etc (not the check's verdicts, reports or live probes).
+FACT_READERS = ("gdskit.machine",)
 
-#: The layers over the engine that load data: they reach it through ``gdskit.formats._engine`` only.
+#: The layers over the engine: they reach it through its door, ``gdskit.engine``, only.
 FORMATS = ("gdskit.formats", "gdskit.data", "gdskit.dcp", "gdskit.torch", "gdskit.safetensors",
-           "gdskit.transformers", "gdskit.vllm")
-ENGINE_DOOR = "gdskit.formats._engine"
-#: What of the core every layer may use directly: the error tree, the words, pure arithmetic,
-#: durable file replacement, how a thread starts.
-SHARED_CORE = ("gdskit.errors", "gdskit.vocabulary", "gdskit.plan", "gdskit.durable", "gdskit.threads")
+           "gdskit.transformers", "gdskit.vllm", "gdskit.group")
+#: ``gdskit check``'s findings: the engine through its door too (the package face is theirs to use).
+FINDINGS = ("gdskit.probe",)
+ENGINE_DOOR = "gdskit.engine"
+#: What of the core every layer may use directly: the ground floor and pure arithmetic.
+SHARED_CORE = GROUND + ("gdskit.engine.plan",)
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -165,7 +164,7 @@ def engine_doors(graph: dict[str, dict[str, int]], layers: tuple[str, ...] = FOR
         if name == door or not _within(name, layers):
             continue
         for target, line in sorted(targets.items()):
-            if (target == "gdskit" or _within(target, core)) and not _within(target, shared):
+            if target != door and (target == "gdskit" or _within(target, core)) and not _within(target, shared):
                 out.append(f"{name} imports {target} (line {line})")
     return out
 
@@ -218,8 +217,8 @@ def test_checker_finds_a_core_module_reaching_up(tmp_path):
 
 def test_the_graph_covers_gdskit():
     graph = import_graph()
-    assert "gdskit.router" in graph["gdskit.file"]
-    assert "gdskit.backends.base" in graph["gdskit.router"]
+    assert "gdskit.engine.backend_choice" in graph["gdskit.engine.file"]
+    assert "gdskit.engine.backends.base" in graph["gdskit.engine.backend_choice"]
     assert len(graph) > 80
 
 
@@ -234,10 +233,34 @@ def test_the_engine_core_imports_nothing_above_it():
     assert not found, "the engine core reaches up:\n  " + "\n  ".join(found)
 
 
-def test_the_formats_reach_the_engine_through_one_door():
+def test_machine_facts_import_only_the_ground_floor():
+    found = core_violations(import_graph(), FACT_READERS, GROUND)
+    assert not found, "machine facts reach up:\n  " + "\n  ".join(found)
+
+
+def test_the_layers_above_reach_the_engine_through_its_door():
     graph = import_graph()
-    assert "gdskit.buffers" in graph[ENGINE_DOOR]  # the door itself may
-    assert engine_doors({"gdskit.torch": {"gdskit.buffers": 3, "gdskit.errors": 4}}) == [
-        "gdskit.torch imports gdskit.buffers (line 3)"]
+    assert "gdskit.engine.buffers" in graph[ENGINE_DOOR]  # the door itself may
+    assert engine_doors({"gdskit.torch": {"gdskit.engine.buffers": 3, "gdskit.errors": 4}}) == [
+        "gdskit.torch imports gdskit.engine.buffers (line 3)"]
     found = engine_doors(graph)
-    assert not found, "the formats reach the engine past gdskit.formats._engine:\n  " + "\n  ".join(found)
+    found += [f for f in engine_doors(graph, FINDINGS) if not f.endswith(" imports gdskit") and " imports gdskit (" not in f]
+    assert not found, "a layer reaches the engine past gdskit.engine:\n  " + "\n  ".join(found)
+
+
+def private_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports of a private (``_x``) module from outside the package that holds it."""
+    out = []
+    for name, targets in sorted(graph.items()):
+        for target, line in sorted(targets.items()):
+            parent, _, leaf = target.rpartition(".")
+            if leaf.startswith("_") and not _within(name, (parent,)):
+                out.append(f"{name} imports {target} (line {line})")
+    return out
+
+
+def test_no_module_imports_another_packages_private_module():
+    assert private_imports({"gdskit.torch": {"gdskit.dcp._reader": 2}, "gdskit.dcp": {"gdskit.dcp._reader": 1}}) == [
+        "gdskit.torch imports gdskit.dcp._reader (line 2)"]
+    found = private_imports(import_graph())
+    assert not found, "private modules used from outside their package:\n  " + "\n  ".join(found)

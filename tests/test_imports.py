@@ -90,12 +90,12 @@ def test_without_torch_no_cuda_bindings_and_no_numpy_are_imported():
 
 def test_the_public_names_resolve_to_the_engine_after_a_lazy_import():
     code = ("import gdskit, sys\n"
-            "assert 'gdskit.file' not in sys.modules\n"
+            "assert 'gdskit.engine.file' not in sys.modules\n"
             "from gdskit import *\n"
-            "import gdskit.file, gdskit.ledger, gdskit.pool, gdskit.cuda, gdskit.settings\n"
-            "assert gdskit.File is gdskit.file.File and gdskit.open is gdskit.file.open\n"
-            "assert gdskit.stats is gdskit.ledger.stats and gdskit.Stats is gdskit.ledger.Stats\n"
-            "assert gdskit.ResourceUsage is gdskit.pool.ResourceUsage and gdskit.cuda is sys.modules['gdskit.cuda']\n"
+            "import gdskit.engine.file, gdskit.engine.ledger, gdskit.engine.pool, gdskit.engine.cuda, gdskit.settings\n"
+            "assert gdskit.File is gdskit.engine.file.File and gdskit.open is gdskit.engine.file.open\n"
+            "assert gdskit.stats is gdskit.engine.ledger.stats and gdskit.Stats is gdskit.engine.ledger.Stats\n"
+            "assert gdskit.ResourceUsage is gdskit.engine.pool.ResourceUsage and gdskit.engine.cuda is sys.modules['gdskit.engine.cuda']\n"
             "assert isinstance(gdskit.settings, gdskit.Settings)\n"  # the object, never the submodule
             "assert set(gdskit.__all__) <= set(dir(gdskit))\n"
             "print(sorted(n for n in gdskit.__all__ if not hasattr(gdskit, n)))\n")
@@ -166,15 +166,15 @@ def test_first_host_read_load_and_batch_after_a_lazy_import(tmp_path):
 
 
 def test_routing_and_numa_get_the_machine_facts_when_the_engine_loads(tmp_path):
-    # Through the formats' door (gdskit.file directly), not through the package's names.
+    # Through the formats' door (gdskit.engine.file directly), not through the package's names.
     (tmp_path / "f.bin").write_bytes(b"x" * 4096)
     code = ("import os, sys, gdskit\n"
-            "assert 'gdskit.routing' not in sys.modules and 'gdskit.numa' not in sys.modules\n"
-            "from gdskit.formats._engine import open_file\n"
+            "assert 'gdskit.engine.gpu_routing' not in sys.modules and 'gdskit.engine.numa' not in sys.modules\n"
+            "from gdskit.engine import open_file\n"
             f"open_file({str(tmp_path / 'f.bin')!r}).close()\n"
-            "from gdskit import numa, routing\n"
-            f"facts = routing.fact_source()(os.stat({str(tmp_path)!r}).st_dev, ())\n"
-            "print(isinstance(facts, routing.StorageFacts), callable(numa._source))\n")
+            "from gdskit.engine import numa, gpu_routing\n"
+            f"facts = gpu_routing.fact_source()(os.stat({str(tmp_path)!r}).st_dev, ())\n"
+            "print(isinstance(facts, gpu_routing.StorageFacts), callable(numa._source))\n")
     assert _run(code, _env_without_stats()).split() == ["True", "True"]
 
 
@@ -186,7 +186,7 @@ def test_first_gpu_read_after_a_lazy_import_on_the_stand_in_driver(tmp_path):
     code = (_NO_TORCH +
             f"sys.path.insert(0, {str(TESTS)!r})\n"
             "import gdskit\n"
-            "from gdskit import cuda\n"
+            "from gdskit.engine import cuda\n"
             "from fake_cuda import FakeDriver\n"
             "fake = FakeDriver()\n"
             "with cuda.use_driver(fake), gdskit.settings.set(mode='bounce', chunk_size='256KiB', threads=3):\n"
@@ -245,7 +245,7 @@ sys.meta_path.insert(0, Driver())
 def test_the_driver_bindings_are_imported_and_initialised_once_by_concurrent_first_calls():
     code = _NO_TORCH + _COUNTING_DRIVER + (
         "import gdskit\n"
-        "from gdskit import cuda\n"
+        "from gdskit.engine import cuda\n"
         "assert 'cuda.bindings.driver' not in sys.modules\n"
         "start = threading.Barrier(8)\n"
         "got = []\n"

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from gdskit.errors import FormatError
-from gdskit.ledger import Ledger, PeerEntry, Stats
+from gdskit.engine.ledger import Ledger, PeerEntry, Stats
 from gdskit.telemetry import schema
 from gdskit.telemetry.render import paths_table, peers_table, processes_table, snapshot_view
 from gdskit.telemetry.snapshot import Snapshot, ledger_dict

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from gdskit.ledger import Ledger, RoutedEntry, Stats
+from gdskit.engine.ledger import Ledger, RoutedEntry, Stats
 from gdskit.vocabulary import Path, Reason
 
 

@@ -1,4 +1,4 @@
-"""NUMA placement of the bounce path (gdskit.numa): the memory policy and CPU affinity it sets
+"""NUMA placement of the bounce path (gdskit.engine.numa): the memory policy and CPU affinity it sets
 and puts back, the facts from sysfs, and the lanes and workers of a bounce read on the stand-in."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda, numa, pool
-from gdskit.backends import bounce
-from gdskit.numa import NumaPlace, parse_cpulist
-from gdskit.probe.root import SystemRoot
-from gdskit.probe.numa_facts import numa_place
+from gdskit.engine import cuda, numa, pool
+from gdskit.engine.backends import bounce
+from gdskit.machine.numa import NumaPlace, parse_cpulist
+from gdskit.machine.root import SystemRoot
+from gdskit.machine.numa import numa_place
 
 from check_helpers import fixture_root
 
@@ -29,8 +29,8 @@ def test_the_engines_numa_question_loads_no_storage_probe():
     import subprocess
     import sys
 
-    code = ("import sys, gdskit, gdskit.numa\n"
-            "place = gdskit.numa._source('0000:00:00.0')\n"
+    code = ("import sys, gdskit, gdskit.engine.numa\n"
+            "place = gdskit.engine.numa._source('0000:00:00.0')\n"
             "print(type(place).__name__, sorted(m for m in sys.modules if m.startswith('gdskit.probe.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "NumaPlace"

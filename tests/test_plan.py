@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from gdskit.plan import aligned_span, chunks, split_aligned
+from gdskit.engine.plan import aligned_span, chunks, split_aligned
 
 offsets = st.integers(0, 2**40)
 sizes = st.integers(0, 2**26)
@@ -50,7 +50,7 @@ def test_split_aligned(off, boff, size, align):
 
 
 def test_spread_samples_evenly_with_both_ends():
-    from gdskit.plan import spread
+    from gdskit.engine.plan import spread
 
     got = spread(30, 16)
     assert got[0] == 0 and got[-1] == 29 and len(got) == 16 and got == sorted(set(got))

@@ -150,7 +150,7 @@ def test_a_cached_batch_under_auto_asks_the_page_cache_a_few_times_not_once_per_
     # Asking the page cache about every 4 KiB read cost more than the read itself (token
     # windows: ~4 µs of interpreter time each); a batch whose sampled reads are all cached is read
     # buffered in the tight loop.
-    from gdskit.backends import staged
+    from gdskit.engine.backends import staged
 
     path, data = data_file
     with open(path, "rb") as fh:
@@ -178,8 +178,8 @@ def test_a_partly_cached_batch_is_read_buffered_at_once_and_an_unknown_one_read_
     # Read by read, the uncached reads of a partly cached batch were O_DIRECT reads through a
     # stage, each waited for before the next: 4-5x slower for token windows. Where the kernel
     # cannot say what it holds, each read still decides alone.
-    from gdskit.backends import staged
-    from gdskit.residency import Residency
+    from gdskit.engine.backends import staged
+    from gdskit.engine.residency import Residency
 
     path, data = data_file
     offsets = [4096 * k for k in range(0, 200, 2)]

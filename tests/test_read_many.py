@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from data_files import random_file
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.errors import BufferTooSmallError, GdskitError, InvalidArgumentError, ReadOnlyBufferError, \
     UnsupportedOperationError
 
@@ -94,7 +94,7 @@ def _overlap_meter(monkeypatch, cls, method) -> dict[str, int]:
 def test_host_items_of_one_job_are_read_side_by_side_and_reported_piece_by_piece(data_file, monkeypatch):
     """Items that are one chunk each still share the workers (read one after another, each
     would run alone), and ``on_bytes`` adds up to every byte read."""
-    from gdskit.backends.host import HostBackend
+    from gdskit.engine.backends.host import HostBackend
     path, data = data_file
     overlap = _overlap_meter(monkeypatch, HostBackend, "_read_chunk")
     offsets = [i * 262_144 + 17 for i in range(8)]

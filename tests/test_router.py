@@ -7,14 +7,14 @@ import os
 import pytest
 
 import gdskit
-from gdskit import direct_route as dr
-from gdskit.backends import cufile as cufile_backend
-from gdskit.backends.base import UNKNOWN, OpenFile
-from gdskit.buffers import BufferView
-from gdskit.cuda import MemoryKind
+from gdskit.engine import direct_path as dr
+from gdskit.engine.backends import cufile as cufile_backend
+from gdskit.engine.backends.base import UNKNOWN, OpenFile
+from gdskit.engine.buffers import BufferView
+from gdskit.engine.cuda import MemoryKind
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
-from gdskit.probe.root import SystemRoot
-from gdskit.router import plan_routes
+from gdskit.machine.root import SystemRoot
+from gdskit.engine.backend_choice import plan_routes
 from gdskit.vocabulary import Path, Reason
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "check")
@@ -133,7 +133,7 @@ def test_cufile_evidence_classification():
 
 
 def test_cufile_ledger_names_compat_with_the_platform_reason(route_is):
-    from gdskit.backends.base import Request
+    from gdskit.engine.backends.base import Request
 
     route_is(dr.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True))
     req = Request("read", _device_buf(), 8 * MiB, 0, 0, Reason.DIRECT)
@@ -147,7 +147,7 @@ def test_cufile_ledger_names_compat_with_the_platform_reason(route_is):
 
 def test_the_mounts_measured_cut_off_is_looked_up_once_per_file_even_when_there_is_none(open_file, monkeypatch,
                                                                                         route_is):
-    from gdskit import profiles
+    from gdskit.engine import profiles
 
     route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
     monkeypatch.setattr(cufile_backend, "register", lambda f: cufile_backend.FileRegistration(1234, None))
@@ -160,7 +160,7 @@ def test_the_mounts_measured_cut_off_is_looked_up_once_per_file_even_when_there_
 
 
 def test_per_file_state_starts_unknown_and_is_worked_out_once():
-    from gdskit.backends.base import Once
+    from gdskit.engine.backends.base import Once
 
     cell: Once[int | None] = Once()
     made: list[int] = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from gdskit.probe.routes import Storage, distance
-from gdskit.probe.topology import PciPlace, PeerDevice
-from gdskit.routing import Distance, PeerLink, RouteWhy, decide
+from gdskit.machine.storage import Storage, distance
+from gdskit.machine.topology import PciPlace, PeerDevice
+from gdskit.engine.gpu_routing import RouteWhy, decide
+from gdskit.machine.distance import Distance, PeerLink
 from gdskit.vocabulary import Routing
 
 D = Distance

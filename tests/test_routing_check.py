@@ -14,8 +14,9 @@ import gdskit
 from check_helpers import fixture_root
 from gdskit.cli import check as check_cli
 from gdskit.probe import run_check
-from gdskit.probe.routes import FixtureFacts, peer_links
-from gdskit.probe.root import SystemRoot
+from gdskit.probe.routes import peer_links
+from gdskit.machine.storage import FixtureFacts
+from gdskit.machine.root import SystemRoot
 
 ROUTING_KEYS = {"policy", "gpu_count", "applies", "why", "peers", "mounts"}
 MOUNT_ROUTE_KEYS = {"mountpoint", "storage", "storage_unknown", "direct", "nearest_gpus", "nearest_distance",

@@ -1,6 +1,6 @@
 """Routed reads on the stand-in driver with two devices placed as in a captured tree (two root
 complexes, the drive beside GPU 1): the route taken, the peer copies issued, bytes exact against
-a plain read, the ledger's routed rows; routing off, no peer access, one GPU."""
+a plain read, the ledger's via_gpu rows; gpu_routing off, no peer access, one GPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda, direct_route as dr, routed, routing
-from gdskit.buffers import ScatterList, scattered_device_view
-from gdskit.probe.routes import FixtureFacts
+from gdskit.engine import cuda, direct_path as dr, via_gpu, gpu_routing
+from gdskit.engine.buffers import ScatterList, scattered_device_view
+from gdskit.machine.storage import FixtureFacts
 from gdskit.vocabulary import Path
 
 from check_helpers import fixture_root
@@ -33,7 +33,7 @@ def machine(request, stand_in_gpus):
     opts = getattr(request, "param", {})
     devices = opts.get("devices", 2)
     fake = stand_in_gpus(FakeDriver(devices=devices, bus_ids=BUS_IDS[:devices], peers=opts.get("peers")))
-    with routing.use_facts(FixtureFacts(fixture_root("two-gpus-nvlink"), 259, 1)):
+    with gpu_routing.use_facts(FixtureFacts(fixture_root("two-gpus-nvlink"), 259, 1)):
         yield fake
         gdskit.release_resources()
 
@@ -76,7 +76,7 @@ def test_the_far_gpu_reads_through_the_near_one_on_the_direct_path(tmp_path, dir
     assert copies and all(c[:2] == (1, 0) and c[3] for c in copies), "peer to peer, GPU 1 to GPU 0"
     assert sum(c[2] for c in copies) == len(data)
     assert len(copies) > 2, "a read larger than a slot is pipelined through both slots"
-    per_gpu = gdskit.ledger.ledger.device_snapshot()
+    per_gpu = gdskit.engine.ledger.ledger.device_snapshot()
     assert per_gpu[0]["cufile-nvfs"].bytes_read >= len(data) and 1 not in per_gpu
 
 
@@ -115,7 +115,7 @@ def test_without_a_direct_path_auto_does_not_route_and_force_does(tmp_path, mach
 
 
 @pytest.mark.parametrize("offset, size, routes", [
-    (8192, 300_001, True),     # an aligned body on the direct path and a ragged tail: all routed
+    (8192, 300_001, True),     # an aligned body on the direct path and a ragged tail: all via_gpu
     (12288, 1 << 20, True),
     (1, 4096, False),          # no byte of it could take the direct path: auto leaves it alone
     (0, 100, False),
@@ -161,7 +161,7 @@ def test_many_reads_share_slots_and_land_exactly(tmp_path, direct, machine, poli
 
 
 def test_a_scattered_destination_is_routed_piece_by_piece(tmp_path, direct, machine):
-    # auto sends scattered reads to the bounce ring (never routed); force routes them.
+    # auto sends scattered reads to the bounce ring (never via_gpu); force routes them.
     path, data = _file(tmp_path, 1 << 20)
     parts = [cuda.DeviceArray(n, 0) for n in (1000, 70_000, 5)]
     targets = ScatterList([(100, parts[0].ptr, 1000), (5000, parts[1].ptr, 70_000), (80_000, parts[2].ptr, 5)])
@@ -201,9 +201,9 @@ def test_the_callers_context_is_kept_and_staging_is_freed(tmp_path, direct, mach
     with gdskit.settings.set(**SMALL), gdskit.open(path) as f:
         f.read(buf)
     assert int(machine.cuCtxGetCurrent()[1]) == 1000, "the caller's current device stays GPU 0"
-    assert routed.rings.held() == 1 and machine.live_allocations() > baseline
+    assert via_gpu.rings.held() == 1 and machine.live_allocations() > baseline
     gdskit.release_resources()
-    assert routed.rings.held() == 0 and machine.live_allocations() == baseline
+    assert via_gpu.rings.held() == 0 and machine.live_allocations() == baseline
     assert buf.to_numpy().tobytes() == data
 
 

@@ -1,5 +1,5 @@
 """Routed reads on real GPUs: through the other GPU with routing=force where there are two (bytes
-exact, peer copies, the ledger's routed rows), and a no-op on one GPU. The stand-in covers the
+exact, peer copies, the ledger's via_gpu rows), and a no-op on one GPU. The stand-in covers the
 logic in CI (tests/test_routing_engine.py); this runs where scripts/gpu_test.sh runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 import gdskit
-from gdskit import cuda, numa, routed, routing
+from gdskit.engine import cuda, numa, via_gpu, gpu_routing
 
 pytestmark = pytest.mark.gpu
 
@@ -48,14 +48,14 @@ def test_force_routes_through_the_other_gpu_exactly(tmp_path, target, size, offs
     assert delta.routed_bytes == size
     assert {(r.target_gpu, r.via_gpu) for r in delta.routed} == {(target, 1 - target)}
     gdskit.release_resources()
-    assert routed.rings.held() == 0
+    assert via_gpu.rings.held() == 0
 
 
 def test_the_route_facts_of_this_machine():
     if cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    ids = routing.gpu_bus_ids()
+    ids = gpu_routing.gpu_bus_ids()
     assert len(ids) == cuda.device_count() and all(len(b.split(":")) == 3 for b in ids)
-    link = routing.peer_link(0, 1)
+    link = gpu_routing.peer_link(0, 1)
     assert link.access in (True, False)
     assert numa.place_of(0).node is None or numa.place_of(0).node >= 0

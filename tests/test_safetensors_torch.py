@@ -287,12 +287,12 @@ def test_save_rejects_what_has_no_bytes(tmp_path, bad) -> None:
 def test_save_is_atomic_when_a_write_fails(tmp_path, monkeypatch) -> None:
     path = tmp_path / "x.safetensors"
     path.write_bytes(b"old")
-    import gdskit.file
+    import gdskit.engine.file
 
     def failing_pwrite(self, *a, **kw):
         raise gdskit.errors.GdskitIOError(5, "injected failure")
 
-    monkeypatch.setattr(gdskit.file.File, "pwrite", failing_pwrite)
+    monkeypatch.setattr(gdskit.engine.file.File, "pwrite", failing_pwrite)
     with pytest.raises(gdskit.errors.GdskitIOError):
         gs.save_file({"a": torch.randn(100)}, path)
     assert path.read_bytes() == b"old"
@@ -338,7 +338,7 @@ def test_gpu_round_trip_with_reference(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_first_load_sets_the_engine_up_in_the_background(tmp_path, monkeypatch) -> None:
-    from gdskit import pool
+    from gdskit.engine import pool
     from gdskit.formats import torch_io
 
     tensors = {f"w{i}": torch.randn(1 << 20) for i in range(8)}  # 8 x 4 MiB
@@ -363,7 +363,7 @@ def test_gpu_first_load_sets_the_engine_up_in_the_background(tmp_path, monkeypat
 
 @pytest.mark.gpu
 def test_gpu_hot_load_asks_the_page_cache_once(tmp_path, monkeypatch) -> None:
-    from gdskit.backends import bounce, staged
+    from gdskit.engine.backends import bounce, staged
     from gdskit.formats import torch_io
 
     tensors = {f"s{i}": torch.randn(5000 + i) for i in range(2000)}  # about 40 MB of small tensors

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from data_files import random_file
 
 import gdskit
-from gdskit import cuda
-from gdskit.buffers import ScatterList, scattered_device_view
+from gdskit.engine import cuda
+from gdskit.engine.buffers import ScatterList, scattered_device_view
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError, UnsupportedBufferError
 
 SIZE = (2 << 20) + 777
@@ -124,8 +124,8 @@ class TestOnStandInGpu:
 
     @pytest.mark.parametrize("held", [True, False])
     def test_a_hot_scattered_job_takes_few_workers_and_a_cold_one_all(self, data_file, monkeypatch, held):
-        from gdskit.backends import bounce
-        from gdskit.residency import Residency
+        from gdskit.engine.backends import bounce
+        from gdskit.engine.residency import Residency
 
         path, data = data_file
         monkeypatch.setattr(bounce, "file_residency", lambda *a: Residency.ALL if held else Residency.SOME)
@@ -144,7 +144,7 @@ class TestOnStandInGpu:
     def test_the_callers_answer_about_the_page_cache_stands(self, data_file, monkeypatch, told):
         # A loader asks once whether the page cache holds all its groups and says so in each
         # scattered view: the engine takes that answer for every job instead of asking again.
-        from gdskit.backends import bounce
+        from gdskit.engine.backends import bounce
 
         path, data = data_file
         asked_cache: list[tuple[int, int]] = []
@@ -167,7 +167,7 @@ class TestOnStandInGpu:
     def test_chunks_of_a_job_told_cached_are_not_asked_about(self, data_file, monkeypatch, told):
         # The loader's answer covers every chunk: the O_DIRECT policy does not ask the page cache
         # again for each (a system call a chunk); a job told nothing is asked about chunk by chunk.
-        from gdskit.backends import staged
+        from gdskit.engine.backends import staged
 
         path, data = data_file
         asked: list[tuple[int, int]] = []
@@ -187,7 +187,7 @@ class TestOnStandInGpu:
     def test_a_hot_job_whose_caller_only_waits_gets_every_worker(self, data_file, monkeypatch, busy):
         # Few workers serve a cached scattered job only while its caller makes destinations beside
         # it (the interpreter is shared); a caller that made them all first (load_into) gets all.
-        from gdskit.backends import bounce
+        from gdskit.engine.backends import bounce
 
         path, data = data_file
         lanes: list[int] = []

@@ -1,47 +1,47 @@
-"""The engine's explicit test seams: ``cuda.use_driver`` and ``direct_route.override``."""
+"""The engine's explicit test seams: ``cuda.use_driver`` and ``direct_path.override``."""
 
 from __future__ import annotations
 
 import pytest
 
 import gdskit
-from gdskit import cuda, direct_route, pool
-from gdskit.backends import cufile as cufile_backend
+from gdskit.engine import cuda, direct_path, pool
+from gdskit.engine.backends import cufile as cufile_backend
 from gdskit.vocabulary import Path, Reason
 
 from fake_cuda import FakeDriver
 
-NVFS = direct_route.DirectRoute(Path.CUFILE_NVFS, None, True, False, True)
-NONE = direct_route.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True)
+NVFS = direct_path.DirectRoute(Path.CUFILE_NVFS, None, True, False, True)
+NONE = direct_path.DirectRoute(None, Reason.NVIDIA_FS_MISSING, False, False, True)
 
 
 def test_an_override_holds_for_every_part_of_gdskit_until_it_ends():
-    machine = direct_route.direct_route()
-    with direct_route.override(NVFS) as route:
+    machine = direct_path.direct_route()
+    with direct_path.override(NVFS) as route:
         assert route is NVFS
         # The router and the cuFile backend ask the same question and get the same answer.
-        assert gdskit.router.direct_route() is NVFS and cufile_backend.direct_route() is NVFS
-        with direct_route.override(NONE):
-            assert direct_route.direct_route() is NONE
-        assert direct_route.direct_route() is NVFS
-    assert direct_route.direct_route() is machine
+        assert gdskit.engine.backend_choice.direct_route() is NVFS and cufile_backend.direct_route() is NVFS
+        with direct_path.override(NONE):
+            assert direct_path.direct_route() is NONE
+        assert direct_path.direct_route() is NVFS
+    assert direct_path.direct_route() is machine
 
 
 def test_an_override_without_with_stays_and_outlives_an_earlier_one_ending():
-    machine = direct_route.direct_route()
-    outer = direct_route.override(NVFS)
-    kept = direct_route.override(NONE)  # as fault injection does: for the rest of the process
+    machine = direct_path.direct_route()
+    outer = direct_path.override(NVFS)
+    kept = direct_path.override(NONE)  # as fault injection does: for the rest of the process
     try:
         outer.__exit__(None, None, None)
-        assert direct_route.direct_route() is NONE
+        assert direct_path.direct_route() is NONE
     finally:
         kept.__exit__(None, None, None)
-    assert direct_route.direct_route() is machine
+    assert direct_path.direct_route() is machine
 
 
 def test_an_override_takes_a_route_only():
     with pytest.raises(TypeError):
-        direct_route.override(Path.CUFILE_NVFS)  # type: ignore[arg-type]
+        direct_path.override(Path.CUFILE_NVFS)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(cuda.device_count() > 0, reason="a real GPU is present")

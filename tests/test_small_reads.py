@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import gdskit
-from gdskit import cuda
-from gdskit.cuda import MemoryKind
+from gdskit.engine import cuda
+from gdskit.engine.cuda import MemoryKind
 from gdskit.errors import CudaError, GdskitIOError, UnsupportedBufferError
 
 from backend_conformance import drop_cache
@@ -302,7 +302,7 @@ def test_a_failed_read_gives_its_lane_back_and_a_failed_wait_drops_it(data_file,
 
 
 def test_a_freed_device_array_is_refused_and_a_managed_one_known(data_file, fake_cuda):
-    from gdskit.buffers import adapt
+    from gdskit.engine.buffers import adapt
 
     path, _data = data_file
     managed = cuda.DeviceArray(4096, managed=True)

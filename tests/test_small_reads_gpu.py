@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 
 from backend_conformance import drop_cache
 

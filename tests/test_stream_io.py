@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import gdskit
-from gdskit import cuda, streamed
-from gdskit import direct_route as dr
-from gdskit.backends import base
+from gdskit.engine import cuda, stream_ordered
+from gdskit.engine import direct_path as dr
+from gdskit.engine.backends import base
 from gdskit.errors import ClosedFileError, GdskitIOError, InvalidArgumentError, NoSpaceError
 from gdskit.vocabulary import Path
 
@@ -143,7 +143,7 @@ def test_a_write_after_a_kernel_on_the_same_stream_saves_what_the_kernel_wrote(
 
 
 def test_several_streams_at_once_share_the_stages_in_order(tmp_path, fake_cuda, stream):
-    n_streams = streamed.STAGE_SETS + 2  # more streams than stage sets: some take turns
+    n_streams = stream_ordered.STAGE_SETS + 2  # more streams than stage sets: some take turns
     path, data = _file(tmp_path, n_streams << 20)
     streams = [cuda.Stream(0) for _ in range(n_streams)]
     bufs = [cuda.DeviceArray(1 << 20) for _ in range(n_streams)]
@@ -214,7 +214,7 @@ def test_an_io_error_in_a_host_function_is_the_futures_and_later_chunks_skip(tmp
     assert type(err) is GdskitIOError and err.errno == errno.EIO
     assert calls["n"] == 2, "the chunks after the failed one must not be read"
     assert (gdskit.stats() - before).bytes_read == 0, "a failed request claims no bytes"
-    assert streamed.in_flight() == 0 and cuda.host_funcs_pending() == 0
+    assert stream_ordered.in_flight() == 0 and cuda.host_funcs_pending() == 0
 
 
 @pytest.mark.parametrize("op, failure, want", [
@@ -230,7 +230,7 @@ def test_a_failed_cufile_stream_io_is_the_futures(tmp_path, fake_cuda, stream_cu
         fut = f.pread(buf, stream=stream) if op == "read" else f.pwrite(buf, stream=stream)
         err = fut.exception()
     assert type(err) is want
-    assert streamed.in_flight() == 0
+    assert stream_ordered.in_flight() == 0
 
 
 def test_a_refused_cufile_submission_is_the_futures(tmp_path, monkeypatch, fake_cuda, stream):
@@ -333,9 +333,9 @@ def test_nothing_leaks_on_success_and_error(tmp_path, monkeypatch, fake_cuda, st
                     stream_cufile._io_failure.clear()
     assert fd_count() == fds and fake_cuda.live_events() == events
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) == pinned
-    assert streamed.in_flight() == 0 and cuda.host_funcs_pending() == 0
+    assert stream_ordered.in_flight() == 0 and cuda.host_funcs_pending() == 0
     gdskit.release_resources()
-    assert streamed.stages.pinned_bytes() == 0
+    assert stream_ordered.stages.pinned_bytes() == 0
     assert fake_cuda.live_allocations(CUmemorytype.CU_MEMORYTYPE_HOST) < pinned
 
 

@@ -90,7 +90,7 @@ def test_several_torch_streams_at_once(tmp_path, mode):
 def test_close_waits_for_stream_ordered_writes_and_nothing_is_left(tmp_path, mode):
     import torch
 
-    from gdskit import cuda, streamed
+    from gdskit.engine import cuda, stream_ordered
 
     s = torch.cuda.Stream()
     n = 6 << 20
@@ -102,4 +102,4 @@ def test_close_waits_for_stream_ordered_writes_and_nothing_is_left(tmp_path, mod
         f.close()
     assert fut.done() and fut.result() == n
     assert target.read_bytes() == t.cpu().numpy().tobytes()
-    assert streamed.in_flight() == 0 and cuda.host_funcs_pending() == 0
+    assert stream_ordered.in_flight() == 0 and cuda.host_funcs_pending() == 0

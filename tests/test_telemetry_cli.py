@@ -191,7 +191,7 @@ def test_bad_option_combinations_exit_2(app):
 
 def test_watch_rates_come_from_published_snapshots_not_from_looks():
     from gdskit.cli.stats import _advance
-    from gdskit.ledger import Ledger
+    from gdskit.engine.ledger import Ledger
     from gdskit.telemetry.snapshot import Snapshot, ledger_dict
     from gdskit.vocabulary import Path, Reason
 

@@ -21,7 +21,7 @@ from cli_app import one_command_app
 from typer.testing import CliRunner
 
 from gdskit.errors import FormatError, GdskitError, GdskitPermissionError, NotPublishingError
-from gdskit.ledger import Ledger
+from gdskit.engine.ledger import Ledger
 from gdskit.telemetry import list_snapshots, location, prometheus, publish, read, read_snapshot, render, schema
 from gdskit.telemetry.schema import MAX_SNAPSHOT_BYTES
 from gdskit.telemetry.snapshot import MAX_ARGV_CHARS, Snapshot, command_line, ledger_dict, restrict

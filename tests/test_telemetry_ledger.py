@@ -12,7 +12,7 @@ import pytest
 
 import gdskit
 from gdskit.errors import ConfigError
-from gdskit.ledger import Ledger, LedgerEntry, PathStats, Stats, size_bucket
+from gdskit.engine.ledger import Ledger, LedgerEntry, PathStats, Stats, size_bucket
 from gdskit.settings import ENV_VARS, Settings, env_name
 from gdskit.vocabulary import Path, Reason
 

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from fake_cufile import FakeCufile
 
-from gdskit.backends import cufile as cufile_backend
-from gdskit.ledger import Ledger
+from gdskit.engine.backends import cufile as cufile_backend
+from gdskit.engine.ledger import Ledger
 from gdskit.telemetry import cufile_counters, to_prometheus
 from gdskit.telemetry.snapshot import ledger_dict, restrict
 from gdskit.vocabulary import Path, Reason

@@ -20,7 +20,7 @@ from gdskit.errors import (
     InvalidArgumentError,
     WorkloadTimeoutError,
 )
-from gdskit.ledger import LedgerEntry, Stats
+from gdskit.engine.ledger import LedgerEntry, Stats
 from gdskit.telemetry import Snapshot, WorkloadReport, run_workload, verdict
 from gdskit.telemetry.workload import make_report
 

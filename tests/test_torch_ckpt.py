@@ -103,12 +103,12 @@ def test_gdskit_round_trip_keeps_shared_storages(tmp_path) -> None:
 def test_save_is_atomic_when_a_write_fails(tmp_path, monkeypatch) -> None:
     path = tmp_path / "x.pt"
     path.write_bytes(b"old")
-    import gdskit.file
+    import gdskit.engine.file
 
     def failing_pwrite(self, *a, **kw):
         raise gdskit.errors.GdskitIOError(5, "injected failure")
 
-    monkeypatch.setattr(gdskit.file.File, "pwrite", failing_pwrite)
+    monkeypatch.setattr(gdskit.engine.file.File, "pwrite", failing_pwrite)
     with pytest.raises(gdskit.errors.GdskitIOError):
         gt.save({"a": torch.randn(100)}, path)
     assert path.read_bytes() == b"old"

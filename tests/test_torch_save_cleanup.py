@@ -126,12 +126,12 @@ def test_file_size_limit_error_leaves_nothing(tmp_path) -> None:
 
 def test_failed_save_keeps_no_descriptor(tmp_path, monkeypatch) -> None:
     """Any failure, not only ENOSPC: the archive torch opened for the offsets is closed too."""
-    import gdskit.file
+    import gdskit.engine.file
 
     def failing_pwrite(self, *a, **kw):
         raise GdskitIOError(5, "injected failure")
 
-    monkeypatch.setattr(gdskit.file.File, "pwrite", failing_pwrite)
+    monkeypatch.setattr(gdskit.engine.file.File, "pwrite", failing_pwrite)
     try:
         gt.save({"a": torch.randn(100)}, tmp_path / "x.pt")
     except GdskitIOError as exc:

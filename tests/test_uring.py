@@ -1,4 +1,4 @@
-"""Batches of small host reads through io_uring (gdskit.backends.uring): the bytes of plain reads,
+"""Batches of small host reads through io_uring (gdskit.engine.backends.uring): the bytes of plain reads,
 the same counts and errors as the preadv loop, one ring per thread and per process, nothing left
 open, and the memory never given back while a submitted read may still write into it."""
 
@@ -24,8 +24,8 @@ from data_files import random_file
 from leak_helpers import fd_count
 
 import gdskit
-from gdskit.backends import uring
-from gdskit.backends.host import URING_MIN_READS
+from gdskit.engine.backends import uring
+from gdskit.engine.backends.host import URING_MIN_READS
 from gdskit.errors import ConfigError, EnvironmentVariableError, GdskitIOError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -478,7 +478,7 @@ def test_the_setting_takes_auto_or_never(tmp_path):
 def test_check_says_in_one_line_whether_io_uring_is_usable():
     from check_helpers import fixture_root
     from gdskit.probe.check import _io_uring
-    from gdskit.probe.root import SystemRoot
+    from gdskit.machine.root import SystemRoot
 
     live = _io_uring(SystemRoot("/")).to_dict()
     assert live["status"] == ("usable" if uring.availability().usable else "unavailable") and live["detail"]

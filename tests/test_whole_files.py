@@ -1,4 +1,4 @@
-"""Whole small files into GPU memory (``gdskit.whole_files``), on the stand-in CUDA driver: each
+"""Whole small files into GPU memory (``gdskit.engine.whole_files``), on the stand-in CUDA driver: each
 file's bytes against the file, in one batched copy a stage; page cache or O_DIRECT by the
 policy and the cache; errors named, the first in list order, nothing left open."""
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 import gdskit
 from backend_conformance import drop_cache
-from gdskit import cuda
-from gdskit import whole_files as wf
+from gdskit.engine import cuda
+from gdskit.engine import whole_files as wf
 from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError
 from data_files import random_files
 from leak_helpers import file_fd_count as fd_count
@@ -86,8 +86,8 @@ def _spy_workers(monkeypatch):
 
 def test_a_cold_job_runs_on_one_worker_asking_each_stage_into_the_page_cache_ahead(tmp_path, fake_cuda,
                                                                                   monkeypatch):
-    from gdskit.formats._engine import first_page_cached
-    from gdskit.residency import Residency, path_residency
+    from gdskit.engine import first_page_cached
+    from gdskit.engine.residency import Residency, path_residency
 
     files = _files(tmp_path, [5000, 8192, 20_000 - 1] * 20 + [3])
     for p, _d in files:
@@ -235,7 +235,7 @@ def test_files_larger_than_a_stage_are_refused(tmp_path, fake_cuda):
 
 
 def test_where_cufile_may_serve_a_file_the_job_is_refused(tmp_path, fake_cuda, route_is):
-    from gdskit import direct_route as dr
+    from gdskit.engine import direct_path as dr
     from gdskit.vocabulary import Path
 
     route_is(dr.DirectRoute(Path.CUFILE_NVFS, None, True, False, True))
@@ -313,8 +313,8 @@ def test_a_progress_callback_that_raises_abandons_a_cold_job_and_closes_what_it_
 def test_any_sizes_fill_stages_without_overlap_and_land_whole(tmp_path_factory, fake_cuda, sizes, align, seed):
     """Files of any sizes up to a stage: each stage's slots are aligned, side by side, within the
     stage and a ring; every file lands whole, its bytes against the file."""
-    from gdskit.backends.uring import RING_ENTRIES
-    from gdskit.plan import align_up
+    from gdskit.engine.backends.uring import RING_ENTRIES
+    from gdskit.engine.plan import align_up
 
     stage = CHUNK + 2 * align
     groups = wf._groups(sizes, stage, align)

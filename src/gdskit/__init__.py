@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # Eager, and first: the submodule gdskit.settings shares its name with the settings object
@@ -19,16 +17,14 @@ from typing import TYPE_CHECKING, Any
 from gdskit import errors
 from gdskit.errors import GdskitError
 from gdskit.settings import Settings, settings
+from gdskit.version import __version__
 from gdskit.vocabulary import Mode, ODirectPolicy, Path, PinnedAlloc, Reason
 
 if TYPE_CHECKING:
-    from gdskit import cuda
-    from gdskit.backends.cufile import BufferRegistration
-    from gdskit.file import File, open
-    from gdskit.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
-    from gdskit.numa import NumaPlace
-    from gdskit.pool import ResourceUsage
-    from gdskit.routing import StorageFacts
+    from gdskit.engine.backends.cufile import BufferRegistration
+    from gdskit.engine.file import File, open
+    from gdskit.engine.ledger import LedgerEntry, PathStats, Stats, stats, stats_delta, stats_reset
+    from gdskit.engine.pool import ResourceUsage
 
 # The engine loads on first use, not at import: `import gdskit.safetensors` (or a program that
 # only reads settings) does not pay for the modules its first call does not touch.
@@ -37,20 +33,17 @@ _LAZY = {"File": "file", "open": "file", "LedgerEntry": "ledger", "PathStats": "
 
 
 def __getattr__(name: str) -> Any:
-    if name == "cuda":
-        return importlib.import_module("gdskit.cuda")
     if name in _LAZY:
-        value = getattr(importlib.import_module(f"gdskit.{_LAZY[name]}"), name)
+        value = getattr(importlib.import_module(f"gdskit.engine.{_LAZY[name]}"), name)
         globals()[name] = value  # looked up once
         return value
     raise AttributeError(f"module 'gdskit' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, "cuda"})
+    return sorted({*globals(), *_LAZY})
 
 
-__version__ = "0.1.0"
 
 _telemetry_follows = False
 
@@ -71,42 +64,9 @@ settings.subscribe(_stats_level_changed)
 _stats_level_changed(frozenset({"stats_level"}))  # GDSKIT_STATS at start-up: publish from import on
 
 
-def _machine_route_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> "StorageFacts":
-    """Where a file's storage sits relative to each GPU, read from sysfs (gdskit.probe.routes)."""
-    from gdskit.probe.routes import live_storage_facts  # noqa: PLC0415 - read only when a read may be routed
-
-    return live_storage_facts(st_dev, gpu_bus_ids)
-
-
-def _gpu_numa_place(pci_bus_id: str) -> "NumaPlace":
-    """A GPU's NUMA node and its CPUs, read from sysfs (gdskit.probe.numa_facts)."""
-    from gdskit.probe.numa_facts import live_numa_place  # noqa: PLC0415 - read when a device lane is first made
-
-    return live_numa_place(pci_bus_id)
-
-
-_FACT_SOURCES = {"routing": _machine_route_facts, "numa": _gpu_numa_place}
-
-
-class _Package(types.ModuleType):
-    """Routing and the bounce path's NUMA placement take their facts about the machine from the
-    probes' sysfs readers: the engine never reads the topology itself (gdskit.routing, gdskit.numa).
-    Each gets its source as it loads, with the engine's first use (the import system sets every
-    submodule it loads on its package), so that ``import gdskit`` loads neither."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        source = _FACT_SOURCES.get(name)
-        if source is not None and isinstance(value, types.ModuleType):
-            value.use_facts(source)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def resources() -> ResourceUsage:
     """What gdskit holds right now: lanes (staging areas), pinned bytes, worker threads."""
-    from gdskit import pool  # noqa: PLC0415
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
 
     return pool.lanes.usage(settings.threads)
 
@@ -121,7 +81,7 @@ def prepare(device: int | None = None, *, workers: int | None = None) -> Resourc
     ``settings.threads``), for work that will use fewer. Returns what is held afterwards.
     Without a GPU it only starts the worker threads.
     """
-    from gdskit import pool  # noqa: PLC0415
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise errors.InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
@@ -137,7 +97,7 @@ def register_buffer(buf: object) -> BufferRegistration:
     at exit. Where cuFile cannot take the buffer (no libcufile, host or managed
     memory) nothing happens and ``.registered`` is False, with ``.reason``.
     """
-    from gdskit.backends.cufile import BufferRegistration  # noqa: PLC0415
+    from gdskit.engine.backends.cufile import BufferRegistration  # noqa: PLC0415
 
     return BufferRegistration(buf)
 
@@ -145,15 +105,17 @@ def register_buffer(buf: object) -> BufferRegistration:
 def release_resources() -> None:
     """Free idle pinned buffers, routing's device staging, the stream-ordered requests' stages,
     streams and worker threads (they come back on the next request)."""
-    from gdskit import pool, routed, streamed  # noqa: PLC0415
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
+    import gdskit.engine.stream_ordered as stream_ordered  # noqa: PLC0415
+    import gdskit.engine.via_gpu as via_gpu  # noqa: PLC0415
 
     pool.shutdown()
-    routed.rings.release_idle()
-    streamed.release_idle()
+    via_gpu.rings.release_idle()
+    stream_ordered.release_idle()
 
 
 __all__ = [
     "File", "GdskitError", "LedgerEntry", "Mode", "ODirectPolicy", "Path", "PathStats", "PinnedAlloc", "Reason",
-    "ResourceUsage", "Settings", "Stats", "__version__", "cuda", "errors", "open", "prepare", "register_buffer", "release_resources",
+    "ResourceUsage", "Settings", "Stats", "__version__", "errors", "open", "prepare", "register_buffer", "release_resources",
     "resources", "settings", "stats", "stats_delta", "stats_reset",
 ]

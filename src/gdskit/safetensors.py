@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError, InvalidArgumentError,
                            UnsupportedBufferError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
-from gdskit.formats._device import torch_device
-from gdskit.formats._gc import collector_paused
-from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats.device import torch_device
+from gdskit.formats.gc_pause import collector_paused
+from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
@@ -436,7 +436,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_INTO_PLAN_ERRORS})
+    return sorted(__all__)  # the API and its errors; the module's own imports are not part of it
 
 
 __all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError", "OverlappingTargetsError",

@@ -31,9 +31,9 @@ from gdskit.durable import (OwnedTemp, create_locked_temp, fsync_dir, open_file_
 from gdskit.errors import (ConfigError, DeviceUnavailableError, FormatError, GdskitError, GdskitIOError,
                            InvalidArgumentError, from_os_error)
 from gdskit.formats import read_plan, require_torch, weights_pickle
-from gdskit.formats._device import torch_device
-from gdskit.formats._gc import collector_paused
-from gdskit.formats._engine import open_file, stats, stats_delta
+from gdskit.formats.device import torch_device
+from gdskit.formats.gc_pause import collector_paused
+from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
@@ -787,3 +787,7 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
                            shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),
                            strict=strict, cast=cast, progress=progress, return_stats=return_stats,
                            weights_only=weights_only)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)  # the API and its errors; the module's own imports are not part of it

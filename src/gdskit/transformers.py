@@ -269,7 +269,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     dtype = _resolve_dtype(torch, config, chosen, index)
     dev = gs._device(torch, device)
     if EARLY_WARM_UP and dev.type == "cuda":  # load_into's own reads wait for it, or find it done
-        from gdskit.formats._engine import start_warm_up
+        from gdskit.engine import start_warm_up
 
         start_warm_up(dev.index, sum(loc.entry.nbytes for loc in index.tensors.values()))
     model = _build_on_meta(transformers, torch, _model_class(transformers, config, model_class), config, dtype)
@@ -313,3 +313,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     return model
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)  # the API and its errors; the module's own imports are not part of it

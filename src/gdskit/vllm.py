@@ -25,7 +25,7 @@ from typing import Any
 
 import gdskit.safetensors
 from gdskit.errors import FormatError, InvalidArgumentError, MissingDependencyError
-from gdskit.formats._engine import stats, stats_delta
+from gdskit.engine import stats, stats_delta
 
 try:
     import torch

@@ -114,7 +114,7 @@ class Routing(str, enum.Enum):
 class CufileBatch(str, enum.Enum):
     """Whether many small cuFile reads are submitted through cuFile's batch API (``settings.cufile_batch``)."""
 
-    AUTO = "auto"      # at the entry sizes where batches measured faster (gdskit.backends.cufile_batch.BATCH_WINS)
+    AUTO = "auto"      # at the entry sizes where batches measured faster (gdskit.engine.backends.cufile_batch.BATCH_WINS)
     ALWAYS = "always"  # every cuFile read job whose entries a batch can take
     NEVER = "never"    # one cuFileRead per piece, as before batches existed
 
@@ -125,7 +125,7 @@ class CufileBatch(str, enum.Enum):
 class IoUring(str, enum.Enum):
     """Whether batches of small host reads go through io_uring (``settings.io_uring``)."""
 
-    AUTO = "auto"    # where the kernel offers it (gdskit.backends.uring.availability()) and a batch is big enough
+    AUTO = "auto"    # where the kernel offers it (gdskit.engine.backends.uring.availability()) and a batch is big enough
     NEVER = "never"  # one preadv system call per read
 
     def __str__(self) -> str:

@@ -135,7 +135,7 @@ class AcceptContext:
     @property
     def gpu_count(self) -> int:
         if self._gpus is None:
-            from gdskit import cuda
+            from gdskit.engine import cuda
 
             self._gpus = cuda.device_count()
         return self._gpus

@@ -53,7 +53,7 @@ def pretend_direct_route() -> Any:
     """Tell every part of gdskit (the router, the cuFile backend) that this machine has a direct
     route, so that ``auto`` mode tries cuFile; for the rest of the process, or until the
     returned override ends (used as a context manager)."""
-    from gdskit import direct_route as route
+    from gdskit.engine import direct_path as route
     from gdskit.vocabulary import Path
 
     real = route.direct_route()
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
     from gdskit.accept.workload import raw_round_trip
 
     device = args.device if cuda.device_count() > args.device else None

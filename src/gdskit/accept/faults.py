@@ -43,7 +43,7 @@ def forced_compat_config(directory: str) -> str:
 
     cuFile's log goes to ``directory`` so that the child leaves nothing behind.
     """
-    from gdskit.probe.gds import DEFAULT_CUFILE_JSON, parse_cufile_json
+    from gdskit.machine.gds import DEFAULT_CUFILE_JSON, parse_cufile_json
 
     source = os.environ.get("CUFILE_ENV_PATH_JSON") or DEFAULT_CUFILE_JSON
     data: dict[str, Any] = {}

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", action="store_true", help="raw bytes through gdskit.open even when torch is installed")
     args = ap.parse_args(argv)
 
-    from gdskit import cuda
+    from gdskit.engine import cuda
 
     device = args.device if cuda.device_count() > args.device else None
     nbytes = parse_size(args.size)

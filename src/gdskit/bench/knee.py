@@ -26,7 +26,7 @@ import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 
-from gdskit.profiles import DIRECT_NEVER  # the store's value for "the direct path never paid"
+from gdskit.engine.profiles import DIRECT_NEVER  # the store's value for "the direct path never paid"
 
 #: Filesystems whose cufile.json ``fs`` section takes ``posix_gds_min_kb``.
 CUFILE_MIN_KB_FILESYSTEMS = ("lustre", "beegfs", "scatefs")

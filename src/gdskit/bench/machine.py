@@ -29,14 +29,14 @@ def _mount_info(m: Any) -> MountInfo:
 
 def parse_mountinfo(text: str) -> list[MountInfo]:
     """Parse the text of ``/proc/self/mountinfo`` (malformed lines are skipped), as ``gdskit check`` does."""
-    from gdskit.probe.mounts import parse_mountinfo as parse  # noqa: PLC0415
+    from gdskit.machine.mounts import parse_mountinfo as parse  # noqa: PLC0415
 
     return [_mount_info(m) for m in parse(text)]
 
 
 def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
     """The mount holding ``path`` (the longest mount point that is a prefix; last one wins)."""
-    from gdskit.probe.mounts import mount_of  # noqa: PLC0415
+    from gdskit.machine.mounts import mount_of  # noqa: PLC0415
 
     m = mount_of(path, mountinfo_text)
     return None if m is None else _mount_info(m)
@@ -76,7 +76,7 @@ def block_device_facts(dev: str, sys_root: str = "/sys") -> dict[str, Any]:
 def gpu_facts(index: int) -> dict[str, Any]:
     """Name, driver and PCIe facts of GPU ``index`` (NVML, asked the way ``gdskit check`` asks);
     empty without NVML."""
-    from gdskit.probe.gpus import query_nvml  # noqa: PLC0415 - only a run with a GPU needs it
+    from gdskit.machine.gpus import query_nvml  # noqa: PLC0415 - only a run with a GPU needs it
 
     raw = query_nvml()
     if not raw.get("available"):
@@ -97,7 +97,7 @@ def cufile_version() -> str | None:
         v = int(cufile.get_version())
     except Exception:
         return None
-    from gdskit.probe.gds import cufile_version_text  # noqa: PLC0415
+    from gdskit.machine.gds import cufile_version_text  # noqa: PLC0415
 
     return cufile_version_text(v)
 

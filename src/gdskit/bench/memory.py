@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.errors import CudaError
-from gdskit.pool import anonymous_memory
+from gdskit.engine.pool import anonymous_memory
 
 PAGE = 4096
 HUGE_PAGE = 2 * 1024 * 1024

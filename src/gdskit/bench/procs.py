@@ -32,7 +32,7 @@ import time
 from typing import IO, Any
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import worker
 from gdskit.bench.params import PathUnavailableError

@@ -3,7 +3,7 @@
 ``gdskit bench --sweep --save-profile`` stores, for the mount the benchmark
 file lived on, the I/O size from which the direct path paid (:func:`save_profile`).
 The store itself, and :func:`threshold_for` that the engine asks with a file's
-path, live in :mod:`gdskit.profiles` (the engine's own module: it reads the
+path, live in :mod:`gdskit.engine.profiles` (the engine's own module: it reads the
 store without importing the benchmark); they are re-exported here.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 from gdskit.bench.knee import KneeResult
 from gdskit.bench.machine import MountInfo, mount_for
 from gdskit.errors import ConfigError
-from gdskit.profiles import SCHEMA_VERSION, load, profile_for, store_entry, store_path, threshold_for
-from gdskit.profiles import profile_key as _key
+from gdskit.engine.profiles import SCHEMA_VERSION, load, profile_for, store_entry, store_path, threshold_for
+from gdskit.engine.profiles import profile_key as _key
 
 __all__ = ["SCHEMA_VERSION", "load", "profile_for", "profile_key", "save_profile", "store_path", "threshold_for"]
 

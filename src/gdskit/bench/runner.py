@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import gdskit
-from gdskit import cuda
+from gdskit.engine import cuda
 from gdskit.bench import cpu as cpu_mod
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
@@ -80,7 +80,7 @@ def static_availability(device: int) -> dict[str, str | None]:
     if device >= n:
         raise InvalidArgumentError(f"GPU index (-d) {device} does not exist; this machine has {n} GPU(s)")
     try:
-        from gdskit.backends.cufile import cufile_library
+        from gdskit.engine.backends.cufile import cufile_library
         if not cufile_library().available():
             out["cufile"] = Reason.CUFILE_MISSING.value
     except Exception:
@@ -338,7 +338,7 @@ def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tupl
     if not other:
         return False, None
     if "cufile-compat" in other:
-        from gdskit.direct_route import direct_route
+        from gdskit.engine.direct_path import direct_route
         r = direct_route().reason
         return True, (r.value if r is not None else Reason.CUFILE_COMPAT_OBSERVED.value)
     told = sorted(((n, r) for r, n in reasons.items()

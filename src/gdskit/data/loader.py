@@ -2,7 +2,7 @@
 
 How a batch travels: a reader thread plans its reads (:mod:`gdskit.data.read`) and reads it, up
 to ``prefetch`` batches ahead of the caller (with ``workers``, the caller's thread plans it and a
-reader process reads it: :mod:`gdskit.readers`): on the CPU straight into its tensor; for a GPU,
+reader process reads it: :mod:`gdskit.engine.reader_processes`): on the CPU straight into its tensor; for a GPU,
 a batch of small reads into a pinned staging slot (:mod:`gdskit.data.staging`), one of large
 reads straight into device memory by the engine's device paths. The caller's ``next()`` takes
 the oldest batch; a staged one is then copied to the GPU in one copy: a small one (up to
@@ -36,7 +36,7 @@ from gdskit.data.read import (BatchPlan, FileCache, Job, abandon, check_counts, 
 from gdskit.data.staging import Slot, Staging
 from gdskit.data.sampler import Shards, _int, epoch_of
 from gdskit.errors import InvalidArgumentError
-from gdskit.formats._engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
+from gdskit.engine import (ReaderProcesses, ReaderProcessError, SharedSlot, add_ledger_rows,
                                     closed_at_exit, pinned_budget, settings_values, stats, stats_delta)
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.threads import start_thread

@@ -14,13 +14,13 @@ from gdskit.data.layout import Layout, from_numpy, sample_view
 from gdskit.data.read import FileReads, engine_views, target_device
 from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
-from gdskit.formats._engine import read_files as engine_read_files
-from gdskit.formats._engine import read_whole_files as engine_read_whole_files
-from gdskit.formats._engine import (first_page_cached, no_wait, start_warm_up, stats, stats_delta,
+from gdskit.engine import read_files as engine_read_files
+from gdskit.engine import read_whole_files as engine_read_whole_files
+from gdskit.engine import (first_page_cached, no_wait, start_warm_up, stats, stats_delta,
                                     whole_file_limit, worker_threads)
-from gdskit.formats._gc import collector_paused
+from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.plan import spread
+from gdskit.engine.plan import spread
 from gdskit.threads import executor
 
 __all__ = ["preload"]
@@ -105,7 +105,7 @@ def _part_layouts(sources: list[Source], first: int, whole_file_ahead: int) -> t
 
 
 #: Files up to this size are read whole into GPU memory, header and array in one read
-#: (:mod:`gdskit.whole_files`); larger ones have their headers read first and are striped
+#: (:mod:`gdskit.engine.whole_files`); larger ones have their headers read first and are striped
 #: over the engine's workers by the many-file job.
 WHOLE_FILE_MAX = 1 << 20
 
@@ -159,7 +159,7 @@ def _layout_in(src: Source, data: memoryview) -> tuple[Layout, int]:
 
 
 def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], None] | None = None) -> None:
-    """Read many files into their destinations as one engine job (``gdskit.many_files``: the
+    """Read many files into their destinations as one engine job (``gdskit.engine.many_files``: the
     files' chunks share the engine's workers, each file open only while it is read); every
     read checked for its full length.
 

@@ -24,8 +24,8 @@ from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
 from gdskit.errors import call_each
-from gdskit.formats._device import torch_device
-from gdskit.formats._engine import BufferView, adapt, open_file, synchronized_device_views
+from gdskit.formats.device import torch_device
+from gdskit.engine import BufferView, adapt, open_file, synchronized_device_views
 
 #: Files a loader keeps open at once (the least recently used is closed first).
 OPEN_FILES = 64

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gdskit.errors import call_each
-from gdskit.formats._engine import adapt, closed_at_exit, cuda_layer
+from gdskit.engine import adapt, closed_at_exit, cuda_layer
 
 __all__ = ["Slot", "Staging"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gdskit.plan import align_up
+from gdskit.engine.plan import align_up
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from gdskit.dcp._metadata_pickle import checked_metadata, load_metadata
 from gdskit.durable import read_whole_file
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
-from gdskit.formats._engine import open_file
+from gdskit.engine import open_file
 from gdskit.formats.safetensors_format import TruncatedFileError
 # Items are torch.save archives: grouped for reading the way gdskit.torch groups storages.
 from gdskit.torch import MAX_GAP_BYTES, MAX_GROUP_BYTES

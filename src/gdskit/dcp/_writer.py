@@ -25,7 +25,7 @@ from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsErro
 from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
 from gdskit.errors import GdskitError, from_os_error
-from gdskit.formats._engine import open_file
+from gdskit.engine import open_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 
 #: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written

@@ -31,8 +31,8 @@ import torch
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
-from gdskit.formats._engine import can_scatter, open_file, stats, stats_delta
-from gdskit.formats._gc import collector_paused
+from gdskit.engine import can_scatter, open_file, stats, stats_delta
+from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg

@@ -30,7 +30,7 @@ import torch
 
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats import read_plan
-from gdskit.formats._engine import can_scatter, open_file
+from gdskit.engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
 from gdskit.threads import executor

@@ -8,7 +8,7 @@ only those modules import it.
   worker pool).
 - Groups of small extents on a GPU are read as one engine request each whose bytes the
   engine's CPU path scatters straight into every member's own memory (a
-  :class:`~gdskit.buffers.ScatterList`): no staging memory on the device and no copy out of
+  :class:`~gdskit.engine.buffers.ScatterList`): no staging memory on the device and no copy out of
   it. Groups are submitted a few at a time, so the reads run while the next destinations are
   made.
 - Elsewhere (host memory; ``mode="cufile"``, which needs one buffer per request) groups are
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gdskit.formats._engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
+from gdskit.engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
                                     spread, start_warm_up, synchronized_device_view,
                                     synchronized_device_views)
 from gdskit.formats.progress import Progress

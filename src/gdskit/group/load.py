@@ -24,7 +24,7 @@ import torch
 
 from gdskit.durable import open_file_fd
 from gdskit.errors import GroupError, from_os_error
-from gdskit.formats._gc import collector_paused
+from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.group import exchange, failure, pipeline
 from gdskit.group import config as group_options

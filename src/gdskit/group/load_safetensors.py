@@ -14,7 +14,7 @@ from typing import Any
 
 from gdskit.errors import with_path
 from gdskit.formats import require_torch, safetensors_format as fmt
-from gdskit.formats._engine import stats, stats_delta
+from gdskit.engine import stats, stats_delta
 from gdskit.formats.progress import ProgressArg
 from gdskit.group.load import LoadJob, run_load
 from gdskit.group.plan import Segment

@@ -20,7 +20,7 @@ from typing import Any
 
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import require_torch
-from gdskit.formats._engine import stats, stats_delta
+from gdskit.engine import stats, stats_delta
 from gdskit.formats.progress import ProgressArg
 from gdskit.formats.torch_zip import StorageRecords
 from gdskit.group.load import LoadJob, run_load

@@ -27,13 +27,12 @@ import torch
 
 from gdskit.errors import FormatError, with_path
 from gdskit.formats import read_plan
-from gdskit.formats._engine import open_file
+from gdskit.engine import open_file, record_peer
 from gdskit.formats.progress import Progress
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.torch_io import execute
 from gdskit.group import exchange, failure
 from gdskit.group.plan import FanOutPlan, Unit, Window
-from gdskit.ledger import ledger
 from gdskit.threads import executor
 
 #: The engine reads units below this size together (read_plan's small-range coalescing).
@@ -211,4 +210,4 @@ def _record_received(window: Window, me: int, info: exchange.GroupInfo, backend:
             row[1] += 1
             total += u.nbytes
     for owner, (nbytes, ops) in by_source.items():
-        ledger.record_peer(nbytes, info.global_rank(owner), backend, seconds * nbytes / total, device, ops)
+        record_peer(nbytes, info.global_rank(owner), backend, seconds * nbytes / total, device, ops)

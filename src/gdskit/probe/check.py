@@ -11,16 +11,16 @@ import os
 from collections.abc import Sequence
 
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError
-from gdskit.probe.gds import gds_stack, query_cufile_library
-from gdskit.probe.gpus import gpu_facts, query_nvml
-from gdskit.probe.mounts import (
+from gdskit.machine.gds import gds_stack, query_cufile_library
+from gdskit.machine.gpus import gpu_facts, query_nvml
+from gdskit.machine.mounts import (
     MountEntry, ODirectResult, is_listed_by_default, mount_block_tree, mount_for_path, network_rdma,
     odirect_dir_for, probe_odirect, read_mounts,
 )
 from gdskit.probe.report import REQUIREMENTS, CheckReport, IoUringResult
-from gdskit.probe.root import SystemRoot
+from gdskit.machine.root import SystemRoot
 from gdskit.probe.routes import route_findings, route_table
-from gdskit.probe.topology import topology
+from gdskit.machine.topology import topology
 from gdskit.probe.verdict import Finding, MountCheck, is_network, judge_mount, platform_findings, udev_entry_for
 from gdskit.settings import settings
 
@@ -65,9 +65,9 @@ def _io_uring(root: SystemRoot) -> IoUringResult:
     """Whether this process can read batches through io_uring (the live machine only)."""
     if not root.is_live:
         return IoUringResult("not-probed", "captured tree, not the live machine")
-    from gdskit.backends.uring import availability  # noqa: PLC0415 - numpy only when checking
+    from gdskit.engine import io_uring_availability  # noqa: PLC0415 - import time: numpy only when checking
 
-    known = availability()
+    known = io_uring_availability()
     return IoUringResult("usable" if known.usable else "unavailable", known.detail)
 
 

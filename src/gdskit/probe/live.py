@@ -12,8 +12,8 @@ import os
 from typing import Any
 
 from gdskit.durable import create_temp_file, fd_path
-from gdskit.probe.mounts import odirect_dir_for, read_mounts
-from gdskit.probe.root import SystemRoot
+from gdskit.machine.mounts import odirect_dir_for, read_mounts
+from gdskit.machine.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
 from gdskit.vocabulary import Reason, is_direct_path
 
@@ -33,8 +33,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
     """Write then read ``nbytes`` through ``gdskit.open`` in a temp file in ``directory``."""
     import numpy as np
 
-    import gdskit
-    from gdskit.backends.cufile import counters_now  # cuFile's own counters of GPU 0, where switched on
+    from gdskit import engine
 
     pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
     tmp: str | None = None
@@ -45,8 +44,7 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
         held, tmp = create_temp_file(directory, ".gdskit-probe-")
         own = fd_path(held)  # the file made here, whatever another user puts at its name
         if on_gpu:
-            from gdskit import cuda
-
+            cuda = engine.cuda_layer()
             src = cuda.DeviceArray(nbytes)
             blocks.append(src)  # freed below even if the second allocation fails
             dst = cuda.DeviceArray(nbytes)
@@ -54,16 +52,16 @@ def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]
             src.copy_from_host(pattern)
         else:
             src, dst = pattern, np.zeros(nbytes, dtype=np.uint8)
-        counters0 = counters_now(0)
-        s0 = gdskit.stats()
-        with gdskit.open(own, "w") as f:
+        counters0 = engine.cufile_counters(0)
+        s0 = engine.stats()
+        with engine.open_file(own, "w") as f:
             written = f.write(src)
             f.fsync()
-        s1 = gdskit.stats()
-        with gdskit.open(own, "r") as f:
+        s1 = engine.stats()
+        with engine.open_file(own, "r") as f:
             read = f.read(dst)
-        s2 = gdskit.stats()
-        counters1 = counters_now(0)
+        s2 = engine.stats()
+        counters1 = engine.cufile_counters(0)
         if on_gpu:
             back = dst.to_numpy()
         else:
@@ -117,14 +115,9 @@ def live_probe(report: Any, root: SystemRoot) -> None:
         for mc in report.mounts:
             mc.probe = {"status": "skipped", "detail": "captured tree", "summary": "skipped"}
         return
-    try:
-        import gdskit
+    from gdskit import engine
 
-        gdskit.open  # noqa: B018 - the engine must be present
-    except (ImportError, AttributeError) as exc:
-        report.notes.append(f"--probe needs the gdskit engine: {exc}")
-        return
-    from gdskit import cuda
+    cuda = engine.cuda_layer()
     from gdskit.settings import settings
 
     on_gpu = cuda.device_count() > 0

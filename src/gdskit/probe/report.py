@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gdskit.probe.gds import GdsStack
-from gdskit.probe.gpus import GpuFacts
+from gdskit.machine.gds import GdsStack
+from gdskit.machine.gpus import GpuFacts
 from gdskit.probe.routes import RouteTable
-from gdskit.probe.topology import Topology
+from gdskit.machine.topology import Topology
+from gdskit.version import __version__
 from gdskit.probe.verdict import SEVERITIES, VERDICTS, Finding, MountCheck
 
 SCHEMA = "gdskit.check"
@@ -82,8 +83,6 @@ class CheckReport:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        from gdskit import __version__
-
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,

@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gdskit.probe.gds import GdsStack, udev_fs_usage
-from gdskit.probe.gpus import GpuFacts
-from gdskit.probe.mounts import (
+from gdskit.machine.gds import GdsStack, udev_fs_usage
+from gdskit.machine.gpus import GpuFacts
+from gdskit.machine.mounts import (
     GDS_LOCAL_FS, GDS_NETWORK_FS, MEMORY_FS, NETWORK_FS, STACKED_FS, BlockNode, MountEntry, ODirectResult,
 )
-from gdskit.probe.root import SystemRoot
-from gdskit.probe.topology import Link, Topology
+from gdskit.machine.root import SystemRoot
+from gdskit.machine.topology import Link, Topology
 from gdskit.vocabulary import Path, Reason
 
 SEVERITIES = ("ok", "info", "warning", "error")

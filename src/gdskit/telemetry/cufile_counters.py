@@ -31,7 +31,7 @@ FIELDS = {
 
 def read_per_gpu() -> dict[int, dict[str, int]] | None:
     """Counters of every GPU cuFile has counted something on, or ``None`` when cuFile is not in use here."""
-    cufile_backend = sys.modules.get("gdskit.backends.cufile")
+    cufile_backend = sys.modules.get("gdskit.engine.backends.cufile")
     if cufile_backend is None:
         return None
     try:

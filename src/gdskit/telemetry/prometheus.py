@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gdskit.errors import MissingDependencyError
-from gdskit.ledger import ledger
+from gdskit.engine.ledger import ledger
 from gdskit.settings import settings
 from gdskit.telemetry import cufile_counters
 from gdskit.telemetry.snapshot import Snapshot, build

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 from gdskit.durable import create_new_file, unguessable_token
 from gdskit.errors import GdskitPermissionError, from_os_error
-from gdskit.ledger import Stats, ledger
+from gdskit.engine.ledger import Stats, ledger
 from gdskit.settings import settings
 from gdskit.telemetry import cufile_counters
 from gdskit.telemetry.location import (

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from gdskit.ledger import Stats
+from gdskit.engine.ledger import Stats
 from gdskit.settings import format_size
 from gdskit.telemetry.snapshot import Snapshot
 from gdskit.telemetry.verdict import ALL_DIRECT, NO_IO, verdict

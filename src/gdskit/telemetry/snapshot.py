@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.errors import FormatError
-from gdskit.ledger import PathStats, Stats, ledger
+from gdskit.engine.ledger import PathStats, Stats, ledger
 from gdskit.telemetry.schema import MAX_ARGV, MAX_COUNT, SCHEMA, valid_session, validate  # noqa: F401 - validate: re-exported
 
 #: The command line a snapshot carries is cut to this many characters (it is only shown).

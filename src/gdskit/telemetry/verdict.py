@@ -9,7 +9,7 @@ on neither side.
 
 from __future__ import annotations
 
-from gdskit.ledger import Stats
+from gdskit.engine.ledger import Stats
 from gdskit.vocabulary import is_direct_path, is_peer_path
 
 NO_IO = "no gdskit I/O recorded"

@@ -29,7 +29,7 @@ from gdskit.errors import (
     WorkloadTimeoutError,
     from_os_error,
 )
-from gdskit.ledger import Stats
+from gdskit.engine.ledger import Stats
 from gdskit.settings import env_name
 from gdskit.telemetry.location import (
     RUN_DIR_ENV,

@@ -1,0 +1,271 @@
+"""The I/O engine's one door: what every layer above it (``gdskit``'s own API, the formats, the
+data loaders, the checkpoint layers, the probes) calls to move bytes.
+
+Call order, for a loader:
+
+1. Plan with the engine's figures: :func:`worker_threads`, :func:`pinned_budget`,
+   :func:`can_scatter`, :func:`first_page_cached`, :func:`whole_file_limit`.
+2. Optionally :func:`start_warm_up` once the destination's size is known (pinned lanes,
+   streams, worker threads come up while the caller allocates); wait with what it returns.
+3. Describe destinations (:data:`BufferView`, :data:`ScatterList`, :func:`adapt`, the
+   synchronized device views), then read: :func:`open_file` and the :class:`File` methods
+   (``read``, ``pread``, ``read_many``, ``read_batch``), :func:`read_files` for many files as one
+   job, :func:`read_whole_files` for small files whole.
+4. Account: :func:`stats` before and after, :func:`stats_delta` between; rows another process
+   recorded come in through :func:`add_ledger_rows`.
+
+Inside, a request goes ``File`` -> :mod:`~gdskit.engine.plan` (chunks) ->
+:mod:`~gdskit.engine.backend_choice` (which backend serves each piece, and why) ->
+:mod:`~gdskit.engine.gpu_routing` (through which GPU) -> a backend (``engine/backends/``) on the
+worker pool's pinned lanes (:mod:`~gdskit.engine.pool`) -> :mod:`~gdskit.engine.ledger`.
+
+Each entry below imports the module that does the work when it is first called: a program that
+imports a loader does not pay for the CUDA layer and the backends before its first read
+(import time; docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gdskit.engine.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
+                                synchronized_device_view, synchronized_device_views)
+    from gdskit.engine.file import File, open  # noqa: F401
+    from gdskit.engine.gpu_routing import RouteDecision, RouteWhy, decide  # noqa: F401
+    from gdskit.engine.reader_processes import ReaderProcesses, ReaderProcessError, SharedSlot  # noqa: F401
+
+# The destinations the formats hand the engine: loaded with the first of them a loader uses,
+# not with the loaders' modules (the buffers module imports the CUDA layer).
+_BUFFERS = ("BufferView", "ScatterList", "adapt", "scattered_device_view", "synchronized_device_view",
+            "synchronized_device_views")
+# Reads made by reader processes (the dataset loader's ``workers``): loaded by a loader that has them.
+_READERS = ("ReaderProcesses", "ReaderProcessError", "SharedSlot")
+# The file facade itself (``gdskit.File``, ``gdskit.open``).
+_FILES = ("File", "open")
+# The routing decision, for ``gdskit check``'s route table (which shows the engine's own choice).
+_ROUTING = ("RouteDecision", "RouteWhy", "decide")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BUFFERS:
+        import gdskit.engine.buffers as buffers
+
+        return getattr(buffers, name)
+    if name in _READERS:
+        import gdskit.engine.reader_processes as reader_processes
+
+        return getattr(reader_processes, name)
+    if name in _ROUTING:
+        import gdskit.engine.gpu_routing as gpu_routing
+
+        return getattr(gpu_routing, name)
+    if name in _FILES:
+        import gdskit.engine.file as file
+
+        return getattr(file, name)
+    raise AttributeError(f"module 'gdskit.engine' has no attribute {name!r}")
+
+
+def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> Any:
+    """Open ``path`` through the engine: a :class:`gdskit.File`."""
+    from gdskit.engine.file import open as engine_open
+    return engine_open(path, mode, atomic=atomic)
+
+
+def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
+               on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Many files' reads as one engine job (``gdskit.engine.many_files``): ``(path, reads)`` pairs,
+    each read as :meth:`gdskit.File.read_many` takes it; each file's byte counts."""
+    from gdskit.engine.many_files import FileReads, read_files as engine_read_files
+    return engine_read_files([FileReads(p, r) for p, r in jobs], on_bytes=on_bytes)
+
+
+def whole_file_limit(device: int) -> int:
+    """The largest file :func:`read_whole_files` takes into ``device``'s memory now; 0 where
+    its reads must be routed file by file (cuFile may serve some)."""
+    import gdskit.engine.whole_files as whole_files
+    return whole_files.limit(device)
+
+
+def read_whole_files(paths: list[str], sizes: list[int], device: int, place: Callable[[int, memoryview], Any],
+                     on_bytes: Callable[[int], None] | None = None) -> None:
+    """Small files read whole into pinned stages and landed on ``device`` where ``place`` says
+    (``gdskit.engine.whole_files``)."""
+    import gdskit.engine.whole_files as whole_files
+    whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes)
+
+
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices of ``range(n)`` spread evenly over it, the first and last included
+    (:func:`gdskit.engine.plan.spread`: what a job samples to judge all of it)."""
+    from gdskit.engine.plan import spread as engine_spread
+    return engine_spread(n, k)
+
+
+def stats() -> Any:
+    """A snapshot of the engine's ledger."""
+    from gdskit.engine.ledger import stats as ledger_stats
+    return ledger_stats()
+
+
+def stats_delta(before: Any, after: Any) -> Any:
+    """What the ledger recorded between two snapshots."""
+    from gdskit.engine.ledger import stats_delta as delta
+    return delta(before, after)
+
+
+def settings_values() -> dict[str, Any]:
+    """The engine's settings as plain values (for a process that is to read as this one does)."""
+    from gdskit.settings import settings
+    return settings.as_dict()
+
+
+def add_ledger_rows(rows: list[list[Any]]) -> None:
+    """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
+    bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each."""
+    from gdskit.engine.ledger import LedgerEntry, ledger
+    ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
+                                    tuple((int(k), int(c)) for k, c in hist))
+                        for p, r, op, b, n, busy, req, hist in rows])
+
+
+def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0.0,
+                device: int | None = None, ops: int = 1) -> None:
+    """Count bytes that arrived from rank ``source_rank`` of a process group over ``transport``
+    ("nccl", "gloo") in the ledger: path ``peer``, reason ``fan_out``."""
+    from gdskit.engine.ledger import ledger
+    ledger.record_peer(nbytes, source_rank, transport, busy_s, device, ops)
+
+
+def pinned_budget() -> int:
+    """The most page-locked memory the engine's staging may hold (``settings.pinned_budget``)."""
+    from gdskit.settings import settings
+    return settings.pinned_budget
+
+
+def worker_threads() -> int:
+    """The engine's I/O worker threads (``settings.threads``)."""
+    from gdskit.settings import settings
+    return settings.threads
+
+
+def first_page_cached(path: str) -> bool | None:
+    """Whether the page cache holds the first page of the file at ``path``; None where it
+    cannot say or the file cannot be opened (the read that follows reports that)."""
+    from gdskit.engine.residency import Residency, path_residency
+
+    held = path_residency(path, 0, 4096)
+    return None if held is None else held is Residency.ALL
+
+
+def cuda_layer() -> Any:
+    """The engine's thin CUDA driver layer (:mod:`gdskit.engine.cuda`): pinned host memory, events and
+    copies queued on a caller's stream (the data loader's pinned staging uses them)."""
+    import gdskit.engine.cuda as cuda
+    return cuda
+
+
+def closed_at_exit(close: Callable[[Any], None], *, free_memory: bool = False) -> Any:
+    """A weak set whose objects are each closed by ``close(obj)`` at exit, where the engine stops
+    its worker threads (or, with ``free_memory``, where it frees its pinned memory); ``.add(obj)``."""
+    from gdskit.shutdown import FREE_MEMORY, STOP_WORK, ClosedAtExit
+    return ClosedAtExit(FREE_MEMORY if free_memory else STOP_WORK, close)
+
+
+def cufile_counters(device: int) -> dict[str, int] | None:
+    """cuFile's own operation counters of GPU ``device``, or None where cuFile or its statistics
+    are not available (``gdskit check --probe`` reads them around its probe)."""
+    from gdskit.engine.backends.cufile import counters_now
+    return counters_now(device)
+
+
+def io_uring_availability() -> Any:
+    """Whether io_uring reads work in this process (``.usable``, ``.detail``); never raises."""
+    from gdskit.engine.backends.uring import availability
+    return availability()
+
+
+def can_scatter() -> bool:
+    """Whether a read's bytes may be scattered into several device allocations: on every
+    path but ``mode="cufile"``, which reads into one buffer per request."""
+    from gdskit.settings import settings
+    from gdskit.vocabulary import Mode
+
+    return settings.mode is not Mode.CUFILE
+
+
+def scattered_hot_workers() -> int:
+    """How many workers the engine gives a job of scattered reads the page cache holds."""
+    from gdskit.engine.backends.bounce import SCATTERED_HOT_WORKERS
+    return SCATTERED_HOT_WORKERS
+
+
+def no_wait() -> None:
+    """What waiting for a warm-up that never started does: nothing."""
+
+
+_warm_ups: dict[int, threading.Thread] = {}
+_warm_ups_lock = threading.Lock()
+
+
+def _join_warm_ups() -> None:
+    # A warm-up still making pinned stages at exit would call CUDA while it is torn down.
+    with _warm_ups_lock:
+        running = list(_warm_ups.values())
+    for worker in running:
+        worker.join(timeout=30)
+
+
+def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Callable[[], None]:
+    """Set the engine up for a read of ``nbytes`` onto GPU ``device`` by ``workers`` workers
+    (default: all) in the background (as ``gdskit.prepare``: pinned stages, streams, worker
+    threads, the direct-route facts) while the caller allocates the destinations; returns the
+    function that waits for it.
+
+    Nothing starts once the ring exists, or for a read too small to use every worker's lane;
+    a call while a warm-up of the device is under way waits for that one. Start it after a
+    large header is parsed, not before: its worker threads would wait for the interpreter the
+    parse holds, and take several times longer (docs/engine.md, "Measurements behind the
+    defaults"). A failure here is left for the read itself to report.
+    """
+    import gdskit.engine.pool as pool
+    from gdskit.settings import settings
+
+    workers = settings.threads if workers is None else min(workers, settings.threads)
+    if nbytes < workers * settings.chunk_size or pool.lanes.holds(device):
+        return no_wait
+
+    def run() -> None:
+        try:
+            pool.set_up(device, workers)
+        except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
+            pass
+
+    from gdskit.shutdown import STOP_WORK, at_exit
+    from gdskit.threads import start_thread
+
+    at_exit(STOP_WORK, _join_warm_ups)
+    with _warm_ups_lock:
+        worker = _warm_ups.get(device)
+        if worker is None or not worker.is_alive():
+            worker = _warm_ups[device] = start_thread(run, "gdskit-warm-up")
+    return worker.join
+
+
+__all__ = [
+    # files and jobs
+    "File", "open", "open_file", "read_files", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
+    # destinations and reader processes
+    *_BUFFERS, *_READERS,
+    # the ledger
+    "stats", "stats_delta", "add_ledger_rows", "record_peer", "cufile_counters",
+    # figures a loader plans with
+    "settings_values", "pinned_budget", "worker_threads", "first_page_cached", "can_scatter", "scattered_hot_workers",
+    "spread", "io_uring_availability",
+    # the driver layer, the exit order, the routing decision (for gdskit check)
+    "cuda_layer", "closed_at_exit", *_ROUTING,
+]
