@@ -95,8 +95,9 @@ def _run(example: Example, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKIT_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
     # The CUDA driver reserves far more address space than it uses (a GPU's memory is mapped
-    # into the process): a GPU example under the cap fails with "out of memory" at its first copy.
-    cap = None if "gpu" in example.needs else _cap_address_space
+    # into the process): an example that touches a GPU (every torch example does where one is
+    # present) fails under the cap with "out of memory" at its first copy. CPU machines keep it.
+    cap = None if "gpu" in example.needs or _have("gpu") else _cap_address_space
     return subprocess.run([sys.executable, script.name], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S, preexec_fn=cap)
 
