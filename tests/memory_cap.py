@@ -165,3 +165,14 @@ def run_capped(fn: Callable[..., Any], *args: Any, cap_bytes: int = DEFAULT_CAP_
     _tag, name, bases, detail = message
     return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode,
                    peak_rss_growth=peak)
+
+
+#: What a fresh interpreter that imports torch and reads hostile files may use at most.
+CHILD_PROCESS_CAP_BYTES = 8 << 30
+
+
+def cap_address_space() -> None:
+    """``preexec_fn`` for a fresh child interpreter (``subprocess.run(..., preexec_fn=...)``): its
+    address space may grow by at most :data:`CHILD_PROCESS_CAP_BYTES`, so a case that allocates
+    without bound fails with ``MemoryError`` in the child instead of taking the machine."""
+    _cap_address_space(CHILD_PROCESS_CAP_BYTES)

@@ -22,6 +22,8 @@ import subprocess
 import sys
 
 import pytest
+
+from memory_cap import cap_address_space
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
@@ -561,7 +563,8 @@ def test_mutated_real_files_in_a_child_process(tmp_path, batch: int) -> None:
     env["PYTHONPATH"] = os.pathsep.join([src, os.path.dirname(os.path.abspath(__file__)),
                                          env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "worker", str(tmp_path), str(1000 + batch),
-                           str(PER_BATCH)], capture_output=True, text=True, timeout=BATCH_TIMEOUT_S, env=env)
+                           str(PER_BATCH)], capture_output=True, text=True, timeout=BATCH_TIMEOUT_S, env=env,
+                          preexec_fn=cap_address_space)
     assert proc.returncode == 0, f"the child died ({proc.returncode}): {proc.stderr[-2000:]}"
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == PER_BATCH

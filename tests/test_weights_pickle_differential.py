@@ -35,6 +35,8 @@ from typing import Any
 
 import pytest
 
+from memory_cap import cap_address_space
+
 torch = pytest.importorskip("torch")
 
 import gdskit.torch as gt  # noqa: E402
@@ -715,7 +717,7 @@ def run_workers(directory: Path) -> dict[str, dict[str, Any]]:
         if not todo:
             return results
         proc = subprocess.run([sys.executable, __file__, "worker", str(directory)], env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, preexec_fn=cap_address_space)
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
                 results[json.loads(line)["name"]] = json.loads(line)
