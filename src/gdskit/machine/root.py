@@ -178,7 +178,7 @@ class SystemRoot:
 
     def peer_facts(self) -> dict[str, Any] | None:
         """Injected GPU peer-access facts for a fixture (``peers.json``; shape in
-        :mod:`gdskit.machine.storage`); the live machine's come from the driver."""
+        :mod:`gdskit.probe.routes`); the live machine's come from the driver."""
         if self.is_live:
             return None
         return self._fixture_json("peers.json")
