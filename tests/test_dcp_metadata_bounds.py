@@ -22,7 +22,7 @@ import gdskit.errors  # noqa: E402
 #: The child may reserve this much before it is stopped (the old reader asked for gigabytes)...
 CAP = 768 << 20
 #: ...and must stay this small to have been cheap: a few times the largest crafted file.
-CHEAP = 48 << 20
+CHEAP = 32 << 20
 
 _PROTO = b"\x80\x02"
 _META = b"torch.distributed.checkpoint.metadata"

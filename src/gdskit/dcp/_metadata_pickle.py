@@ -87,6 +87,9 @@ _WORK_PER_BYTE = 4
 _WORK_ALLOWANCE = 1 << 16
 #: Most fields a class's own ``__setstate__`` takes as a tuple (TensorProperties: five).
 _MAX_SETSTATE_FIELDS = 8
+#: Deepest tuple inside tuples a stream may build (DCP nests two: a state tuple holding a Size).
+#: Each level of a deeper one costs a tuple's memory for one opcode byte, and hashing it recurses.
+_MAX_TUPLE_DEPTH = 4
 #: How much of a value an error message shows.
 _SHOWN_CHARS, _SHOWN_ITEMS = 60, 6
 
@@ -135,6 +138,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: each of it
     def __init__(self, data: bytes) -> None:
         super().__init__(_BoundedInput(data))
         self._work_left = _WORK_PER_BYTE * len(data) + _WORK_ALLOWANCE
+        self._tuple_depths: dict[int, tuple[tuple[Any, ...], int]] = {}  # by id, holding each tuple alive
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and _torch_constant(name) is not None:
@@ -200,6 +204,33 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: each of it
         self._charge(len(state) + 1)
         inst.__dict__.update(state)
 
+    def _append_tuple(self, items: Any) -> None:
+        depth = 1
+        for item in items:
+            if type(item) is tuple:
+                known = self._tuple_depths.get(id(item))
+                depth = max(depth, 1 + (known[1] if known is not None and known[0] is item else 1))
+        if depth > _MAX_TUPLE_DEPTH:
+            raise _Refused(f"tuples nested more than {_MAX_TUPLE_DEPTH} deep")
+        made = tuple(items)
+        self._tuple_depths[id(made)] = (made, depth)
+        self.append(made)
+
+    def load_tuple(self) -> None:
+        self._append_tuple(self.pop_mark())
+
+    def load_tuple1(self) -> None:
+        self._append_tuple((self.stack.pop(),))
+
+    def load_tuple2(self) -> None:
+        second = self.stack.pop()
+        self._append_tuple((self.stack.pop(), second))
+
+    def load_tuple3(self) -> None:
+        third = self.stack.pop()
+        second = self.stack.pop()
+        self._append_tuple((self.stack.pop(), second, third))
+
     def load_append(self) -> None:
         value = self.stack.pop()
         self._target((list,), "an append").append(value)
@@ -238,7 +269,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: each of it
                        "persistent ids)")
 
     for _code, _load in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj), (pickle.BUILD, load_build),
-                         (pickle.APPEND, load_append), (pickle.APPENDS, load_appends),
+                         (pickle.TUPLE, load_tuple), (pickle.TUPLE1, load_tuple1), (pickle.TUPLE2, load_tuple2),
+                         (pickle.TUPLE3, load_tuple3), (pickle.APPEND, load_append), (pickle.APPENDS, load_appends),
                          (pickle.SETITEM, load_setitem), (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict),
                          (pickle.ADDITEMS, load_additems), (pickle.FROZENSET, load_frozenset),
                          (pickle.BYTEARRAY8, load_bytearray8), (pickle.NEWOBJ_EX, refuse_opcode),
