@@ -24,6 +24,10 @@ CORE = ("gdskit.engine",) + GROUND
 #: /sys and /etc (not the check's verdicts, reports or live probes).
 FACT_READERS = ("gdskit.machine",)
 
+#: Beside the engine: digests and their manifests (``gdskit.verify``). The engine checks reads
+#: with it, the layers above use it; it imports only the ground floor.
+BESIDE_ENGINE = ("gdskit.verify",)
+
 #: The layers over the engine: they reach it through its door, ``gdskit.engine``, only.
 FORMATS = ("gdskit.formats", "gdskit.data", "gdskit.dcp", "gdskit.torch", "gdskit.safetensors",
            "gdskit.transformers", "gdskit.vllm", "gdskit.group")
@@ -144,7 +148,7 @@ def _describe(graph: dict[str, dict[str, int]], comp: list[str]) -> str:
 
 
 def core_violations(graph: dict[str, dict[str, int]], core: tuple[str, ...] = CORE,
-                    allowed: tuple[str, ...] = FACT_READERS) -> list[str]:
+                    allowed: tuple[str, ...] = FACT_READERS + BESIDE_ENGINE) -> list[str]:
     """Imports that take the core (directly, or through a fact reader it uses) outside itself."""
     out = []
     for name, targets in sorted(graph.items()):
@@ -236,6 +240,13 @@ def test_the_engine_core_imports_nothing_above_it():
 def test_machine_facts_import_only_the_ground_floor():
     found = core_violations(import_graph(), FACT_READERS, GROUND)
     assert not found, "machine facts reach up:\n  " + "\n  ".join(found)
+
+
+def test_digests_import_only_the_ground_floor():
+    graph = import_graph()
+    assert "gdskit.verify.manifest" in graph
+    found = core_violations(graph, BESIDE_ENGINE, GROUND)
+    assert not found, "gdskit.verify reaches past the ground floor:\n  " + "\n  ".join(found)
 
 
 def test_the_layers_above_reach_the_engine_through_its_door():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno as _errno
 import os as _os
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gdskit.vocabulary import Reason
 
@@ -133,6 +133,60 @@ def with_path(exc: FormatError, path: str | _os.PathLike[str]) -> FormatError:
     if exc.path is None:
         exc.path = _os.fspath(path)
     return exc
+
+
+class ChecksumMismatchError(GdskitError, ValueError):
+    """Bytes read do not have the digest recorded for them: the file (or the copy of it that
+    landed in memory) is not what was digested.
+
+    ``path`` names the file, ``tensor`` the tensor (None for a byte range of a raw file),
+    ``byte_range`` the ``(start, end)`` file offsets checked, ``expected`` and ``actual`` the
+    two digests (``"blake3:<hex>"`` or ``"sha256:<hex>"``). After ``load_into``, ``filled``
+    names the targets whose bytes were checked and match, ``unfilled`` those that may hold
+    anything (as :class:`~gdskit.formats.into_plan.PartialLoadError`); both are empty otherwise.
+    """
+
+    def __init__(self, message: str, *, path: str, tensor: str | None, byte_range: tuple[int, int] | None,
+                 expected: str, actual: str, filled: Iterable[str] = (), unfilled: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.path, self.tensor, self.byte_range = path, tensor, byte_range
+        self.expected, self.actual = expected, actual
+        self.filled, self.unfilled = tuple(filled), tuple(unfilled)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_mismatch, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild_mismatch(cls: type[ChecksumMismatchError], message: str, state: dict[str, Any]) -> ChecksumMismatchError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+class StaleManifestError(GdskitError, ValueError):
+    """A digest manifest describes another version of the file: its size differs, or its
+    modification time differs and its bytes no longer match. Not corruption: digest it again
+    (``gdskit digest``). ``path`` names the file, ``manifest`` the manifest."""
+
+    def __init__(self, message: str, *, path: str, manifest: str) -> None:
+        super().__init__(message)
+        self.path, self.manifest = path, manifest
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_mismatch, (type(self), str(self), dict(self.__dict__))
+
+
+class NothingToVerifyError(GdskitError, LookupError):
+    """``verify=True`` was asked and the file has no digests to verify against: none in its
+    header, no manifest beside it. ``path`` names the file."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_mismatch, (type(self), str(self), dict(self.__dict__))
 
 
 class DeviceUnavailableError(GdskitError, RuntimeError):

@@ -141,6 +141,14 @@ def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0
     ledger.record_peer(nbytes, source_rank, transport, busy_s, device, ops)
 
 
+def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0) -> list[str]:
+    """BLAKE3 digests (hex) of ``(address, nbytes)`` buffers where they lie: device memory by a
+    GPU kernel on ``stream`` (the stream the bytes landed on), host memory on the CPU; counted
+    in the ledger's ``verified`` figures (:mod:`gdskit.engine.digests`)."""
+    from gdskit.engine.digests import digest_buffers as engine_digest_buffers
+    return engine_digest_buffers(buffers, stream)
+
+
 def pinned_budget() -> int:
     """The most page-locked memory the engine's staging may hold (``settings.pinned_budget``)."""
     from gdskit.settings import settings
@@ -263,6 +271,8 @@ __all__ = [
     *_BUFFERS, *_READERS,
     # the ledger
     "stats", "stats_delta", "add_ledger_rows", "record_peer", "cufile_counters",
+    # digests of bytes where they landed (verified loading)
+    "digest_buffers",
     # figures a loader plans with
     "settings_values", "pinned_budget", "worker_threads", "first_page_cached", "can_scatter", "scattered_hot_workers",
     "spread", "io_uring_availability",

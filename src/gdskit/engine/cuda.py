@@ -732,3 +732,44 @@ def copy_d2h_on(stream: int, dst: int, src: int, nbytes: int) -> None:
 def stream_wait_event(stream: int, event: Event) -> None:
     """Make later work on ``stream`` wait for ``event``'s last record (no host wait)."""
     check(_driver().cuStreamWaitEvent(stream, event.handle, 0), "cuStreamWaitEvent")
+
+
+def stream_synchronize(stream: int) -> None:
+    """Wait until the work queued on a caller's stream (a raw handle) is done."""
+    check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+# -- kernels: modules loaded from compiled images, launched on a caller's stream ---------------
+
+def compute_capability(device: int) -> tuple[int, int]:
+    """``(major, minor)`` of GPU ``device`` (9, 0 for an H100 or H200)."""
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    attr = drv.CUdevice_attribute
+    major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                  "cuDeviceGetAttribute")
+    minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+                  "cuDeviceGetAttribute")
+    return int(major), int(minor)
+
+
+def load_module(image: bytes, device: int) -> Any:
+    """A module loaded from a compiled image (cubin or PTX) into ``device``'s primary context
+    (``cuModuleLoadData``); it lives as long as the context."""
+    drv = _driver()
+    held = ctypes.create_string_buffer(image, len(image) + 1)  # NUL-terminated for PTX; alive for the call
+    with on_device(device):
+        return check(drv.cuModuleLoadData(ctypes.addressof(held)), "cuModuleLoadData")
+
+
+def module_function(module: Any, name: str) -> Any:
+    """The kernel ``name`` of a loaded module (``cuModuleGetFunction``)."""
+    return check(_driver().cuModuleGetFunction(module, name.encode("ascii")), "cuModuleGetFunction")
+
+
+def launch_kernel(function: Any, grid: int, block: int, stream: int, args: list[Any], shared_bytes: int = 0) -> None:
+    """Queue ``function`` on ``stream`` over ``grid`` blocks of ``block`` threads (one dimension
+    each). ``args``: the kernel's parameters as ctypes values (``c_uint64``, ``c_int32``...), in order."""
+    pointers = (ctypes.c_void_p * max(len(args), 1))(*[ctypes.addressof(a) for a in args])
+    check(_driver().cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared_bytes, stream,
+                                   ctypes.addressof(pointers), 0), "cuLaunchKernel")

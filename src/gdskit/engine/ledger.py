@@ -202,6 +202,35 @@ def _group(entries: list[LedgerEntry], key: str) -> dict[str, PathStats]:
 
 
 @dataclass(frozen=True)
+class VerifiedStats:
+    """Bytes whose digests were checked where they landed (``verify=``): ``bytes`` in all,
+    ``gpu_bytes`` of them hashed on a GPU, ``seconds`` the checks took, ``checks`` how many."""
+
+    bytes: int = 0
+    gpu_bytes: int = 0
+    seconds: float = 0.0
+    checks: int = 0
+
+    def _combine(self, other: VerifiedStats, sign: int) -> VerifiedStats:
+        return VerifiedStats(self.bytes + sign * other.bytes, self.gpu_bytes + sign * other.gpu_bytes,
+                             self.seconds + sign * other.seconds, self.checks + sign * other.checks)
+
+    def __add__(self, other: VerifiedStats) -> VerifiedStats:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: VerifiedStats) -> VerifiedStats:
+        return self._combine(other, -1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "gpu_bytes": self.gpu_bytes, "seconds": self.seconds, "checks": self.checks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VerifiedStats:
+        return cls(int(d.get("bytes", 0)), int(d.get("gpu_bytes", 0)), float(d.get("seconds", 0.0)),
+                   int(d.get("checks", 0)))
+
+
+@dataclass(frozen=True)
 class Stats:
     """A snapshot of the ledger.
 
@@ -209,6 +238,8 @@ class Stats:
     are the same totals grouped by path and by reason. ``peers`` splits the bytes of
     path ``peer`` by the rank that sent them and the backend that carried them.
     ``routed`` lists the bytes that went through another GPU (``via_gpu``) on their way.
+    ``verified`` counts the bytes whose digests were checked after they landed: all of them,
+    those hashed on a GPU, and the seconds the checks took (``gdskit.verify``).
     """
 
     entries: tuple[LedgerEntry, ...] = ()
@@ -216,13 +247,15 @@ class Stats:
     reasons: dict[str, PathStats] = field(default_factory=dict)
     peers: tuple[PeerEntry, ...] = ()
     routed: tuple[RoutedEntry, ...] = ()
+    verified: VerifiedStats = field(default_factory=lambda: VerifiedStats())
 
     @classmethod
     def from_entries(cls, entries: list[LedgerEntry], peers: tuple[PeerEntry, ...] = (),
-                     routed: tuple[RoutedEntry, ...] = ()) -> Stats:
+                     routed: tuple[RoutedEntry, ...] = (), verified: VerifiedStats | None = None) -> Stats:
         entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
         return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"),
-                   _merge_rows((), tuple(peers), 1), _merge_rows((), tuple(routed), 1))
+                   _merge_rows((), tuple(peers), 1), _merge_rows((), tuple(routed), 1),
+                   verified if verified is not None else VerifiedStats())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Stats:
@@ -230,7 +263,8 @@ class Stats:
         ``routed`` carry everything)."""
         return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())],
                                 tuple(PeerEntry.from_dict(p) for p in d.get("peers", ())),
-                                tuple(RoutedEntry.from_dict(r) for r in d.get("routed", ())))
+                                tuple(RoutedEntry.from_dict(r) for r in d.get("routed", ())),
+                                VerifiedStats.from_dict(d.get("verified") or {}))
 
     @property
     def total_bytes(self) -> int:
@@ -275,14 +309,14 @@ class Stats:
             o = theirs.get(e.key)
             out.append(e if o is None else e - o)
         return Stats.from_entries(out, _merge_rows(self.peers, other.peers, -1),
-                                  _merge_rows(self.routed, other.routed, -1))
+                                  _merge_rows(self.routed, other.routed, -1), self.verified - other.verified)
 
     def __add__(self, other: Stats) -> Stats:
         out = {e.key: e for e in self.entries}
         for e in other.entries:
             out[e.key] = out[e.key] + e if e.key in out else e
         return Stats.from_entries(list(out.values()), _merge_rows(self.peers, other.peers, 1),
-                                  _merge_rows(self.routed, other.routed, 1))
+                                  _merge_rows(self.routed, other.routed, 1), self.verified + other.verified)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -298,6 +332,8 @@ class Stats:
         if self.routed:
             d["routed_bytes"] = self.routed_bytes
             d["routed"] = [r.to_dict() for r in self.routed]
+        if self.verified.checks:
+            d["verified"] = self.verified.to_dict()
         return d
 
     def summary(self) -> str:
@@ -315,6 +351,10 @@ class Stats:
         for r in self.routed:
             lines.append(f"  {r.op:5s} {r.path:14s} {r.bytes / 2**20:12.1f} MiB {r.ops:8d} ops  "
                          f"for GPU {r.target_gpu} through GPU {r.via_gpu}")
+        v = self.verified
+        if v.checks:
+            lines.append(f"  verified {v.bytes / 2**20:.1f} MiB ({v.gpu_bytes / 2**20:.1f} MiB on a GPU) "
+                         f"in {v.seconds:.3f} s, {v.checks} checks")
         return "\n".join(lines)
 
 
@@ -370,6 +410,7 @@ class Ledger:
         self._shards: list[_Shard] = [self._retired]
         self._local = threading.local()
         self._resets = 0
+        self._verified = VerifiedStats()  # under _lock: checks are few (one per load), not per I/O
 
     def _new_shard(self) -> _Shard:
         shard = _Shard(threading.current_thread())
@@ -491,7 +532,15 @@ class Ledger:
                       for (rank, backend), v in self._merged("peer_rows").items())
         routed = tuple(RoutedEntry(via, target, path, op, int(v[0]), int(v[1]), float(v[2]))
                        for (via, target, path, op), v in self._merged("routed_rows").items())
-        return Stats.from_entries(entries, peers, routed)
+        with self._lock:
+            verified = self._verified
+        return Stats.from_entries(entries, peers, routed, verified)
+
+    def record_verified(self, nbytes: int, seconds: float, gpu_bytes: int = 0, checks: int = 1) -> None:
+        """Count ``nbytes`` whose digests were checked (``gpu_bytes`` of them on a GPU) in ``seconds``."""
+        with self._lock:
+            self._verified = self._verified + VerifiedStats(int(nbytes), int(gpu_bytes), float(seconds), int(checks))
+            self._resets += 1  # a change readers of ``version`` must see
 
     def device_snapshot(self) -> dict[int, dict[str, PathStats]]:
         """Totals per GPU and path, from the records that named their device."""
@@ -512,6 +561,7 @@ class Ledger:
                 shard.device_rows = defaultdict(_new_row)
                 shard.peer_rows = defaultdict(_new_row)
                 shard.routed_rows = defaultdict(_new_row)
+            self._verified = VerifiedStats()
             self._resets += 1
 
 

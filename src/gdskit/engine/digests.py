@@ -1,0 +1,50 @@
+"""Digests of bytes where they landed: device memory on its GPU (one kernel launch pair for
+all of a device's buffers, :mod:`gdskit.engine.gpu_hash`), host memory on the CPU
+(:mod:`gdskit.verify.digest`). Every check is counted in the ledger (bytes, GPU bytes, seconds)."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+
+import gdskit.engine.cuda as cuda
+from gdskit.engine.ledger import ledger
+from gdskit.verify.digest import blake3_hex
+
+
+def _host_digest(ptr: int, nbytes: int) -> str:
+    if nbytes == 0:
+        return blake3_hex(b"")
+    return blake3_hex((ctypes.c_char * nbytes).from_address(ptr))
+
+
+def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0) -> list[str]:
+    """The BLAKE3 digests (hex) of ``buffers``, ``(address, nbytes)`` pairs of host or device
+    memory, each hashed where it lies; device buffers on ``stream`` (a raw handle: the stream
+    their bytes landed on). Waits for the GPU's digests."""
+    start = time.perf_counter()
+    out: list[str | None] = [None] * len(buffers)
+    on_device: dict[int, list[int]] = {}
+    for i, (ptr, nbytes) in enumerate(buffers):
+        info = cuda.pointer_info(int(ptr)) if nbytes else None
+        if info is not None and info.device is not None and info.kind in (cuda.MemoryKind.DEVICE,
+                                                                          cuda.MemoryKind.MANAGED):
+            on_device.setdefault(info.device, []).append(i)
+        else:
+            out[i] = _host_digest(int(ptr), int(nbytes))
+    gpu_bytes = 0
+    for device, indices in on_device.items():
+        items = [(int(buffers[i][0]), int(buffers[i][1])) for i in indices]
+        for i, digest in zip(indices, cuda_digests(items, device, stream)):
+            out[i] = digest
+        gpu_bytes += sum(n for _p, n in items)
+    total = sum(int(n) for _p, n in buffers)
+    ledger.record_verified(total, time.perf_counter() - start, gpu_bytes, checks=len(buffers))
+    return [d for d in out if d is not None]
+
+
+def cuda_digests(items: list[tuple[int, int]], device: int, stream: int) -> list[str]:
+    """The GPU's digests of ``items`` on ``device`` (compiled and loaded at first use)."""
+    from gdskit.engine.gpu_hash import digest_device  # noqa: PLC0415 - NVRTC only where a GPU digests
+    return digest_device(items, device, stream)

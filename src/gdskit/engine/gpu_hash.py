@@ -1,0 +1,133 @@
+"""BLAKE3 digests of device memory, computed on the GPU where the bytes landed.
+
+The kernels (:mod:`gdskit.engine.gpu_hash_kernel`) are compiled at first use with NVRTC
+(``cuda.bindings.nvrtc``; its library comes with the ``nvidia-cuda-nvrtc`` wheel or a CUDA
+toolkit) for the device's architecture, loaded through the driver layer (:mod:`gdskit.engine.cuda`),
+and kept for the life of the process, one module per device. Many buffers go in one launch
+pair: a table of ``(device pointer, length)`` items.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import gdskit.engine.cuda as cuda
+from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, CHUNK_BYTES, SOURCE
+from gdskit.errors import CudaError, MissingDependencyError
+
+_BLOCK_BYTES = BLOCK_CHUNKS * CHUNK_BYTES
+_images: dict[tuple[int, int], bytes] = {}            # (major, minor) -> compiled image
+_modules: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(driver), device) -> (blocks, tree) kernels
+_lock = threading.Lock()
+
+
+def _forget_modules() -> None:
+    with _lock:
+        _modules.clear()  # they belong to the driver being left
+
+
+cuda.on_driver_change(_forget_modules)
+
+
+def _nvrtc() -> Any:
+    try:
+        from cuda.bindings import nvrtc  # noqa: PLC0415 - loaded with the first GPU digest (import time)
+    except ImportError:
+        raise MissingDependencyError("GPU digests need NVRTC: pip install cuda-bindings nvidia-cuda-nvrtc") from None
+    return nvrtc
+
+
+def _nvrtc_check(nvrtc: Any, result: Any, what: str, prog: Any = None) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        log = ""
+        if prog is not None:
+            _e, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            buf = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            log = ": " + buf.decode(errors="replace").strip()[:2000]
+        raise CudaError(f"{what} failed ({getattr(err, 'name', err)}){log}", code=str(getattr(err, "name", err)))
+    return rest[0] if len(rest) == 1 else rest
+
+
+def compile_image(major: int, minor: int) -> bytes:
+    """The kernels compiled for compute capability ``major.minor``: a cubin where this NVRTC
+    knows the architecture, else PTX for the nearest one it does (the driver finishes it)."""
+    nvrtc = _nvrtc()
+    try:
+        prog = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"gdskit_blake3.cu", 0, [], []),
+                            "nvrtcCreateProgram")
+    except RuntimeError as exc:  # the bindings found no libnvrtc
+        if isinstance(exc, CudaError):
+            raise
+        raise MissingDependencyError(f"GPU digests need NVRTC ({exc}): pip install nvidia-cuda-nvrtc") from None
+    try:
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
+        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        image = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _kernels(device: int) -> tuple[Any, Any]:
+    driver = cuda.driver_or_none()
+    key = (id(driver), device)
+    with _lock:
+        found = _modules.get(key)
+        if found is not None:
+            return found
+        cc = cuda.compute_capability(device)
+        image = _images.get(cc)
+        if image is None:
+            image = _images[cc] = compile_image(*cc)
+        module = cuda.load_module(image, device)
+        found = _modules[key] = (cuda.module_function(module, "blake3_blocks"),
+                                 cuda.module_function(module, "blake3_tree"))
+        return found
+
+
+def _blocks_of(nbytes: int) -> int:
+    chunks = max(1, -(-nbytes // CHUNK_BYTES))
+    return -(-chunks // BLOCK_CHUNKS)
+
+
+def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0) -> list[str]:
+    """The BLAKE3 digests (hex) of ``items``, ``(device pointer, nbytes)`` pairs in GPU ``device``'s
+    memory, computed by two kernel launches on ``stream`` (a raw handle: the stream the bytes
+    landed on, so the hash follows the copies queued there); waits for them."""
+    n = len(items)
+    if n == 0:
+        return []
+    table = (ctypes.c_uint64 * (3 * n + 1))()  # n (ptr, len) items, then n + 1 block bases
+    base = 0
+    for i, (ptr, nbytes) in enumerate(items):
+        table[2 * i], table[2 * i + 1] = int(ptr), int(nbytes)
+        table[2 * n + i] = base
+        base += _blocks_of(int(nbytes))
+    table[3 * n] = base
+    table_bytes = ctypes.sizeof(table)
+    cvs_at = -(-table_bytes // 256) * 256
+    roots_at = cvs_at + 32 * base
+    blocks, tree = _kernels(device)
+    scratch = cuda.DeviceArray(roots_at + 32 * n, device)
+    roots = (ctypes.c_uint32 * (8 * n))()
+    try:
+        with cuda.on_device(device):
+            cuda.copy_h2d_on(stream, scratch.ptr, ctypes.addressof(table), table_bytes)
+            items_p, base_p = ctypes.c_uint64(scratch.ptr), ctypes.c_uint64(scratch.ptr + 16 * n)
+            cvs_p, roots_p = ctypes.c_uint64(scratch.ptr + cvs_at), ctypes.c_uint64(scratch.ptr + roots_at)
+            count = ctypes.c_int32(n)
+            cuda.launch_kernel(blocks, base, BLOCK_CHUNKS, stream, [items_p, count, base_p, cvs_p, roots_p])
+            cuda.launch_kernel(tree, n, BLOCK_CHUNKS, stream, [count, base_p, cvs_p, roots_p])
+            cuda.copy_d2h_on(stream, ctypes.addressof(roots), scratch.ptr + roots_at, 32 * n)
+            cuda.stream_synchronize(stream)
+    finally:
+        scratch.free()
+    raw = bytes(roots)
+    return [raw[32 * i:32 * i + 32].hex() for i in range(n)]
