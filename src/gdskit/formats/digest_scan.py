@@ -1,0 +1,276 @@
+"""Digests of existing files for ``gdskit digest``: where each tensor's bytes lie in a file of a
+format gdskit reads (safetensors, torch.save archives, ``.npy``; any other file is raw bytes),
+the BLAKE3 digests of the file, its chunks and its tensors, and the check of a file against
+its manifest.
+
+Hashing here is the CPU's (the ``blake3`` package, multithreaded): the bytes are read through
+the page cache by a read-only memory map, every file in parallel.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from gdskit.durable import is_temp_name, open_file_fd
+from gdskit.errors import FormatError
+from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
+                           TensorDigest, blake3_hex, chunk_ranges, manifest_path_for, read_manifest)
+
+#: How ``gdskit digest`` calls a file by its format.
+KINDS = ("safetensors", "torch", "npy", "raw")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One tensor's (or storage record's) bytes in a file."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+def file_kind(path: str) -> str:
+    """The format a file is digested as, from its name and first bytes."""
+    lower = path.lower()
+    if lower.endswith(".safetensors"):
+        return "safetensors"
+    if lower.endswith(".npy"):
+        return "npy"
+    if lower.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        fd, _st = open_file_fd(path, os.O_RDONLY)
+        try:
+            head = os.pread(fd, 4, 0)
+        finally:
+            os.close(fd)
+        if head == _ZIP_MAGIC:
+            return "torch"
+    return "raw"
+
+
+def tensor_spans(path: str, kind: str) -> list[Span]:
+    """Where the tensors of ``path`` (a file of ``kind``) lie: safetensors tensors by name, the
+    ``.npy`` array as ``"array"``, a torch.save archive's storage records as ``"data/<key>"``
+    (the bytes views of a storage share); none for raw files.
+
+    Raises
+    ------
+    FormatError
+        The file is not the format its name says.
+    """
+    if kind == "safetensors":
+        from gdskit.formats import safetensors_format as fmt  # noqa: PLC0415 - import time
+
+        header = fmt.read_header_file(path)
+        return [Span(e.name, header.data_start + e.start, e.nbytes) for e in header.entries]
+    if kind == "npy":
+        from gdskit.data.npy import read_header  # noqa: PLC0415 - import time
+
+        npy, size = read_header(path)
+        if npy.data_offset + npy.nbytes > size:
+            raise FormatError(f"the array's {npy.nbytes} bytes run past the end of the file", path=path)
+        return [Span("array", npy.data_offset, npy.nbytes)]
+    if kind == "torch":
+        return _torch_spans(path)
+    return []
+
+
+def _torch_spans(path: str) -> list[Span]:
+    try:
+        import torch  # noqa: PLC0415 - optional: torch's own reader places the records
+    except ImportError:
+        return []  # digested as raw bytes without torch
+    from gdskit.formats.torch_zip import StorageRecords  # noqa: PLC0415 - needs torch
+
+    records = StorageRecords.open(torch, path, os.stat(path).st_size, path)
+    try:
+        spans = records.spans()
+    finally:
+        records.close()
+    if spans is None:
+        raise FormatError("a storage record of the archive cannot be placed", path=path)
+    return [Span("data/" + key, offset, nbytes) for key, offset, nbytes in spans]
+
+
+def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterable[Span] = (),
+                on_bytes: Callable[[int], None] | None = None) -> FileDigests:
+    """The digests of the file at ``path``: of all its bytes, of each ``chunk_bytes`` piece, and of
+    each span. ``on_bytes(n)`` is called as pieces are done (a progress bar)."""
+    fd, st = open_file_fd(path, os.O_RDONLY)
+    try:
+        size = st.st_size
+        if size == 0:
+            empty = blake3_hex(b"")
+            return FileDigests(0, st.st_mtime_ns, empty, (), {s.name: TensorDigest(s.offset, 0, empty) for s in spans})
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                chunks = []
+                for start, end in chunk_ranges(size, chunk_bytes):
+                    chunks.append(blake3_hex(view[start:end]))
+                    if on_bytes is not None:
+                        on_bytes(end - start)
+                whole = blake3_hex(view)
+                tensors = {s.name: TensorDigest(s.offset, s.nbytes, blake3_hex(view[s.offset:s.offset + s.nbytes]))
+                           for s in spans}
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
+    return FileDigests(size, st.st_mtime_ns, whole, tuple(chunks), tensors)
+
+
+def files_under(root: str) -> list[str]:
+    """The regular files under directory ``root`` (sorted, ``/``-separated relative names), less
+    manifests and gdskit's temporary files; symbolic links are not followed."""
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in names:
+            if name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX) or is_temp_name(name):
+                continue
+            full = os.path.join(folder, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                out.append(os.path.relpath(full, root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One PATH of ``gdskit digest``: its manifest and the files it lists (relative to the manifest)."""
+
+    path: str
+    manifest: str
+    files: tuple[str, ...]
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.manifest)
+
+
+def target_of(path: str) -> Target:
+    """A file (its manifest beside it) or a directory (its manifest inside it, every file under it)."""
+    manifest = manifest_path_for(path)
+    if os.path.isdir(path):
+        return Target(path, manifest, tuple(files_under(path)))
+    return Target(path, manifest, (os.path.basename(path),))
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """One file digested or checked: ``status`` ``"written"``, ``"ok"``, ``"mismatch"``, ``"stale"``
+    or ``"missing"``; ``bad`` names what differs (tensors, ``chunk N``, ``file``)."""
+
+    path: str
+    kind: str
+    size: int
+    tensors: int
+    digest: str
+    seconds: float
+    status: str
+    bad: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "kind": self.kind, "size": self.size, "tensors": self.tensors,
+                "digest": self.digest, "seconds": round(self.seconds, 6), "status": self.status, "bad": list(self.bad)}
+
+
+def _digest_one(full: str, chunk_bytes: int, on_bytes: Callable[[int], None] | None) -> tuple[str, FileDigests, float]:
+    start = time.perf_counter()
+    kind = file_kind(full)
+    spans = tensor_spans(full, kind)
+    digests = digest_file(full, chunk_bytes, spans, on_bytes)
+    return kind, digests, time.perf_counter() - start
+
+
+def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, jobs: int | None = None,
+                   on_bytes: Callable[[int], None] | None = None) -> list[FileResult]:
+    """Digest every file of ``paths`` (files and directories), files in parallel, and write each
+    PATH's manifest. Returns one result per file."""
+    from gdskit.verify import write_manifest  # noqa: PLC0415 - beside its use
+
+    targets = [target_of(p) for p in paths]
+    work = [(t, rel) for t in targets for rel in t.files]
+    with ThreadPoolExecutor(max_workers=jobs or min(8, os.cpu_count() or 1)) as pool:
+        done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes), work))
+    results = []
+    by_target: dict[str, dict[str, FileDigests]] = {t.manifest: {} for t in targets}
+    for (t, rel), (kind, digests, seconds) in zip(work, done):
+        by_target[t.manifest][rel] = digests
+        results.append(FileResult(os.path.join(t.folder, rel), kind, digests.size, len(digests.tensors),
+                                  digests.digest, seconds, "written"))
+    for t in targets:
+        write_manifest(Manifest(chunk_bytes, by_target[t.manifest]), t.manifest)
+    return results
+
+
+def _compare(full: str, want: FileDigests, chunk_bytes: int,
+             on_bytes: Callable[[int], None] | None) -> tuple[str, FileDigests, float, str, tuple[str, ...]]:
+    start = time.perf_counter()
+    st = os.stat(full)
+    if st.st_size != want.size:
+        return "raw", want, 0.0, "stale", ("size",)
+    spans = [Span(n, t.offset, t.nbytes) for n, t in want.tensors.items()]
+    got = digest_file(full, chunk_bytes, spans, on_bytes)
+    bad = [f"tensor {n}" for n, t in want.tensors.items() if got.tensors[n].digest != t.digest]
+    bad += [f"chunk {i}" for i, (a, b) in enumerate(zip(got.chunks, want.chunks)) if a != b]
+    if got.digest != want.digest:
+        bad.append("file")
+    status = "ok" if not bad else ("stale" if st.st_mtime_ns != want.mtime_ns else "mismatch")
+    return file_kind(full), got, time.perf_counter() - start, status, tuple(bad)
+
+
+def check_manifests(paths: list[str], jobs: int | None = None,
+                    on_bytes: Callable[[int], None] | None = None) -> list[FileResult]:
+    """Check every file each PATH's manifest lists against it (a file PATH: its own manifest, or the
+    directory manifest above it that lists it). Returns one result per file."""
+    work = []
+    for p in paths:
+        manifest_path = manifest_path_for(p)
+        if not os.path.isdir(p) and not os.path.exists(manifest_path):
+            manifest_path = _directory_manifest_listing(p) or manifest_path
+        manifest = read_manifest(manifest_path)
+        folder = os.path.dirname(manifest_path)
+        names = list(manifest.files)
+        if not os.path.isdir(p):
+            rel = os.path.relpath(os.path.realpath(p), os.path.realpath(folder)).replace(os.sep, "/")
+            names = [n for n in names if n == rel]
+        work += [(os.path.join(folder, n), manifest.files[n], manifest.chunk_bytes) for n in names]
+
+    def one(item: tuple[str, FileDigests, int]) -> FileResult:
+        full, want, chunk_bytes = item
+        if not os.path.isfile(full):
+            return FileResult(full, "raw", want.size, len(want.tensors), "", 0.0, "missing", ("file",))
+        kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes)
+        return FileResult(full, kind, want.size, len(want.tensors), got.digest, seconds, status, bad)
+
+    with ThreadPoolExecutor(max_workers=jobs or min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, work))
+
+
+def _directory_manifest_listing(path: str) -> str | None:
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(4):
+        candidate = os.path.join(folder, DIRECTORY_MANIFEST)
+        if os.path.isfile(candidate):
+            return candidate
+        folder = os.path.dirname(folder)
+    return None
+
+
+def total_bytes(paths: list[str]) -> int:
+    """Bytes the files of ``paths`` hold (for a progress bar)."""
+    total = 0
+    for p in paths:
+        t = target_of(p)
+        for rel in t.files:
+            try:
+                total += os.path.getsize(os.path.join(t.folder, rel))
+            except OSError:
+                pass
+    return total
