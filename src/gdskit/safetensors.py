@@ -28,6 +28,8 @@ from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
+from gdskit.formats.verified import Sha256Check, check_loaded, expectations, verify_mode
+from gdskit.verify import OFF, VerifyMode
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
                                                UnknownDtypeError)
@@ -191,7 +193,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
 
 def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
               device: Any = "cpu", *, backend: str = "mmap", keys: Iterable[str] | None = None,
-              progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None) -> Any:
+              progress: ProgressArg = None, return_stats: bool = False, process_group: Any = None,
+              verify: Any = False) -> Any:
     """Load a safetensors checkpoint into memory on ``device``.
 
     Parameters
@@ -212,6 +215,10 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     process_group : torch.distributed ProcessGroup, optional
         Every rank of the group calls ``load_file`` alike (``keys`` may differ): each byte is
         read from storage by one rank and reaches the others over the group (docs/multigpu.md).
+    verify : bool, str or path
+        Check every tensor's bytes where they landed against their BLAKE3 digests (docs/verify.md):
+        ``True`` (the file's header, else a manifest beside it), a manifest's path, or
+        ``"sha256:<hex>"`` (the whole file, one file only, at CPU speed). Default False.
 
     Returns
     -------
@@ -229,20 +236,28 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         ``device`` is a CUDA device this process cannot use (no CUDA: pass ``device="cpu"``).
     gdskit.errors.GroupError
         With ``process_group``: another rank failed, or did not answer in time.
+    gdskit.errors.ChecksumMismatchError
+        With ``verify``: a tensor's bytes differ from their digest (it names the file, tensor,
+        byte range and both digests). ``NothingToVerifyError``: nothing records digests of a
+        file; ``StaleManifestError``: the manifest was made for another version of the file.
     """
     _check_backend(backend)
+    mode = verify_mode(verify)
     path_or_paths = filename
     if process_group is not None:
+        if mode.on:
+            raise InvalidArgumentError("verify= is not taken with process_group= yet: load, then check each rank's "
+                                       "tensors, or verify without a group")
         from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
                                progress=progress, return_stats=return_stats,
                                st=OneRank(_device, _torch_type, _empty_tensor))
     with collector_paused():
-        return _load_file(path_or_paths, device, keys, progress, return_stats)
+        return _load_file(path_or_paths, device, keys, progress, return_stats, mode)
 
 
 def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, progress: ProgressArg,
-               return_stats: bool) -> Any:
+               return_stats: bool, mode: VerifyMode = OFF) -> Any:
     torch = _torch()
     dev = _device(torch, device)
     shards = fmt.resolve_checkpoint(path_or_paths)
@@ -260,6 +275,12 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                 raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
 
     names = fmt.select_names(where, keys)
+    expect = {}
+    sha256 = None
+    if mode.kind == "sha256":
+        sha256 = Sha256Check([p for p, _h in headers], mode)
+    elif mode.on:  # nothing to check against is refused before a byte is read
+        expect = expectations([p for p, _h in headers], mode, {p: h.metadata for p, h in headers})
     types = {}
     empty = {}   # tensors of no bytes are made here, not read
     for n in names:  # everything that can fail does so before anything is read
@@ -297,9 +318,19 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                     raise TruncatedFileError(f"changed size after its header was read "
                                              f"({h.file_size} -> {f.size} bytes)", path=p)
                 try:
-                    raw.update(execute(f, plan, dev, alloc=alloc, progress=prog))
+                    landed = execute(f, plan, dev, alloc=alloc, progress=prog)
                 except fmt.FormatError as exc:
                     raise with_path(exc, p) from None
+            if p in expect:
+                check_loaded(expect[p], [(e.name, landed[e.name]) for e in entries],
+                             {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries})
+            raw.update(landed)
+    for n, t in empty.items():
+        p = where[n][0]
+        if p in expect:
+            check_loaded(expect[p], [(n, t)])
+    if sha256 is not None:
+        sha256.wait()
     out = {}
     for n, (dt, shape) in types.items():
         if n in empty:
@@ -380,18 +411,28 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str],
-              metadata: Mapping[str, str] | None = None, *, progress: ProgressArg = False) -> None:
+              metadata: Mapping[str, str] | None = None, *, progress: ProgressArg = False,
+              digests: bool = False) -> None:
     """Write ``tensors`` to a standard safetensors file whose data section starts 4 KiB-aligned.
 
     Takes and refuses what ``safetensors.torch.save_file`` does (contiguous, dense tensors, none
     overlapping another in memory). CPU and GPU tensors; GPU bytes go through the engine without
     a stop in pageable host memory. The write is atomic: a temporary file beside ``filename`` is
     fsynced and renamed.
+
+    ``digests=True`` also records each tensor's BLAKE3 digest (computed where the tensor lies: on
+    its GPU for a GPU tensor) in the header's ``__metadata__`` under ``"gdskit.blake3"``, so that
+    ``load_file(..., verify=True)`` checks the file with nothing beside it; the file stays one
+    the ``safetensors`` library reads (docs/verify.md). Off by default: the file is then byte for
+    byte what ``safetensors.torch.save_file`` writes for the same tensors, less the alignment.
     """
     torch = _torch()
     from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - needs torch
 
-    lay = fmt.layout(_savable(torch, tensors), metadata)
+    specs = _savable(torch, tensors)
+    if digests:
+        metadata = _with_digests(tensors, metadata)
+    lay = fmt.layout(specs, metadata)
     path = filename
 
     for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
@@ -413,6 +454,23 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str]
             import concurrent.futures
             concurrent.futures.wait(futures)
             raise
+
+
+def _with_digests(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """``metadata`` with each tensor's BLAKE3 digest under :data:`gdskit.verify.HEADER_KEY`."""
+    import json  # noqa: PLC0415 - only when digests are recorded
+
+    from gdskit.formats.verified import tensor_digests  # noqa: PLC0415
+    from gdskit.verify import HEADER_KEY  # noqa: PLC0415
+
+    meta = dict(metadata) if metadata is not None else {}
+    if HEADER_KEY in meta:
+        raise InvalidArgumentError(f"metadata already has the key {HEADER_KEY!r}, which digests=True writes")
+    for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
+        _torch().cuda.synchronize(d)  # the producer's work is done before the bytes are hashed
+    named = [(n, t.detach().reshape(-1)) for n, t in tensors.items()]
+    meta[HEADER_KEY] = json.dumps(tensor_digests(named), separators=(",", ":"), sort_keys=True)
+    return meta
 
 
 # -- into existing tensors, and streaming (gdskit.formats.into_exec, gdskit.formats.stream) --
@@ -445,7 +503,7 @@ __all__ += ["load_into", "iter_tensors", "DtypeMismatchError", "KeyMismatchError
 
 def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
               strict: bool = True, cast: bool = False, progress: ProgressArg = None,
-              return_stats: bool = False) -> Any:
+              return_stats: bool = False, verify: Any = False) -> Any:
     """Fill the tensors ``target`` already has from a safetensors checkpoint, in place.
 
     Parameters
@@ -464,6 +522,9 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
         (otherwise :class:`DtypeMismatchError`).
     progress, return_stats
         As for :func:`load_file` (``return_stats`` returns ``(result, stats)``).
+    verify : bool, str or path
+        As for :func:`load_file`: each record's bytes are checked where they landed (in the
+        target, or in the staging buffer before a cast or strided copy).
 
     Returns
     -------
@@ -477,16 +538,19 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
         Before any byte is read: the target is untouched.
     PartialLoadError
         A failure while bytes were moving; it names the tensors already filled.
+    gdskit.errors.ChecksumMismatchError
+        With ``verify``: bytes that differ from their digest; ``.filled`` names the targets
+        whose bytes match, ``.unfilled`` those that hold bytes that do not.
     """
     _torch()
     from gdskit.formats.into_exec import load_safetensors_into
     return load_safetensors_into(target, path_or_paths, torch_type=_torch_type, shape=_READ_SHAPE, strict=strict,
-                                 cast=cast, progress=progress, return_stats=return_stats)
+                                 cast=cast, progress=progress, return_stats=return_stats, verify=verify)
 
 
 def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                  device: Any = "cuda:0", *, keys: Iterable[str] | None = None,
-                 max_inflight_bytes: int | None = None) -> Any:
+                 max_inflight_bytes: int | None = None, verify: Any = False) -> Any:
     """Yield ``(name, tensor)`` in file order as each tensor lands on ``device``, within a memory budget.
 
     Every yielded tensor owns its memory. The iterator reads ahead only while the tensors
@@ -495,6 +559,10 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
     counts as consumed once its memory is freed. Default budget: the larger of 1 GiB and
     twice the largest tensor (so a ``for`` loop, which holds the previous tensor while it
     asks for the next, always has room for one more). See docs/models.md.
+
+    ``verify`` (True or a manifest's path) checks each batch of tensors against their digests
+    before any of it is yielded (docs/verify.md); a mismatch raises
+    :class:`~gdskit.errors.ChecksumMismatchError` from the iteration.
 
     Returns
     -------
@@ -511,7 +579,7 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
     torch = _torch()
     from gdskit.formats.stream import TensorStream
     return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
-                        torch_type=_torch_type, shape=_READ_SHAPE)
+                        torch_type=_torch_type, shape=_READ_SHAPE, verify=verify)
 
 
 # -- tensors that share memory, and whole models (as safetensors.torch's save_model/load_model) --

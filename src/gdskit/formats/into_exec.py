@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from gdskit.errors import FormatError, from_os_error
+from gdskit.errors import FormatError, NothingToVerifyError, from_os_error
 from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
+from gdskit.formats.verified import Sha256Check, expectations, tensor_digests, verify_mode
+from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
@@ -237,11 +239,14 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
 
 
 def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
-                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> None:
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress,
+                 digests: dict[str, str] | None = None) -> None:
     extents = [read_plan.Extent(fl.target, sources[fl.source].file_offset, sources[fl.source].nbytes)
                for fl in fills]
     plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
     staged = execute(f, plan, device, progress=prog)  # fresh uint8 buffers on the device
+    if digests is not None:  # the bytes as stored, before a copy converts or scatters them
+        digests.update(tensor_digests([(fl.source, staged[fl.target]) for fl in fills]))
     with torch.no_grad():
         for fl in fills:
             s = sources[fl.source]
@@ -296,7 +301,8 @@ def _fill_from_memory(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor]
 
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
               file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
-              device: torch.device | None = None, held: bool = False) -> None:
+              device: torch.device | None = None, held: bool = False,
+              staged_digests: dict[str, str] | None = None) -> None:
     """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
     (``device``: the one device of every target, where the caller knows there is one).
     ``held``: whether some sources hold their bytes in memory (they are copied in first).
@@ -355,7 +361,7 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                                 queued.update(fl.target for fl in direct)
                             done.extend(direct)
                         for batch in _staged_batches(staged, sources):
-                            _fill_staged(f, dev, batch, tensors, sources, shape, prog)
+                            _fill_staged(f, dev, batch, tensors, sources, shape, prog, staged_digests)
                             if dev.type == "cuda":
                                 copying.add(dev)
                                 queued.update(fl.target for fl in batch)
@@ -380,7 +386,7 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
             records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
             shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
             extra_unexpected: Sequence[str] = (), record_names: Iterable[str] | None = None,
-            held: bool = False) -> Any:
+            held: bool = False, expect: Mapping[str, Expectation] | None = None) -> Any:
     plan = plan_into(infos, records, cast=cast, record_names=record_names)
     unexpected = list(plan.unexpected_keys) + [n for n in extra_unexpected if n not in plan.unexpected_keys]
     if strict and (plan.missing_keys or unexpected):
@@ -390,11 +396,48 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     before = stats() if return_stats else None
     devices = {t.device for t in infos}
     one_device = tensors[infos[0].name].device if len(devices) == 1 else None
-    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held)
+    digests: dict[str, str] | None = {} if expect else None
+    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digests)
+    if expect:
+        _verify_fills(plan, tensors, sources, expect, digests or {})
     result = LoadResult(list(plan.missing_keys), unexpected)
     if return_stats:
         return result, stats_delta(before, stats())
     return result
+
+
+def _verify_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
+                  expect: Mapping[str, Expectation], digests: dict[str, str]) -> None:
+    """Check every fill's bytes against its file's digests: the targets filled straight from the
+    file are hashed where they lie, staged records were hashed before their copy (``digests``).
+
+    Raises
+    ------
+    ChecksumMismatchError
+        Naming the first record that differs; ``filled`` the targets whose bytes match, ``unfilled``
+        those that do not (their memory holds what was read).
+    """
+    direct = [fl for fl in plan.fills if not fl.staged and sources[fl.source].held is None]
+    digests.update(tensor_digests([(fl.source, tensors[fl.target]) for fl in direct]))
+    for fl in plan.fills:
+        s = sources[fl.source]
+        if fl.source not in digests and s.held is not None:
+            digests[fl.source] = blake3_hex(memoryview(s.held)[s.file_offset:s.file_offset + s.nbytes])
+    bad = []
+    for fl in plan.fills:
+        exp = expect[sources[fl.source].path]
+        want = exp.tensors.get(fl.source)
+        if want is None:
+            raise NothingToVerifyError(f"{exp.path}: {exp.source} records no digest of tensor {fl.source!r}",
+                                       path=exp.path)
+        if digests[fl.source] != want:
+            bad.append(fl)
+    if bad:
+        good = [fl for fl in plan.fills if fl not in bad]
+        first, s = bad[0], sources[bad[0].source]
+        exp = expect[s.path]
+        raise mismatch(exp, first.source, (s.file_offset, s.file_offset + s.nbytes), exp.tensors[first.source],
+                       digests[first.source], filled=plan.filled_names(good), unfilled=plan.filled_names(bad))
 
 
 # -- safetensors ----------------------------------------------------------------
@@ -405,18 +448,19 @@ TorchType = Callable[[Any, Any], tuple[Any, tuple[int, ...]]]
 
 def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchType, shape: ReadShape,
                           strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
-                          index: ShardIndex | None = None) -> Any:
+                          index: ShardIndex | None = None, verify: Any = False) -> Any:
     """:func:`gdskit.safetensors.load_into`, which passes its dtype table (``torch_type``) and
     read shape: this module never imports the API modules above it. ``index``: the
     checkpoint's headers where the caller has read them already (each file's size is still
     checked against its header when it is opened)."""
     with collector_paused():  # the function's objects are gone when the collector comes back
         return _load_safetensors_into(target, path_or_paths, torch_type, shape, strict, cast, progress,
-                                      return_stats, index)
+                                      return_stats, index, verify_mode(verify))
 
 
 def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchType, shape: ReadShape, strict: bool,
-                           cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None) -> Any:
+                           cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None,
+                           mode: VerifyMode = OFF) -> Any:
     from gdskit.formats.shard_index import index_checkpoint
 
     items = target_tensors(target)
@@ -440,8 +484,17 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
             shp = e.shape
         sources[name] = make(Source, (loc.path, loc.file_offset, e.end - e.start, dt, shp, None, None))
     file_sizes = {p: h.file_size for p, h in index.headers}
-    return _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
-                   progress=progress, return_stats=return_stats, record_names=located)
+    expect = None
+    sha256 = None
+    if mode.kind == "sha256":
+        sha256 = Sha256Check([p for p, _h in index.headers], mode)
+    elif mode.on:  # nothing to check against is refused before a byte is read
+        expect = expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers})
+    result = _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
+                     progress=progress, return_stats=return_stats, record_names=located, expect=expect)
+    if sha256 is not None:
+        sha256.wait()
+    return result
 
 
 # -- torch.save archives --------------------------------------------------------

@@ -33,6 +33,7 @@ from gdskit.formats import read_plan
 from gdskit.engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
+from gdskit.formats.verified import check_loaded, expectations, verify_mode
 from gdskit.threads import executor
 
 #: The default budget is the larger of this and twice the largest tensor.
@@ -104,12 +105,19 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
     def __init__(self, path_or_paths: Any, device: torch.device, *, keys: Iterable[str] | None = None,
                  max_inflight_bytes: int | None = None, torch_type: Callable[[Any, Any], tuple[Any, tuple[int, ...]]],
-                 shape: read_plan.ReadShape) -> None:
+                 shape: read_plan.ReadShape, verify: Any = False) -> None:
         """``torch_type`` and ``shape``: :mod:`gdskit.safetensors`' dtype table and read shape
         (passed in, as this module is below it)."""
         self._shape = shape
 
+        mode = verify_mode(verify)
+        if mode.kind == "sha256":
+            raise InvalidArgumentError("iter_tensors yields each tensor before the whole file is read: it checks "
+                                       "per-tensor digests (verify=True or a manifest), not a file's sha256")
         index = index_checkpoint(path_or_paths)
+        # Nothing to check against is refused before a byte is read.
+        self._expect = (expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers})
+                        if mode.on else None)
         wanted = set(select_names(index.tensors, keys))  # yielded in file order, whatever the keys' order
         chosen = [loc for name, loc in index.tensors.items() if name in wanted]
         # Every dtype checked before anything is read.
@@ -130,7 +138,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._batch_bytes = max(budget // BATCH_SHARE, 1)
         self._device = device
         self._pending: deque[Located] = deque(chosen)
-        self._jobs: deque[tuple[concurrent.futures.Future[None], list[tuple[str, torch.Tensor]]]] = deque()
+        self._jobs: deque[tuple[concurrent.futures.Future[None], list[tuple[str, torch.Tensor]],
+                                list[Located]]] = deque()
         self._ready: deque[tuple[str, torch.Tensor]] = deque()
         self._live = _Live()
         self._reader = _Reader(device, {p: h.file_size for p, h in index.headers})
@@ -157,8 +166,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 if not self._jobs:
                     self.close()
                     raise StopIteration
-                job, items = self._jobs.popleft()
+                job, items, batch = self._jobs.popleft()
                 job.result()  # raises what the read raised
+                if self._expect is not None:
+                    path = batch[0].path
+                    check_loaded(self._expect[path], items,
+                                 {loc.entry.name: (loc.file_offset, loc.file_offset + loc.entry.nbytes) for loc in batch})
                 self._ready.extend(items)
                 del items
             return self._ready.popleft()
@@ -200,14 +213,14 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             extents.append(read_plan.Extent(name, loc.file_offset, loc.entry.nbytes))
         plan = read_plan.plan(extents, small=self._shape.small, max_group=self._shape.max_group,
                               max_gap=self._shape.max_gap)
-        self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests]), items))
+        self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests]), items, batch))
 
     def close(self) -> None:
         """Stop: reads not yet started are dropped, the one under way is waited for, files closed."""
         if self._closed:
             return
         self._closed = True
-        for job, _items in self._jobs:
+        for job, _items, _batch in self._jobs:
             job.cancel()
         # (The reader's own thread cannot wait for itself; a stream is only closed there by
         # interpreter shutdown.)

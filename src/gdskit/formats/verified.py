@@ -1,0 +1,75 @@
+"""Checking loaded tensors against their digests, where their bytes landed: the loaders'
+one step for ``verify=`` (a GPU kernel for device tensors on the stream they landed on, the
+CPU for host tensors; both through the engine's door, which counts them in the ledger)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from gdskit.engine import digest_buffers
+from gdskit.errors import InvalidArgumentError
+from gdskit.verify import (Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode)
+
+
+def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
+    """The BLAKE3 digests of the bytes of contiguous torch tensors, by name, each hashed where it
+    lies (all of one GPU's tensors in one launch, on torch's current stream of that GPU)."""
+    by_device: dict[Any, list[tuple[str, Any]]] = {}
+    for name, t in named:
+        by_device.setdefault(t.device, []).append((name, t))
+    out: dict[str, str] = {}
+    for device, items in by_device.items():
+        stream = 0
+        if device.type == "cuda":
+            import torch  # noqa: PLC0415 - optional: only torch tensors come here
+
+            stream = int(torch.cuda.current_stream(device).cuda_stream)
+        buffers = [(t.data_ptr(), t.nbytes) for _n, t in items]
+        for (name, _t), digest in zip(items, digest_buffers(buffers, stream)):
+            out[name] = digest
+    return out
+
+
+def expectations(paths: Iterable[str], mode: VerifyMode,
+                 metadata: Mapping[str, Mapping[str, str] | None] | None = None) -> dict[str, Expectation]:
+    """What each file is checked against (``mode`` auto or manifest), found before anything is read:
+    a file with nothing to check against is refused before its bytes move."""
+    metadata = metadata or {}
+    return {p: find_expectation(p, mode, metadata.get(p)) for p in paths}
+
+
+def check_loaded(expectation: Expectation, named: Sequence[tuple[str, Any]],
+                 ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """Raise :class:`~gdskit.errors.ChecksumMismatchError` for the first of ``named`` (contiguous
+    tensors holding a file's bytes as stored) whose digest differs from the expected one."""
+    check_tensors(expectation, tensor_digests(named), ranges)
+
+
+class Sha256Check:
+    """``verify="sha256:<hex>"``: the whole file's sha256, computed on a CPU thread while the
+    load runs (the file is read a second time, through the page cache)."""
+
+    def __init__(self, paths: Sequence[str], mode: VerifyMode) -> None:
+        if len(paths) != 1:
+            raise InvalidArgumentError(f"verify='sha256:...' checks one file; this checkpoint has {len(paths)}: "
+                                       "give a manifest (gdskit digest) or verify=True")
+        assert mode.sha256 is not None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gdskit-sha256")
+        self._future: Future[None] = self._pool.submit(check_sha256, os.fspath(paths[0]), mode.sha256)
+
+    def wait(self) -> None:
+        """Raise what the check found (a mismatch, an I/O error)."""
+        try:
+            self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def cancel(self) -> None:
+        self._future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["Sha256Check", "VerifyMode", "check_loaded", "expectations", "tensor_digests", "verify_mode"]
