@@ -177,6 +177,11 @@ class StaleManifestError(GdskitError, ValueError):
         return _rebuild_mismatch, (type(self), str(self), dict(self.__dict__))
 
 
+class UnverifiableRangeError(InvalidArgumentError):
+    """``File.read(..., verify=...)`` of a byte range the manifest's chunk digests do not cover
+    whole (it must start on a chunk boundary and end on one or at the end of the file)."""
+
+
 class NothingToVerifyError(GdskitError, LookupError):
     """``verify=True`` was asked and the file has no digests to verify against: none in its
     header, no manifest beside it. ``path`` names the file."""

@@ -186,15 +186,27 @@ class File:
             self._of.leave()
 
     # -- I/O --------------------------------------------------------------
-    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
+    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0, *,
+             verify: Any = False) -> int:
         """Read ``size`` bytes at ``file_offset`` into ``buf`` at ``buf_offset``; blocking.
 
         Returns the number of bytes read, which is short only at end of file.
         ``size=None`` fills the buffer from ``buf_offset`` to its end.
+
+        ``verify`` (True, or a manifest's path) checks the bytes where they landed against the
+        chunk digests of the file's manifest (``gdskit digest``; docs/verify.md): the range must
+        start on a chunk boundary and end on one or at the end of the file, else
+        :class:`~gdskit.errors.UnverifiableRangeError` before anything is read. A chunk that
+        differs raises :class:`~gdskit.errors.ChecksumMismatchError` naming its byte range.
         """
         self._enter()
         try:
-            return self._execute("read", *self._validate("read", buf, size, file_offset, buf_offset))
+            args = self._validate("read", buf, size, file_offset, buf_offset)
+            check = _chunk_check(self, verify, *args) if verify is not False and verify is not None else None
+            n = self._execute("read", *args)
+            if check is not None:
+                check(n)
+            return n
         finally:
             self._of.leave()
 
@@ -697,3 +709,42 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
         directory. On error (or :meth:`File.abort`) ``path`` is left untouched.
     """
     return File(path, mode, atomic=atomic)
+
+
+def _chunk_check(f: File, verify: Any, view: BufferView, size: int, file_offset: int,
+                 buf_offset: int) -> Callable[[int], None]:
+    """What checks a read of ``size`` bytes at ``file_offset`` against the manifest's chunk
+    digests once it has landed; refuses, before the read, a range no chunk digests cover."""
+    from gdskit.engine.digests import digest_buffers
+    from gdskit.errors import InvalidArgumentError, NothingToVerifyError, UnverifiableRangeError
+    from gdskit.verify import find_expectation, mismatch, verify_mode
+
+    mode = verify_mode(verify)
+    if mode.kind == "sha256":
+        raise InvalidArgumentError("File.read checks chunk digests (verify=True or a manifest), not a sha256")
+    expectation = find_expectation(f.path, mode)
+    entry, chunk = expectation.file, expectation.chunk_bytes
+    if entry is None:
+        raise NothingToVerifyError(f"{f.path}: {expectation.source} holds tensor digests, not the chunk digests "
+                                   "File.read checks: make a manifest with `gdskit digest`", path=f.path)
+    end = min(file_offset + size, entry.size)
+    if file_offset % chunk or (end % chunk and end != entry.size) or file_offset > entry.size:
+        raise UnverifiableRangeError(f"{f.path}: bytes {file_offset}-{file_offset + size} do not start and end on "
+                                     f"the manifest's {chunk}-byte chunks (or the end of the file): they cannot "
+                                     "be checked; read whole chunks, or read without verify")
+    if view.scatter is not None or not view.ptr:
+        raise UnverifiableRangeError("a scattered destination cannot be checked chunk by chunk; read into one buffer")
+
+    def check(n: int) -> None:
+        stop = file_offset + n
+        if stop != end:  # short: the file is shorter than its manifest says
+            raise mismatch(expectation, None, (file_offset, end), "0" * 64, "0" * 64)
+        pieces = [(start, min(start + chunk, stop)) for start in range(file_offset, stop, chunk)]
+        base = view.ptr + buf_offset - file_offset
+        got = digest_buffers([(base + a, b - a) for a, b in pieces])
+        for (a, b), digest in zip(pieces, got):
+            want = entry.chunks[a // chunk]
+            if digest != want:
+                raise mismatch(expectation, None, (a, b), want, digest)
+
+    return check
