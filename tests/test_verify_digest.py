@@ -1,0 +1,137 @@
+"""gdskit's BLAKE3 digests on the CPU, and the GPU kernel's source run on the CPU: both equal the
+blake3 package's digests and BLAKE3's published test vectors."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import subprocess
+
+import blake3
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from blake3_vectors import VECTORS, vector_input
+from gdskit.verify import blake3_hex, chunk_ranges, tagged
+
+
+@pytest.mark.parametrize("n", sorted(VECTORS))
+def test_cpu_digest_matches_the_published_vectors(n):
+    assert blake3_hex(vector_input(n)) == VECTORS[n]
+
+
+@given(st.binary(max_size=5000))
+@settings(max_examples=60, deadline=None)
+def test_cpu_digest_matches_the_blake3_package(data):
+    assert blake3_hex(data) == blake3.blake3(data).hexdigest()
+    assert blake3_hex(bytearray(data)) == blake3.blake3(data).hexdigest()
+    assert blake3_hex(memoryview(data)) == blake3.blake3(data).hexdigest()
+
+
+def test_a_large_input_is_hashed_across_threads_to_the_same_digest():
+    data = os.urandom(5 << 20)
+    assert blake3_hex(data) == blake3.blake3(data).hexdigest()
+
+
+def test_chunk_ranges_cover_the_file_in_order():
+    assert list(chunk_ranges(0, 1024)) == []
+    assert list(chunk_ranges(2500, 1024)) == [(0, 1024), (1024, 2048), (2048, 2500)]
+    assert tagged("ab") == "blake3:ab"
+
+
+# -- the kernel's C source, compiled as C++ and run on the CPU --------------------------
+
+_HARNESS = r"""
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+struct uint4 { unsigned x, y, z, w; };
+#define BLAKE3_HOST_TEST
+#include "kernel.cu"
+/* The two kernels' sequence, thread by thread: each phase runs for every thread before the next
+   (the __syncthreads between them on the GPU). */
+extern "C" void digest(const u8** ptrs, const u64* lens, int n, u32* roots) {
+    std::vector<Item> items(n);
+    std::vector<u64> base(n + 1);
+    base[0] = 0;
+    for (int i = 0; i < n; ++i) {
+        items[i].ptr = (u64)ptrs[i]; items[i].len = lens[i];
+        base[i + 1] = base[i] + (chunks_of(lens[i]) + BLOCK_CHUNKS - 1) / BLOCK_CHUNKS;
+    }
+    std::vector<u32> cvs(8 * base[n]);
+    std::vector<u32> nodes(8 * BLOCK_CHUNKS);
+    for (u64 b = 0; b < base[n]; ++b) {
+        int item = item_of(base.data(), n, b);
+        u32 k = 0;
+        for (u32 t = 0; t < BLOCK_CHUNKS; ++t) k = block_chunks(items.data(), base.data(), item, b, t, nodes.data());
+        int single = base[item + 1] - base[item] == 1;
+        for (u32 level = 0; level < 8; ++level)
+            for (u32 t = 0; t < BLOCK_CHUNKS; ++t) block_level(k, level, t, single, nodes.data());
+        for (u32 t = 0; t < 8; ++t) {
+            cvs[8 * b + t] = nodes[t * BLOCK_CHUNKS];
+            if (single) roots[8 * item + t] = nodes[t * BLOCK_CHUNKS];
+        }
+    }
+    for (int item = 0; item < n; ++item) {
+        u64 b0 = base[item], m = base[item + 1] - b0;
+        if (m <= 1) continue;
+        for (u64 stride = 1; stride < m; stride <<= 1) {
+            u64 pairs = ((m + stride - 1) / stride) / 2;
+            for (u64 p = 0; p < pairs; ++p) tree_pair(cvs.data(), b0, m, stride, p, roots + 8 * item);
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_on_cpu(tmp_path_factory):
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to run the kernel's source on the CPU")
+    from gdskit.engine.gpu_hash_kernel import SOURCE
+
+    where = tmp_path_factory.mktemp("kernel")
+    (where / "kernel.cu").write_text(SOURCE)
+    (where / "harness.cpp").write_text(_HARNESS)
+    lib = where / "libkernel.so"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", str(lib),
+                    str(where / "harness.cpp")], check=True, cwd=where)
+    dll = ctypes.CDLL(str(lib))
+
+    def digest(buffers: list[bytes], shift: int = 0) -> list[str]:
+        """Digests of ``buffers``, each placed ``shift`` bytes past an aligned address."""
+        n = len(buffers)
+        keep = [ctypes.create_string_buffer(b"\x00" * shift + b, shift + len(b) or 1) for b in buffers]
+        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(k) + shift for k in keep])
+        lens = (ctypes.c_uint64 * n)(*[len(b) for b in buffers])
+        roots = (ctypes.c_uint32 * (8 * n))()
+        dll.digest(ptrs, lens, n, roots)
+        raw = bytes(roots)
+        return [raw[32 * i:32 * i + 32].hex() for i in range(n)]
+
+    return digest
+
+
+def test_the_kernel_source_gives_the_published_vectors(kernel_on_cpu):
+    lengths = sorted(VECTORS)
+    assert kernel_on_cpu([vector_input(n) for n in lengths]) == [VECTORS[n] for n in lengths]
+
+
+def test_the_kernel_source_matches_blake3_at_block_and_tree_boundaries(kernel_on_cpu):
+    # 256 KiB is one thread block's subtree: around it and its multiples the tree kernel takes over.
+    block = 256 << 10
+    rng = random.Random(7)
+    lengths = [block - 1, block, block + 1, 2 * block, 3 * block + 5, 7 * block - 1024, 9 * block + 1023,
+               *(rng.randrange(0, 4 << 20) for _ in range(6))]
+    data = [rng.randbytes(n) for n in lengths]
+    assert kernel_on_cpu(data) == [blake3.blake3(d).hexdigest() for d in data]
+
+
+def test_the_kernel_source_handles_unaligned_inputs(kernel_on_cpu):
+    data = [os.urandom(n) for n in (70000, 1024, 64, 300000)]
+    for shift in (1, 2, 3, 8):  # not 16-byte aligned: the kernel's byte loads
+        assert kernel_on_cpu(data, shift) == [blake3.blake3(d).hexdigest() for d in data]

@@ -1,0 +1,241 @@
+"""Verified loading on the host path: every reader with verify= returns what it returns without,
+and one flipped byte in any tensor raises ChecksumMismatchError naming that tensor."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+import safetensors.torch  # noqa: E402
+
+import gdskit  # noqa: E402
+import gdskit.safetensors as gs  # noqa: E402
+from gdskit.errors import (ChecksumMismatchError, InvalidArgumentError, NothingToVerifyError,  # noqa: E402
+                           StaleManifestError, UnverifiableRangeError)
+from gdskit.formats import digest_scan  # noqa: E402
+from gdskit.formats import safetensors_format as fmt  # noqa: E402
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "emb": torch.randn(300, 17, generator=g),
+        "bias": torch.randn(5, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(1000, dtype=torch.int64),
+        "mask": torch.rand(33, generator=g) > 0.5,
+        "big": torch.randn(600, 1024, generator=g).half(),  # over a MiB: read straight into its own memory
+        "empty": torch.empty(0, 4),
+        "h": torch.randint(-100, 100, (7, 3), dtype=torch.int8, generator=g),
+    }
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory):
+    """A file with its digests in its header (save_file(digests=True))."""
+    path = tmp_path_factory.mktemp("signed") / "model.safetensors"
+    gs.save_file(_tensors(), path, digests=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain_with_manifest(tmp_path_factory):
+    """A file written by the safetensors library, with a manifest beside it (gdskit digest)."""
+    path = tmp_path_factory.mktemp("plain") / "model.safetensors"
+    safetensors.torch.save_file(_tensors(), str(path))
+    digest_scan.make_manifests([str(path)], chunk_bytes=64 << 10)
+    return str(path)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+@pytest.mark.parametrize("which", ["signed", "plain_with_manifest"])
+def test_every_reader_returns_the_same_tensors_verified(which, request):
+    path = request.getfixturevalue(which)
+    want = gs.load_file(path)
+    assert _same(gs.load_file(path, verify=True), want)
+    assert _same(dict(gs.iter_tensors(path, device="cpu", verify=True)), want)
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    gs.load_into(target, path, verify=True)
+    assert _same(target, want)
+    assert _same(gs.load_file(path, verify=True, keys=["ids", "empty"]), {k: want[k] for k in ("ids", "empty")})
+
+
+def test_the_signed_file_stays_readable_by_safetensors(signed):
+    assert _same(safetensors.torch.load_file(signed), _tensors())
+    assert set(gs.read_metadata(signed)) == {"gdskit.blake3"}
+
+
+def test_load_into_with_a_cast_checks_the_bytes_as_stored(signed):
+    target = {k: torch.zeros(v.shape, dtype=torch.float64) if v.is_floating_point() else torch.zeros_like(v)
+              for k, v in _tensors().items()}
+    gs.load_into(target, signed, verify=True, cast=True)
+    assert torch.equal(target["emb"], _tensors()["emb"].double())
+
+
+def _flipped_copy(src: str, dst: str, name: str, at: int, keep_mtime: bool) -> None:
+    shutil.copyfile(src, dst)
+    header = fmt.read_header_file(dst)
+    entry = next(e for e in header.entries if e.name == name)
+    pos = header.data_start + entry.start + at % entry.nbytes
+    with open(dst, "r+b") as fh:
+        fh.seek(pos)
+        byte = fh.read(1)[0]
+        fh.seek(pos)
+        fh.write(bytes([byte ^ 0x01]))
+    if keep_mtime:  # a change the manifest cannot tell from corruption
+        st = os.stat(src)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+_FLIPPABLE = sorted(n for n, t in _tensors().items() if t.nbytes)
+_READERS = {
+    "load_file": lambda p: gs.load_file(p, verify=True),
+    "iter_tensors": lambda p: dict(gs.iter_tensors(p, device="cpu", verify=True)),
+    "load_into": lambda p: gs.load_into({k: torch.zeros_like(v) for k, v in _tensors().items()}, p, verify=True),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
+@given(name=st.sampled_from(_FLIPPABLE), at=st.integers(min_value=0, max_value=2**40))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_flipped_byte_in_any_tensor_is_caught_naming_it(reader, name, at, signed, tmp_path):
+    bad = str(tmp_path / f"{reader}.safetensors")
+    _flipped_copy(signed, bad, name, at, keep_mtime=False)
+    with pytest.raises(ChecksumMismatchError) as info:
+        _READERS[reader](bad)
+    err = info.value
+    assert err.tensor == name and err.path == bad
+    entry = next(e for e in fmt.read_header_file(bad).entries if e.name == name)
+    data_start = fmt.read_header_file(bad).data_start
+    assert err.byte_range == (data_start + entry.start, data_start + entry.end)
+    assert err.expected != err.actual and err.expected.startswith("blake3:")
+    if reader == "load_into":
+        assert name in err.unfilled and name not in err.filled
+        assert set(err.filled) | set(err.unfilled) == set(_tensors())
+
+
+@given(name=st.sampled_from(_FLIPPABLE), at=st.integers(min_value=0, max_value=2**40))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_flipped_byte_is_caught_against_a_manifest(name, at, plain_with_manifest, tmp_path):
+    bad = str(tmp_path / "model.safetensors")
+    _flipped_copy(plain_with_manifest, bad, name, at, keep_mtime=True)
+    shutil.copyfile(plain_with_manifest + ".gdskit-digest.json", bad + ".gdskit-digest.json")
+    with pytest.raises(ChecksumMismatchError) as info:
+        gs.load_file(bad, verify=True)
+    assert info.value.tensor == name
+    with pytest.raises(ChecksumMismatchError):
+        gs.load_file(bad, verify=bad + ".gdskit-digest.json")  # the manifest named
+
+
+def test_a_file_changed_after_its_manifest_is_stale_not_corrupt(plain_with_manifest, tmp_path):
+    bad = str(tmp_path / "model.safetensors")
+    _flipped_copy(plain_with_manifest, bad, "ids", 5, keep_mtime=False)
+    shutil.copyfile(plain_with_manifest + ".gdskit-digest.json", bad + ".gdskit-digest.json")
+    with pytest.raises(StaleManifestError):
+        gs.load_file(bad, verify=True)
+
+
+def test_nothing_to_verify_is_refused_before_reading(tmp_path):
+    path = str(tmp_path / "bare.safetensors")
+    safetensors.torch.save_file({"a": torch.ones(3)}, path)
+    for call in (lambda: gs.load_file(path, verify=True),
+                 lambda: gs.iter_tensors(path, device="cpu", verify=True),
+                 lambda: gs.load_into({"a": torch.zeros(3)}, path, verify=True)):
+        before = gdskit.stats().bytes_read
+        with pytest.raises(NothingToVerifyError):
+            call()
+        assert gdskit.stats().bytes_read == before
+
+
+def test_sha256_mode_checks_the_whole_file(signed, tmp_path):
+    good = hashlib.sha256(open(signed, "rb").read()).hexdigest()
+    assert _same(gs.load_file(signed, verify="sha256:" + good), _tensors())
+    target = {k: torch.zeros_like(v) for k, v in _tensors().items()}
+    gs.load_into(target, signed, verify="sha256:" + good.upper())
+    with pytest.raises(ChecksumMismatchError) as info:
+        gs.load_file(signed, verify="sha256:" + "0" * 64)
+    assert info.value.expected == "sha256:" + "0" * 64 and info.value.actual == "sha256:" + good
+    with pytest.raises(InvalidArgumentError):
+        gs.iter_tensors(signed, device="cpu", verify="sha256:" + good)
+
+
+def test_verified_bytes_are_counted_in_the_ledger(signed):
+    before = gdskit.stats()
+    gs.load_file(signed, verify=True)
+    delta = gdskit.stats() - before
+    assert delta.verified.bytes == sum(t.nbytes for t in _tensors().values())
+    assert delta.verified.gpu_bytes == 0 and delta.verified.checks == len(_tensors())
+    assert "verified" in delta.to_dict()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_descriptor_is_left_open(signed, plain_with_manifest, tmp_path):
+    bad = str(tmp_path / "bad.safetensors")
+    _flipped_copy(signed, bad, "emb", 11, keep_mtime=False)
+    gs.load_file(signed, verify=True)  # warm-up: the engine's own long-lived descriptors
+    before = _open_fds()
+    for _ in range(3):
+        gs.load_file(signed, verify=True)
+        gs.load_file(plain_with_manifest, verify=True)
+        with pytest.raises(ChecksumMismatchError):
+            gs.load_file(bad, verify=True)
+        with pytest.raises(ChecksumMismatchError):
+            dict(gs.iter_tensors(bad, device="cpu", verify=True))
+        with pytest.raises(ChecksumMismatchError):
+            gs.load_file(signed, verify="sha256:" + "0" * 64)
+    assert _open_fds() == before
+
+
+# -- File.read against chunk digests ------------------------------------------------
+
+@pytest.fixture()
+def raw_file(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(10_000))
+    digest_scan.make_manifests([str(path)], chunk_bytes=1024)
+    return str(path)
+
+
+def test_file_read_checks_whole_chunks(raw_file):
+    data = open(raw_file, "rb").read()
+    with gdskit.open(raw_file) as f:
+        buf = bytearray(10_000)
+        assert f.read(buf, verify=True) == 10_000 and bytes(buf) == data
+        buf = bytearray(3072)
+        assert f.read(buf, file_offset=2048, verify=True) == 3072 and bytes(buf) == data[2048:5120]
+        buf = bytearray(4096)
+        assert f.read(buf, file_offset=9216, verify=True) == 784 and bytes(buf[:784]) == data[9216:]
+        for offset, size in ((10, 1024), (1024, 100), (0, 5000)):
+            with pytest.raises(UnverifiableRangeError):
+                f.read(bytearray(size), file_offset=offset, verify=True)
+
+
+@given(at=st.integers(min_value=0, max_value=9_999))
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_file_read_names_the_chunk_a_flipped_byte_is_in(at, raw_file):
+    st_ = os.stat(raw_file)
+    data = bytearray(open(raw_file, "rb").read())
+    data[at] ^= 0x80
+    with open(raw_file, "r+b") as fh:
+        fh.write(data)
+    os.utime(raw_file, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    try:
+        with gdskit.open(raw_file) as f, pytest.raises(ChecksumMismatchError) as info:
+            f.read(bytearray(10_000), verify=True)
+        start = at // 1024 * 1024
+        assert info.value.byte_range == (start, min(start + 1024, 10_000)) and info.value.tensor is None
+    finally:
+        data[at] ^= 0x80
+        with open(raw_file, "r+b") as fh:
+            fh.write(data)
+        os.utime(raw_file, ns=(st_.st_atime_ns, st_.st_mtime_ns))
