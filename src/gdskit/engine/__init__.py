@@ -141,12 +141,13 @@ def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0
     ledger.record_peer(nbytes, source_rank, transport, busy_s, device, ops)
 
 
-def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0) -> list[str]:
+def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0, device: int | None = None) -> list[str]:
     """BLAKE3 digests (hex) of ``(address, nbytes)`` buffers where they lie: device memory by a
     GPU kernel on ``stream`` (the stream the bytes landed on), host memory on the CPU; counted
-    in the ledger's ``verified`` figures (:mod:`gdskit.engine.digests`)."""
+    in the ledger's ``verified`` figures (:mod:`gdskit.engine.digests`). ``device``: all of them
+    are memory of that GPU."""
     from gdskit.engine.digests import digest_buffers as engine_digest_buffers
-    return engine_digest_buffers(buffers, stream)
+    return engine_digest_buffers(buffers, stream, device)
 
 
 def pinned_budget() -> int:

@@ -19,14 +19,20 @@ def _host_digest(ptr: int, nbytes: int) -> str:
     return blake3_hex((ctypes.c_char * nbytes).from_address(ptr))
 
 
-def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0) -> list[str]:
+def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: int | None = None) -> list[str]:
     """The BLAKE3 digests (hex) of ``buffers``, ``(address, nbytes)`` pairs of host or device
     memory, each hashed where it lies; device buffers on ``stream`` (a raw handle: the stream
-    their bytes landed on). Waits for the GPU's digests."""
+    their bytes landed on). ``device``: every buffer is memory of that GPU (the caller knows:
+    CUDA is not asked pointer by pointer). Waits for the GPU's digests."""
     start = time.perf_counter()
     out: list[str | None] = [None] * len(buffers)
     on_device: dict[int, list[int]] = {}
-    for i, (ptr, nbytes) in enumerate(buffers):
+    if device is not None:
+        on_device[device] = [i for i, (_p, n) in enumerate(buffers) if n]
+        for i, (_p, n) in enumerate(buffers):
+            if not n:
+                out[i] = _host_digest(0, 0)
+    for i, (ptr, nbytes) in enumerate(buffers if device is None else ()):
         info = cuda.pointer_info(int(ptr)) if nbytes else None
         if info is not None and info.device is not None and info.kind in (cuda.MemoryKind.DEVICE,
                                                                           cuda.MemoryKind.MANAGED):
@@ -34,9 +40,9 @@ def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0) -> list[
         else:
             out[i] = _host_digest(int(ptr), int(nbytes))
     gpu_bytes = 0
-    for device, indices in on_device.items():
+    for gpu, indices in on_device.items():
         items = [(int(buffers[i][0]), int(buffers[i][1])) for i in indices]
-        for i, digest in zip(indices, cuda_digests(items, device, stream)):
+        for i, digest in zip(indices, cuda_digests(items, gpu, stream)):
             out[i] = digest
         gpu_bytes += sum(n for _p, n in items)
     total = sum(int(n) for _p, n in buffers)

@@ -22,13 +22,14 @@ def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
         by_device.setdefault(t.device, []).append((name, t))
     out: dict[str, str] = {}
     for device, items in by_device.items():
-        stream = 0
+        stream, gpu = 0, None
         if device.type == "cuda":
             import torch  # noqa: PLC0415 - optional: only torch tensors come here
 
             stream = int(torch.cuda.current_stream(device).cuda_stream)
+            gpu = device.index if device.index is not None else torch.cuda.current_device()
         buffers = [(t.data_ptr(), t.nbytes) for _n, t in items]
-        for (name, _t), digest in zip(items, digest_buffers(buffers, stream)):
+        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu)):
             out[name] = digest
     return out
 

@@ -1,0 +1,123 @@
+"""Verified against unverified loads: ``gdskit.safetensors.load_file`` of a safetensors file
+(32 MiB bf16 tensors, digests in its header) into GPU memory with ``verify=False`` and
+``verify=True``, hot page cache, each run in a fresh process, the two interleaved; each
+process loads twice (first call, second call). Also: the kernel's own rate over the loaded
+tensors, its first-use compile time, peak GPU memory, and ``gdskit digest``'s CPU rate.
+
+    python benchmarks/verify_load.py --dir /tmp/vl --gib 4 --rounds 3 [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fresh_process import report, run_child  # noqa: E402
+
+TENSOR_BYTES = 32 << 20
+
+
+def make_file(path: str, gib: int) -> None:
+    import torch
+
+    import gdskit.safetensors as gs
+
+    n = (gib << 30) // TENSOR_BYTES
+    tensors = {f"layer.{i}.weight": torch.randn(TENSOR_BYTES // 2, device="cuda:0").to(torch.bfloat16)
+               for i in range(n)}
+    gs.save_file(tensors, path, digests=True)
+
+
+def warm(path: str) -> None:
+    with open(path, "rb") as fh:
+        while fh.read(64 << 20):
+            pass
+
+
+def child(path: str, verify: bool) -> None:
+    import torch
+
+    import gdskit
+    import gdskit.safetensors as gs
+    from gdskit.engine import digest_buffers
+
+    torch.zeros(1, device="cuda:0")  # the CUDA context, outside the timings
+    size = os.path.getsize(path)
+    out: dict = {"verify": verify}
+    for call in ("first", "second"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        tensors = gs.load_file(path, device="cuda:0", verify=verify)
+        torch.cuda.synchronize()
+        out[f"{call}_s"] = time.perf_counter() - t0
+        out[f"{call}_gbps"] = size / out[f"{call}_s"] / 1e9
+        out[f"{call}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if call == "second":
+            named = list(tensors.values())
+            nbytes = sum(t.nbytes for t in named)
+            stream = torch.cuda.current_stream().cuda_stream
+            t0 = time.perf_counter()
+            digest_buffers([(t.data_ptr(), t.nbytes) for t in named], stream, 0)  # compiled by now if verify
+            out["kernel_incl_compile_s"] = time.perf_counter() - t0
+            rates = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                digest_buffers([(t.data_ptr(), t.nbytes) for t in named], stream, 0)
+                rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            out["kernel_gbps"] = max(rates)
+            out["verified"] = gdskit.stats().verified.to_dict()
+        del tensors
+    report(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/gdskit-verify-bench")
+    ap.add_argument("--gib", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    ap.add_argument("--child", nargs=2)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1] == "1")
+        return
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, f"model-{args.gib}g.safetensors")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        make_file(path, args.gib)
+        print(f"made {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    warm(path)
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        for verify in ((False, True) if r % 2 == 0 else (True, False)):
+            res = run_child(__file__, ["--child", path, "1" if verify else "0"], timeout=300)
+            print(json.dumps(res), flush=True)
+            runs.append(res)
+    from gdskit.formats import digest_scan
+
+    t0 = time.perf_counter()
+    digest_scan.make_manifests([path])
+    cpu_s = time.perf_counter() - t0
+    summary: dict = {"file_bytes": os.path.getsize(path), "rounds": args.rounds, "cpus": os.cpu_count(),
+                     "gdskit_digest_cpu_gbps": os.path.getsize(path) / cpu_s / 1e9}
+    for verify in (False, True):
+        mine = [r for r in runs if r.get("verify") is verify and "error" not in r]
+        for key in ("first_gbps", "second_gbps", "first_peak_gib", "second_peak_gib", "kernel_gbps"):
+            if mine:
+                summary[f"{'verified' if verify else 'plain'}_{key}_median"] = statistics.median(r[key] for r in mine)
+                summary[f"{'verified' if verify else 'plain'}_{key}_all"] = [round(r[key], 3) for r in mine]
+    print("SUMMARY " + json.dumps(summary, indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"summary": summary, "runs": runs}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
