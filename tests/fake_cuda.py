@@ -60,6 +60,7 @@ import enum
 import functools
 import os
 import random
+import struct
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -83,6 +84,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217
     CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -173,6 +176,8 @@ class FakeDriver:
     CUhostFn = int  # the bindings wrap a function's address; the stand-in calls that address
     CUmemcpyAttributes = CUmemcpyAttributes
     CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=_SRC_ACCESS_ORDER_STREAM)
+    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
+                                         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76)
 
     def __init__(self, devices: int = 1, seed: int | None = None, bus_ids: list[str] | None = None,
                  peers: set[tuple[int, int]] | None = None) -> None:
@@ -194,6 +199,9 @@ class FakeDriver:
         self._depth = 0
         self._deferred_frees: list[int] = []
         self._allocs: dict[int, tuple[Any, int, CUmemorytype, int]] = {}  # ptr -> (buffer, size, kind, device)
+        self.kernel_impls: dict[str, tuple[list[Any], Callable[..., None]]] = {}
+        self.modules: dict[int, tuple[bytes, int | None]] = {}     # module -> (image, context)
+        self.functions: dict[int, tuple[str, int | None]] = {}     # function -> (name, context)
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, tuple[int, int] | None] = {}  # event -> (stream, position) of its last record
         self._event_device: dict[int, int | None] = {}  # event -> the device of the context it was made in
@@ -582,6 +590,81 @@ class FakeDriver:
 
     def cuDeviceGetCount(self):  # noqa: N802
         return (self._count("cuDeviceGetCount") or OK, self.devices)
+
+    # -- kernels ---------------------------------------------------------------------------------
+    # The stand-in runs no machine code: a test registers, by name, what a kernel does
+    # (``register_kernel``), over the fake's "device" memory. A module is a cubin (an ELF image,
+    # sized by its header) that must hold the name of each function asked of it; a launch is
+    # checked as the driver checks it (a current context, a live function, block and grid sizes,
+    # the parameter array) and its parameters are copied at launch; the work runs in stream order.
+
+    compute_capability = (9, 0)
+
+    def register_kernel(self, name: str, params: list[Any], run: Callable[..., None]) -> None:
+        """``run(grid, block, *args)`` does what kernel ``name`` does; ``params`` are its parameters'
+        ctypes types, in order (what a launch reads through its ``kernelParams`` pointers)."""
+        self.kernel_impls[name] = (list(params), run)
+
+    def is_device_memory(self, ptr: int, n: int) -> bool:
+        """Whether ``[ptr, ptr + n)`` lies in one device allocation (what a kernel may touch)."""
+        return self._memory(int(ptr), int(n), "a kernel's access") == "device"
+
+    def cuDeviceGetAttribute(self, attr: int, dev: int):  # noqa: N802
+        if not 0 <= int(dev) < self.devices:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, 0)
+        found = {75: self.compute_capability[0], 76: self.compute_capability[1]}.get(int(attr))
+        return (OK, found) if found is not None else (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
+
+    def cuModuleLoadData(self, image: int):  # noqa: N802
+        err = self._count("cuModuleLoadData")
+        if err:
+            return (err, 0)
+        if self._context() is None:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
+        head = ctypes.string_at(int(image), 64)
+        if head[:5] != b"\x7fELF\x02":
+            return (CUresult.CUDA_ERROR_INVALID_IMAGE, 0)
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+        body = ctypes.string_at(int(image), shoff + shentsize * shnum)
+        handle = self._handle()
+        with self._lock:
+            self.modules[handle] = (body, self._context())
+        return (OK, handle)
+
+    def cuModuleGetFunction(self, module: int, name: bytes):  # noqa: N802
+        found = self.modules.get(int(module))
+        if found is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE, 0)
+        if not isinstance(name, bytes) or name not in found[0] or name.decode() not in self.kernel_impls:
+            return (CUresult.CUDA_ERROR_NOT_FOUND, 0)
+        handle = self._handle()
+        with self._lock:
+            self.functions[handle] = (name.decode(), found[1])
+        return (OK, handle)
+
+    def cuLaunchKernel(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,  # noqa: N802
+                       shared: int, stream: int, params: int, extra: int):
+        err = self._count("cuLaunchKernel")
+        if err:
+            return (err,)
+        found = self.functions.get(int(f))
+        if found is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        name, ctx = found
+        if self._context() != ctx:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        grid, block = (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz))
+        if (min(grid + block) < 1 or grid[0] > 2**31 - 1 or max(grid[1:]) > 65535 or block[0] * block[1] * block[2] > 1024
+                or block[2] > 64 or int(shared) > 48 << 10 or int(extra) != 0):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        types, run = self.kernel_impls[name]
+        if types and not int(params):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        pointers = (ctypes.c_void_p * max(len(types), 1)).from_address(int(params)) if types else []
+        args = [t.from_address(pointers[i]).value for i, t in enumerate(types)]  # copied now, as the driver does
+        err = self.queue_stream_work(int(stream), f"kernel {name}", lambda: run(grid, block, *args))
+        return (err,)
 
     def cuDeviceGet(self, ordinal: int):  # noqa: N802
         return (OK, ordinal) if 0 <= ordinal < self.devices else (CUresult.CUDA_ERROR_INVALID_VALUE, 0)

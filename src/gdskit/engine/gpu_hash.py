@@ -75,6 +75,14 @@ def compile_image(major: int, minor: int) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def provide_image(capability: tuple[int, int], image: bytes) -> None:
+    """Use ``image`` (a compiled module holding ``blake3_blocks`` and ``blake3_tree``) for GPUs of
+    compute ``capability`` instead of compiling the source: a program that ships or caches its
+    build, or a test on the stand-in driver. Modules already loaded are kept."""
+    with _lock:
+        _images[(int(capability[0]), int(capability[1]))] = bytes(image)
+
+
 def _kernels(device: int) -> tuple[Any, Any]:
     driver = cuda.driver_or_none()
     key = (id(driver), device)
@@ -127,6 +135,13 @@ def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0
             cuda.launch_kernel(tree, n, BLOCK_CHUNKS, stream, [count, base_p, cvs_p, roots_p])
             cuda.copy_d2h_on(stream, ctypes.addressof(roots), scratch.ptr + roots_at, 32 * n)
             cuda.stream_synchronize(stream)
+    except BaseException:
+        try:  # work already queued may still use the scratch memory: let it finish first
+            with cuda.on_device(device):
+                cuda.stream_synchronize(stream)
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            pass
+        raise
     finally:
         scratch.free()
     raw = bytes(roots)

@@ -1,0 +1,181 @@
+"""The GPU digest's host side on the stand-in driver: the table upload, the two launches and
+their parameters, the scratch memory and the read-back, with the kernels' own C source (compiled
+for the CPU) doing the stand-in GPU's work on its "device" memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import struct
+import subprocess
+
+import blake3
+import pytest
+
+import gdskit
+from gdskit.engine import cuda, digest_buffers
+from gdskit.engine.gpu_hash import digest_device, provide_image
+from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, SOURCE
+from gdskit.errors import ChecksumMismatchError, CudaError
+
+from fake_cuda import FakeDriver
+
+# Each kernel's body, thread block by thread block and thread by thread (a __syncthreads between
+# phases on the GPU: here every thread of a phase runs before the next phase).
+_HARNESS = r"""
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+struct uint4 { unsigned x, y, z, w; };
+#define BLAKE3_HOST_TEST
+#include "kernel.cu"
+extern "C" void run_blocks(u64 grid, u64 items, int n_items, u64 block_base, u64 block_cvs, u64 roots) {
+    const Item* it = (const Item*)items; const u64* base = (const u64*)block_base;
+    u32* cvs = (u32*)block_cvs; u32* out = (u32*)roots;
+    std::vector<u32> nodes(8 * BLOCK_CHUNKS);
+    for (u64 b = 0; b < grid; ++b) {
+        int item = item_of(base, n_items, b);
+        u32 k = 0;
+        for (u32 t = 0; t < BLOCK_CHUNKS; ++t) k = block_chunks(it, base, item, b, t, nodes.data());
+        int single = base[item + 1] - base[item] == 1;
+        for (u32 level = 0; level < 8; ++level)
+            for (u32 t = 0; t < BLOCK_CHUNKS; ++t) block_level(k, level, t, single, nodes.data());
+        for (u32 t = 0; t < 8; ++t) {
+            cvs[8 * b + t] = nodes[t * BLOCK_CHUNKS];
+            if (single) out[8 * item + t] = nodes[t * BLOCK_CHUNKS];
+        }
+    }
+}
+extern "C" void run_tree(u64 grid, int n_items, u64 block_base, u64 block_cvs, u64 roots) {
+    const u64* base = (const u64*)block_base; u32* cvs = (u32*)block_cvs; u32* out = (u32*)roots;
+    for (u64 item = 0; item < grid; ++item) {
+        u64 b0 = base[item], m = base[item + 1] - b0;
+        if (m <= 1) continue;
+        for (u64 stride = 1; stride < m; stride <<= 1) {
+            u64 pairs = ((m + stride - 1) / stride) / 2;
+            for (u64 p = 0; p < pairs; ++p) tree_pair(cvs, b0, m, stride, p, out + 8 * item);
+        }
+    }
+}
+"""
+
+
+def _fake_cubin(*names: str) -> bytes:
+    """A minimal ELF64 image whose section table ends the image, holding the kernels' names."""
+    body = b"\0".join(n.encode() for n in names) + b"\0"
+    shoff = 64 + len(body)
+    head = bytearray(64)
+    head[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", head, 0x28, shoff)
+    struct.pack_into("<HH", head, 0x3A, 64, 1)
+    return bytes(head) + body + bytes(64)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to run the kernels' source on the CPU")
+    where = tmp_path_factory.mktemp("kernels")
+    (where / "kernel.cu").write_text(SOURCE)
+    (where / "harness.cpp").write_text(_HARNESS)
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", str(where / "k.so"),
+                    str(where / "harness.cpp")], check=True, cwd=where)
+    return ctypes.CDLL(str(where / "k.so"))
+
+
+@pytest.fixture()
+def gpu(kernels, stand_in_gpus):
+    fake = stand_in_gpus(FakeDriver())
+    u64, i32 = ctypes.c_uint64, ctypes.c_int32
+
+    def blocks(grid, block, items, n, base, cvs, roots):
+        assert block == (BLOCK_CHUNKS, 1, 1) and grid[1:] == (1, 1)
+        table = (ctypes.c_uint64 * (2 * n)).from_address(items)
+        for i in range(n):  # the kernel reads only device memory: each item, its table, its outputs
+            assert table[2 * i + 1] == 0 or fake.is_device_memory(table[2 * i], table[2 * i + 1])
+        assert all(fake.is_device_memory(p, 8) for p in (items, base, cvs, roots))
+        kernels.run_blocks(u64(grid[0]), u64(items), i32(n), u64(base), u64(cvs), u64(roots))
+
+    def tree(grid, block, n, base, cvs, roots):
+        assert block == (BLOCK_CHUNKS, 1, 1) and grid[0] == n
+        kernels.run_tree(u64(grid[0]), i32(n), u64(base), u64(cvs), u64(roots))
+
+    fake.register_kernel("blake3_blocks", [u64, i32, u64, u64, u64], blocks)
+    fake.register_kernel("blake3_tree", [i32, u64, u64, u64], tree)
+    provide_image(fake.compute_capability, _fake_cubin("blake3_blocks", "blake3_tree"))
+    return fake
+
+
+def _device_copy(data: bytes) -> cuda.DeviceArray:
+    arr = cuda.DeviceArray(len(data), 0)
+    arr.copy_from_host(data)
+    return arr
+
+
+def test_many_buffers_in_one_launch_pair(gpu):
+    rng = random.Random(3)
+    data = [rng.randbytes(n) for n in (0, 1, 1024, 1025, 262144, 262145, 600_000, 3 << 20)]
+    arrays = [_device_copy(d) for d in data]
+    try:
+        before = gpu.calls.get("cuLaunchKernel", 0)
+        got = digest_device([(a.ptr, len(d)) for a, d in zip(arrays, data)], 0)
+        assert got == [blake3.blake3(d).hexdigest() for d in data]
+        assert gpu.calls["cuLaunchKernel"] - before == 2
+    finally:
+        for a in arrays:
+            a.free()
+    assert gpu.live_allocations() == 0  # the scratch memory is freed
+
+
+def test_host_and_device_buffers_are_each_hashed_where_they_lie(gpu):
+    on_host = bytearray(os.urandom(5000))
+    dev_data = os.urandom(300_000)
+    arr = _device_copy(dev_data)
+    try:
+        host_ptr = ctypes.addressof(ctypes.c_char.from_buffer(on_host))
+        before = gdskit.stats()
+        got = digest_buffers([(host_ptr, len(on_host)), (arr.ptr, len(dev_data))])
+        assert got == [blake3.blake3(bytes(on_host)).hexdigest(), blake3.blake3(dev_data).hexdigest()]
+        assert (gdskit.stats() - before).verified.gpu_bytes == len(dev_data)
+    finally:
+        arr.free()
+
+
+def test_a_failed_launch_is_a_cuda_error_and_frees_its_scratch(gpu):
+    data = os.urandom(10_000)
+    arr = _device_copy(data)
+    gpu.fail["cuLaunchKernel"] = gpu.CUresult.CUDA_ERROR_LAUNCH_FAILED
+    try:
+        with pytest.raises(CudaError):
+            digest_device([(arr.ptr, len(data))], 0)
+    finally:
+        gpu.fail.pop("cuLaunchKernel")
+        arr.free()
+    assert gpu.live_allocations() == 0
+
+
+def test_file_read_into_device_memory_is_checked(gpu, tmp_path):
+    from gdskit.formats import digest_scan
+
+    path = tmp_path / "raw.bin"
+    data = bytearray(os.urandom(50_000))
+    path.write_bytes(data)
+    digest_scan.make_manifests([str(path)], chunk_bytes=16 << 10)
+    out = cuda.DeviceArray(len(data), 0)
+    try:
+        with gdskit.open(str(path)) as f:
+            assert f.read(out, verify=True) == len(data)
+        assert out.to_numpy().tobytes() == bytes(data)
+        st = os.stat(path)
+        data[40_000] ^= 2
+        path.write_bytes(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with gdskit.open(str(path)) as f, pytest.raises(ChecksumMismatchError) as info:
+            f.read(out, verify=True)
+        assert info.value.byte_range == (32 << 10, 48 << 10)
+    finally:
+        out.free()
