@@ -338,7 +338,7 @@ class Stats:
 
     def summary(self) -> str:
         """A few human lines: bytes per path with the reasons (and, for ``peer``, which rank sent them)."""
-        if not self.entries:
+        if not self.entries and not self.verified.checks:
             return "ledger: no I/O recorded"
         lines = ["ledger:"]
         for e in self.entries:

@@ -155,6 +155,11 @@ def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = N
                          shown(f"  session {snap.session}") if snap.session else "",
                          f"  updated {age:.1f} s ago", "\n" if snap.command else "", shown(snap.command[:200]))
     parts: list[Any] = [head, paths_table(stats, rates), reasons_table(stats)]
+    if stats.verified.checks:
+        v = stats.verified
+        parts.append(Text(f"verified: {human_bytes(v.bytes)} checked against their digests "
+                          f"({human_bytes(v.gpu_bytes)} on a GPU) in {human_seconds(v.seconds)}, {v.checks} checks",
+                          style="green"))
     peers = peers_table(stats)
     if peers is not None:
         parts.append(peers)

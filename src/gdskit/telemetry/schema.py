@@ -207,6 +207,19 @@ class _Checker:
         for key in ("paths", "reasons"):
             self.optional(led, key, self.path_table, f"{where}.")
         self.optional(led, "peers", self.peers, f"{where}.")
+        self.optional(led, "verified", self.verified, f"{where}.")
+
+    def verified(self, v: Any, where: str) -> None:
+        """Bytes whose digests were checked where they landed (``verify=``)."""
+        d = self.obj(v, where)
+        for key in ("bytes", "gpu_bytes", "seconds", "checks"):
+            if key not in d:
+                raise self.fail(f"{where}.{key}", "present")
+        total = self.count(d["bytes"], f"{where}.bytes")
+        if self.count(d["gpu_bytes"], f"{where}.gpu_bytes") > total:
+            raise self.fail(f"{where}.gpu_bytes", "at most bytes")
+        self.count(d["checks"], f"{where}.checks")
+        self.number(d["seconds"], f"{where}.seconds", float(MAX_COUNT))
 
     def peers(self, v: Any, where: str) -> None:
         """Bytes from other ranks of a process group: one object per (sending rank, backend)."""

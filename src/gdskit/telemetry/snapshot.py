@@ -48,6 +48,7 @@ def ledger_dict(stats: Stats, level: int) -> dict[str, Any]:
         "reasons": {k: _path_dict(v) for k, v in sorted(stats.reasons.items())},
         "entries": entries,
         **({"peer_bytes": stats.peer_bytes, "peers": [p.to_dict() for p in stats.peers]} if stats.peers else {}),
+        **({"verified": stats.verified.to_dict()} if stats.verified.checks else {}),
     }
 
 
@@ -113,7 +114,10 @@ def _since(stats: Stats, baseline: Stats) -> Stats:
         if min(d.bytes, d.ops, d.requests, d.busy_s, *(n for _, n in d.size_hist)) < 0:
             d = e  # gdskit.stats_reset() in the child: what is there is all its own
         out.append(d)
-    return Stats.from_entries(out)
+    verified = stats.verified - baseline.verified
+    if min(verified.bytes, verified.checks) < 0:  # reset since the fork: the child's figures whole
+        verified = stats.verified
+    return Stats.from_entries(out, verified=verified)
 
 
 def command_line(argv: list[str]) -> list[str]:
