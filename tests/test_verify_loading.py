@@ -239,3 +239,49 @@ def test_file_read_names_the_chunk_a_flipped_byte_is_in(at, raw_file):
         with open(raw_file, "r+b") as fh:
             fh.write(data)
         os.utime(raw_file, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+
+
+# -- gdskit.torch.load against a manifest of the archive's storage records ----------------
+
+@pytest.fixture(scope="module")
+def torch_archive(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pt") / "model.pt"
+    sd = _tensors()
+    sd["view"] = sd["emb"][10:20]  # shares emb's storage: one record, two tensors
+    torch.save(sd, path)
+    digest_scan.make_manifests([str(path)], chunk_bytes=64 << 10)
+    return str(path)
+
+
+def test_torch_load_verified_equals_unverified(torch_archive):
+    import gdskit.torch as gt
+
+    want = gt.load(torch_archive)
+    assert _same(gt.load(torch_archive, verify=True), want)
+    assert _same(gt.load(torch_archive, verify=torch_archive + ".gdskit-digest.json"), want)
+    good = hashlib.sha256(open(torch_archive, "rb").read()).hexdigest()
+    assert _same(gt.load(torch_archive, verify="sha256:" + good), want)
+    with open(torch_archive, "rb") as fh, pytest.raises(InvalidArgumentError):
+        gt.load(fh, verify=True)
+
+
+@given(record=st.integers(min_value=0, max_value=50), at=st.integers(min_value=0, max_value=2**40))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_torch_load_names_the_storage_record_a_flipped_byte_is_in(record, at, torch_archive, tmp_path):
+    import gdskit.torch as gt
+
+    spans = [s for s in digest_scan.tensor_spans(torch_archive, "torch") if s.nbytes]
+    span = spans[record % len(spans)]
+    bad = str(tmp_path / "model.pt")
+    shutil.copyfile(torch_archive, bad)
+    shutil.copyfile(torch_archive + ".gdskit-digest.json", bad + ".gdskit-digest.json")
+    data = bytearray(open(bad, "rb").read())
+    data[span.offset + at % span.nbytes] ^= 0x20
+    with open(bad, "r+b") as fh:
+        fh.write(data)
+    st_ = os.stat(torch_archive)
+    os.utime(bad, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    with pytest.raises(ChecksumMismatchError) as info:
+        gt.load(bad, verify=True)
+    assert info.value.tensor == span.name
+    assert info.value.byte_range == (span.offset, span.offset + span.nbytes)

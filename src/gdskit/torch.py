@@ -38,6 +38,8 @@ from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
+from gdskit.formats.verified import Sha256Check, check_loaded, expectations, verify_mode
+from gdskit.verify import Expectation
 
 require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
 
@@ -264,7 +266,7 @@ class _Target:
 
 def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None, weights_only: bool | None = None,
          *, mmap: bool | None = None, progress: ProgressArg = None, return_stats: bool = False,
-         process_group: Any = None) -> Any:
+         process_group: Any = None, verify: Any = False) -> Any:
     """Load a torch.save file, reading the storage bytes through the engine.
 
     Parameters
@@ -293,12 +295,23 @@ def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None,
         ``torch.load`` (the pre-1.6 format, TorchScript) get the argument as it is.
     progress, return_stats, process_group
         As for :func:`gdskit.safetensors.load_file` (``process_group`` needs a path).
+    verify : bool, str or path
+        Check each storage record's bytes where they landed against the manifest's digests
+        (``gdskit digest`` records a torch.save archive per storage record, ``"data/<key>"``):
+        ``True`` (the manifest beside the file), a manifest's path, or ``"sha256:<hex>"`` (the
+        whole file, at CPU speed). A path only, a zip archive for per-record digests
+        (docs/verify.md).
 
     Every storage is made at the size its record holds and cannot grow: a tensor that
     reaches past its storage is refused (``FormatError``) as torch.load refuses it,
     before any of its bytes are read into it.
     """
     weights_only = resolve_weights_only(weights_only)
+    mode = verify_mode(verify)
+    if mode.on and (not _is_path(f) or process_group is not None):
+        raise InvalidArgumentError("verify= checks a checkpoint given by its path, without process_group")
+    if mode.on:
+        return _verified_load(f, mode, map_location, weights_only, mmap, progress, return_stats)
     if process_group is not None:
         if not _is_path(f):
             raise InvalidArgumentError("load(process_group=...) reads a checkpoint by its path, not a file object")
@@ -307,6 +320,23 @@ def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None,
                           return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
     with collector_paused():
         return _load(f, map_location, weights_only, mmap, progress, return_stats)
+
+
+def _verified_load(f: Any, mode: Any, map_location: MapLocation, weights_only: bool, mmap: bool | None,
+                   progress: ProgressArg, return_stats: bool) -> Any:
+    """:func:`load` with ``verify``: each storage record checked once read, or the file's sha256."""
+    path = os.fspath(f)
+    if mode.kind == "sha256":
+        check = Sha256Check([path], mode)
+        try:
+            with collector_paused():
+                result = _load(f, map_location, weights_only, mmap, progress, return_stats)
+        finally:
+            check.wait()
+        return result
+    (expectation,) = expectations([path], mode).values()  # refused before a byte is read
+    with collector_paused():
+        return _load(f, map_location, weights_only, mmap, progress, return_stats, expectation)
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:
@@ -407,7 +437,7 @@ def _kind_of(head: bytes) -> str:
 
 
 def _load(f: Any, map_location: MapLocation, weights_only: bool, mmap: bool | None, progress: ProgressArg,
-          return_stats: bool) -> Any:
+          return_stats: bool, expectation: Expectation | None = None) -> Any:
     torch = _torch()
     source = _Source.of(f)
     try:
@@ -416,16 +446,22 @@ def _load(f: Any, map_location: MapLocation, weights_only: bool, mmap: bool | No
         raise from_os_error(exc, source.where) from None
     if kind == "other":
         raise FormatError(f"{source.where}: not a torch.save file (neither a zip archive nor a pickle stream)")
+    if kind == "legacy" and expectation is not None:
+        raise InvalidArgumentError(f"{source.where}: per-record digests need a torch.save zip archive; "
+                                   "check this file with verify='sha256:<hex>'")
     if kind == "legacy":
         return _fallback(torch, source, map_location, weights_only, mmap, return_stats)
     archive = StorageRecords.open(torch, source.path if source.path is not None else source.stream,
                                   archive_size, source.where)
     try:
         if archive.not_ours() is not None:
+            if expectation is not None:
+                raise InvalidArgumentError(f"{source.where}: an archive torch.load reads itself cannot be checked "
+                                           "record by record; check it with verify='sha256:<hex>'")
             return _fallback(torch, source, map_location, weights_only, mmap, return_stats)
         if mmap and not _is_path(f):
             raise InvalidArgumentError("mmap=True needs a path, as for torch.load")
-        return _ZipLoad(torch, source, archive, _Target(torch, map_location), progress).run(
+        return _ZipLoad(torch, source, archive, _Target(torch, map_location), progress, expectation).run(
             weights_only, return_stats)
     finally:
         archive.close()  # whatever an error's traceback keeps alive, the file is closed now
@@ -447,8 +483,10 @@ class _ZipLoad:
     """
 
     def __init__(self, torch: Any, source: _Source, archive: StorageRecords, target: _Target,
-                 progress: ProgressArg) -> None:
+                 progress: ProgressArg, expectation: Expectation | None = None) -> None:
         self.torch, self.archive, self.target, self.progress = torch, archive, target, progress
+        self.expectation = expectation
+        self.read_records: dict[str, tuple[StorageRecord, Any]] = {}  # with verify: each record's storage
         self.path, self.where = source.path, source.where
         self.cache: dict[Any, Any] = {}              # key -> typed storage, as torch.load keeps them
         self.pending: list[tuple[Any, StorageRecord]] = []   # storages read after the unpickle
@@ -474,10 +512,21 @@ class _ZipLoad:
         finally:
             if self._file is not None:
                 self._file.close()
+        if self.expectation is not None:
+            self._verify()
         _validate_sparse(torch, self.where)
         if return_stats:
             return result, stats_delta(before, stats())
         return result
+
+    def _verify(self) -> None:
+        """Check every storage record read against the manifest (its bytes as stored)."""
+        assert self.expectation is not None
+        torch = self.torch
+        named = [(name, _bytes_of(torch, storage, rec.nbytes)) for name, (rec, storage) in self.read_records.items()
+                 if rec.nbytes]
+        check_loaded(self.expectation, named,
+                     {name: (rec.offset, rec.offset + rec.nbytes) for name, (rec, _s) in self.read_records.items()})
 
     def persistent_load(self, saved_id: Any) -> Any:
         torch = self.torch
@@ -490,6 +539,8 @@ class _ZipLoad:
             return hit
         rec = self.archive.resolve(saved_id, identified)
         storage = self._storage(rec)
+        if self.expectation is not None:
+            self.read_records[rec.name] = (rec, storage)
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
         if typed._data_ptr() != 0:  # torch.load shares only storages with memory (not empty or meta ones)
             self.cache[rec.key] = typed
