@@ -285,3 +285,14 @@ def test_torch_load_names_the_storage_record_a_flipped_byte_is_in(record, at, to
         gt.load(bad, verify=True)
     assert info.value.tensor == span.name
     assert info.value.byte_range == (span.offset, span.offset + span.nbytes)
+
+
+def test_torch_save_writes_a_manifest_when_asked(tmp_path):
+    import gdskit.torch as gt
+
+    path = str(tmp_path / "saved.pt")
+    gt.save(_tensors(), path, digests=True)
+    assert os.path.isfile(path + ".gdskit-digest.json")
+    assert _same(gt.load(path, verify=True), _tensors())
+    gt.save(_tensors(), str(tmp_path / "plain.pt"))
+    assert not os.path.exists(str(tmp_path / "plain.pt") + ".gdskit-digest.json")

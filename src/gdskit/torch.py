@@ -93,8 +93,12 @@ def _recording_pickle_module(torch: Any, captured: dict[str, Any]) -> types.Modu
     return mod
 
 
-def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = False) -> None:
+def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = False, digests: bool = False) -> None:
     """Save ``obj`` like ``torch.save``, with 4 KiB-aligned storages written through the engine.
+
+    ``digests=True`` also writes the file's digest manifest beside it (``PATH.gdskit-digest.json``,
+    as ``gdskit digest`` makes it: the file, its chunks, each storage record), hashed on the CPU
+    from the page cache once the file is in place; ``load(..., verify=True)`` checks against it.
 
     The result is an ordinary torch.save archive: ``torch.load`` reads it. The write
     is atomic (a temporary file beside ``path``, locked while it is written, fsynced,
@@ -126,6 +130,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
             raise
         raise from_os_error(io_error, path) from exc
     tmp.close()
+    if digests:
+        from gdskit.formats.digest_scan import make_manifests  # noqa: PLC0415 - only when asked
+        make_manifests([path])
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:
