@@ -296,3 +296,49 @@ def test_torch_save_writes_a_manifest_when_asked(tmp_path):
     assert _same(gt.load(path, verify=True), _tensors())
     gt.save(_tensors(), str(tmp_path / "plain.pt"))
     assert not os.path.exists(str(tmp_path / "plain.pt") + ".gdskit-digest.json")
+
+
+# -- gdskit.data.preload against a dataset directory's manifest ----------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("dataset")
+    (root / "sub").mkdir()
+    np.save(root / "a.npy", np.arange(1000, dtype=np.float32))
+    np.save(root / "sub" / "b.npy", np.arange(30, dtype=">i4").reshape(5, 6))  # swapped once landed
+    np.save(root / "f.npy", np.asfortranarray(np.arange(12.0).reshape(3, 4)))
+    (root / "r.bin").write_bytes(os.urandom(10_000))
+    digest_scan.make_manifests([str(root)], chunk_bytes=4096)
+    return str(root)
+
+
+def test_preload_verified_equals_unverified(dataset):
+    from gdskit.data import preload
+
+    want = preload(dataset, device="cpu")
+    assert _same(preload(dataset, device="cpu", verify=True), want)
+    assert _same(preload(dataset, device="cpu", verify=os.path.join(dataset, "gdskit-digest.json")), want)
+
+
+@given(which=st.sampled_from(["a.npy", "sub/b.npy", "f.npy", "r.bin"]), at=st.integers(min_value=0, max_value=2**30))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_preload_names_the_file_a_flipped_byte_is_in(which, at, dataset, tmp_path):
+    from gdskit.data import preload
+
+    root = tmp_path / "copy"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(dataset, root)
+    target = root / which
+    spans = digest_scan.tensor_spans(str(target), digest_scan.file_kind(str(target)))
+    start, n = (spans[0].offset, spans[0].nbytes) if spans else (0, target.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[start + at % n] ^= 0x40
+    st_ = os.stat(os.path.join(dataset, which))
+    target.write_bytes(data)
+    os.utime(target, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    with pytest.raises(ChecksumMismatchError) as info:
+        preload(str(root), device="cpu", verify=True)
+    assert info.value.path == str(target)
+    assert info.value.tensor == ("array" if which.endswith(".npy") else None)

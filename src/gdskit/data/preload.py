@@ -18,7 +18,10 @@ from gdskit.engine import read_files as engine_read_files
 from gdskit.engine import read_whole_files as engine_read_whole_files
 from gdskit.engine import (first_page_cached, no_wait, start_warm_up, stats, stats_delta,
                                     whole_file_limit, worker_threads)
+from gdskit.errors import InvalidArgumentError
 from gdskit.formats.gc_pause import collector_paused
+from gdskit.formats.verified import expectations, tensor_digests, verify_mode
+from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX, OFF, Expectation, VerifyMode, mismatch
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.engine.plan import spread
 from gdskit.threads import executor
@@ -145,6 +148,43 @@ def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]
     return made
 
 
+def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: list[torch.Tensor],
+            layouts: list[tuple[Layout, int]], expect: dict[str, Expectation]) -> None:
+    """Check each file's landed bytes (its array, or all of it) against its manifest's digest."""
+    landed = iter(made)
+    read = iter(zip(raws, layouts))
+    named, ranges, wants = [], {}, {}
+    for s, w in zip(sources, in_whole):
+        if w:
+            t = next(landed)
+            t = t[0] if isinstance(t, tuple) else t
+            storage = t.untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        else:
+            raw, _lay = next(read)
+        if s.path not in expect:
+            continue
+        exp = expect[s.path]
+        assert exp.file is not None  # a manifest entry: datasets have no header digests
+        array = exp.file.tensors.get("array") if _is_npy(s) else None
+        start = array.offset if array is not None else 0
+        if raw.nbytes != (array.nbytes if array is not None else exp.file.size):
+            raise mismatch(exp, "array" if array is not None else None, (start, start + raw.nbytes),
+                           array.digest if array is not None else exp.file.digest, "0" * 64)
+        named.append((s.path, raw))
+        ranges[s.path] = (start, start + raw.nbytes)
+        wants[s.path] = ("array" if array is not None else None, array.digest if array is not None else exp.file.digest)
+    for path, digest in tensor_digests(named).items():
+        tensor, want = wants[path]
+        if digest != want:
+            raise mismatch(expect[path], tensor, ranges[path], want, digest)
+
+
+def _is_manifest(src: Source) -> bool:
+    name = os.path.basename(src.path)
+    return name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX)
+
+
 def _layout_in(src: Source, data: memoryview) -> tuple[Layout, int]:
     """A whole file's layout and where its bytes start, from its bytes as read."""
     if len(data) < src.size:
@@ -178,7 +218,7 @@ def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], Non
 
 
 def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = None,
-            return_stats: bool = False) -> Any:
+            return_stats: bool = False, verify: Any = False) -> Any:
     """Read whole files into tensors on ``device``.
 
     Parameters
@@ -189,6 +229,11 @@ def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = Non
         None: a bar on stderr when it is a terminal and the preload takes over 2 s; True:
         always; False: none; a callable gets ``(bytes_done, bytes_total)``.
     return_stats : also return the ledger's delta of this preload
+    verify : bool or path
+        Check each file's bytes where they landed against a digest manifest (``gdskit digest``
+        of the files or of a directory above them; docs/verify.md): True (found beside the file
+        or in a directory up to four levels above it) or a manifest's path. An ``.npy`` file's
+        array is checked against its array digest, any other file against its whole-file digest.
 
     Returns
     -------
@@ -205,13 +250,18 @@ def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = Non
         An ``.npy`` file's header is invalid or its dtype unsupported, or a file is shorter
         than its header says or than it was when listed. Nothing is returned.
     """
+    mode = verify_mode(verify)
+    if mode.kind == "sha256":
+        raise InvalidArgumentError("preload checks digest manifests (verify=True or a manifest's path), not a sha256")
     with collector_paused():
-        return _preload(files, device, progress, return_stats)
+        return _preload(files, device, progress, return_stats, mode)
 
 
-def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: bool) -> Any:
+def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: bool, mode: VerifyMode = OFF) -> Any:
     dev = target_device(device)
     sources = resolve(files)
+    # Refused before any read; a manifest among the files is the reference, not checked itself.
+    expect = expectations([s.path for s in sources if not _is_manifest(s)], mode) if mode.on else None
     whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" else 0
     in_whole = [0 < whole_max and s.size <= whole_max for s in sources]
     whole = [s for s, w in zip(sources, in_whole) if w]
@@ -245,6 +295,8 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
             reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
                      for s, (lay, off), view in zip(rest, layouts, engine_views(raws))]
             read_files(reads, prog.advance)
+    if expect is not None:  # the bytes as they landed: before any byte swap
+        _verify(sources, in_whole, made if whole else [], raws, layouts, expect)
     landed = iter(made) if whole else iter(())
     read = iter(zip(raws, layouts))
     out = {}
