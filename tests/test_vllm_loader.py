@@ -236,3 +236,47 @@ def test_gpu_engine_refuses_a_checkpoint_missing_a_parameter(llamas, tmp_path) -
     ours, log = _engine(dst, "gdskit", tmp_path / "ours.json")
     assert not ours
     assert "UninitializedWeightsError" in log and dropped in log, log[-4000:]
+
+
+@pytest.mark.parametrize("extra", [{"verify": 1}, {"verify": "sha256:" + "0" * 64}, {"verify": b"x"}])
+def test_bad_verify_settings_are_refused(gdskit_vllm, extra) -> None:
+    with pytest.raises(InvalidArgumentError):
+        gdskit_vllm.GdskitModelLoader(_load_config(extra))
+
+
+def test_verified_weights_reach_the_model_and_a_flipped_byte_is_refused(gdskit_vllm, tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    import gdskit.safetensors as gs
+    from gdskit.errors import ChecksumMismatchError
+    from gdskit.formats import safetensors_format as fmt
+
+    weights = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    gs.save_file(weights, tmp_path / "model.safetensors", digests=True)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(64, 32))
+            self.b = torch.nn.Parameter(torch.zeros(32))
+
+        def load_weights(self, named):
+            done = set()
+            for name, t in named:
+                getattr(self, name).data.copy_(t)
+                done.add(name)
+            return done
+
+    config = SimpleNamespace(model=str(tmp_path), subfolder=None, quantization=None)
+    model = Model()
+    gdskit_vllm.GdskitModelLoader(_load_config({"verify": True})).load_weights(model, config)
+    assert torch.equal(model.w.data, weights["w"]) and torch.equal(model.b.data, weights["b"])
+    header = fmt.read_header_file(tmp_path / "model.safetensors")
+    entry = next(e for e in header.entries if e.name == "b")
+    with open(tmp_path / "model.safetensors", "r+b") as fh:
+        fh.seek(header.data_start + entry.start + 9)
+        byte = fh.read(1)[0]
+        fh.seek(header.data_start + entry.start + 9)
+        fh.write(bytes([byte ^ 1]))
+    with pytest.raises(ChecksumMismatchError) as info:
+        gdskit_vllm.GdskitModelLoader(_load_config({"verify": True})).load_weights(Model(), config)
+    assert info.value.tensor == "b"

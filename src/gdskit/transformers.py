@@ -222,7 +222,7 @@ def _tolerated(patterns: Any, extra: tuple[str, ...] = ()) -> re.Pattern[str] | 
 
 
 def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_class: Any = None,
-               dtype: Any = None, torch_dtype: Any = None, strict: bool = True) -> Any:
+               dtype: Any = None, torch_dtype: Any = None, strict: bool = True, verify: Any = False) -> Any:
     """Build a transformers model from the checkpoint directory ``path`` and fill it on ``device``.
 
     Parameters
@@ -246,6 +246,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
         itself tolerates, and tied weights) raise :class:`gdskit.safetensors.KeyMismatchError`.
         False: missing weights are initialised as from_pretrained initialises them, and
         the names are logged.
+    verify : bool, str or path
+        Check every checkpoint tensor's bytes where they landed, as
+        :func:`gdskit.safetensors.load_into` does (docs/verify.md).
 
     Returns
     -------
@@ -257,6 +260,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     from gdskit.formats.shard_index import index_checkpoint
 
     chosen = _chosen_dtype(torch, dtype, torch_dtype)  # before anything is read
+    from gdskit.formats.verified import verify_mode
+
+    verify_mode(verify)  # a bad value is refused before the model is built
     path = os.fspath(path)
     weights = _checkpoint_files(path)
     index = index_checkpoint(weights)  # every header checked before the model is built
@@ -286,7 +292,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     renamed = _checkpoint_names(model, set(index.tensors), params)
     target = {renamed[k]: v for k, v in params.items()}
     result = load_safetensors_into(target, weights, torch_type=gs._torch_type, shape=gs._READ_SHAPE, strict=False,
-                                   cast=True, progress=None, return_stats=False, index=index)
+                                   cast=True, progress=None, return_stats=False, index=index, verify=verify)
     model_name = {v: k for k, v in renamed.items()}
     not_loaded = [model_name[k] for k in result.missing_keys]  # in the model's own names
     missing_ok = _tolerated(getattr(model, "_keys_to_ignore_on_load_missing", None))

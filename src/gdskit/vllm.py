@@ -43,8 +43,9 @@ _log = logging.getLogger("vllm.gdskit")
 LOAD_FORMAT = "gdskit"
 #: What ``model_loader_extra_config`` may hold: ``max_inflight_bytes``, the most bytes of
 #: tensors read ahead and not yet taken by the model (``iter_tensors``' budget; its default
-#: when absent).
-_EXTRA_KEYS = frozenset({"max_inflight_bytes"})
+#: when absent), and ``verify`` (``True`` or a manifest's path: every tensor checked against
+#: its digest where it landed, before the model takes it; docs/verify.md).
+_EXTRA_KEYS = frozenset({"max_inflight_bytes", "verify"})
 
 
 class UninitializedWeightsError(FormatError):
@@ -91,12 +92,24 @@ def _inflight_budget(extra: Any) -> int | None:
     return budget
 
 
+def _verify_setting(extra: Any) -> Any:
+    """``verify`` from ``model_loader_extra_config`` (False: not given); refused here if invalid."""
+    from gdskit.formats.verified import verify_mode
+
+    value = extra.get("verify", False) if isinstance(extra, Mapping) else False
+    if verify_mode(value).kind == "sha256":
+        raise InvalidArgumentError("model_loader_extra_config: verify takes True or a manifest's path (the "
+                                   "weights are streamed tensor by tensor, not checked as whole files)")
+    return value
+
+
 class GdskitModelLoader(BaseModelLoader):
     """vLLM's model loader for ``load_format="gdskit"``."""
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
         self.max_inflight_bytes: int | None = _inflight_budget(load_config.model_loader_extra_config)
+        self.verify: Any = _verify_setting(load_config.model_loader_extra_config)
 
     def download_model(self, model_config: Any) -> None:
         _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
@@ -105,7 +118,8 @@ class GdskitModelLoader(BaseModelLoader):
         path = _checkpoint_dir(model_config)
         device = _weights_device(model)
         before, start = stats(), time.perf_counter()
-        with gdskit.safetensors.iter_tensors(path, device, max_inflight_bytes=self.max_inflight_bytes) as weights:
+        with gdskit.safetensors.iter_tensors(path, device, max_inflight_bytes=self.max_inflight_bytes,
+                                             verify=self.verify) as weights:
             loaded = model.load_weights(weights)
         seconds = time.perf_counter() - start
         delta = stats_delta(before, stats())
