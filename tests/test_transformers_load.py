@@ -251,3 +251,33 @@ def test_gpu_peak_memory_is_the_model(checkpoints) -> None:
     torch.cuda.synchronize()
     size = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
     assert torch.cuda.max_memory_allocated() - base <= 1.01 * size + (1 << 20)
+
+
+def test_verified_load_model_equals_unverified_and_names_a_flipped_tensor(checkpoints, tmp_path) -> None:
+    import shutil
+
+    from gdskit.errors import ChecksumMismatchError, NothingToVerifyError
+    from gdskit.formats import digest_scan
+    from gdskit.formats import safetensors_format as fmt
+
+    src, cls = checkpoints["llama"]
+    path = tmp_path / "llama"
+    shutil.copytree(src, path)
+    with pytest.raises(NothingToVerifyError):
+        gtr.load_model(path, "cpu", model_class=cls, verify=True)
+    digest_scan.make_manifests([str(path)])
+    ref = cls.from_pretrained(path)
+    assert_same_model(gtr.load_model(path, "cpu", model_class=cls, verify=True), ref, 103)
+    shard = sorted(path.glob("*.safetensors"))[1]
+    header = fmt.read_header_file(shard)
+    entry = header.entries[0]
+    st = os.stat(shard)
+    data = bytearray(shard.read_bytes())
+    data[header.data_start + entry.start + 1] ^= 1
+    shard.write_bytes(data)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ChecksumMismatchError) as info:
+        gtr.load_model(path, "cpu", model_class=cls, verify=True)
+    assert info.value.tensor == entry.name and info.value.path == str(shard)
+    with pytest.raises(InvalidArgumentError):
+        gtr.load_model(path, "cpu", model_class=cls, verify=3)
