@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import weakref
 from typing import Any
 
 from gdskit.engine import digest_buffers
 from gdskit.errors import InvalidArgumentError
+from gdskit.threads import start_thread
 from gdskit.verify import (Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode)
 
 
@@ -51,26 +53,34 @@ def check_loaded(expectation: Expectation, named: Sequence[tuple[str, Any]],
 
 class Sha256Check:
     """``verify="sha256:<hex>"``: the whole file's sha256, computed on a CPU thread while the
-    load runs (the file is read a second time, through the page cache)."""
+    load runs (the file is read a second time, through the page cache). A load that fails and
+    drops this object stops the hashing at its next piece: the thread closes the file and ends."""
 
     def __init__(self, paths: Sequence[str], mode: VerifyMode) -> None:
         if len(paths) != 1:
             raise InvalidArgumentError(f"verify='sha256:...' checks one file; this checkpoint has {len(paths)}: "
                                        "give a manifest (gdskit digest) or verify=True")
         assert mode.sha256 is not None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gdskit-sha256")
-        self._future: Future[None] = self._pool.submit(check_sha256, os.fspath(paths[0]), mode.sha256)
+        path, want = os.fspath(paths[0]), mode.sha256
+        stop = threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                check_sha256(path, want, stop)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
+                outcome.append(exc)
+
+        self._outcome = outcome
+        self._thread = start_thread(run, "gdskit-sha256")
+        weakref.finalize(self, stop.set)
 
     def wait(self) -> None:
         """Raise what the check found (a mismatch, an I/O error)."""
-        try:
-            self._future.result()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def cancel(self) -> None:
-        self._future.cancel()
-        self._pool.shutdown(wait=True)
+        self._thread.join()
+        if self._outcome and self._outcome[0] is not None:
+            raise self._outcome[0]
 
 
 __all__ = ["Sha256Check", "VerifyMode", "check_loaded", "expectations", "tensor_digests", "verify_mode"]

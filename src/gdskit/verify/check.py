@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Iterable, Mapping
 
 from gdskit.durable import open_file_fd
@@ -53,8 +54,9 @@ def check_tensors(expectation: Expectation, actual: Mapping[str, str],
                        filled=good, unfilled=wrong)
 
 
-def sha256_of_file(path: str | os.PathLike[str], piece: int = 8 << 20) -> str:
-    """The sha256 (hex) of every byte of the file at ``path`` (CPU speed: one core per file)."""
+def sha256_of_file(path: str | os.PathLike[str], stop: threading.Event | None = None, piece: int = 8 << 20) -> str:
+    """The sha256 (hex) of every byte of the file at ``path`` (CPU speed: one core per file).
+    ``stop``, once set, ends the hashing at the next piece (:class:`InterruptedError`)."""
     path = os.fspath(path)
     fd, _st = open_file_fd(path, os.O_RDONLY)
     h = hashlib.sha256()
@@ -62,6 +64,8 @@ def sha256_of_file(path: str | os.PathLike[str], piece: int = 8 << 20) -> str:
         buf = bytearray(piece)
         view = memoryview(buf)
         while True:
+            if stop is not None and stop.is_set():
+                raise InterruptedError("the load this check belonged to ended")
             n = os.readv(fd, [buf])
             if not n:
                 break
@@ -73,10 +77,10 @@ def sha256_of_file(path: str | os.PathLike[str], piece: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def check_sha256(path: str | os.PathLike[str], expected_hex: str) -> None:
+def check_sha256(path: str | os.PathLike[str], expected_hex: str, stop: threading.Event | None = None) -> None:
     """Raise :class:`ChecksumMismatchError` unless the file's sha256 is ``expected_hex``."""
     path = os.fspath(path)
-    actual = sha256_of_file(path)
+    actual = sha256_of_file(path, stop)
     if actual != expected_hex:
         size = os.stat(path).st_size
         exp = Expectation(path, "verify='sha256:...'", {})
