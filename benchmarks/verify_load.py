@@ -2,7 +2,8 @@
 (32 MiB bf16 tensors, digests in its header) into GPU memory with ``verify=False`` and
 ``verify=True``, hot page cache, each run in a fresh process, the two interleaved; each
 process loads twice (first call, second call). Also: the kernel's own rate over the loaded
-tensors, its first-use compile time, peak GPU memory, and ``gdskit digest``'s CPU rate.
+tensors, its first-use compile time, peak GPU memory, and ``gdskit digest``'s rate on the CPU
+and on the GPU (``--device 0``).
 
     python benchmarks/verify_load.py --dir /tmp/vl --gib 4 --rounds 3 [--out result.json]
 """
@@ -105,8 +106,12 @@ def main() -> None:
     t0 = time.perf_counter()
     digest_scan.make_manifests([path])
     cpu_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    digest_scan.make_manifests([path], device=0)
+    gpu_s = time.perf_counter() - t0
     summary: dict = {"file_bytes": os.path.getsize(path), "rounds": args.rounds, "cpus": os.cpu_count(),
-                     "gdskit_digest_cpu_gbps": os.path.getsize(path) / cpu_s / 1e9}
+                     "gdskit_digest_cpu_gbps": os.path.getsize(path) / cpu_s / 1e9,
+                     "gdskit_digest_gpu_gbps": os.path.getsize(path) / gpu_s / 1e9}
     for verify in (False, True):
         mine = [r for r in runs if r.get("verify") is verify and "error" not in r]
         for key in ("first_gbps", "second_gbps", "first_peak_gib", "second_peak_gib", "kernel_gbps"):

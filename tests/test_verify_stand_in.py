@@ -179,3 +179,19 @@ def test_file_read_into_device_memory_is_checked(gpu, tmp_path):
         assert info.value.byte_range == (32 << 10, 48 << 10)
     finally:
         out.free()
+
+
+def test_gdskit_digest_on_a_gpu_writes_the_cpu_digests(gpu, tmp_path):
+    from gdskit.formats import digest_scan
+
+    np = pytest.importorskip("numpy")
+    np.save(tmp_path / "x.npy", np.arange(70_000, dtype=np.int64))
+    (tmp_path / "r.bin").write_bytes(os.urandom(300_001))
+    on_gpu = {os.path.basename(r.path): r for r in digest_scan.make_manifests([str(tmp_path)], 64 << 10, device=0)}
+    from gdskit.verify import read_manifest
+
+    gpu_manifest = read_manifest(tmp_path / "gdskit-digest.json")
+    digest_scan.make_manifests([str(tmp_path)], 64 << 10)
+    assert read_manifest(tmp_path / "gdskit-digest.json") == gpu_manifest
+    assert on_gpu["r.bin"].digest == blake3.blake3((tmp_path / "r.bin").read_bytes()).hexdigest()
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0  # the engine's pinned lanes stay

@@ -37,6 +37,7 @@ def digest(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (schema gdskit.digest/1)."),
     chunk: str = typer.Option("64M", "--chunk", help="Chunk size of the per-chunk digests (a power of two, 1K to 1G)."),
     jobs: Optional[int] = typer.Option(None, "-j", "--jobs", min=1, max=256, help="Files digested at once (default: up to 8)."),  # noqa: UP007
+    device: Optional[int] = typer.Option(None, "-d", "--device", min=0, help="Hash on this GPU: each file read into its memory whole, one at a time (default: the CPU)."),  # noqa: UP007
 ) -> None:
     from gdskit.errors import GdskitError
     from gdskit.formats import digest_scan
@@ -49,7 +50,7 @@ def digest(
             if check:
                 results = digest_scan.check_manifests(paths, jobs, prog.advance)
             else:
-                results = digest_scan.make_manifests(paths, chunk_bytes, jobs, prog.advance)
+                results = digest_scan.make_manifests(paths, chunk_bytes, jobs, prog.advance, device)
     except GdskitError as exc:
         typer.echo(f"gdskit digest: error: {_one_line(str(exc))}", err=True)
         raise typer.Exit(2) from None

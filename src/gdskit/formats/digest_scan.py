@@ -98,9 +98,13 @@ def _torch_spans(path: str) -> list[Span]:
 
 
 def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterable[Span] = (),
-                on_bytes: Callable[[int], None] | None = None) -> FileDigests:
+                on_bytes: Callable[[int], None] | None = None, device: int | None = None) -> FileDigests:
     """The digests of the file at ``path``: of all its bytes, of each ``chunk_bytes`` piece, and of
-    each span. ``on_bytes(n)`` is called as pieces are done (a progress bar)."""
+    each span. ``on_bytes(n)`` is called as pieces are done (a progress bar). ``device``: read the
+    file into that GPU's memory through the engine and hash it there (one launch pair for the
+    file, its chunks and its spans) instead of on the CPU."""
+    if device is not None:
+        return _digest_on_gpu(path, chunk_bytes, list(spans), on_bytes, device)
     fd, st = open_file_fd(path, os.O_RDONLY)
     try:
         size = st.st_size
@@ -123,6 +127,32 @@ def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterab
     finally:
         os.close(fd)
     return FileDigests(size, st.st_mtime_ns, whole, tuple(chunks), tensors)
+
+
+def _digest_on_gpu(path: str, chunk_bytes: int, spans: list[Span], on_bytes: Callable[[int], None] | None,
+                   device: int) -> FileDigests:
+    from gdskit.engine import cuda_layer, digest_buffers, open_file  # noqa: PLC0415 - GPU digests only
+
+    st = os.stat(path)
+    if st.st_size == 0:
+        return digest_file(path, chunk_bytes, spans, on_bytes)
+    buffer = cuda_layer().DeviceArray(st.st_size, device)
+    try:
+        with open_file(path, "r") as f:
+            got = f.read(buffer, st.st_size, 0)
+            if got != st.st_size or f.size != st.st_size:
+                raise FormatError(f"changed size while it was read ({st.st_size} -> {f.size} bytes)", path=path)
+        pieces = [(0, st.st_size)] + list(chunk_ranges(st.st_size, chunk_bytes)) + \
+            [(s.offset, s.offset + s.nbytes) for s in spans]
+        digests = digest_buffers([(buffer.ptr + a, b - a) for a, b in pieces], 0, device)
+    finally:
+        buffer.free()
+    if on_bytes is not None:
+        on_bytes(st.st_size)
+    n_chunks = len(pieces) - 1 - len(spans)
+    chunks = tuple(digests[1:1 + n_chunks])
+    tensors = {s.name: TensorDigest(s.offset, s.nbytes, d) for s, d in zip(spans, digests[1 + n_chunks:])}
+    return FileDigests(st.st_size, st.st_mtime_ns, digests[0], chunks, tensors)
 
 
 def files_under(root: str) -> list[str]:
@@ -180,24 +210,28 @@ class FileResult:
                 "digest": self.digest, "seconds": round(self.seconds, 6), "status": self.status, "bad": list(self.bad)}
 
 
-def _digest_one(full: str, chunk_bytes: int, on_bytes: Callable[[int], None] | None) -> tuple[str, FileDigests, float]:
+def _digest_one(full: str, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
+                device: int | None = None) -> tuple[str, FileDigests, float]:
     start = time.perf_counter()
     kind = file_kind(full)
     spans = tensor_spans(full, kind)
-    digests = digest_file(full, chunk_bytes, spans, on_bytes)
+    digests = digest_file(full, chunk_bytes, spans, on_bytes, device)
     return kind, digests, time.perf_counter() - start
 
 
 def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, jobs: int | None = None,
-                   on_bytes: Callable[[int], None] | None = None) -> list[FileResult]:
+                   on_bytes: Callable[[int], None] | None = None, device: int | None = None) -> list[FileResult]:
     """Digest every file of ``paths`` (files and directories), files in parallel, and write each
-    PATH's manifest. Returns one result per file."""
+    PATH's manifest. ``device``: hash on that GPU (each file read whole into its memory; files
+    one at a time). Returns one result per file."""
     from gdskit.verify import write_manifest  # noqa: PLC0415 - beside its use
 
     targets = [target_of(p) for p in paths]
     work = [(t, rel) for t in targets for rel in t.files]
-    with ThreadPoolExecutor(max_workers=jobs or min(8, os.cpu_count() or 1)) as pool:
-        done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes), work))
+    workers = 1 if device is not None else jobs or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes,
+                                                    device), work))
     results = []
     by_target: dict[str, dict[str, FileDigests]] = {t.manifest: {} for t in targets}
     for (t, rel), (kind, digests, seconds) in zip(work, done):
