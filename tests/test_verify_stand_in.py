@@ -195,3 +195,38 @@ def test_gdskit_digest_on_a_gpu_writes_the_cpu_digests(gpu, tmp_path):
     assert read_manifest(tmp_path / "gdskit-digest.json") == gpu_manifest
     assert on_gpu["r.bin"].digest == blake3.blake3((tmp_path / "r.bin").read_bytes()).hexdigest()
     assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0  # the engine's pinned lanes stay
+
+
+def _image_or_none(major: int, minor: int) -> bytes | None:
+    from gdskit.engine.gpu_hash import image_for
+    from gdskit.errors import MissingDependencyError
+
+    try:
+        return image_for(major, minor)
+    except (MissingDependencyError, CudaError):  # nothing cached, and no NVRTC (or none for this GPU) here
+        return None
+
+
+def test_a_cached_image_is_used_only_where_it_is_this_users_alone(tmp_path, monkeypatch):
+    from gdskit.engine.gpu_hash import cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    image = _fake_cubin("blake3_blocks", "blake3_tree")
+    # A capability no other test provides an image for: each case starts from the cache alone.
+    shared = cache_path(3, 1)
+    os.makedirs(os.path.dirname(shared), mode=0o700)
+    with open(shared, "wb") as fh:
+        fh.write(image)
+    os.chmod(shared, 0o620)  # writable by its group: never run
+    assert _image_or_none(3, 1) != image
+    private = cache_path(3, 2)
+    with open(private, "wb") as fh:
+        fh.write(image)
+    os.chmod(private, 0o600)
+    assert _image_or_none(3, 2) == image
+    in_open_folder = cache_path(3, 3)
+    with open(in_open_folder, "wb") as fh:
+        fh.write(image)
+    os.chmod(in_open_folder, 0o600)
+    os.chmod(os.path.dirname(private), 0o777)  # a folder others may write into: nothing in it is run
+    assert _image_or_none(3, 3) != image

@@ -280,7 +280,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     if mode.kind == "sha256":
         sha256 = Sha256Check([p for p, _h in headers], mode)
     elif mode.on:  # nothing to check against is refused before a byte is read
-        expect = expectations([p for p, _h in headers], mode, {p: h.metadata for p, h in headers})
+        expect = expectations([p for p, _h in headers], mode, {p: h.metadata for p, h in headers}, dev)
     types = {}
     empty = {}   # tensors of no bytes are made here, not read
     for n in names:  # everything that can fail does so before anything is read

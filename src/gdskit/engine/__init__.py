@@ -150,6 +150,13 @@ def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0, device: int 
     return engine_digest_buffers(buffers, stream, device)
 
 
+def prepare_gpu_digests(device: int) -> None:
+    """Compile (or find in the cache) and load the BLAKE3 kernels for GPU ``device`` in the
+    background: a verified load calls it before its reads, so its first digest does not wait."""
+    from gdskit.engine.gpu_hash import prepare
+    prepare(device)
+
+
 def pinned_budget() -> int:
     """The most page-locked memory the engine's staging may hold (``settings.pinned_budget``)."""
     from gdskit.settings import settings
@@ -273,7 +280,7 @@ __all__ = [
     # the ledger
     "stats", "stats_delta", "add_ledger_rows", "record_peer", "cufile_counters",
     # digests of bytes where they landed (verified loading)
-    "digest_buffers",
+    "digest_buffers", "prepare_gpu_digests",
     # figures a loader plans with
     "settings_values", "pinned_budget", "worker_threads", "first_page_cached", "can_scatter", "scattered_hot_workers",
     "spread", "io_uring_availability",

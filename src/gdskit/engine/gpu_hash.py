@@ -10,12 +10,16 @@ pair: a table of ``(device pointer, length)`` items.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import stat
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import gdskit.engine.cuda as cuda
 from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, CHUNK_BYTES, SOURCE
+from gdskit.durable import write_whole
 from gdskit.errors import CudaError, MissingDependencyError
 
 _BLOCK_BYTES = BLOCK_CHUNKS * CHUNK_BYTES
@@ -83,6 +87,101 @@ def provide_image(capability: tuple[int, int], image: bytes) -> None:
         _images[(int(capability[0]), int(capability[1]))] = bytes(image)
 
 
+_OPTIONS_VERSION = "1"  # bump with compile_image's options: they are part of the cache key
+_MAX_IMAGE_BYTES = 16 << 20
+
+
+def cache_dir() -> str:
+    """Where compiled images are kept between processes: ``$XDG_CACHE_HOME/gdskit/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gdskit", "kernels")
+
+
+def cache_path(major: int, minor: int) -> str:
+    """The cached image's path for compute capability ``major.minor``: named by a hash of the
+    source, the compile options, the NVRTC version and the capability."""
+    try:
+        nvrtc = _nvrtc()
+        version = "%d.%d" % tuple(_nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion"))
+    except Exception:  # noqa: BLE001 - no NVRTC: only a cached image can serve
+        version = "none"
+    key = hashlib.sha256(f"{SOURCE}|{_OPTIONS_VERSION}|{version}|{major}.{minor}".encode()).hexdigest()[:32]
+    return os.path.join(cache_dir(), f"blake3-sm{major}{minor}-{key}.cubin")
+
+
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no one else (what a cached image must be to be run)."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _cached_image(path: str) -> bytes | None:
+    """The image cached at ``path``, where the cache and the file are this user's alone."""
+    try:
+        if not _private(os.stat(os.path.dirname(path))):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _private(st) or st.st_size > _MAX_IMAGE_BYTES:
+            return None
+        image = os.pread(fd, st.st_size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return image if image[:4] == b"\x7fELF" else None
+
+
+def _cache_image(path: str, image: bytes) -> None:
+    """Keep ``image`` for later processes; a cache that cannot be written is no error."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not _private(os.stat(folder)):
+            return
+
+        def fill(tmp: str) -> None:
+            with open(tmp, "wb") as fh:
+                fh.write(image)
+            os.chmod(tmp, 0o600)
+
+        write_whole(path, fill)
+    except OSError:
+        pass
+
+
+def image_for(major: int, minor: int) -> bytes:
+    """The compiled kernels for compute capability ``major.minor``: from this process, the cache
+    (:func:`cache_dir`), or compiled now (and cached)."""
+    image = _images.get((major, minor))
+    if image is not None:
+        return image
+    path = cache_path(major, minor)
+    image = _cached_image(path)
+    if image is None:
+        image = compile_image(major, minor)
+        _cache_image(path, image)
+    _images[(major, minor)] = image
+    return image
+
+
+def prepare(device: int) -> None:
+    """Compile (or find) and load the kernels for GPU ``device`` on a background thread, so that
+    a verified load's first digest does not wait for them; a failure is left for that digest."""
+    from gdskit.threads import start_thread  # noqa: PLC0415 - beside its use
+
+    def run() -> None:
+        try:
+            _kernels(device)
+        except Exception:  # noqa: BLE001 - the digest that needs them raises it
+            pass
+
+    if (id(cuda.driver_or_none()), device) not in _modules:
+        start_thread(run, "gdskit-kernels")
+
+
 def _kernels(device: int) -> tuple[Any, Any]:
     driver = cuda.driver_or_none()
     key = (id(driver), device)
@@ -90,10 +189,7 @@ def _kernels(device: int) -> tuple[Any, Any]:
         found = _modules.get(key)
         if found is not None:
             return found
-        cc = cuda.compute_capability(device)
-        image = _images.get(cc)
-        if image is None:
-            image = _images[cc] = compile_image(*cc)
+        image = image_for(*cuda.compute_capability(device))
         module = cuda.load_module(image, device)
         found = _modules[key] = (cuda.module_function(module, "blake3_blocks"),
                                  cuda.module_function(module, "blake3_tree"))

@@ -489,7 +489,9 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
     if mode.kind == "sha256":
         sha256 = Sha256Check([p for p, _h in index.headers], mode)
     elif mode.on:  # nothing to check against is refused before a byte is read
-        expect = expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers})
+        devices = {t.device for _n, t in items if t.device.type == "cuda"}
+        expect = expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers},
+                              next(iter(devices)) if len(devices) == 1 else None)
     result = _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
                      progress=progress, return_stats=return_stats, record_names=located, expect=expect)
     if sha256 is not None:

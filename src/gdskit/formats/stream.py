@@ -116,8 +116,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                                        "per-tensor digests (verify=True or a manifest), not a file's sha256")
         index = index_checkpoint(path_or_paths)
         # Nothing to check against is refused before a byte is read.
-        self._expect = (expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers})
-                        if mode.on else None)
+        self._expect = (expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers},
+                                     device) if mode.on else None)
         wanted = set(select_names(index.tensors, keys))  # yielded in file order, whatever the keys' order
         chosen = [loc for name, loc in index.tensors.items() if name in wanted]
         # Every dtype checked before anything is read.

@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Any
 
-from gdskit.engine import digest_buffers
+from gdskit.engine import digest_buffers, prepare_gpu_digests
 from gdskit.errors import InvalidArgumentError
 from gdskit.threads import start_thread
 from gdskit.verify import (Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode)
@@ -37,11 +37,18 @@ def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
 
 
 def expectations(paths: Iterable[str], mode: VerifyMode,
-                 metadata: Mapping[str, Mapping[str, str] | None] | None = None) -> dict[str, Expectation]:
+                 metadata: Mapping[str, Mapping[str, str] | None] | None = None,
+                 device: Any = None) -> dict[str, Expectation]:
     """What each file is checked against (``mode`` auto or manifest), found before anything is read:
-    a file with nothing to check against is refused before its bytes move."""
+    a file with nothing to check against is refused before its bytes move. ``device``: where the
+    bytes will land; for a GPU, its kernels are made ready in the background meanwhile."""
     metadata = metadata or {}
-    return {p: find_expectation(p, mode, metadata.get(p)) for p in paths}
+    found = {p: find_expectation(p, mode, metadata.get(p)) for p in paths}
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch  # noqa: PLC0415 - optional: a torch device came in
+
+        prepare_gpu_digests(device.index if device.index is not None else torch.cuda.current_device())
+    return found
 
 
 def check_loaded(expectation: Expectation, named: Sequence[tuple[str, Any]],
