@@ -342,3 +342,25 @@ def test_preload_names_the_file_a_flipped_byte_is_in(which, at, dataset, tmp_pat
         preload(str(root), device="cpu", verify=True)
     assert info.value.path == str(target)
     assert info.value.tensor == ("array" if which.endswith(".npy") else None)
+
+
+def test_a_snapshot_of_links_is_digested_and_verified(signed, tmp_path):
+    """A Hugging Face cache: the snapshot's files are links into a folder of blobs."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    shutil.copyfile(signed, blobs / "0123abcd")
+    os.symlink(blobs / "0123abcd", snapshot / "model.safetensors")
+    digest_scan.make_manifests([str(snapshot)])
+    assert set(read_manifest_files(snapshot)) == {"model.safetensors"}
+    target = str(snapshot / "model.safetensors")
+    os.remove(snapshot / "gdskit-digest.json")
+    digest_scan.make_manifests([target])  # beside the link
+    assert _same(gs.load_file(target, verify=target + ".gdskit-digest.json"), _tensors())
+    assert all(r.status == "ok" for r in digest_scan.check_manifests([target]))
+
+
+def read_manifest_files(folder):
+    from gdskit.verify import read_manifest
+
+    return read_manifest(os.path.join(folder, "gdskit-digest.json")).files

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError
+from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
                            TensorDigest, blake3_hex, chunk_ranges, manifest_path_for, read_manifest)
 
@@ -157,7 +158,8 @@ def _digest_on_gpu(path: str, chunk_bytes: int, spans: list[Span], on_bytes: Cal
 
 def files_under(root: str) -> list[str]:
     """The regular files under directory ``root`` (sorted, ``/``-separated relative names), less
-    manifests and gdskit's temporary files; symbolic links are not followed."""
+    manifests and gdskit's temporary files. A link to a file counts as that file (a Hugging Face
+    snapshot is links into its blobs); links to directories are not followed."""
     out = []
     for folder, dirs, names in os.walk(root):
         dirs.sort()
@@ -165,7 +167,7 @@ def files_under(root: str) -> list[str]:
             if name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX) or is_temp_name(name):
                 continue
             full = os.path.join(folder, name)
-            if os.path.isfile(full) and not os.path.islink(full):
+            if os.path.isfile(full):
                 out.append(os.path.relpath(full, root).replace(os.sep, "/"))
     return sorted(out)
 
@@ -272,8 +274,8 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         folder = os.path.dirname(manifest_path)
         names = list(manifest.files)
         if not os.path.isdir(p):
-            rel = os.path.relpath(os.path.realpath(p), os.path.realpath(folder)).replace(os.sep, "/")
-            names = [n for n in names if n == rel]
+            listed = relative_name(manifest_path, p)
+            names = [n for n in names if n in listed][:1]
         work += [(os.path.join(folder, n), manifest.files[n], manifest.chunk_bytes) for n in names]
 
     def one(item: tuple[str, FileDigests, int]) -> FileResult:

@@ -123,10 +123,23 @@ def _cached_manifest(path: str) -> Manifest:
     return manifest
 
 
+def relative_name(manifest_path: str, file_path: str) -> list[str]:
+    """The names a manifest may list ``file_path`` under: relative to the manifest's folder as the
+    paths are given, then with links resolved (a Hugging Face snapshot's files are links)."""
+    out = []
+    for resolve in (os.path.abspath, os.path.realpath):
+        rel = os.path.relpath(resolve(file_path), os.path.dirname(resolve(manifest_path))).replace(os.sep, "/")
+        if rel not in out:
+            out.append(rel)
+    return out
+
+
 def _entry_in(manifest_path: str, file_path: str) -> FileDigests | None:
     manifest = _cached_manifest(manifest_path)
-    rel = os.path.relpath(os.path.realpath(file_path), os.path.dirname(os.path.realpath(manifest_path)))
-    return manifest.files.get(rel.replace(os.sep, "/"))
+    for rel in relative_name(manifest_path, file_path):
+        if rel in manifest.files:
+            return manifest.files[rel]
+    return None
 
 
 def _from_entry(path: str, manifest_path: str, entry: FileDigests, chunk_bytes: int) -> Expectation:
