@@ -364,3 +364,29 @@ def read_manifest_files(folder):
     from gdskit.verify import read_manifest
 
     return read_manifest(os.path.join(folder, "gdskit-digest.json")).files
+
+
+def test_torch_load_into_checks_whole_records_and_refuses_views(torch_archive, tmp_path):
+    import gdskit.torch as gt
+
+    want = {k: v for k, v in _tensors().items()}
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    gt.load_into(target, torch_archive, verify=True, strict=False)
+    assert _same(target, want)
+    with pytest.raises(NothingToVerifyError):  # "view" is part of emb's record
+        gt.load_into({"view": torch.zeros(10, 17)}, torch_archive, verify=True, strict=False)
+    good = hashlib.sha256(open(torch_archive, "rb").read()).hexdigest()
+    gt.load_into({"view": torch.zeros(10, 17)}, torch_archive, verify="sha256:" + good, strict=False)
+    bad = str(tmp_path / "model.pt")
+    shutil.copyfile(torch_archive, bad)
+    shutil.copyfile(torch_archive + ".gdskit-digest.json", bad + ".gdskit-digest.json")
+    span = next(s for s in digest_scan.tensor_spans(bad, "torch") if s.nbytes == _tensors()["ids"].nbytes)
+    data = bytearray(open(bad, "rb").read())
+    data[span.offset + 17] ^= 1
+    with open(bad, "r+b") as fh:
+        fh.write(data)
+    st_ = os.stat(torch_archive)
+    os.utime(bad, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    with pytest.raises(ChecksumMismatchError) as info:
+        gt.load_into({k: torch.zeros_like(v) for k, v in want.items()}, bad, verify=True, strict=False)
+    assert info.value.tensor == "ids" and "ids" in info.value.unfilled and "emb" in info.value.filled

@@ -829,7 +829,8 @@ __all__ += ["load_into"]
 
 
 def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True, cast: bool = False,
-              weights_only: bool | None = None, progress: ProgressArg = None, return_stats: bool = False) -> Any:
+              weights_only: bool | None = None, progress: ProgressArg = None, return_stats: bool = False,
+              verify: Any = False) -> Any:
     """Fill the tensors ``target`` already has from a torch.save state dict, in place.
 
     As :func:`gdskit.safetensors.load_into` (same arguments, result and errors); the file
@@ -837,6 +838,11 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
     not tensors count as unexpected). ``weights_only`` as for :func:`load`. The archive is
     read and checked as :func:`load` reads it, and its pickle onto the meta device first, so
     every check runs before any target is written (records stored deflated are inflated then).
+
+    ``verify`` (True, a manifest's path or ``"sha256:<hex>"``) checks the bytes as :func:`load`
+    does; a tensor filled from a record has the record's digest only where it covers all of the
+    record (a view of part of one cannot be checked: ``NothingToVerifyError`` before anything is
+    read; load such a file with :func:`load`).
     """
     _torch()
     weights_only = resolve_weights_only(weights_only)
@@ -844,7 +850,7 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
     return load_torch_into(target, path, file_kind=_file_kind, unpickle=_unpickle,
                            shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),
                            strict=strict, cast=cast, progress=progress, return_stats=return_stats,
-                           weights_only=weights_only)
+                           weights_only=weights_only, verify=verify)
 
 
 def __dir__() -> list[str]:

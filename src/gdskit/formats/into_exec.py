@@ -507,7 +507,8 @@ Unpickle = Callable[[Any, bytes, Callable[[Any], Any], bool, Any, str], Any]
 
 
 def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tuple[str, int]],
-                   unpickle: Unpickle, wanted: set[str]) -> tuple[dict[str, Source], list[str], int]:
+                   unpickle: Unpickle, wanted: set[str],
+                   whole: dict[str, str] | None = None) -> tuple[dict[str, Source], list[str], int]:
     """The tensors of the state dict in torch.save archive ``path`` (where their bytes lie),
     the names of entries that are not tensors, and the archive's size.
 
@@ -534,14 +535,16 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tup
             raise FormatError(f"{path}: a TorchScript archive or no data.pkl; load_into reads torch.save state dicts")
         if why is not None:
             raise FormatError(f"{path}: saved on a machine of the other byte order; load it with gdskit.torch.load")
-        where, others = _state_records(archive, path, weights_only, unpickle, wanted)
+        where, others = _state_records(archive, path, weights_only, unpickle, wanted, whole)
     finally:
         archive.close()
     return where, others, archive_size
 
 
 def _state_records(archive: Any, path: str, weights_only: bool, unpickle: Unpickle,
-                   wanted: set[str]) -> tuple[dict[str, Source], list[str]]:
+                   wanted: set[str], whole: dict[str, str] | None = None) -> tuple[dict[str, Source], list[str]]:
+    """``whole``, where given, receives for each tensor that covers all of its storage record
+    (contiguous, from the record's first byte to its last) that record's name."""
     storages: dict[int, tuple[Any, Any]] = {}   # id(meta storage) -> (storage, record)
     typed: dict[Any, Any] = {}
 
@@ -588,6 +591,8 @@ def _state_records(archive: Any, path: str, weights_only: bool, unpickle: Unpick
         else:
             stride = tuple(t.stride())
             nbytes = (sum((n - 1) * s for n, s in zip(t.shape, stride)) + 1) * es if t.numel() else 0
+        if whole is not None and start == 0 and nbytes == rec.nbytes and stride is None:
+            whole[name] = rec.name
         if rec.raw:
             where[name] = Source(path, rec.offset + start, nbytes, t.dtype, tuple(t.shape), stride)
             continue
@@ -605,22 +610,50 @@ def _state_records(archive: Any, path: str, weights_only: bool, unpickle: Unpick
 
 def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Callable[[str], tuple[str, int]],
                     unpickle: Unpickle, shape: ReadShape, strict: bool, cast: bool, progress: ProgressArg,
-                    return_stats: bool, weights_only: bool) -> Any:
+                    return_stats: bool, weights_only: bool, verify: Any = False) -> Any:
     """:func:`gdskit.torch.load_into`, which passes its archive check (``file_kind``), its
     unpickler and its read shape: this module never imports the API modules above it."""
     path = os.fspath(path)
+    mode = verify_mode(verify)
     with collector_paused():  # the function's objects are gone when the collector comes back
-        return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
-                                weights_only)
+        if mode.kind != "sha256":
+            return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
+                                    weights_only, mode)
+        check = Sha256Check([path], mode)
+        try:
+            result = _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress,
+                                      return_stats, weights_only)
+        finally:
+            check.wait()
+        return result
 
 
 def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], tuple[str, int]], unpickle: Unpickle, shape: ReadShape,
-                     strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool) -> Any:
+                     strict: bool, cast: bool, progress: ProgressArg, return_stats: bool, weights_only: bool,
+                     mode: VerifyMode = OFF) -> Any:
     items = target_tensors(target)
     infos = describe(items)
     wanted = {name for name, _ in items}
-    records, others, size = _torch_records(path, weights_only, file_kind, unpickle, wanted)
+    whole: dict[str, str] | None = {} if mode.on else None
+    records, others, size = _torch_records(path, weights_only, file_kind, unpickle, wanted, whole)
     sources = {n: s for n, s in records.items() if n in wanted}  # the others are only reported
     held = any(s.held is not None for s in sources.values())
+    expect = None
+    if whole is not None:
+        expect = {path: _record_digests(path, mode, sources, whole)}
     return _finish(items, infos, records, sources, {path: size}, shape, strict=strict, cast=cast,
-                   progress=progress, return_stats=return_stats, extra_unexpected=others, held=held)
+                   progress=progress, return_stats=return_stats, extra_unexpected=others, held=held, expect=expect)
+
+
+def _record_digests(path: str, mode: VerifyMode, sources: Mapping[str, Source], whole: Mapping[str, str]) -> Expectation:
+    """The manifest's digests of a torch.save archive's storage records, by the state-dict names of
+    the tensors that cover their records whole. A tensor that is part of its record is refused."""
+    import dataclasses
+
+    (exp,) = expectations([path], mode).values()
+    partial = sorted(n for n in sources if n not in whole)
+    if partial:
+        raise NothingToVerifyError(f"{path}: tensor {partial[0]!r} is part of a storage record, whose digest covers "
+                                   "the whole record: load the file with gdskit.torch.load(verify=...) to check it",
+                                   path=path)
+    return dataclasses.replace(exp, tensors={n: exp.tensors[r] for n, r in whole.items() if r in exp.tensors})
