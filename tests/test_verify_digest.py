@@ -135,3 +135,34 @@ def test_the_kernel_source_handles_unaligned_inputs(kernel_on_cpu):
     data = [os.urandom(n) for n in (70000, 1024, 64, 300000)]
     for shift in (1, 2, 3, 8):  # not 16-byte aligned: the kernel's byte loads
         assert kernel_on_cpu(data, shift) == [blake3.blake3(d).hexdigest() for d in data]
+
+
+# -- digests of a file in one pass (gdskit digest) ------------------------------------------
+
+from gdskit.formats.digest_scan import READ_PIECE, Span, digest_file  # noqa: E402
+
+
+@given(data=st.binary(max_size=20_000), chunk_log=st.integers(min_value=10, max_value=15),
+       raw_spans=st.lists(st.tuples(st.integers(min_value=0, max_value=20_000), st.integers(min_value=0, max_value=9_000)),
+                          max_size=6))
+@settings(max_examples=60, deadline=None)
+def test_one_pass_digests_equal_the_blake3_package_on_each_slice(tmp_path_factory, data, chunk_log, raw_spans):
+    path = tmp_path_factory.mktemp("f") / "data.bin"
+    path.write_bytes(data)
+    chunk = 1 << chunk_log
+    spans = [Span(f"s{i}", min(o, len(data)), min(n, len(data) - min(o, len(data)))) for i, (o, n) in enumerate(raw_spans)]
+    got = digest_file(str(path), chunk, spans)  # spans may overlap and be empty
+    assert got.size == len(data) and got.digest == blake3.blake3(data).hexdigest()
+    assert list(got.chunks) == [blake3.blake3(data[i:i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
+    for s in spans:
+        assert got.tensors[s.name].digest == blake3.blake3(data[s.offset:s.offset + s.nbytes]).hexdigest()
+
+
+def test_pieces_smaller_than_a_chunk_add_up(tmp_path):
+    data = os.urandom(2 * READ_PIECE + 12345)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    spans = [Span("across", READ_PIECE - 100, READ_PIECE + 200)]
+    got = digest_file(str(path), 4 * READ_PIECE, spans)  # one chunk, read in three pieces
+    assert got.chunks == (blake3.blake3(data).hexdigest(),) and got.digest == got.chunks[0]
+    assert got.tensors["across"].digest == blake3.blake3(data[READ_PIECE - 100:2 * READ_PIECE + 100]).hexdigest()

@@ -3,13 +3,12 @@ format gdskit reads (safetensors, torch.save archives, ``.npy``; any other file 
 the BLAKE3 digests of the file, its chunks and its tensors, and the check of a file against
 its manifest.
 
-Hashing here is the CPU's (the ``blake3`` package, multithreaded): the bytes are read through
-the page cache by a read-only memory map, every file in parallel.
+Hashing here is the CPU's (the ``blake3`` package, multithreaded), or a GPU's (``device=``): each
+file is read once, in pieces, every file in parallel on the CPU.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -17,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gdskit.durable import is_temp_name, open_file_fd
-from gdskit.errors import FormatError
+from gdskit.errors import FormatError, from_os_error
 from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
-                           TensorDigest, blake3_hex, chunk_ranges, manifest_path_for, read_manifest)
+                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest)
 
 #: How ``gdskit digest`` calls a file by its format.
 KINDS = ("safetensors", "torch", "npy", "raw")
@@ -108,26 +107,66 @@ def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterab
         return _digest_on_gpu(path, chunk_bytes, list(spans), on_bytes, device)
     fd, st = open_file_fd(path, os.O_RDONLY)
     try:
-        size = st.st_size
-        if size == 0:
-            empty = blake3_hex(b"")
-            return FileDigests(0, st.st_mtime_ns, empty, (), {s.name: TensorDigest(s.offset, 0, empty) for s in spans})
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                chunks = []
-                for start, end in chunk_ranges(size, chunk_bytes):
-                    chunks.append(blake3_hex(view[start:end]))
-                    if on_bytes is not None:
-                        on_bytes(end - start)
-                whole = blake3_hex(view)
-                tensors = {s.name: TensorDigest(s.offset, s.nbytes, blake3_hex(view[s.offset:s.offset + s.nbytes]))
-                           for s in spans}
-            finally:
-                view.release()
+        return _digest_fd(fd, st, path, chunk_bytes, sorted(spans, key=lambda s: (s.offset, s.nbytes)), on_bytes)
     finally:
         os.close(fd)
-    return FileDigests(size, st.st_mtime_ns, whole, tuple(chunks), tensors)
+
+
+#: Bytes read at a time: each piece is hashed into the file's, its chunk's and its spans' digests.
+READ_PIECE = 16 << 20
+
+
+def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: list[Span],
+               on_bytes: Callable[[int], None] | None) -> FileDigests:
+    """One pass over the file: every piece read once (positional reads, never a memory map, which a
+    file shrinking under it would turn into a crash) and fed to the running digests."""
+    size = st.st_size
+    whole = hasher(spread=True)
+    span_digests = {s.name: hasher() for s in spans}
+    active: list[Span] = []
+    next_span = 0
+    chunks: list[str] = []
+    chunk = hasher(spread=True)
+    buf = bytearray(min(READ_PIECE, chunk_bytes, max(size, 1)))
+    view = memoryview(buf)
+    at = 0
+    while at < size:
+        want = min(len(buf), size - at, chunk_bytes - at % chunk_bytes)
+        got = _read_fully(fd, view[:want], at, path)
+        piece = view[:got]
+        whole.update(piece)
+        chunk.update(piece)
+        end = at + got
+        while next_span < len(spans) and spans[next_span].offset < end:
+            active.append(spans[next_span])
+            next_span += 1
+        for s in active:
+            lo, hi = max(at, s.offset), min(end, s.offset + s.nbytes)
+            if lo < hi:
+                span_digests[s.name].update(piece[lo - at:hi - at])
+        active = [s for s in active if s.offset + s.nbytes > end]
+        if end % chunk_bytes == 0 or end == size:
+            chunks.append(chunk.hexdigest())
+            chunk = hasher(spread=True)
+        if on_bytes is not None:
+            on_bytes(got)
+        at = end
+    view.release()
+    tensors = {s.name: TensorDigest(s.offset, s.nbytes, span_digests[s.name].hexdigest()) for s in spans}
+    return FileDigests(size, st.st_mtime_ns, whole.hexdigest(), tuple(chunks), tensors)
+
+
+def _read_fully(fd: int, into: memoryview, offset: int, path: str) -> int:
+    done = 0
+    while done < len(into):
+        try:
+            n = os.preadv(fd, [into[done:]], offset + done)
+        except OSError as exc:
+            raise from_os_error(exc, path) from exc
+        if n == 0:
+            raise FormatError(f"shrank while it was digested (read {offset + done} bytes)", path=path)
+        done += n
+    return done
 
 
 def _digest_on_gpu(path: str, chunk_bytes: int, spans: list[Span], on_bytes: Callable[[int], None] | None,

@@ -9,7 +9,8 @@ memory) is the engine's: ``gdskit.engine.digest_buffers``.
 from __future__ import annotations
 
 from gdskit.verify.check import check_sha256, check_tensors, mismatch, sha256_of_file
-from gdskit.verify.digest import ALGORITHM, DEFAULT_CHUNK_BYTES, DIGEST_BYTES, blake3_hex, chunk_ranges, tagged
+from gdskit.verify.digest import (ALGORITHM, DEFAULT_CHUNK_BYTES, DIGEST_BYTES, blake3_hex, chunk_ranges, hasher,
+                                  tagged)
 from gdskit.verify.expect import (HEADER_KEY, OFF, Expectation, VerifyMode, find_expectation, header_digests,
                                   verify_mode)
 from gdskit.verify.manifest import (DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest, ManifestError,
@@ -17,6 +18,6 @@ from gdskit.verify.manifest import (DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDig
 
 __all__ = ["ALGORITHM", "DEFAULT_CHUNK_BYTES", "DIGEST_BYTES", "DIRECTORY_MANIFEST", "HEADER_KEY", "MANIFEST_SUFFIX",
            "OFF", "Expectation", "FileDigests", "Manifest", "ManifestError", "TensorDigest", "VerifyMode",
-           "blake3_hex", "check_sha256", "check_tensors", "chunk_ranges", "find_expectation", "header_digests",
+           "blake3_hex", "check_sha256", "check_tensors", "chunk_ranges", "find_expectation", "hasher", "header_digests",
            "manifest_path_for", "mismatch", "parse_manifest", "read_manifest", "sha256_of_file", "tagged",
            "verify_mode", "write_manifest"]

@@ -39,6 +39,13 @@ def blake3_hex(data: Any) -> str:
     return b3.blake3(view, max_threads=threads).hexdigest()
 
 
+def hasher(spread: bool = False) -> Any:
+    """A running BLAKE3 digest (``update(data)``, ``hexdigest()``) of the ``blake3`` package;
+    ``spread``: large updates are hashed across threads."""
+    b3 = _blake3()
+    return b3.blake3(max_threads=b3.blake3.AUTO) if spread else b3.blake3()
+
+
 def chunk_ranges(size: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
     """The ``(start, end)`` file offsets of the pieces a file of ``size`` bytes is digested in."""
     for start in range(0, size, chunk_bytes):
