@@ -76,6 +76,31 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = F
     return engine_open(path, mode, atomic=atomic)
 
 
+def is_object_url(path: Any) -> bool:
+    """Whether ``path`` names an object in a store (``s3://bucket/key``) rather than a local file
+    (:func:`open_file` opens both)."""
+    from gdskit.engine.objects.url import is_object_url as is_url
+    return is_url(path)
+
+
+def list_objects(prefix: str) -> list[tuple[str, int]]:
+    """``(url, size)`` of every object under the URL ``prefix`` (``s3://bucket/dir/``), by key."""
+    from gdskit.engine.objects.store import bucket_for
+    from gdskit.engine.objects.url import parse_url
+    from gdskit.settings import settings
+
+    url = parse_url(prefix)
+    found = bucket_for(url).list(url.key, settings.snapshot())
+    return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
+
+
+def forget_object_clients() -> None:
+    """Make the next object store request build its client anew, with the endpoint and credentials
+    the environment names then."""
+    from gdskit.engine.objects.store import forget_clients
+    forget_clients()
+
+
 def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
                on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:
     """Many files' reads as one engine job (``gdskit.engine.many_files``): ``(path, reads)`` pairs,
@@ -258,7 +283,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,
     # the ledger

@@ -128,3 +128,17 @@ def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_o
     if parts.tail:
         out.append(BackendChoice(BackendKind.BOUNCE, Reason.UNALIGNED, parts.tail.file_offset, parts.tail.buf_offset, parts.tail.size))
     return out
+
+
+def object_reason(buf: BufferView, cfg: Settings) -> Reason:
+    """The reason recorded for bytes of an object store (path ``object``) landing in ``buf``:
+    host memory's reason, or ``object_store`` for GPU memory (an object store's bytes cross host
+    memory, through a pinned lane). Raises where a forced mode cannot serve it."""
+    if not buf.on_device:
+        return host_reason()
+    if cfg.mode is Mode.HOST:
+        raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
+                                   "(use mode='auto' or 'bounce')")
+    if cfg.mode is Mode.CUFILE:
+        raise DirectPathUnavailable("an object store's bytes cannot take the cuFile path", Reason.OBJECT_STORE)
+    return Reason.OBJECT_STORE

@@ -29,6 +29,7 @@ from gdskit.engine.pool import request_executor
 from gdskit.engine.via_gpu import read_routed
 from gdskit.engine.backend_choice import BackendKind, host_reason, plan_routes
 from gdskit.engine.gpu_routing import RouteDecision, route_for_read
+from gdskit.engine.objects.url import is_object_url
 from gdskit.settings import settings
 from gdskit.vocabulary import Reason
 
@@ -688,6 +689,10 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
     Parameters
     ----------
     path : str or PathLike
+        A local file, or an object URL (``s3://bucket/key``): then an
+        :class:`~gdskit.engine.objects.source.ObjectFile` with the same read methods, opened with
+        ``"r"`` or ``"w"`` (written whole, as a multipart upload completed at close;
+        docs/object-storage.md).
     mode : {"r", "w", "r+", "a"}
         As for Python's ``open``, but always binary and always positional:
         ``"w"`` truncates, ``"a"`` appends when ``file_offset`` is left unset.
@@ -696,4 +701,8 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
         :meth:`File.close`, fsync it, rename it over ``path`` and fsync the
         directory. On error (or :meth:`File.abort`) ``path`` is left untouched.
     """
+    if is_object_url(path):
+        from gdskit.engine.objects.source import open_object  # noqa: PLC0415 - import time: the client loads with it
+
+        return open_object(os.fspath(path), mode, atomic=atomic)  # type: ignore[return-value]
     return File(path, mode, atomic=atomic)
