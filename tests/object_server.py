@@ -184,10 +184,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             resp = conn.getresponse()
             data = resp.read()
             self.send_response(resp.status, resp.reason)
+            head = self.command == "HEAD"  # its Content-Length is the object's, with no body
             for k, v in resp.getheaders():
-                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
                     self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+            if not head:
+                self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if is_get and resp.status in (200, 206) and len(data) > 1 and faults.take("cut_mid_body"):
                 self.wfile.write(data[:len(data) // 2])
