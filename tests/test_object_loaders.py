@@ -117,16 +117,25 @@ def test_load_file_records_the_object_path(s3, tmp_path):
     assert delta.objects and all(o.endpoint == s3.endpoint for o in delta.objects)
 
 
-def test_preload_of_a_prefix_equals_the_objects(s3):
+def test_preload_of_a_prefix_equals_preload_of_the_same_directory(s3, tmp_path):
     from gdskit.data import preload
 
-    blobs = {f"data/shard{i}.bin": np.random.default_rng(i).integers(0, 256, 100_000 + i, dtype=np.uint8).tobytes()
-             for i in range(3)}
-    for k, v in blobs.items():
-        s3.put(k, v)
-    got = preload(s3.url("data/"))
-    assert {k: bytes(memoryview(v)) for k, v in _by_key(got).items()} == {s3.url(k): v for k, v in blobs.items()}
-
-
-def _by_key(result) -> dict:
-    return dict(result.items()) if hasattr(result, "items") else dict(result)
+    local = tmp_path / "data"
+    (local / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    np.save(local / "a.npy", rng.standard_normal((300, 70)).astype(np.float32))
+    np.save(local / "sub" / "f.npy", np.asfortranarray(rng.integers(0, 9, (40, 30), dtype=np.int16)))
+    (local / "raw.bin").write_bytes(rng.integers(0, 256, 6 * MiB + 1, dtype=np.uint8).tobytes())
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        s3.put("data/" + path.relative_to(local).as_posix(), path.read_bytes())
+    want = preload(str(local), device="cpu")
+    got = preload(s3.url("data/"), device="cpu")
+    assert set(got) == set(want) == {"a.npy", "raw.bin", "sub/f.npy"}
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape
+        assert got[key].stride() == want[key].stride()
+        assert torch.equal(got[key], want[key]), key
+    one = preload(s3.url("data/a.npy"), device="cpu")
+    assert torch.equal(one[s3.url("data/a.npy")], want["a.npy"])
+    with pytest.raises(FileNotFoundError):
+        preload(s3.url("nothing/"), device="cpu")
