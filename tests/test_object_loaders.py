@@ -139,3 +139,21 @@ def test_preload_of_a_prefix_equals_preload_of_the_same_directory(s3, tmp_path):
     assert torch.equal(one[s3.url("data/a.npy")], want["a.npy"])
     with pytest.raises(FileNotFoundError):
         preload(s3.url("nothing/"), device="cpu")
+
+
+def test_torch_load_of_an_object_equals_torch_own(s3, tmp_path):
+    import gdskit.torch as gtorch
+
+    g = torch.Generator().manual_seed(11)
+    state = {"w": torch.randn(800, 900, generator=g), "b": torch.arange(10, dtype=torch.int32),
+             "nested": {"h": torch.randn(3, 4, generator=g).to(torch.float16)}, "step": 7}
+    local = tmp_path / "ckpt.pt"
+    torch.save(state, local)
+    s3.put("ckpt.pt", local.read_bytes())
+    got = gtorch.load(s3.url("ckpt.pt"))
+    want = torch.load(local)
+    assert got["step"] == want["step"] == 7
+    for get in (lambda d: d["w"], lambda d: d["b"], lambda d: d["nested"]["h"]):
+        assert get(got).dtype == get(want).dtype and torch.equal(get(got), get(want))
+    with pytest.raises(FileNotFoundError):
+        gtorch.load(s3.url("missing.pt"))

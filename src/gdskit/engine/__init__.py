@@ -94,6 +94,13 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
 
 
+def open_object_stream(url: str) -> Any:
+    """The object at ``url`` as a buffered, seekable binary stream of ranged GETs (for readers
+    that take a file object)."""
+    from gdskit.engine.objects.source import open_object_stream as open_stream
+    return open_stream(url)
+
+
 def forget_object_clients() -> None:
     """Make the next object store request build its client anew, with the endpoint and credentials
     the environment names then."""
@@ -283,7 +290,8 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "open_object_stream",
+    "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,
     # the ledger

@@ -14,6 +14,7 @@ Writes (mode ``"w"``) go in order and become a multipart upload that completes a
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -599,3 +600,46 @@ def _copy_from_device(view: BufferView, offset: int, target: memoryview) -> None
 def open_object(url: str | ObjectURL, mode: str = "r", *, atomic: bool = False) -> ObjectFile:
     """Open the object at ``url`` (``s3://bucket/key``): :class:`ObjectFile`."""
     return ObjectFile(url, mode, atomic=atomic)
+
+
+class ObjectStream(io.RawIOBase):
+    """An object read as a seekable binary stream, each ``readinto`` a ranged GET (wrap it in
+    ``io.BufferedReader`` for small reads): for readers that take a file object (torch's zip reader)."""
+
+    def __init__(self, url: str | ObjectURL) -> None:
+        super().__init__()
+        self._file = ObjectFile(url, "r")
+        self._pos = 0
+        self.name = self._file.path
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._file.size}.get(whence)
+        if base is None or base + offset < 0:
+            raise InvalidArgumentError(f"cannot seek to {offset} from {whence}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = self._file.read(view, view.nbytes, self._pos) if view.nbytes else 0
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
+def open_object_stream(url: str | ObjectURL, buffer_size: int = 1 << 20) -> io.BufferedReader:
+    """The object at ``url`` as a buffered, seekable binary stream (:class:`ObjectStream`)."""
+    return io.BufferedReader(ObjectStream(url), buffer_size)
