@@ -94,6 +94,13 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
 
 
+def object_endpoint_name() -> str:
+    """The object store endpoint the environment names now (``AWS_ENDPOINT_URL``, the profile's
+    ``endpoint_url``, else ``aws:<region>``), as the ledger names it."""
+    from gdskit.engine.objects.store import endpoint_now
+    return endpoint_now().name
+
+
 def open_object_stream(url: str) -> Any:
     """The object at ``url`` as a buffered, seekable binary stream of ranged GETs (for readers
     that take a file object)."""
@@ -290,7 +297,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "open_object_stream",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,
