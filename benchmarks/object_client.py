@@ -116,6 +116,18 @@ def botocore_readinto_fetch(endpoint: str, bucket: str, key: str):
     return fetch
 
 
+def gdskit_read(endpoint: str, bucket: str, key: str, size: int, part: int, workers: int, out: np.ndarray) -> float:
+    """gdskit itself: ``gdskit.open("s3://...").read`` into host memory with these settings."""
+    import gdskit
+
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    with gdskit.settings.set(s3_part_size=part, s3_concurrency=workers), gdskit.open(f"s3://{bucket}/{key}") as f:
+        t0 = time.perf_counter()
+        f.read(out)
+        return time.perf_counter() - t0
+
+
 def crt_read(endpoint: str, bucket: str, key: str, size: int, part: int, workers: int, out: np.ndarray) -> float:
     """The AWS CRT's S3 client: one GET meta-request it splits into ranged parts itself."""
     from awscrt.auth import AwsCredentialsProvider
@@ -147,7 +159,7 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--parts", default="8,16,32")
     ap.add_argument("--concurrency", default="4,8,16")
-    ap.add_argument("--clients", default="obstore,boto3,botocore-readinto,crt")
+    ap.add_argument("--clients", default="obstore,boto3,botocore-readinto,crt,gdskit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     size = args.size_mib * MIB
@@ -169,7 +181,9 @@ def main() -> None:
                 for workers in (int(c) for c in args.concurrency.split(",")):
                     out[:] = 0
                     cpu0 = time.process_time()
-                    if client == "crt":
+                    if client == "gdskit":
+                        elapsed = gdskit_read(endpoint, "bench", "obj", size, part, workers, out)
+                    elif client == "crt":
                         try:
                             elapsed = crt_read(endpoint, "bench", "obj", size, part, workers, out)
                         except Exception as exc:  # noqa: BLE001 - reported as a row
