@@ -157,3 +157,12 @@ def test_torch_load_of_an_object_equals_torch_own(s3, tmp_path):
         assert get(got).dtype == get(want).dtype and torch.equal(get(got), get(want))
     with pytest.raises(FileNotFoundError):
         gtorch.load(s3.url("missing.pt"))
+
+
+def test_safe_open_of_an_object_reads_tensors_and_slices(s3, tmp_path):
+    local = _upload_file(s3, tmp_path, "so.safetensors", _tensors(5))
+    want = st_torch.load_file(local)
+    with gst.safe_open(s3.url("so.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(want)
+        assert torch.equal(f.get_tensor("layer5.w"), want["layer5.w"])
+        assert torch.equal(f.get_slice("layer5.w")[10:20, 3:7], want["layer5.w"][10:20, 3:7])

@@ -190,3 +190,18 @@ def test_writer_never_closed_publishes_nothing(s3, small_parts):
     f.write(os.urandom(11 * MiB))
     f.abort()
     assert s3.keys() == [] and s3.pending_uploads() == []
+
+
+@pytest.mark.parametrize("variable, value", [("GDSKIT_S3_PART_SIZE", "1MiB"), ("GDSKIT_S3_CONCURRENCY", "0"),
+                                             ("GDSKIT_S3_MAX_RETRIES", "-1"), ("GDSKIT_S3_BACKOFF", "nan")])
+def test_invalid_s3_variables_are_named(variable, value):
+    import subprocess
+    import sys
+
+    code = ("import gdskit\nfrom gdskit.errors import EnvironmentVariableError\n"
+            "try:\n    gdskit.settings.check_environment()\nexcept EnvironmentVariableError as e:\n"
+            "    print(e.variable)\n")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, variable: value, "PYTHONPATH": src})
+    assert out.stdout.strip() == variable
