@@ -237,10 +237,10 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
     """Every third file takes the general path (its read split in two routes) between packed
     ones: both take the lane's stages in turn, and the stand-in checks no stage is refilled
     while a copy from it is queued."""
-    import gdskit.engine.many_files as mf
-    from gdskit.engine.backend_choice import BackendChoice, BackendKind
+    import gdskit.engine.read_route as read_route
+    from gdskit.engine.read_route import BackendChoice, BackendKind
 
-    real = mf.plan_routes
+    real = read_route.choose_backends
     calls = []
 
     def split_every_third(f, view, size, file_offset, buf_offset, cfg):
@@ -252,7 +252,7 @@ def test_packed_files_and_general_ones_share_the_lane_without_overwriting_a_stag
         return [BackendChoice(BackendKind.BOUNCE, routes[0].reason, file_offset, buf_offset, half),
                 BackendChoice(BackendKind.BOUNCE, routes[0].reason, file_offset + half, buf_offset + half, size - half)]
 
-    monkeypatch.setattr(mf, "plan_routes", split_every_third)
+    monkeypatch.setattr(read_route, "choose_backends", split_every_third)
     files = _files(tmp_path, [3000 + 977 * (i % 23) for i in range(120)], seed=5)
     dests = [cuda.DeviceArray(len(d)) for _p, d in files]
     with gdskit.settings.set(chunk_size="64KiB", threads=4):

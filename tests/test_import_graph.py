@@ -217,8 +217,8 @@ def test_checker_finds_a_core_module_reaching_up(tmp_path):
 
 def test_the_graph_covers_gdskit():
     graph = import_graph()
-    assert "gdskit.engine.backend_choice" in graph["gdskit.engine.file"]
-    assert "gdskit.engine.backends.base" in graph["gdskit.engine.backend_choice"]
+    assert "gdskit.engine.read_route" in graph["gdskit.engine.file"]
+    assert "gdskit.engine.backends.base" in graph["gdskit.engine.read_route"]
     assert len(graph) > 80
 
 

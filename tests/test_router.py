@@ -14,7 +14,7 @@ from gdskit.engine.buffers import BufferView
 from gdskit.engine.cuda import MemoryKind
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
 from gdskit.machine.root import SystemRoot
-from gdskit.engine.backend_choice import plan_routes
+from gdskit.engine.read_route import choose_backends
 from gdskit.vocabulary import Path, Reason
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "check")
@@ -59,7 +59,7 @@ def direct_machine(monkeypatch, route_is, tmp_path):
 def _routes(of, buf, size, foff, boff=0, **settings):
     with gdskit.settings.set(**settings) as cfg:
         return [(r.backend, r.reason, r.file_offset, r.buf_offset, r.size)
-                for r in plan_routes(of, buf, size, foff, boff, cfg.snapshot())]
+                for r in choose_backends(of, buf, size, foff, boff, cfg.snapshot())]
 
 
 def test_aligned_device_request_goes_to_cufile(open_file, direct_machine):

@@ -234,3 +234,29 @@ def test_a_driver_that_cannot_name_the_gpus_addresses_leaves_reads_unrouted(tmp_
     path, data = _file(tmp_path, 1 << 20)
     got, delta, _ = _read(path, 0, len(data))
     assert got == data and delta.routed == () and machine.calls["cuDeviceGetPCIBusId"] == 2
+
+
+def test_one_route_carries_the_backends_and_the_gpu_the_read_goes_through(tmp_path, direct, machine):
+    """``read_route.route_read`` is the one question: the far GPU's read is routed through GPU 1
+    with its direct pieces; the near GPU's read and a write are not routed; the answer is frozen."""
+    import dataclasses
+
+    from gdskit.engine import read_route
+    from gdskit.engine.buffers import adapt
+    from gdskit.engine.read_route import BackendKind
+
+    path, data = _file(tmp_path, 1 << 20)
+    bufs = [cuda.DeviceArray(len(data), g) for g in (0, 1)]
+    with gdskit.settings.set(**SMALL), gdskit.open(path) as f:
+        cfg = gdskit.settings.snapshot()
+        far, near = (read_route.route_read(f._of, adapt(b), len(data), 0, 0, cfg) for b in bufs)
+        write = read_route.route_read(f._of, adapt(bufs[0]), len(data), 0, 0, cfg, other_gpu=False)
+    assert far.through_other_gpu and far.via.via == 1 and far.via.target == 0
+    assert near.via is None and write.via is None
+    for route in (far, near, write):
+        assert [p.backend for p in route.pieces] == [BackendKind.CUFILE] and route.uses_cufile
+        assert route.bounce_reason is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        far.via = None  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        far.pieces[0].size = 0  # type: ignore[misc]

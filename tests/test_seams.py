@@ -20,7 +20,7 @@ def test_an_override_holds_for_every_part_of_gdskit_until_it_ends():
     with direct_path.override(NVFS) as route:
         assert route is NVFS
         # The router and the cuFile backend ask the same question and get the same answer.
-        assert gdskit.engine.backend_choice.direct_route() is NVFS and cufile_backend.direct_route() is NVFS
+        assert gdskit.engine.read_route.direct_route() is NVFS and cufile_backend.direct_route() is NVFS
         with direct_path.override(NONE):
             assert direct_path.direct_route() is NONE
         assert direct_path.direct_route() is NVFS

@@ -1,8 +1,11 @@
-"""``auto`` mode: choose a backend for each request and say why.
+"""The route of a read or write: which backend serves each of its pieces and why, and whether a
+read into GPU memory goes through another GPU. The one place both are decided
+(:func:`route_read`); one type (:class:`ReadRoute`) carries the answer.
 
-The decision is recorded in the ledger as the request's reason, in the words
-of :class:`gdskit.Reason`. Only device memory (cudaMalloc-style) is ever sent
-to cuFile; managed and host memory never are.
+The backend of each piece is recorded in the ledger as the request's reason, in the words of
+:class:`gdskit.Reason`. Only device memory (cudaMalloc-style) is ever sent to cuFile; managed and
+host memory never are. Whether to pass through another GPU is :mod:`gdskit.engine.gpu_routing`'s
+rule, asked here with what the backends decided (only a direct read is routed in ``auto``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from gdskit.engine.backends.base import OpenFile
 from gdskit.engine.buffers import BufferView
 from gdskit.engine.cuda import MemoryKind
 from gdskit.engine.direct_path import direct_route
+from gdskit.engine.gpu_routing import RouteDecision, route_for_read
 from gdskit.errors import DirectPathUnavailable, InvalidArgumentError
 from gdskit.engine.plan import split_aligned
 from gdskit.settings import Settings
@@ -32,7 +36,7 @@ class BackendKind(str, enum.Enum):
         return self.value
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class BackendChoice:
     """Where one piece of a request goes: which backend serves it, and why (the ledger's reason)."""
 
@@ -41,6 +45,44 @@ class BackendChoice:
     file_offset: int
     buf_offset: int
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRoute:
+    """How one request goes: its pieces, each with its backend and reason, in file order; and
+    ``via``, the decision to read it through another GPU (:mod:`gdskit.engine.via_gpu` moves those
+    bytes, and the pieces are then routed again for the GPU it names), or None to read it here."""
+
+    pieces: tuple[BackendChoice, ...]
+    via: RouteDecision | None = None
+
+    @property
+    def through_other_gpu(self) -> bool:
+        return self.via is not None
+
+    @property
+    def uses_cufile(self) -> bool:
+        return any(p.backend is BackendKind.CUFILE for p in self.pieces)
+
+    @property
+    def bounce_reason(self) -> Reason | None:
+        """The reason where the whole request is one piece through the bounce ring, read here; else None."""
+        if self.via is None and len(self.pieces) == 1 and self.pieces[0].backend is BackendKind.BOUNCE:
+            return self.pieces[0].reason
+        return None
+
+
+def route_read(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int, cfg: Settings, *,
+               other_gpu: bool = True) -> ReadRoute:
+    """The route of one request of ``size`` bytes at ``file_offset`` of ``f`` into (or from) ``buf``
+    at ``buf_offset``. ``other_gpu``: whether it may go through another GPU (reads only; False
+    for writes, stream-ordered I/O and the staged part of a read already routed). Raises when a
+    forced mode cannot serve it."""
+    route = ReadRoute(tuple(choose_backends(f, buf, size, file_offset, buf_offset, cfg)))
+    if not other_gpu or not buf.on_device:
+        return route
+    decision = route_for_read(f, buf, route.uses_cufile, cfg.routing)
+    return ReadRoute(route.pieces, decision) if decision is not None and decision.routed else route
 
 
 def host_reason() -> Reason:
@@ -77,9 +119,9 @@ def _no_direct_route() -> Reason | None:
     return (route.reason or Reason.NVIDIA_FS_MISSING) if route.route is None else None
 
 
-def plan_routes(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,
-                cfg: Settings) -> list[BackendChoice]:
-    """Split and route one request. Raises when a forced mode cannot serve it."""
+def choose_backends(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_offset: int,
+                    cfg: Settings) -> list[BackendChoice]:
+    """Split one request into pieces and choose each piece's backend (see :func:`route_read`)."""
     whole = (file_offset, buf_offset, size)
     if not buf.on_device:
         return [BackendChoice(BackendKind.HOST, host_reason(), *whole)]
