@@ -464,7 +464,8 @@ class _ZipLoad:
                  progress: ProgressArg) -> None:
         self.torch, self.archive, self.target, self.progress = torch, archive, target, progress
         self.path, self.where = source.path, source.where
-        self.cache: dict[Any, Any] = {}              # key -> typed storage, as torch.load keeps them
+        # torch.load shares only storages with memory (not empty or meta ones)
+        self.persistent_load = archive.persistent_loader(self._typed_storage, lambda _rec, typed: typed._data_ptr() != 0)
         self.pending: list[tuple[Any, StorageRecord]] = []   # storages read after the unpickle
         self.ahead: _ReadAhead | None = None
         self._file: Any = None                       # for storages read one by one
@@ -493,21 +494,8 @@ class _ZipLoad:
             return result, stats_delta(before, stats())
         return result
 
-    def persistent_load(self, saved_id: Any) -> Any:
-        torch = self.torch
-        identified = self.archive.identify(saved_id)
-        try:
-            hit = self.cache.get(identified[0])
-        except TypeError:
-            raise FormatError(f"{self.where}: a storage key of the pickle is not hashable") from None
-        if hit is not None:
-            return hit
-        rec = self.archive.resolve(saved_id, identified)
-        storage = self._storage(rec)
-        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-        if typed._data_ptr() != 0:  # torch.load shares only storages with memory (not empty or meta ones)
-            self.cache[rec.key] = typed
-        return typed
+    def _typed_storage(self, rec: StorageRecord) -> Any:
+        return self.torch.storage.TypedStorage(wrap_storage=self._storage(rec), dtype=rec.dtype, _internal=True)
 
     def _storage(self, rec: StorageRecord) -> Any:
         """The storage of record ``rec`` on its device: read now, queued, or being read ahead."""

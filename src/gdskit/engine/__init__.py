@@ -15,7 +15,7 @@ Call order, for a loader:
    recorded come in through :func:`add_ledger_rows`.
 
 Inside, a request goes ``File`` -> :mod:`~gdskit.engine.plan` (chunks) ->
-:mod:`~gdskit.engine.backend_choice` (which backend serves each piece, and why) ->
+:mod:`~gdskit.engine.read_route` (which backend serves each piece, and why) ->
 :mod:`~gdskit.engine.gpu_routing` (through which GPU) -> a backend (``engine/backends/``) on the
 worker pool's pinned lanes (:mod:`~gdskit.engine.pool`) -> :mod:`~gdskit.engine.ledger`.
 

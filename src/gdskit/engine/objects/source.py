@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gdskit.engine.cuda as cuda
-from gdskit.engine.backend_choice import object_reason
+from gdskit.engine.read_route import object_reason
 from gdskit.engine.buffers import BufferView, adapt
 from gdskit.engine.ledger import ledger
 from gdskit.engine.objects.store import Bucket, ObjectMeta, bucket_for
