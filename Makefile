@@ -20,7 +20,7 @@ $(CORE_STAMP): pyproject.toml
 # where a plain `torch` would pull a multi-GB CUDA build.
 $(TEST_STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch
-	$(PY) -m pip install -q -e ".[torch,plot,test,prometheus]"
+	$(PY) -m pip install -q -e ".[torch,plot,test,prometheus,s3]"
 	touch $@
 
 venv: $(CORE_STAMP)

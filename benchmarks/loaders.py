@@ -257,7 +257,7 @@ def _instrument_gdskit() -> dict:
     import gdskit
     import gdskit.engine.direct_path
     import gdskit.safetensors
-    from gdskit.engine import pool, backend_choice
+    from gdskit.engine import pool
     from gdskit.formats import into_exec, safetensors_format, shard_index, torch_io
 
     t = {"header_s": 0.0, "alloc_s": 0.0, "allocs": 0, "submit_s": 0.0, "reads": 0, "execute_s": 0.0,
@@ -291,7 +291,7 @@ def _instrument_gdskit() -> dict:
     concurrent.futures.Future.result = timed(concurrent.futures.Future.result, "wait_s", main_only=True)
     pool.prepare = timed(pool.prepare, "ring_s")
     route = timed(gdskit.engine.direct_path.direct_route, "route_s")  # once a process; cached after
-    gdskit.engine.direct_path.direct_route = backend_choice.direct_route = route
+    gdskit.engine.direct_path.direct_route = read_route.direct_route = route
     # Into existing tensors: the checks before the first read, the reads, the version counters.
     shard_index.index_checkpoint = timed(shard_index.index_checkpoint, "index_s")
     for name, key in (("target_tensors", "targets_s"), ("describe", "describe_s"), ("plan_into", "pair_s"),

@@ -13,7 +13,8 @@
 # them again on exit. `gdskit check` diagnoses the real problem (mount /run/udev).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+# src/, the stand-ins and the shared test helpers (as pyproject.toml gives pytest), for any command.
+export PYTHONPATH="$PWD/src:$PWD/tests/stand_ins:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
 created=()

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_torch)
 
 
-# -- the stand-in CUDA driver and libcufile (tests/fake_cuda.py, tests/fake_cufile.py) --------------
+# -- the stand-in CUDA driver and libcufile (tests/stand_ins/fake_cuda.py, tests/stand_ins/fake_cufile.py) --------------
 
 _STAND_INS: list = []  # the stand-in drivers in use now (each test checks they saw no breach)
 

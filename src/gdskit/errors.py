@@ -70,6 +70,21 @@ class GdskitPermissionError(GdskitIOError, PermissionError):
     """The file cannot be opened with the requested access."""
 
 
+class ObjectStoreError(GdskitIOError):
+    """An object store (``s3://``) request failed for good: the endpoint unreachable, or throttled
+    or cut off past ``settings.s3_max_retries`` retries. ``filename`` is the object's URL."""
+
+
+class ObjectChangedError(ObjectStoreError):
+    """An object changed while it was read (its ETag is not the one its first request saw) or
+    held fewer bytes than it said: the read stops rather than mix two versions' bytes."""
+
+
+class NoCredentialsError(GdskitPermissionError):
+    """No credentials were found for an object store: neither the ``AWS_*`` environment variables,
+    nor a profile in the AWS config files, nor a container or instance role."""
+
+
 class NoSpaceError(GdskitIOError):
     """The filesystem is full (ENOSPC) or the quota is exceeded (EDQUOT)."""
 

@@ -95,7 +95,25 @@ _ACCEPTS = {
     "cufile_stats": "1, 0, true, false, yes, no, on or off",
     "stats_level": "0, 1, 2 or 3 (on, yes, true: 1; off, no, false: 0)",
     "stats_interval": "seconds from 0.05 to 3600",
+    "s3_part_size": "a size from 5 MiB to 5 GiB, e.g. 64MiB",
+    "s3_concurrency": "a whole number from 1 to 256",
+    "s3_max_retries": "a whole number from 0 to 100",
+    "s3_backoff": "seconds from 0.001 to 60",
 }
+
+
+#: Whole-number settings and their bounds (inclusive).
+_COUNTS = {"s3_concurrency": (1, 256), "s3_max_retries": (0, 100)}
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    n = int(value)
+    lo, hi = _COUNTS[name]
+    if not lo <= n <= hi:
+        raise ConfigError(f"{name} must be between {lo} and {hi}, got {n}")
+    return n
 
 
 def _default_threads() -> int:
@@ -150,6 +168,17 @@ class Settings:
         Whether a batch of small reads into host memory (:meth:`gdskit.File.read_batch`) is
         submitted through io_uring in one system call (``GDSKIT_IO_URING``): ``auto`` where
         the kernel offers it, ``never`` (one ``preadv`` per read).
+    s3_part_size : int
+        Bytes of one ranged GET from an object store, and of one part of a multipart upload
+        (``GDSKIT_S3_PART_SIZE``); 5 MiB to 5 GiB, S3's limits on a part.
+    s3_concurrency : int
+        Ranged GETs (or part uploads) of one request in flight at once (``GDSKIT_S3_CONCURRENCY``).
+    s3_max_retries : int
+        Retries of one GET after throttling (503 SlowDown), a server error or a dropped
+        connection, before the read fails (``GDSKIT_S3_MAX_RETRIES``).
+    s3_backoff : float
+        Seconds before the first retry; each later one waits twice as long, with jitter, up to
+        64 times this (``GDSKIT_S3_BACKOFF``).
     """
 
     mode: Mode = Mode.AUTO
@@ -166,6 +195,10 @@ class Settings:
     routing: Routing = Routing.AUTO
     cufile_batch: CufileBatch = CufileBatch.AUTO
     io_uring: IoUring = IoUring.AUTO
+    s3_part_size: int = 64 * MiB
+    s3_concurrency: int = 16
+    s3_max_retries: int = 5
+    s3_backoff: float = 0.1
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -200,6 +233,13 @@ class Settings:
                 if n < 1 or n > 1024:
                     raise ConfigError(f"threads must be between 1 and 1024, got {n}")
                 return n
+            if name in _COUNTS:
+                return _count(name, value)
+            if name == "s3_backoff":
+                seconds = float(value)
+                if not 0.001 <= seconds <= 60:  # also refuses nan
+                    raise ConfigError(f"s3_backoff must be between 0.001 and 60 seconds, got {value!r}")
+                return seconds
             size = parse_size(value)
         except ConfigError:
             raise
@@ -211,6 +251,8 @@ class Settings:
             raise ConfigError(f"chunk_size must be a multiple of 4 KiB and >= 64 KiB, got {size}")
         if name == "pinned_budget" and size < 1 * MiB:
             raise ConfigError(f"pinned_budget must be at least 1 MiB, got {size}")
+        if name == "s3_part_size" and not 5 * MiB <= size <= 5 * GiB:
+            raise ConfigError(f"s3_part_size must be between 5 MiB and 5 GiB, got {size}")
         if name == "direct_threshold" and size < 0:
             raise ConfigError("direct_threshold must be >= 0")
         return size

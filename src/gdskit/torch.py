@@ -33,7 +33,7 @@ from gdskit.errors import (ConfigError, DeviceUnavailableError, FormatError, Gds
 from gdskit.formats import read_plan, require_torch, weights_pickle
 from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.engine import open_file, stats, stats_delta
+from gdskit.engine import is_object_url, open_file, open_object_stream, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
@@ -417,6 +417,10 @@ def _regular_fd(f: Any) -> int | None:
 def _file_kind(path: str) -> tuple[str, int]:
     """``"zip"`` (torch.save since 1.6), ``"legacy"`` (older pickle stream) or ``"other"``, and
     the file's size (opened as the engine opens files: a FIFO is refused, never waited on)."""
+    if is_object_url(path):
+        with open_file(path) as obj:
+            head = bytearray(4)
+            return _kind_of(bytes(head[:obj.read(head)])), obj.size
     fd, st = open_file_fd(path, os.O_RDONLY)
     try:
         head = os.pread(fd, 4, 0)
@@ -458,8 +462,16 @@ def _load(f: Any, map_location: MapLocation, weights_only: bool, mmap: bool | No
                                    "check this file with verify='sha256:<hex>'")
     if kind == "legacy":
         return _fallback(torch, source, map_location, weights_only, mmap, return_stats)
-    archive = StorageRecords.open(torch, source.path if source.path is not None else source.stream,
-                                  archive_size, source.where)
+    # An object's archive is read by torch's reader through a stream of ranged GETs; its storages
+    # through the engine by URL, as a file's by path.
+    directory = open_object_stream(source.path) if is_object_url(source.path) else None
+    try:
+        archive = StorageRecords.open(torch, source.path if source.path is not None and directory is None
+                                      else directory or source.stream, archive_size, source.where)
+    except BaseException:
+        if directory is not None:
+            directory.close()
+        raise
     try:
         if archive.not_ours() is not None:
             if expectation is not None:
@@ -472,6 +484,8 @@ def _load(f: Any, map_location: MapLocation, weights_only: bool, mmap: bool | No
             weights_only, return_stats)
     finally:
         archive.close()  # whatever an error's traceback keeps alive, the file is closed now
+        if directory is not None:
+            directory.close()
 
 
 class _ZipLoad:
@@ -495,7 +509,8 @@ class _ZipLoad:
         self.expectation = expectation
         self.read_records: dict[str, tuple[StorageRecord, Any]] = {}  # with verify: each record's storage
         self.path, self.where = source.path, source.where
-        self.cache: dict[Any, Any] = {}              # key -> typed storage, as torch.load keeps them
+        # torch.load shares only storages with memory (not empty or meta ones)
+        self.persistent_load = archive.persistent_loader(self._typed_storage, lambda _rec, typed: typed._data_ptr() != 0)
         self.pending: list[tuple[Any, StorageRecord]] = []   # storages read after the unpickle
         self.ahead: _ReadAhead | None = None
         self._file: Any = None                       # for storages read one by one
@@ -535,23 +550,11 @@ class _ZipLoad:
         check_loaded(self.expectation, named,
                      {name: (rec.offset, rec.offset + rec.nbytes) for name, (rec, _s) in self.read_records.items()})
 
-    def persistent_load(self, saved_id: Any) -> Any:
-        torch = self.torch
-        identified = self.archive.identify(saved_id)
-        try:
-            hit = self.cache.get(identified[0])
-        except TypeError:
-            raise FormatError(f"{self.where}: a storage key of the pickle is not hashable") from None
-        if hit is not None:
-            return hit
-        rec = self.archive.resolve(saved_id, identified)
+    def _typed_storage(self, rec: StorageRecord) -> Any:
         storage = self._storage(rec)
         if self.expectation is not None:
             self.read_records[rec.name] = (rec, storage)
-        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-        if typed._data_ptr() != 0:  # torch.load shares only storages with memory (not empty or meta ones)
-            self.cache[rec.key] = typed
-        return typed
+        return self.torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
 
     def _storage(self, rec: StorageRecord) -> Any:
         """The storage of record ``rec`` on its device: read now, queued, or being read ahead."""
@@ -808,8 +811,9 @@ def _fallback(torch: Any, source: _Source, map_location: MapLocation, weights_on
     given what the caller gave (a stream from where the checkpoint starts)."""
     where = source.where
     source.rewind()
+    given = open_object_stream(source.path) if is_object_url(source.path) else source.given
     try:
-        out = torch.load(source.given, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        out = torch.load(given, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if weights_only:
             raise UnsafeCheckpointError(f"{where}: {exc}") from None
@@ -820,6 +824,9 @@ def _fallback(torch: Any, source: _Source, map_location: MapLocation, weights_on
         raise
     except Exception as exc:  # whatever torch.load's reading of a damaged file raises
         raise FormatError(f"{where}: torch.load cannot read it: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if given is not source.given:
+            given.close()
     return (out, None) if return_stats else out
 
 

@@ -20,6 +20,7 @@ class Path(str, enum.Enum):
     BOUNCE_DIRECT = "bounce-direct"    # O_DIRECT read/write through gdskit's pinned ring
     HOST = "host"                      # the memory was host memory: no GPU involved
     PEER = "peer"                      # arrived from another rank of a process group, not from storage
+    OBJECT = "object"                  # ranged GETs (or multipart PUTs) of an object store (s3://)
 
     def __str__(self) -> str:
         return self.value
@@ -62,6 +63,7 @@ class Reason(str, enum.Enum):
     RAID_OR_MULTIPATH = "raid_or_multipath"
     CUFILE_COMPAT_OBSERVED = "cufile_compat_observed"  # cuFile's own counters showed POSIX I/O
     FAN_OUT = "fan_out"                        # path peer: another rank of the group read these bytes
+    OBJECT_STORE = "object_store"              # path object into GPU memory: an object store's bytes cross host memory
 
     def __str__(self) -> str:
         return self.value

@@ -264,7 +264,8 @@ def render_routes(table: Any, console: Any) -> None:
 
 def check(
     paths: Optional[list[str]] = typer.Argument(  # noqa: UP007 (typer needs Optional on 3.10)
-        None, help="Files or directories whose mounts to check (default: every local and network filesystem)."),
+        None, help="Files or directories whose mounts to check (default: every local and network filesystem), "
+                   "or object URLs (s3://bucket/prefix/: the store, the credentials and one 64 MiB GET)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (schema in docs/check.md)."),
     require: Optional[Requirement] = typer.Option(  # noqa: UP007
         None, "--require", help="Exit 1 unless every checked mount is 'direct' (or at least 'compat')."),
@@ -284,6 +285,9 @@ def check(
     from gdskit.errors import GdskitError
     from gdskit.probe import run_check
 
+    urls = [p for p in paths or () if "://" in p]
+    if urls:
+        _check_objects(urls, len(urls) != len(paths or ()), as_json)
     try:
         report = run_check(paths or None, root=root, require=require.value if require else None,
                            probe=probe, odirect=not no_odirect)
@@ -297,6 +301,34 @@ def check(
 
         render(report, Console())
     raise typer.Exit(report.exit_code)
+
+
+def _check_objects(urls: list[str], mixed: bool, as_json: bool) -> None:
+    """``gdskit check s3://bucket/prefix ...``: each store's answer, credentials and one GET's rate.
+    Exit status 0 where every URL checked out, 1 where one did not, 2 for bad arguments."""
+    from gdskit.engine import is_object_url
+    from gdskit.probe.objects import check_object_store
+
+    bad = [u for u in urls if not is_object_url(u)]
+    if mixed or bad:
+        typer.echo("gdskit check: error: check object URLs (s3://bucket/prefix/) and local paths in separate runs"
+                   if mixed else f"gdskit check: error: not an object URL: {bad[0]}", err=True)
+        raise typer.Exit(2)
+    results = [check_object_store(u) for u in urls]
+    if as_json:
+        sys.stdout.write(json.dumps({"objects": [r.to_dict() for r in results]}, indent=2) + "\n")
+    else:
+        for r in results:
+            rate = r.rate_bytes_s
+            typer.echo(f"{r.url}\n  endpoint     {r.endpoint} ({'reachable' if r.reachable else 'not reachable'})\n"
+                       f"  credentials  {r.credentials}\n"
+                       f"  objects      {'unknown' if r.objects is None else r.objects}")
+            if rate is not None:
+                typer.echo(f"  one GET      {format_size(r.probe_bytes)} of {r.probe_object} in "
+                           f"{r.probe_seconds:.3f} s: {rate / 1e6:.0f} MB/s")
+            if r.error:
+                typer.echo(f"  problem      {r.error}")
+    raise typer.Exit(0 if all(r.ok for r in results) else 1)
 
 
 def register(app: typer.Typer) -> None:

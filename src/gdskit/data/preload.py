@@ -16,8 +16,8 @@ from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
 from gdskit.engine import read_files as engine_read_files
 from gdskit.engine import read_whole_files as engine_read_whole_files
-from gdskit.engine import (first_page_cached, no_wait, start_warm_up, stats, stats_delta,
-                                    whole_file_limit, worker_threads)
+from gdskit.engine import (first_page_cached, is_object_url, no_wait, open_file, start_warm_up, stats,
+                           stats_delta, whole_file_limit, worker_threads)
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.verified import expectations, tensor_digests, verify_mode
@@ -37,13 +37,27 @@ def _layout_and_offset(src: Source, whole_file_ahead: int = 0) -> tuple[Layout, 
     """A file's tensor layout and where its bytes start: an ``.npy`` file's array, or all of any other file.
     A file of at most ``whole_file_ahead`` bytes is asked into the page cache whole meanwhile."""
     if not _is_npy(src):
-        if 0 < src.size <= whole_file_ahead:
+        if 0 < src.size <= whole_file_ahead and not is_object_url(src.path):
             _read_ahead(src)
         return Layout(torch.uint8, (src.size,)), 0
-    h, size = npy.read_header(src.path, whole_file_ahead=whole_file_ahead)
+    if is_object_url(src.path):
+        h, size = _object_npy_header(src), src.size
+    else:
+        h, size = npy.read_header(src.path, whole_file_ahead=whole_file_ahead)
     if size < h.data_offset + h.nbytes:
         raise TruncatedFileError(f"{src.path}: {size} bytes, but its header describes {h.data_offset + h.nbytes}")
     return from_numpy(h.dtype, h.shape, h.fortran_order), h.data_offset
+
+
+#: The first bytes of an ``.npy`` object read for its header (one ranged GET; a header longer
+#: than this is refused by :func:`gdskit.data.npy.header_of` as it would be cut short).
+OBJECT_NPY_HEAD = 64 << 10
+
+
+def _object_npy_header(src: Source) -> npy.NpyHeader:
+    with open_file(src.path) as obj:
+        head = bytearray(min(OBJECT_NPY_HEAD, src.size))
+        return npy.header_of(src.path, memoryview(head)[:obj.read(head)])
 
 
 def _read_ahead(src: Source) -> None:
@@ -207,8 +221,17 @@ def read_files(reads: list[tuple[FileReads, Any]], on_bytes: Callable[[int], Non
     A file shorter than it was when listed raises :class:`TruncatedFileError` (named).
     """
     jobs = [(r, view) for r, view in reads if r.items]
-    counts = engine_read_files([(r.source.path, [(view, n, off, bo) for n, off, bo in r.items])
-                                for r, view in jobs], on_bytes)
+    local = [k for k, (r, _view) in enumerate(jobs) if not is_object_url(r.source.path)]
+    counts: list[list[int]] = [[] for _ in jobs]
+    for k, got in zip(local, engine_read_files([(jobs[k][0].source.path, [(jobs[k][1], n, off, bo)
+                                                                          for n, off, bo in jobs[k][0].items])
+                                                for k in local], on_bytes)):
+        counts[k] = got
+    for k, (r, view) in enumerate(jobs):
+        if not is_object_url(r.source.path):
+            continue
+        with open_file(r.source.path) as obj:  # its parts' GETs in parallel (settings.s3_concurrency)
+            counts[k] = obj.read_many([(view, n, off, bo) for n, off, bo in r.items], on_bytes=on_bytes)
     for (r, _view), got in zip(jobs, counts):
         for (n, off, _bo), m in zip(r.items, got):
             if m != n:
@@ -263,7 +286,8 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     # Refused before any read; a manifest among the files is the reference, not checked itself.
     expect = expectations([s.path for s in sources if not _is_manifest(s)], mode) if mode.on else None
     whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" else 0
-    in_whole = [0 < whole_max and s.size <= whole_max for s in sources]
+    # Objects are read by ranged GETs (open_file), never through the whole-file reads of local files.
+    in_whole = [0 < whole_max and s.size <= whole_max and not is_object_url(s.path) for s in sources]
     whole = [s for s, w in zip(sources, in_whole) if w]
     rest = [s for s, w in zip(sources, in_whole) if not w]
     layouts, bad = _layouts(rest)  # the larger files' headers, checked before anything is read

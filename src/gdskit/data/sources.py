@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from stat import S_ISREG
 from typing import NamedTuple, Union
 
+from gdskit.engine import is_object_url, list_objects, open_file
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError, from_os_error
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -90,6 +91,8 @@ def _name_of(item: object) -> str:
 
 def _one(name: str, st: os.stat_result | None = None) -> list[Source]:
     """What one item names; ``st`` is its ``stat`` where the caller has made it."""
+    if is_object_url(name):
+        return _objects(name)
     try:
         if st is None:
             st = os.stat(name)
@@ -104,6 +107,19 @@ def _one(name: str, st: os.stat_result | None = None) -> list[Source]:
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgumentError(f"{name} is not a regular file")
     return [Source(name, name, st.st_size)]
+
+
+def _objects(url: str) -> list[Source]:
+    """An object (``s3://bucket/key``), or every object under a prefix (a URL ending in ``/``),
+    keyed as a directory's files are: by their key below the prefix."""
+    if not url.endswith("/"):
+        with open_file(url) as obj:
+            return [Source(url, url, obj.size)]
+    found = [Source(u[len(url):], u, size) for u, size in list_objects(url)
+             if not u.endswith("/")]  # "directory" markers some tools write hold no data
+    if not found:
+        raise GdskitFileNotFoundError(errno.ENOENT, "No object under this prefix", url)
+    return found
 
 
 def _glob(pattern: str) -> list[Source]:

@@ -15,7 +15,7 @@ Call order, for a loader:
    recorded come in through :func:`add_ledger_rows`.
 
 Inside, a request goes ``File`` -> :mod:`~gdskit.engine.plan` (chunks) ->
-:mod:`~gdskit.engine.backend_choice` (which backend serves each piece, and why) ->
+:mod:`~gdskit.engine.read_route` (which backend serves each piece, and why) ->
 :mod:`~gdskit.engine.gpu_routing` (through which GPU) -> a backend (``engine/backends/``) on the
 worker pool's pinned lanes (:mod:`~gdskit.engine.pool`) -> :mod:`~gdskit.engine.ledger`.
 
@@ -74,6 +74,45 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = F
     """Open ``path`` through the engine: a :class:`gdskit.File`."""
     from gdskit.engine.file import open as engine_open
     return engine_open(path, mode, atomic=atomic)
+
+
+def is_object_url(path: Any) -> bool:
+    """Whether ``path`` names an object in a store (``s3://bucket/key``) rather than a local file
+    (:func:`open_file` opens both)."""
+    from gdskit.engine.objects.url import is_object_url as is_url
+    return is_url(path)
+
+
+def list_objects(prefix: str) -> list[tuple[str, int]]:
+    """``(url, size)`` of every object under the URL ``prefix`` (``s3://bucket/dir/``), by key."""
+    from gdskit.engine.objects.store import bucket_for
+    from gdskit.engine.objects.url import parse_url
+    from gdskit.settings import settings
+
+    url = parse_url(prefix)
+    found = bucket_for(url).list(url.key, settings.snapshot())
+    return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
+
+
+def object_endpoint_name() -> str:
+    """The object store endpoint the environment names now (``AWS_ENDPOINT_URL``, the profile's
+    ``endpoint_url``, else ``aws:<region>``), as the ledger names it."""
+    from gdskit.engine.objects.store import endpoint_now
+    return endpoint_now().name
+
+
+def open_object_stream(url: str) -> Any:
+    """The object at ``url`` as a buffered, seekable binary stream of ranged GETs (for readers
+    that take a file object)."""
+    from gdskit.engine.objects.source import open_object_stream as open_stream
+    return open_stream(url)
+
+
+def forget_object_clients() -> None:
+    """Make the next object store request build its client anew, with the endpoint and credentials
+    the environment names then."""
+    from gdskit.engine.objects.store import forget_clients
+    forget_clients()
 
 
 def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
@@ -274,7 +313,8 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "open_object_stream", "object_endpoint_name",
+    "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,
     # the ledger

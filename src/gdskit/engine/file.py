@@ -27,8 +27,9 @@ from gdskit.errors import (
 from gdskit.engine.plan import nonnegative_int
 from gdskit.engine.pool import request_executor
 from gdskit.engine.via_gpu import read_routed
-from gdskit.engine.backend_choice import BackendKind, host_reason, plan_routes
-from gdskit.engine.gpu_routing import RouteDecision, route_for_read
+from gdskit.engine.gpu_routing import RouteDecision
+from gdskit.engine.objects.url import is_object_url
+from gdskit.engine.read_route import BackendKind, host_reason, route_read
 from gdskit.settings import settings
 from gdskit.vocabulary import Reason
 
@@ -286,19 +287,14 @@ class File:
         cfg = settings.snapshot()
         if not read_batch_as_one_job(cfg.cufile_batch, size, places):
             return False
-        routes = plan_routes(self._of, view, size, offsets[0], places[0], cfg)
-        return any(r.backend == BackendKind.CUFILE for r in routes)
+        return route_read(self._of, view, size, offsets[0], places[0], cfg, other_gpu=False).uses_cufile
 
     def _batch_bounce_reason(self, view: BufferView, size: int, file_offset: int, buf_offset: int) -> Reason | None:
         """The reason every read of a batch into device memory takes the bounce ring, where the
         route of its first read says so for all of them (every reason but ``unaligned`` is the
         same for reads of one size into one buffer); else None (each read is routed alone)."""
-        cfg = settings.snapshot()
-        routes = plan_routes(self._of, view, size, file_offset, buf_offset, cfg)
-        if len(routes) != 1 or routes[0].backend != BackendKind.BOUNCE or routes[0].reason is Reason.UNALIGNED:
-            return None
-        decision = route_for_read(self._of, view, False, cfg.routing)
-        return None if decision is not None and decision.routed else routes[0].reason
+        reason = route_read(self._of, view, size, file_offset, buf_offset, settings.snapshot()).bounce_reason
+        return None if reason is Reason.UNALIGNED else reason
 
     def read_many(self, reads: Iterable[tuple[Any, ...]], *,
                   on_bytes: Callable[[int], None] | None = None) -> list[int]:
@@ -554,9 +550,9 @@ class File:
         _wait_for_producer(view)
         cfg = settings.snapshot()
         total = 0
-        for route in plan_routes(self._of, view, size, file_offset, buf_offset, cfg):
-            total += backend(route.backend).write(self._of, Request(op, view, route.size, route.file_offset,
-                                                                    route.buf_offset, route.reason))
+        for piece in route_read(self._of, view, size, file_offset, buf_offset, cfg, other_gpu=False).pieces:
+            total += backend(piece.backend).write(self._of, Request(op, view, piece.size, piece.file_offset,
+                                                                    piece.buf_offset, piece.reason))
         return total
 
     def _validate_many(self, reads: Iterable[tuple[Any, ...]]) -> list[tuple[BufferView, int, int, int]]:
@@ -590,15 +586,12 @@ class File:
                 pieces[i].append(len(reqs) - 1)
                 continue
             _wait_for_producer(view, synced)
-            routes = plan_routes(self._of, view, size, file_offset, buf_offset, cfg)
-            if route:
-                decision = route_for_read(self._of, view, any(r.backend == BackendKind.CUFILE for r in routes),
-                                          cfg.routing)
-                if decision is not None and decision.routed:
-                    routed.setdefault(decision, []).append(i)
-                    continue
-            for r in routes:
-                reqs.append((r.backend, Request("read", view, r.size, r.file_offset, r.buf_offset, r.reason)))
+            found = route_read(self._of, view, size, file_offset, buf_offset, cfg, other_gpu=route)
+            if found.via is not None:
+                routed.setdefault(found.via, []).append(i)
+                continue
+            for p in found.pieces:
+                reqs.append((p.backend, Request("read", view, p.size, p.file_offset, p.buf_offset, p.reason)))
                 pieces[i].append(len(reqs) - 1)
         if len(items) == 1 and len(reqs) == 1 and not routed:  # one piece (most reads): no jobs to gather
             name, req = reqs[0]
@@ -608,7 +601,7 @@ class File:
         # the pieces of all items share the workers instead of being read one after another.
         jobs: dict[tuple[str, Any], list[int]] = {}
         for k, (name, req) in enumerate(reqs):
-            jobs.setdefault((name, req.buf.device if name == BackendKind.BOUNCE else None), []).append(k)
+            jobs.setdefault((name, req.buf.device if name is BackendKind.BOUNCE else None), []).append(k)
         for (name, _device), ks in jobs.items():
             for k, n in zip(ks, backend(name).read_many(self._of, [reqs[k][1] for k in ks], on_bytes)):
                 counts[k] = n
@@ -700,6 +693,10 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
     Parameters
     ----------
     path : str or PathLike
+        A local file, or an object URL (``s3://bucket/key``): then an
+        :class:`~gdskit.engine.objects.source.ObjectFile` with the same read methods, opened with
+        ``"r"`` or ``"w"`` (written whole, as a multipart upload completed at close;
+        docs/object-storage.md).
     mode : {"r", "w", "r+", "a"}
         As for Python's ``open``, but always binary and always positional:
         ``"w"`` truncates, ``"a"`` appends when ``file_offset`` is left unset.
@@ -708,6 +705,10 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
         :meth:`File.close`, fsync it, rename it over ``path`` and fsync the
         directory. On error (or :meth:`File.abort`) ``path`` is left untouched.
     """
+    if is_object_url(path):
+        from gdskit.engine.objects.source import open_object  # noqa: PLC0415 - import time: the client loads with it
+
+        return open_object(os.fspath(path), mode, atomic=atomic)  # type: ignore[return-value]
     return File(path, mode, atomic=atomic)
 
 

@@ -145,6 +145,37 @@ class PeerEntry:
         return cls(int(d["source_rank"]), str(d["backend"]), int(d["bytes"]), int(d["ops"]), float(d["busy_s"]))
 
 
+@dataclass(frozen=True)
+class ObjectEntry:
+    """Requests to one object store endpoint (path ``object``): ``ops`` requests sent (GETs for
+    reads; part uploads and the like for writes), ``retries`` of them sent again after throttling,
+    a server error or a dropped connection; ``bytes`` moved by the ones that succeeded."""
+
+    endpoint: str
+    op: str
+    bytes: int
+    ops: int
+    retries: int
+    busy_s: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.endpoint, self.op)
+
+    def _combine(self, other: ObjectEntry, sign: int) -> ObjectEntry:
+        return ObjectEntry(self.endpoint, self.op, self.bytes + sign * other.bytes, self.ops + sign * other.ops,
+                           self.retries + sign * other.retries, self.busy_s + sign * other.busy_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "op": self.op, "bytes": self.bytes, "ops": self.ops,
+                "retries": self.retries, "busy_s": round(self.busy_s, 6)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ObjectEntry:
+        return cls(str(d["endpoint"]), str(d["op"]), int(d["bytes"]), int(d["ops"]), int(d["retries"]),
+                   float(d["busy_s"]))
+
+
 def _merge_rows(a: tuple[Any, ...], b: tuple[Any, ...], sign: int) -> tuple[Any, ...]:
     """``a + b`` or ``a - b`` row by row, for rows with ``key``, ``bytes``, ``ops`` and
     ``_combine`` (:class:`PeerEntry`, :class:`RoutedEntry`); a difference keeps only ``a``'s rows,
@@ -238,6 +269,7 @@ class Stats:
     are the same totals grouped by path and by reason. ``peers`` splits the bytes of
     path ``peer`` by the rank that sent them and the backend that carried them.
     ``routed`` lists the bytes that went through another GPU (``via_gpu``) on their way.
+    ``objects`` counts the requests (GETs, part uploads) and retries per object store endpoint.
     ``verified`` counts the bytes whose digests were checked after they landed: all of them,
     those hashed on a GPU, and the seconds the checks took (``gdskit.verify``).
     """
@@ -247,15 +279,17 @@ class Stats:
     reasons: dict[str, PathStats] = field(default_factory=dict)
     peers: tuple[PeerEntry, ...] = ()
     routed: tuple[RoutedEntry, ...] = ()
+    objects: tuple[ObjectEntry, ...] = ()
     verified: VerifiedStats = field(default_factory=lambda: VerifiedStats())
 
     @classmethod
     def from_entries(cls, entries: list[LedgerEntry], peers: tuple[PeerEntry, ...] = (),
-                     routed: tuple[RoutedEntry, ...] = (), verified: VerifiedStats | None = None) -> Stats:
+                     routed: tuple[RoutedEntry, ...] = (), objects: tuple[ObjectEntry, ...] = (),
+                     verified: VerifiedStats | None = None) -> Stats:
         entries = sorted((e for e in entries if e.ops or e.bytes or e.requests), key=lambda e: e.key)
         return cls(tuple(entries), _group(entries, "path"), _group(entries, "reason"),
                    _merge_rows((), tuple(peers), 1), _merge_rows((), tuple(routed), 1),
-                   verified if verified is not None else VerifiedStats())
+                   _merge_rows((), tuple(objects), 1), verified if verified is not None else VerifiedStats())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Stats:
@@ -264,6 +298,7 @@ class Stats:
         return cls.from_entries([LedgerEntry.from_dict(e) for e in d.get("entries", ())],
                                 tuple(PeerEntry.from_dict(p) for p in d.get("peers", ())),
                                 tuple(RoutedEntry.from_dict(r) for r in d.get("routed", ())),
+                                tuple(ObjectEntry.from_dict(o) for o in d.get("objects", ())),
                                 VerifiedStats.from_dict(d.get("verified") or {}))
 
     @property
@@ -309,14 +344,16 @@ class Stats:
             o = theirs.get(e.key)
             out.append(e if o is None else e - o)
         return Stats.from_entries(out, _merge_rows(self.peers, other.peers, -1),
-                                  _merge_rows(self.routed, other.routed, -1), self.verified - other.verified)
+                                  _merge_rows(self.routed, other.routed, -1),
+                                  _merge_rows(self.objects, other.objects, -1), self.verified - other.verified)
 
     def __add__(self, other: Stats) -> Stats:
         out = {e.key: e for e in self.entries}
         for e in other.entries:
             out[e.key] = out[e.key] + e if e.key in out else e
         return Stats.from_entries(list(out.values()), _merge_rows(self.peers, other.peers, 1),
-                                  _merge_rows(self.routed, other.routed, 1), self.verified + other.verified)
+                                  _merge_rows(self.routed, other.routed, 1),
+                                  _merge_rows(self.objects, other.objects, 1), self.verified + other.verified)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -332,6 +369,8 @@ class Stats:
         if self.routed:
             d["routed_bytes"] = self.routed_bytes
             d["routed"] = [r.to_dict() for r in self.routed]
+        if self.objects:
+            d["objects"] = [o.to_dict() for o in self.objects]
         if self.verified.checks:
             d["verified"] = self.verified.to_dict()
         return d
@@ -351,6 +390,9 @@ class Stats:
         for r in self.routed:
             lines.append(f"  {r.op:5s} {r.path:14s} {r.bytes / 2**20:12.1f} MiB {r.ops:8d} ops  "
                          f"for GPU {r.target_gpu} through GPU {r.via_gpu}")
+        for o in self.objects:
+            lines.append(f"  {o.op:5s} {'object':14s} {o.bytes / 2**20:12.1f} MiB {o.ops:8d} requests  "
+                         f"{o.retries} retried  at {o.endpoint}")
         v = self.verified
         if v.checks:
             lines.append(f"  verified {v.bytes / 2**20:.1f} MiB ({v.gpu_bytes / 2**20:.1f} MiB on a GPU) "
@@ -365,13 +407,15 @@ def _new_row() -> list[Any]:
 class _Shard:
     """One thread's rows: each thread adds to its own, so a record takes no lock."""
 
-    __slots__ = ("rows", "device_rows", "peer_rows", "routed_rows", "route", "records", "thread")
+    __slots__ = ("rows", "device_rows", "peer_rows", "routed_rows", "object_rows", "route", "records", "thread")
 
     def __init__(self, thread: threading.Thread | None) -> None:
         self.rows: dict[tuple[str, str, str], list[Any]] = defaultdict(_new_row)
         self.device_rows: dict[tuple[int, str, str], list[Any]] = defaultdict(_new_row)
         self.peer_rows: dict[tuple[int, str], list[Any]] = defaultdict(_new_row)  # (source rank, backend)
         self.routed_rows: dict[tuple[int, int, str, str], list[Any]] = defaultdict(_new_row)  # (via, target, path, op)
+        # (endpoint, op) -> bytes, requests, busy seconds, retries (the histogram's slot), {}
+        self.object_rows: dict[tuple[str, str], list[Any]] = defaultdict(_new_row)
         self.route: tuple[int, int] | None = None  # (via GPU, target GPU) while a routed read records
         self.records = 0
         self.thread = thread  # None: the rows of threads that have ended
@@ -424,6 +468,7 @@ class Ledger:
                     _add_rows(self._retired.device_rows, s.device_rows)
                     _add_rows(self._retired.peer_rows, s.peer_rows)
                     _add_rows(self._retired.routed_rows, s.routed_rows)
+                    _add_rows(self._retired.object_rows, s.object_rows)
                     self._retired.records += s.records
             live.append(shard)
             self._shards = live
@@ -518,6 +563,21 @@ class Ledger:
         row[2] += busy_s
         row[3] += ops
 
+    # -- object stores (gdskit.engine.objects) ---------------------------------------------------
+    def record_object(self, endpoint: str, op: str, nbytes: int, requests: int, retries: int, busy_s: float) -> None:
+        """Count requests to an object store ``endpoint``: ``requests`` sent, ``retries`` of them
+        again after a failure, ``nbytes`` moved (the bytes' path rows are recorded by the reader)."""
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._new_shard()
+        row = shard.object_rows[(str(endpoint), op)]
+        row[0] += nbytes
+        row[1] += requests
+        row[2] += busy_s
+        row[3] += retries
+        shard.records += 1
+
     def _merged(self, which: str) -> dict[tuple[Any, ...], list[Any]]:
         out: dict[tuple[Any, ...], list[Any]] = {}
         with self._lock:  # folding (in _new_shard) must not move rows while they are added up
@@ -532,9 +592,11 @@ class Ledger:
                       for (rank, backend), v in self._merged("peer_rows").items())
         routed = tuple(RoutedEntry(via, target, path, op, int(v[0]), int(v[1]), float(v[2]))
                        for (via, target, path, op), v in self._merged("routed_rows").items())
+        objects = tuple(ObjectEntry(endpoint, op, int(v[0]), int(v[1]), int(v[3]), float(v[2]))
+                        for (endpoint, op), v in self._merged("object_rows").items())
         with self._lock:
             verified = self._verified
-        return Stats.from_entries(entries, peers, routed, verified)
+        return Stats.from_entries(entries, peers, routed, objects, verified)
 
     def record_verified(self, nbytes: int, seconds: float, gpu_bytes: int = 0, checks: int = 1) -> None:
         """Count ``nbytes`` whose digests were checked (``gpu_bytes`` of them on a GPU) in ``seconds``."""
@@ -561,6 +623,7 @@ class Ledger:
                 shard.device_rows = defaultdict(_new_row)
                 shard.peer_rows = defaultdict(_new_row)
                 shard.routed_rows = defaultdict(_new_row)
+                shard.object_rows = defaultdict(_new_row)
             self._verified = VerifiedStats()
             self._resets += 1
 

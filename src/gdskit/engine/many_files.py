@@ -9,7 +9,7 @@ Here the chunks of every file are one list that the I/O workers share
 (:func:`gdskit.engine.pool.run_chunks`): each worker keeps its lane from one file to the next,
 files are opened by the worker that first needs them and closed once their last chunk is
 read (so at most about one file per worker is open), and big files are still striped
-across the workers. Each chunk is routed by the router (:func:`gdskit.engine.backend_choice.plan_routes`)
+across the workers. Each chunk is routed by the router (:func:`gdskit.engine.read_route.route_read`)
 like any request: the bounce ring's pieces are read into the worker's lane here, host
 memory and cuFile pieces (each one chunk of its backend, so it runs in the worker) go to
 their backends, and a read that routing sends through another GPU is left to the
@@ -35,8 +35,7 @@ from gdskit.engine.ledger import record_bounce_pieces
 from gdskit.engine.plan import Chunk, align_up, chunks, nonnegative_int
 from gdskit.engine.pool import LaneRef, lanes, run_chunks
 from gdskit.engine.residency import job_cached
-from gdskit.engine.backend_choice import BackendKind, host_reason, plan_routes
-from gdskit.engine.gpu_routing import route_for_read
+from gdskit.engine.read_route import BackendKind, host_reason, route_read
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Reason
 
@@ -295,15 +294,14 @@ def _worker(files: _Files, reads: list[list[_Read]], cfg: Settings,
                 on_bytes(out.nbytes)
             files.done(unit.file)
             return out
-        routes = plan_routes(f, r.view, ch.size, ch.file_offset, ch.buf_offset, cfg)
-        decision = route_for_read(f, r.view, any(rt.backend == BackendKind.CUFILE for rt in routes), cfg.routing)
-        if decision is not None and decision.routed:
+        route = route_read(f, r.view, ch.size, ch.file_offset, ch.buf_offset, cfg)
+        if route.through_other_gpu:
             out.deferred = True
             files.done(unit.file)
             return out
         out.bounce = []
-        for rt in routes:
-            if rt.backend == BackendKind.BOUNCE:
+        for rt in route.pieces:
+            if rt.backend is BackendKind.BOUNCE:
                 res = bounce(ref, f, r.view, rt.file_offset, rt.size, rt.buf_offset)
                 out.bounce.append((rt.reason, res.nbytes, res.cached))
                 got = res.nbytes
@@ -352,11 +350,9 @@ def _packed(files: _Files, reads: list[list[_Read]], cfg: Settings, on_bytes: Ca
             ch = unit.chunk
             r = reads[unit.file][unit.read]
             f = files.get(unit.file)
-            routes = plan_routes(f, r.view, ch.size, ch.file_offset, ch.buf_offset, cfg)
-            decision = route_for_read(f, r.view, False, cfg.routing)
+            route = route_read(f, r.view, ch.size, ch.file_offset, ch.buf_offset, cfg)
             slot = align_up(ch.file_offset % align + ch.size, align)  # an O_DIRECT read's whole span
-            if (len(routes) != 1 or routes[0].backend != BackendKind.BOUNCE or r.view.scatter is not None
-                    or (decision is not None and decision.routed) or slot > lane.stage_bytes):
+            if route.bounce_reason is None or r.view.scatter is not None or slot > lane.stage_bytes:
                 flush()
                 out.append(work(ref, unit))
                 continue
@@ -370,7 +366,7 @@ def _packed(files: _Files, reads: list[list[_Read]], cfg: Settings, on_bytes: Ca
                 if on_bytes is not None:
                     on_bytes(res.nbytes)
             fill += slot
-            out.append(_Done(res.nbytes, [(routes[0].reason, res.nbytes, res.cached)]))
+            out.append(_Done(res.nbytes, [(route.bounce_reason, res.nbytes, res.cached)]))
             files.done(unit.file)
         flush()
         return out

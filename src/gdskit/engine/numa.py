@@ -47,6 +47,7 @@ def _live_place(pci_bus_id: str) -> NumaPlace:
 _source: PlaceSource | None = _live_place
 _places: dict[int, NumaPlace] = {}
 _lock = threading.Lock()
+_asking = threading.Lock()  # a first call's lanes ask at once: one reads the place, the others wait
 
 
 class _Restore:
@@ -75,14 +76,18 @@ def place_of(device: int) -> NumaPlace:
     found = _places.get(device)
     if found is not None:
         return found
-    source = _source
-    place = UNKNOWN
-    if source is not None:
-        try:
-            place = source(cuda.device_pci_bus_id(device))
-        except Exception:  # noqa: BLE001 - a place that cannot be read: not known
-            place = UNKNOWN
-    _places[device] = place
+    with _asking:
+        found = _places.get(device)
+        if found is not None:
+            return found
+        source = _source
+        place = UNKNOWN
+        if source is not None:
+            try:
+                place = source(cuda.device_pci_bus_id(device))
+            except Exception:  # noqa: BLE001 - a place that cannot be read: not known
+                place = UNKNOWN
+        _places[device] = place
     return place
 
 

@@ -384,6 +384,12 @@ def io_executor(threads: int) -> ThreadPoolExecutor:
     return _executor("io", threads)
 
 
+def object_executor(threads: int) -> ThreadPoolExecutor:
+    """Threads that wait on an object store's ranged GETs and part uploads (``settings.s3_concurrency``):
+    apart from the I/O workers, since they mostly wait on the network, not on a disk or a copy."""
+    return _executor("object", threads)
+
+
 def request_executor(threads: int) -> ThreadPoolExecutor:
     """Threads that run whole requests for ``pread``/``pwrite`` futures."""
     return _executor("req", threads)

@@ -243,7 +243,7 @@ class ReaderProcesses:
             mapping = self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
             self._slots = [SharedSlot(mapping, k * self.slot_bytes, pinned)
                            for k in range(slots)]
-            from gdskit.engine.backend_choice import host_reason
+            from gdskit.engine.read_route import host_reason
             init = json.dumps({"paths": list(paths), "settings": settings_values,
                                "host_reason": host_reason().value}).encode()
             env = dict(os.environ)

@@ -3,7 +3,7 @@
 ``File.pread(buf, ..., stream=s)`` and ``File.pwrite(..., stream=s)`` come here. Everything
 is queued on ``s`` by the calling thread, which never waits for the stream: the I/O runs once
 the work queued before it on ``s`` is done, and work queued after it sees (or no longer
-needs) the bytes. Each route of the request (:func:`gdskit.engine.backend_choice.plan_routes`) is queued in
+needs) the bytes. Each route of the request (:func:`gdskit.engine.read_route.route_read`) is queued in
 order on the same stream:
 
 * ``cufile``: ``cuFileReadAsync``/``cuFileWriteAsync``, whose parameters live in this op
@@ -44,7 +44,7 @@ from gdskit.engine.buffers import BufferView
 from gdskit.errors import CudaError, GdskitError, InvalidArgumentError, from_os_error
 from gdskit.engine.ledger import ledger
 from gdskit.engine.plan import align_down, chunks
-from gdskit.engine.backend_choice import BackendChoice, BackendKind, host_reason, plan_routes
+from gdskit.engine.read_route import BackendChoice, BackendKind, host_reason, route_read
 from gdskit.settings import Settings
 from gdskit.shutdown import FREE_MEMORY, STOP_WORK, at_exit
 from gdskit.threads import start_thread
@@ -340,9 +340,9 @@ def _record(op: _StreamOp) -> None:
         nbytes = sum(p.done for p in pieces)
         share = busy * nbytes / moved
         reason = pieces[0].route.reason
-        if kind == BackendKind.HOST:
+        if kind is BackendKind.HOST:
             ledger.record(Path.HOST, reason, op.op, nbytes, len(pieces), share)
-        elif kind == BackendKind.CUFILE:
+        elif kind is BackendKind.CUFILE:
             from gdskit.engine.backends.cufile import record_async  # noqa: PLC0415
 
             record_async(op.f, Request(op.op, op.view, nbytes, pieces[0].route.file_offset, pieces[0].route.buf_offset,
@@ -488,7 +488,7 @@ def submit(f: OpenFile, op: str, view: BufferView, size: int, file_offset: int, 
         fut.set_result(0)
         return fut
     if view.on_device:
-        routes = plan_routes(f, view, size, file_offset, buf_offset, cfg)
+        routes = list(route_read(f, view, size, file_offset, buf_offset, cfg, other_gpu=False).pieces)
         device = view.device if view.device is not None else cuda.current_device()
     else:
         routes = [BackendChoice(BackendKind.HOST, host_reason(), file_offset, buf_offset, size)]
@@ -509,22 +509,22 @@ def _queue(op: _StreamOp, routes: list[BackendChoice], cfg: Settings) -> None:
     if op.device is not None:
         _order_after_producer(op.view, stream)
     op.done_event = cuda.Event()  # host memory: in the calling thread's context, as its stream's
-    if any(r.backend == BackendKind.CUFILE for r in routes):
+    if any(r.backend is BackendKind.CUFILE for r in routes):
         from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415
 
         op.cufile_before[op.device or 0] = counters_now(op.device or 0)
-    stage_set = stages.take(op.device, stream, cfg) if any(r.backend == BackendKind.BOUNCE for r in routes) else None
+    stage_set = stages.take(op.device, stream, cfg) if any(r.backend is BackendKind.BOUNCE for r in routes) else None
     queued = False  # anything on the stream yet: from then on, errors go to the future
     try:
         cuda.launch_host_func(stream, lambda: _started(op))
         queued = True
         turn = 0
         for route in routes:
-            if route.backend == BackendKind.HOST:
+            if route.backend is BackendKind.HOST:
                 piece = _Piece(route, route.size)
                 op.pieces.append(piece)
                 cuda.launch_host_func(stream, lambda p=piece: _host_memory(op, p))
-            elif route.backend == BackendKind.CUFILE:
+            elif route.backend is BackendKind.CUFILE:
                 _queue_cufile(op, route)
             else:
                 assert stage_set is not None

@@ -20,7 +20,7 @@ reads one stage while the interpreter works on the one before. Two workers waiti
 turn were slower (their Python phases then meet at the interpreter); benchmarks/RESULTS.md, "Many
 small files read whole". ``settings.odirect="always"``
 reads every file with O_DIRECT instead. Only a job the bounce ring serves whatever the file comes
-here (:func:`gdskit.engine.backend_choice.bounce_for_any_file`); the ledger records its bytes as bounce-cached
+here (:func:`gdskit.engine.read_route.bounce_for_any_file`); the ledger records its bytes as bounce-cached
 (read through the page cache) or bounce-direct with that reason.
 """
 
@@ -43,7 +43,7 @@ from gdskit.engine.ledger import record_bounce_pieces
 from gdskit.engine.plan import align_up, nonnegative_int
 from gdskit.engine.pool import LaneRef, lanes, run_chunks
 from gdskit.engine.residency import job_cached
-from gdskit.engine.backend_choice import bounce_for_any_file
+from gdskit.engine.read_route import bounce_for_any_file
 from gdskit.settings import Settings, settings
 from gdskit.threads import executor
 from gdskit.vocabulary import IoUring, ODirectPolicy, Reason

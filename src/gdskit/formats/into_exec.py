@@ -546,24 +546,14 @@ def _state_records(archive: Any, path: str, weights_only: bool, unpickle: Unpick
     """``whole``, where given, receives for each tensor that covers all of its storage record
     (contiguous, from the record's first byte to its last) that record's name."""
     storages: dict[int, tuple[Any, Any]] = {}   # id(meta storage) -> (storage, record)
-    typed: dict[Any, Any] = {}
 
-    def persistent_load(saved_id: Any) -> Any:  # gdskit.torch.load's checks, in its order
-        identified = archive.identify(saved_id)
-        try:
-            hit = typed.get(identified[0])
-        except TypeError:
-            raise FormatError(f"{path}: a storage key of the pickle is not hashable") from None
-        if hit is not None:
-            return hit
-        rec = archive.resolve(saved_id, identified)
+    def meta_storage(rec: Any) -> Any:
         storage = torch.UntypedStorage(rec.nbytes, device="meta")
         storages[id(storage)] = (storage, rec)
-        found = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
-        if rec.nbytes:  # as torch.load: a storage without bytes is not shared
-            typed[rec.key] = found
-        return found
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
 
+    # as gdskit.torch.load: a storage without bytes is not shared
+    persistent_load = archive.persistent_loader(meta_storage, lambda rec, _typed: rec.nbytes > 0)
     obj = unpickle(torch, archive.record("data.pkl"), persistent_load, weights_only, None, path)
     # A meta storage grows to fit a tensor that reaches past it, where gdskit.torch.load's storages
     # (which cannot grow) refuse it: any tensor of the pickle, a state dict's entry or not.

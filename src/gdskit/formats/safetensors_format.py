@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from gdskit.durable import open_file_fd, read_whole_file
+from gdskit.engine import is_object_url, list_objects, open_file
 from gdskit.errors import FormatError, GdskitError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
 
@@ -464,8 +465,19 @@ def parse_bytes(data: bytes) -> Header:
 
 def read_header_file(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at ``path`` (plain reads; headers are
-    small). Opened as the engine opens files: a FIFO is refused, never waited on."""
+    small). Opened as the engine opens files: a FIFO is refused, never waited on. An object URL
+    (``s3://``) is read by two ranged GETs through the engine."""
     name = os.fspath(path)
+    if is_object_url(name):
+        with open_file(name) as obj:
+            def read_object_at(off: int, n: int) -> bytes:
+                out = bytearray(n)
+                return bytes(out[:obj.read(out, n, off)])
+
+            try:
+                return parse_header(read_object_at, obj.size)
+            except FormatError as exc:
+                raise with_path(exc, path) from None
     fd, st = open_file_fd(name, os.O_RDONLY)
     try:
         def read_at(off: int, n: int) -> bytes:
@@ -626,9 +638,18 @@ def _check_shard_name(fname: str, index_path: str) -> None:
         raise FormatError(f"shard name {fname!r} leaves the checkpoint directory", path=index_path)
 
 
+def _read_whole(path: str) -> bytes:
+    """A small file's (or object's) bytes."""
+    if not is_object_url(path):
+        return read_whole_file(path)
+    with open_file(path) as obj:
+        out = bytearray(obj.size)
+        return bytes(out[:obj.read(out)])
+
+
 def _read_index(index_path: str) -> ShardSet:
     try:
-        doc = json.loads(read_whole_file(index_path).decode("utf-8"))
+        doc = json.loads(_read_whole(index_path).decode("utf-8"))
     except OSError as exc:
         raise from_os_error(exc, index_path) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -636,7 +657,8 @@ def _read_index(index_path: str) -> ShardSet:
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise FormatError("'weight_map' must map tensor names to file names", path=index_path)
-    base = os.path.dirname(os.path.abspath(index_path))
+    # An object URL's "directory" is its key's prefix: joined with "/" (os.path would fold "s3://").
+    base = index_path.rpartition("/")[0] if is_object_url(index_path) else os.path.dirname(os.path.abspath(index_path))
     files: list[str] = []
     resolved: dict[str, str] = {}
     for name, fname in wm.items():
@@ -657,6 +679,17 @@ def resolve_checkpoint(path_or_paths: str | os.PathLike[str] | Sequence[str | os
     if isinstance(path_or_paths, (list, tuple)):
         return ShardSet(tuple(os.fspath(p) for p in path_or_paths), None)
     path = os.fspath(path_or_paths)  # type: ignore[arg-type]
+    if is_object_url(path) and path.endswith("/"):  # a prefix: the objects directly under it, as a directory
+        listed = {url.rpartition("/")[2]: url for url, _size in list_objects(path) if "/" not in url[len(path):]}
+        indexes = sorted(n for n in listed if n.endswith(INDEX_SUFFIX))
+        if len(indexes) == 1:
+            return _read_index(listed[indexes[0]])
+        if len(indexes) > 1:
+            raise FormatError(f"several index files ({', '.join(indexes)}); pass one of them", path=path)
+        shards = [listed[n] for n in sorted(listed) if n.endswith(".safetensors")]
+        if not shards:
+            raise FormatError("no .safetensors objects under this prefix", path=path)
+        return ShardSet(tuple(shards), None)
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
         indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]

@@ -25,6 +25,7 @@ import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
 from gdskit.durable import open_file_fd
@@ -454,6 +455,30 @@ class StorageRecords:
         if place.raw and place.offset + nbytes > self._limit:
             raise TruncatedFileError(f"{where}: record {name} ends past the end of the archive")
         return StorageRecord(key, dtype, location, place.offset, nbytes, place.raw, name)
+
+    def persistent_loader(self, make: Callable[[StorageRecord], Any],
+                          shared: Callable[[StorageRecord, Any], bool]) -> Callable[[Any], Any]:
+        """A ``persistent_load`` for the pickle, in torch.load's order: each id checked
+        (:meth:`identify`), then looked up among the storages already made, then resolved to its
+        record and made by ``make(record)``; kept for the ids that name it again where
+        ``shared(record, storage)`` says so (torch.load shares storages that have memory)."""
+        made: dict[Any, Any] = {}
+
+        def persistent_load(saved_id: Any) -> Any:
+            identified = self.identify(saved_id)
+            try:
+                hit = made.get(identified[0])
+            except TypeError:
+                raise FormatError(f"{self._where}: a storage key of the pickle is not hashable") from None
+            if hit is not None:
+                return hit
+            rec = self.resolve(saved_id, identified)
+            storage = make(rec)
+            if shared(rec, storage):
+                made[rec.key] = storage
+            return storage
+
+        return persistent_load
 
     def not_ours(self) -> str | None:
         """Check the records torch.load reads before the pickle, as it reads them (FormatError

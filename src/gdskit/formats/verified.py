@@ -69,6 +69,9 @@ class Sha256Check:
                                        "give a manifest (gdskit digest) or verify=True")
         assert mode.sha256 is not None
         path, want = os.fspath(paths[0]), mode.sha256
+        if "://" in path:
+            raise InvalidArgumentError(f"{path}: verify='sha256:...' checks a local file; an object is checked "
+                                       "against the digests in its safetensors header (verify=True)")
         stop = threading.Event()
         outcome: list[BaseException | None] = []
 

@@ -73,20 +73,10 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
     def archive_job(archive: StorageRecords, target: Any, archive_size: int) -> LoadJob:
         slots: dict[str, tuple[Any, int, int, Any]] = {}  # key -> (typed storage, offset, nbytes, device)
         inflated: dict[str, str] = {}  # record name -> digest of the bytes of a record read whole (deflated)
-        cache: dict[Any, Any] = {}  # key -> typed storage, every storage the pickle named
 
-        def persistent_load(saved_id: Any) -> Any:
-            identified = archive.identify(saved_id)
-            try:
-                hit = cache.get(identified[0])
-            except TypeError:
-                raise FormatError(f"{path}: a storage key of the pickle is not hashable") from None
-            if hit is not None:
-                return hit
-            rec = archive.resolve(saved_id, identified)
+        def make_storage(rec: Any) -> Any:
             storage = torch.UntypedStorage(rec.nbytes, device=target.device(rec.location))
-            typed = cache[rec.key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype,
-                                                                _internal=True)
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
             if rec.raw:  # read by the group, after the unpickle
                 slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
             else:  # inflated here, by every rank, as the one-rank loader inflates it
@@ -96,6 +86,8 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
                     pt.bytes_of(torch, storage, rec.nbytes).copy_(
                         torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return typed
+
+        persistent_load = archive.persistent_loader(make_storage, lambda _rec, _typed: True)  # every one shared
 
         pickled = archive.record("data.pkl")
         result = pt.unpickle(torch, pickled, persistent_load, weights_only, map_location, path)

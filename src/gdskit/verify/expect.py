@@ -182,6 +182,8 @@ def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
     path = os.fspath(path)
     if mode.kind == "manifest":
         assert mode.manifest is not None
+        if "://" in path:
+            raise NothingToVerifyError(f"{path}: a manifest lists local files, not objects", path=path)
         entry = _entry_in(mode.manifest, path)
         if entry is None:
             raise NothingToVerifyError(f"{mode.manifest} holds no digests of {path}", path=path)
@@ -189,6 +191,9 @@ def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
     in_header = header_digests(metadata, path)
     if in_header is not None:
         return Expectation(path, "the file's header", in_header)
+    if "://" in path:  # an object (s3://): manifests sit beside local files only
+        raise NothingToVerifyError(f"{path}: verify=True, but its header records no digests; an object is checked "
+                                   "against the digests save_file(..., digests=True) writes in its header", path=path)
     for candidate in _candidates(path):
         if os.path.isfile(candidate):
             entry = _entry_in(candidate, path)

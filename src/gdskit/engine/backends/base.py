@@ -214,7 +214,7 @@ class Request:
 class Backend(ABC):
     """Moves bytes for one request. Implementations record what they did in the ledger.
 
-    Which backend serves which memory is the router's decision (:func:`gdskit.engine.backend_choice.plan_routes`):
+    Which backend serves which memory is the router's decision (:func:`gdskit.engine.read_route.route_read`):
     host memory goes to ``host``, device memory to ``bounce`` or ``cufile``.
     """
 

@@ -1,0 +1,208 @@
+"""Reads and writes of s3:// objects through gdskit.open, against moto's S3 server in a subprocess
+(tests/support/object_server.py): the bytes equal the object's (the test reads them with its own boto3
+client), missing objects and credentials raise gdskit's classes, the ledger names the path and
+the endpoint, writes appear whole or not at all."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+import gdskit
+from gdskit.errors import (BufferTooSmallError, ClosedFileError, GdskitFileNotFoundError, InvalidArgumentError,
+                           NoCredentialsError, ReadOnlyBufferError, UnsupportedOperationError)
+
+from object_server import S3, moto_endpoint, s3  # noqa: F401 - fixtures
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_parts():
+    with gdskit.settings.set(s3_part_size="5MiB", s3_concurrency=4):
+        yield
+
+
+def _object(s3: S3, key: str, n: int, seed: int = 0) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    s3.put(key, data.tobytes())
+    return data
+
+
+def test_whole_object_in_many_parts_equals_its_bytes(s3, small_parts):
+    data = _object(s3, "dir/obj.bin", 12 * MiB + 4097)
+    out = np.zeros(data.size, np.uint8)
+    with gdskit.open(s3.url("dir/obj.bin")) as f:
+        assert f.size == data.size
+        assert f.read(out) == data.size
+    assert np.array_equal(out, data)
+
+
+@given(offset=st.integers(0, 7 * MiB), size=st.integers(0, 6 * MiB), buf_offset=st.integers(0, 64))
+@hsettings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_range_reads_what_the_object_holds(s3, small_parts, offset, size, buf_offset):
+    key = "hyp.bin"
+    if not hasattr(test_any_range_reads_what_the_object_holds, "data") or \
+            test_any_range_reads_what_the_object_holds.bucket != s3.bucket:
+        test_any_range_reads_what_the_object_holds.data = _object(s3, key, 6 * MiB + 333, seed=1)
+        test_any_range_reads_what_the_object_holds.bucket = s3.bucket
+    data = test_any_range_reads_what_the_object_holds.data
+    out = np.full(buf_offset + size, 7, np.uint8)
+    with gdskit.open(s3.url(key)) as f:
+        n = f.read(out, size, offset, buf_offset)
+    expect = data[offset:offset + size]
+    assert n == expect.size  # short only at the end of the object, 0 past it
+    assert np.array_equal(out[buf_offset:buf_offset + n], expect)
+    assert (out[:buf_offset] == 7).all() and (out[buf_offset + n:] == 7).all()  # nothing else written
+
+
+def test_read_many_read_batch_and_pread(s3, small_parts):
+    data = _object(s3, "m.bin", 11 * MiB)
+    a, b = np.zeros(6 * MiB, np.uint8), bytearray(100)
+    with gdskit.open(s3.url("m.bin")) as f:
+        assert f.read_many([(a, 6 * MiB, 3 * MiB), (b, 50, 11 * MiB - 20, 10)]) == [6 * MiB, 20]
+        assert np.array_equal(a, data[3 * MiB:9 * MiB])
+        assert bytes(b[10:30]) == data[-20:].tobytes()
+        batch = np.zeros(40, np.uint8)
+        offsets = [0, 5 * MiB - 3, 11 * MiB - 10, 11 * MiB + 5]
+        assert f.read_batch(batch, offsets, 10) == [10, 10, 10, 0]
+        assert np.array_equal(batch[:30], np.concatenate([data[o:o + 10] for o in offsets[:3]]))
+        fut = f.pread(a, 1000, 7)
+        assert fut.result() == 1000 and np.array_equal(a[:1000], data[7:1007])
+        lat: list[int] = []
+        assert f.read_batch(batch, [1, 2], 4, latencies_ns=lat) == [4, 4] and len(lat) == 2
+
+
+def test_bad_arguments_are_refused_as_for_files(s3):
+    _object(s3, "x.bin", 100)
+    with gdskit.open(s3.url("x.bin")) as f:
+        with pytest.raises(BufferTooSmallError):
+            f.read(np.zeros(10, np.uint8), 11)
+        with pytest.raises(InvalidArgumentError):
+            f.read(np.zeros(10, np.uint8), 5, -1)
+        with pytest.raises(ReadOnlyBufferError):
+            f.read(b"0123456789", 5)
+        with pytest.raises(UnsupportedOperationError):
+            f.write(np.zeros(4, np.uint8))
+    with pytest.raises(ClosedFileError):
+        f.read(np.zeros(4, np.uint8))
+    for mode in ("r+", "a"):
+        with pytest.raises(InvalidArgumentError):
+            gdskit.open(s3.url("x.bin"), mode)
+    with pytest.raises(InvalidArgumentError):
+        gdskit.open("s3://Not_A_Bucket/key")
+
+
+def test_missing_object_and_bucket_are_file_not_found(s3):
+    with pytest.raises(GdskitFileNotFoundError) as info:
+        gdskit.open(s3.url("no/such/key"))
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(FileNotFoundError):
+        gdskit.open("s3://no-such-bucket-here/key")
+
+
+def test_no_credentials_is_one_clear_error(s3, monkeypatch):
+    import gdskit.engine as engine
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    engine.forget_object_clients()
+    _object(s3, "c.bin", 10)
+    with pytest.raises(NoCredentialsError) as info:
+        gdskit.open(s3.url("c.bin"))
+    assert isinstance(info.value, PermissionError)
+    assert "\n" not in str(info.value)
+
+
+def test_credentials_from_a_profile_file(s3, monkeypatch, tmp_path):
+    import gdskit.engine as engine
+
+    creds = tmp_path / "credentials"
+    creds.write_text("[other]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    engine.forget_object_clients()
+    data = _object(s3, "p.bin", 1000)
+    out = np.zeros(1000, np.uint8)
+    with gdskit.open(s3.url("p.bin")) as f:
+        f.read(out)
+    assert np.array_equal(out, data)
+
+
+def test_ledger_names_path_endpoint_and_gets(s3, small_parts):
+    _object(s3, "l.bin", 12 * MiB)
+    before = gdskit.stats()
+    with gdskit.open(s3.url("l.bin")) as f:
+        f.read(np.zeros(12 * MiB, np.uint8))
+    delta = gdskit.stats() - before
+    assert set(delta.paths) == {"object"}
+    assert delta.bytes_read == 12 * MiB
+    (row,) = [o for o in delta.objects if o.op == "read"]
+    assert row.endpoint == s3.endpoint
+    assert (row.ops, row.retries, row.bytes) == (3, 0, 12 * MiB)  # 5 + 5 + 2 MiB: three GETs
+    (again,) = gdskit.Stats.from_dict(delta.to_dict()).objects
+    assert (again.endpoint, again.op, again.ops, again.retries, again.bytes) == \
+        (row.endpoint, row.op, row.ops, row.retries, row.bytes)
+
+
+def test_write_appears_whole_in_parts(s3, small_parts):
+    data = np.random.default_rng(3).integers(0, 256, 13 * MiB + 5, dtype=np.uint8)
+    with gdskit.open(s3.url("w/out.bin"), "w") as f:
+        f.write(data, 7 * MiB)
+        f.write(data, data.size - 7 * MiB, 7 * MiB, 7 * MiB)
+        assert s3.keys() == []  # nothing visible before close
+    assert s3.get("w/out.bin") == data.tobytes()
+    assert s3.pending_uploads() == []
+
+
+def test_small_and_empty_writes(s3):
+    with gdskit.open(s3.url("small"), "w") as f:
+        f.write(bytearray(b"hello"))
+    with gdskit.open(s3.url("empty"), "w"):
+        pass
+    assert s3.get("small") == b"hello" and s3.get("empty") == b""
+
+
+def test_write_out_of_order_is_refused(s3):
+    with gdskit.open(s3.url("o"), "w") as f:
+        f.write(b"abc")
+        with pytest.raises(InvalidArgumentError):
+            f.write(b"x", 1, 10)
+
+
+def test_failed_writer_leaves_no_object_and_no_upload(s3, small_parts):
+    data = os.urandom(12 * MiB)
+    with pytest.raises(RuntimeError):
+        with gdskit.open(s3.url("half"), "w") as f:
+            f.write(data)  # two parts uploaded already
+            raise RuntimeError("the producer failed")
+    assert "half" not in s3.keys()
+    assert s3.pending_uploads() == []
+
+
+def test_writer_never_closed_publishes_nothing(s3, small_parts):
+    f = gdskit.open(s3.url("dropped"), "w")
+    f.write(os.urandom(11 * MiB))
+    f.abort()
+    assert s3.keys() == [] and s3.pending_uploads() == []
+
+
+@pytest.mark.parametrize("variable, value", [("GDSKIT_S3_PART_SIZE", "1MiB"), ("GDSKIT_S3_CONCURRENCY", "0"),
+                                             ("GDSKIT_S3_MAX_RETRIES", "-1"), ("GDSKIT_S3_BACKOFF", "nan")])
+def test_invalid_s3_variables_are_named(variable, value):
+    import subprocess
+    import sys
+
+    code = ("import gdskit\nfrom gdskit.errors import EnvironmentVariableError\n"
+            "try:\n    gdskit.settings.check_environment()\nexcept EnvironmentVariableError as e:\n"
+            "    print(e.variable)\n")
+    from repo_paths import child_pythonpath
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, variable: value, "PYTHONPATH": child_pythonpath()})
+    assert out.stdout.strip() == variable
