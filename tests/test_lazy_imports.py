@@ -16,8 +16,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gdskit"
 
-#: The one form of the comment; the reason follows the dash.
-FORM = re.compile(r"#\s*noqa: PLC0415 - (?P<reason>.+?)\s*$")
+#: The one form of the comment (other codes may come first: ``# noqa: F401, PLC0415 - ...``); the reason follows the dash.
+FORM = re.compile(r"#\s*noqa: (?:[A-Z]+[0-9]+, )*PLC0415 - (?P<reason>.+?)\s*$")
 
 #: The reasons a lazy import may give, one line each (a regular expression for the whole reason).
 REASONS = {
@@ -106,9 +106,11 @@ def test_the_checker_accepts_only_the_house_form_with_a_known_reason_on_the_last
                            k)  # noqa: PLC0415 - test seam
             import m  # noqa: PLC0415 - import cycle (gdskit.engine.file <-> gdskit.engine.pool)
             import n  # noqa: PLC0415 - import cycle (somewhere)
+            import p  # noqa: F401, PLC0415 - optional dependency (torch)
             s = "# noqa: PLC0415 - import time"; import o
+            import q  # noqa: PLC0415, F401 - import time
         """)
-    assert unexplained(source) == [4, 5, 6, 7, 8, 13, 14]
+    assert unexplained(source) == [4, 5, 6, 7, 8, 13, 15, 16]
 
 
 # -- gdskit ------------------------------------------------------------------------------
