@@ -14,6 +14,7 @@ every other difference. Needs torch (``pip install 'gdskit[torch]'``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import math
@@ -233,7 +234,7 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     _check_backend(backend)
     path_or_paths = filename
     if process_group is not None:
-        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
+        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file  # noqa: PLC0415 - import time
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
                                progress=progress, return_stats=return_stats,
                                st=OneRank(_device, _torch_type, _empty_tensor))
@@ -277,7 +278,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             by_file.setdefault(where[n][0], []).append(where[n][2])
     total = sum(where[n][2].nbytes for n in names)
 
-    from gdskit.formats.torch_io import execute
+    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
 
     def alloc(e: read_plan.Extent) -> Any:  # each tensor made once, in its final dtype and shape
         dt, shape = types[e.key]
@@ -389,7 +390,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str]
     fsynced and renamed.
     """
     torch = _torch()
-    from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - needs torch
+    from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - import time
 
     lay = fmt.layout(_savable(torch, tensors), metadata)
     path = filename
@@ -410,7 +411,6 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str]
             for fut in futures:
                 fut.result()
         except BaseException:
-            import concurrent.futures
             concurrent.futures.wait(futures)
             raise
 
@@ -429,7 +429,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _INTO_PLAN_ERRORS:
-        from gdskit.formats import into_plan  # noqa: PLC0415
+        from gdskit.formats import into_plan  # noqa: PLC0415 - import time
 
         return getattr(into_plan, name)
     raise AttributeError(f"module 'gdskit.safetensors' has no attribute {name!r}")
@@ -479,7 +479,7 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
         A failure while bytes were moving; it names the tensors already filled.
     """
     _torch()
-    from gdskit.formats.into_exec import load_safetensors_into
+    from gdskit.formats.into_exec import load_safetensors_into  # noqa: PLC0415 - import time
     return load_safetensors_into(target, path_or_paths, torch_type=_torch_type, shape=_READ_SHAPE, strict=strict,
                                  cast=cast, progress=progress, return_stats=return_stats)
 
@@ -509,7 +509,7 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
         A name in ``keys`` is not in the checkpoint.
     """
     torch = _torch()
-    from gdskit.formats.stream import TensorStream
+    from gdskit.formats.stream import TensorStream  # noqa: PLC0415 - import time
     return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
                         torch_type=_torch_type, shape=_READ_SHAPE)
 
@@ -828,7 +828,7 @@ def _read_box(torch: Any, path: str, header: fmt.Header, entry: fmt.TensorEntry,
         extents.append(read_plan.Extent(n, offset, row_bytes))
         dests[n] = flat[n * row_bytes:(n + 1) * row_bytes]
     plan = read_plan.plan(extents, small=SMALL_TENSOR_BYTES, max_group=MAX_GROUP_BYTES, max_gap=0)
-    from gdskit.formats.torch_io import execute
+    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
     with open_file(path, "r") as f:
         if f.size != header.file_size:
             raise TruncatedFileError(f"changed size after its header was read ({header.file_size} -> {f.size} bytes)",

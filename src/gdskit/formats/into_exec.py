@@ -37,6 +37,7 @@ from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, Partia
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.formats.shard_index import index_checkpoint
 from gdskit.formats.torch_io import execute
 
 if TYPE_CHECKING:
@@ -417,8 +418,6 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchT
 
 def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchType, shape: ReadShape, strict: bool,
                            cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None) -> Any:
-    from gdskit.formats.shard_index import index_checkpoint
-
     items = target_tensors(target)
     infos = describe(items)
     if index is None:
@@ -463,7 +462,7 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tup
     records of ``wanted`` tensors that are not stored as they are (deflated) are inflated here,
     so that a record that does not inflate is refused before anything is filled.
     """
-    from gdskit.formats.torch_zip import StorageRecords
+    from gdskit.formats.torch_zip import StorageRecords  # noqa: PLC0415 - import time
 
     try:
         kind, archive_size = file_kind(path)
