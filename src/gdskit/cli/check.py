@@ -306,8 +306,8 @@ def check(
 def _check_objects(urls: list[str], mixed: bool, as_json: bool) -> None:
     """``gdskit check s3://bucket/prefix ...``: each store's answer, credentials and one GET's rate.
     Exit status 0 where every URL checked out, 1 where one did not, 2 for bad arguments."""
-    from gdskit.engine import is_object_url
-    from gdskit.probe.objects import check_object_store
+    from gdskit.engine import is_object_url  # noqa: PLC0415 - import time
+    from gdskit.probe.objects import check_object_store  # noqa: PLC0415 - import time
 
     bad = [u for u in urls if not is_object_url(u)]
     if mixed or bad:

@@ -82,15 +82,15 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = F
 def is_object_url(path: Any) -> bool:
     """Whether ``path`` names an object in a store (``s3://bucket/key``) rather than a local file
     (:func:`open_file` opens both)."""
-    from gdskit.engine.objects.url import is_object_url as is_url
+    from gdskit.engine.objects.url import is_object_url as is_url  # noqa: PLC0415 - import time
     return is_url(path)
 
 
 def list_objects(prefix: str) -> list[tuple[str, int]]:
     """``(url, size)`` of every object under the URL ``prefix`` (``s3://bucket/dir/``), by key."""
-    from gdskit.engine.objects.store import bucket_for
-    from gdskit.engine.objects.url import parse_url
-    from gdskit.settings import settings
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.settings import settings  # noqa: PLC0415 - import time
 
     url = parse_url(prefix)
     found = bucket_for(url).list(url.key, settings.snapshot())
@@ -100,21 +100,21 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
 def object_endpoint_name() -> str:
     """The object store endpoint the environment names now (``AWS_ENDPOINT_URL``, the profile's
     ``endpoint_url``, else ``aws:<region>``), as the ledger names it."""
-    from gdskit.engine.objects.store import endpoint_now
+    from gdskit.engine.objects.store import endpoint_now  # noqa: PLC0415 - import time
     return endpoint_now().name
 
 
 def open_object_stream(url: str) -> Any:
     """The object at ``url`` as a buffered, seekable binary stream of ranged GETs (for readers
     that take a file object)."""
-    from gdskit.engine.objects.source import open_object_stream as open_stream
+    from gdskit.engine.objects.source import open_object_stream as open_stream  # noqa: PLC0415 - import time
     return open_stream(url)
 
 
 def forget_object_clients() -> None:
     """Make the next object store request build its client anew, with the endpoint and credentials
     the environment names then."""
-    from gdskit.engine.objects.store import forget_clients
+    from gdskit.engine.objects.store import forget_clients  # noqa: PLC0415 - import time
     forget_clients()
 
 

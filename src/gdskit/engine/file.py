@@ -694,7 +694,7 @@ def open(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False)
         directory. On error (or :meth:`File.abort`) ``path`` is left untouched.
     """
     if is_object_url(path):
-        from gdskit.engine.objects.source import open_object  # noqa: PLC0415 - import time: the client loads with it
+        from gdskit.engine.objects.source import open_object  # noqa: PLC0415 - import time
 
         return open_object(os.fspath(path), mode, atomic=atomic)  # type: ignore[return-value]
     return File(path, mode, atomic=atomic)

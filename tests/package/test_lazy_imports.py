@@ -14,7 +14,9 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gdskit"
+from repo_paths import SRC
+
+PACKAGE = SRC / "gdskit"
 
 #: The one form of the comment (other codes may come first: ``# noqa: F401, PLC0415 - ...``); the reason follows the dash.
 FORM = re.compile(r"#\s*noqa: (?:[A-Z]+[0-9]+, )*PLC0415 - (?P<reason>.+?)\s*$")
@@ -22,7 +24,7 @@ FORM = re.compile(r"#\s*noqa: (?:[A-Z]+[0-9]+, )*PLC0415 - (?P<reason>.+?)\s*$")
 #: The reasons a lazy import may give, one line each (a regular expression for the whole reason).
 REASONS = {
     # an extra's package (pyproject.toml's optional-dependencies), absent where the extra is not installed
-    r"optional dependency \((torch|safetensors|transformers|matplotlib|prometheus_client|vllm)\)": "optional",
+    r"optional dependency \((torch|safetensors|transformers|matplotlib|prometheus_client|vllm|botocore)\)": "optional",
     # a cost `import gdskit`, an entry module (safetensors, torch, data), the CLI's start or a first call would
     # otherwise pay for something only some calls need (rich, typer, psutil, pynvml, cuda.bindings, numpy
     # under the core, the engine's heavier modules)
