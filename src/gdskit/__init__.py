@@ -54,7 +54,7 @@ def _stats_level_changed(names: frozenset[str]) -> None:
     itself: a process that never publishes never loads it."""
     global _telemetry_follows
     if not _telemetry_follows and "stats_level" in names and settings.stats_level > 0:
-        from gdskit.telemetry import follow_settings  # noqa: PLC0415
+        from gdskit.telemetry import follow_settings  # noqa: PLC0415 - import time
 
         _telemetry_follows = True
         follow_settings()
@@ -66,7 +66,7 @@ _stats_level_changed(frozenset({"stats_level"}))  # GDSKIT_STATS at start-up: pu
 
 def resources() -> ResourceUsage:
     """What gdskit holds right now: lanes (staging areas), pinned bytes, worker threads."""
-    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time
 
     return pool.lanes.usage(settings.threads)
 
@@ -81,7 +81,7 @@ def prepare(device: int | None = None, *, workers: int | None = None) -> Resourc
     ``settings.threads``), for work that will use fewer. Returns what is held afterwards.
     Without a GPU it only starts the worker threads.
     """
-    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time
 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise errors.InvalidArgumentError(f"workers must be a positive integer, got {workers!r}")
@@ -97,7 +97,7 @@ def register_buffer(buf: object) -> BufferRegistration:
     at exit. Where cuFile cannot take the buffer (no libcufile, host or managed
     memory) nothing happens and ``.registered`` is False, with ``.reason``.
     """
-    from gdskit.engine.backends.cufile import BufferRegistration  # noqa: PLC0415
+    from gdskit.engine.backends.cufile import BufferRegistration  # noqa: PLC0415 - import time
 
     return BufferRegistration(buf)
 
@@ -105,9 +105,9 @@ def register_buffer(buf: object) -> BufferRegistration:
 def release_resources() -> None:
     """Free idle pinned buffers, routing's device staging, the stream-ordered requests' stages,
     streams and worker threads (they come back on the next request)."""
-    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time: the engine loads on first use
-    import gdskit.engine.stream_ordered as stream_ordered  # noqa: PLC0415
-    import gdskit.engine.via_gpu as via_gpu  # noqa: PLC0415
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time
+    import gdskit.engine.stream_ordered as stream_ordered  # noqa: PLC0415 - import time
+    import gdskit.engine.via_gpu as via_gpu  # noqa: PLC0415 - import time
 
     pool.shutdown()
     via_gpu.rings.release_idle()

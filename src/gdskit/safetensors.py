@@ -14,8 +14,10 @@ every other difference. Needs torch (``pip install 'gdskit[torch]'``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
+import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,8 +30,8 @@ from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.verified import Sha256Check, check_loaded, expectations, verify_mode
-from gdskit.verify import OFF, VerifyMode
+from gdskit.formats.verified import Sha256Check, check_loaded, expectations, tensor_digests, verify_mode
+from gdskit.verify import HEADER_KEY, OFF, VerifyMode
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
                                                UnknownDtypeError)
@@ -248,7 +250,7 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         if mode.on:
             raise InvalidArgumentError("verify= is not taken with process_group= yet: load, then check each rank's "
                                        "tensors, or verify without a group")
-        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file
+        from gdskit.group.load_safetensors import OneRank, load_file as group_load_file  # noqa: PLC0415 - import time
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
                                progress=progress, return_stats=return_stats,
                                st=OneRank(_device, _torch_type, _empty_tensor))
@@ -298,7 +300,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             by_file.setdefault(where[n][0], []).append(where[n][2])
     total = sum(where[n][2].nbytes for n in names)
 
-    from gdskit.formats.torch_io import execute
+    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
 
     def alloc(e: read_plan.Extent) -> Any:  # each tensor made once, in its final dtype and shape
         dt, shape = types[e.key]
@@ -427,7 +429,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str]
     byte what ``safetensors.torch.save_file`` writes for the same tensors, less the alignment.
     """
     torch = _torch()
-    from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - needs torch
+    from gdskit.formats.torch_io import flat_bytes  # noqa: PLC0415 - import time
 
     specs = _savable(torch, tensors)
     if digests:
@@ -451,18 +453,12 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike[str]
             for fut in futures:
                 fut.result()
         except BaseException:
-            import concurrent.futures
             concurrent.futures.wait(futures)
             raise
 
 
 def _with_digests(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None) -> dict[str, str]:
     """``metadata`` with each tensor's BLAKE3 digest under :data:`gdskit.verify.HEADER_KEY`."""
-    import json  # noqa: PLC0415 - only when digests are recorded
-
-    from gdskit.formats.verified import tensor_digests  # noqa: PLC0415
-    from gdskit.verify import HEADER_KEY  # noqa: PLC0415
-
     meta = dict(metadata) if metadata is not None else {}
     if HEADER_KEY in meta:
         raise InvalidArgumentError(f"metadata already has the key {HEADER_KEY!r}, which digests=True writes")
@@ -487,7 +483,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _INTO_PLAN_ERRORS:
-        from gdskit.formats import into_plan  # noqa: PLC0415
+        from gdskit.formats import into_plan  # noqa: PLC0415 - import time
 
         return getattr(into_plan, name)
     raise AttributeError(f"module 'gdskit.safetensors' has no attribute {name!r}")
@@ -543,7 +539,7 @@ def load_into(target: Any, path_or_paths: str | os.PathLike[str] | Sequence[str 
         whose bytes match, ``.unfilled`` those that hold bytes that do not.
     """
     _torch()
-    from gdskit.formats.into_exec import load_safetensors_into
+    from gdskit.formats.into_exec import load_safetensors_into  # noqa: PLC0415 - import time
     return load_safetensors_into(target, path_or_paths, torch_type=_torch_type, shape=_READ_SHAPE, strict=strict,
                                  cast=cast, progress=progress, return_stats=return_stats, verify=verify)
 
@@ -577,7 +573,7 @@ def iter_tensors(path_or_paths: str | os.PathLike[str] | Sequence[str | os.PathL
         A name in ``keys`` is not in the checkpoint.
     """
     torch = _torch()
-    from gdskit.formats.stream import TensorStream
+    from gdskit.formats.stream import TensorStream  # noqa: PLC0415 - import time
     return TensorStream(path_or_paths, _device(torch, device), keys=keys, max_inflight_bytes=max_inflight_bytes,
                         torch_type=_torch_type, shape=_READ_SHAPE, verify=verify)
 
@@ -896,7 +892,7 @@ def _read_box(torch: Any, path: str, header: fmt.Header, entry: fmt.TensorEntry,
         extents.append(read_plan.Extent(n, offset, row_bytes))
         dests[n] = flat[n * row_bytes:(n + 1) * row_bytes]
     plan = read_plan.plan(extents, small=SMALL_TENSOR_BYTES, max_group=MAX_GROUP_BYTES, max_gap=0)
-    from gdskit.formats.torch_io import execute
+    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
     with open_file(path, "r") as f:
         if f.size != header.file_size:
             raise TruncatedFileError(f"changed size after its header was read ({header.file_size} -> {f.size} bytes)",

@@ -131,7 +131,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
         raise from_os_error(io_error, path) from exc
     tmp.close()
     if digests:
-        from gdskit.formats.digest_scan import make_manifests  # noqa: PLC0415 - only when asked
+        from gdskit.formats.digest_scan import make_manifests  # noqa: PLC0415 - import time
         make_manifests([path])
 
 
@@ -157,8 +157,8 @@ def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any
     on every path: a writer torch opened itself would stay open, with the file's blocks,
     for as long as an error's traceback keeps its frames alive.
     """
-    import torch.serialization as ser
-    from torch.utils.serialization import config
+    import torch.serialization as ser  # noqa: PLC0415 - optional dependency (torch)
+    from torch.utils.serialization import config  # noqa: PLC0415 - optional dependency (torch)
 
     fh = os.fdopen(os.dup(tmp.fd), "wb", buffering=1 << 20)
     old_alignment = config.save.storage_alignment
@@ -198,7 +198,7 @@ def _storage_places(torch: Any, tmp: str, captured: dict[str, Any]) -> list[tupl
 
 
 def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: ProgressArg) -> None:
-    from gdskit.formats.torch_io import wait_for_all
+    from gdskit.formats.torch_io import wait_for_all  # noqa: PLC0415 - import time
     jobs = _storage_places(torch, tmp, captured)
     for d in {s.device for _o, _n, s in jobs if s.device.type == "cuda"}:
         torch.cuda.synchronize(d)  # the engine reads device memory outside torch's streams
@@ -322,7 +322,7 @@ def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None,
     if process_group is not None:
         if not _is_path(f):
             raise InvalidArgumentError("load(process_group=...) reads a checkpoint by its path, not a file object")
-        from gdskit.group.load_torch import OneRank, load as group_load
+        from gdskit.group.load_torch import OneRank, load as group_load  # noqa: PLC0415 - import time
         return group_load(f, map_location, weights_only, process_group=process_group, progress=progress,
                           return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
     with collector_paused():
@@ -597,7 +597,7 @@ class _ZipLoad:
         if not rec.nbytes:
             return
         dest = _bytes_of(torch, storage, rec.nbytes)
-        from gdskit.formats.torch_io import wait_for_all
+        from gdskit.formats.torch_io import wait_for_all  # noqa: PLC0415 - import time
         if self._file is None:
             self._file = open_file(self.path, "r")
         fut = self._file.pread(dest, size=rec.nbytes, file_offset=rec.offset)
@@ -673,7 +673,7 @@ class _ReadAhead:
         dev = target.device("cpu")  # the saved location does not matter: map_location names the device
         if dev.type not in ("cpu", "cuda"):
             return None
-        from gdskit.formats.torch_io import execute, reserve_device_memory
+        from gdskit.formats.torch_io import execute, reserve_device_memory  # noqa: PLC0415 - test seam
         reserve_device_memory(dev, [n for _k, _o, n in spans])
         storages = {f"data/{k}": new_storage(torch, n, dev) for k, _o, n in spans}
         dests = {k: _bytes_of(torch, storages[f"data/{k}"], n) for k, _o, n in spans}
@@ -691,7 +691,7 @@ class _ReadAhead:
 
     def _end(self) -> None:
         """Wait for the job to end and its thread to go, through any interruption; close the bar."""
-        from gdskit.formats.torch_io import wait_for_all
+        from gdskit.formats.torch_io import wait_for_all  # noqa: PLC0415 - import time
         wait_for_all([self._job])  # from here on no read is under way
         self._pool.shutdown(wait=True)
         self._prog.close()
@@ -704,7 +704,7 @@ class _ReadAhead:
 
     def complete(self) -> None:
         """Raise what the large reads raised, if anything; then read the small storages."""
-        from gdskit.formats.torch_io import execute, wait_for_all
+        from gdskit.formats.torch_io import execute, wait_for_all  # noqa: PLC0415 - test seam
         try:
             wait_for_all([self._job])
             self._job.result()
@@ -734,7 +734,7 @@ def _unpickle(torch: Any, data: bytes, persistent_load: Callable[[Any], Any], we
                 return weights_pickle.load(data, persistent_load)
             except weights_pickle.NotPlain:
                 pass
-            from torch import _weights_only_unpickler
+            from torch import _weights_only_unpickler  # noqa: PLC0415 - optional dependency (torch)
             up = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
         else:
             up = _FullUnpickler(torch, io.BytesIO(data), encoding="utf-8")
@@ -777,7 +777,7 @@ class _FullUnpickler(pickle.Unpickler):
 
 def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord]], progress: ProgressArg) -> None:
     """Read the storages the unpickle made, grouped by device."""
-    from gdskit.formats.torch_io import execute
+    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
     by_device: dict[Any, list[tuple[int, Any, StorageRecord]]] = {}
     for i, (storage, rec) in enumerate(pending):
         if rec.nbytes and storage.device.type != "meta":
@@ -853,7 +853,7 @@ def load_into(target: Any, path: str | os.PathLike[str], *, strict: bool = True,
     """
     _torch()
     weights_only = resolve_weights_only(weights_only)
-    from gdskit.formats.into_exec import load_torch_into
+    from gdskit.formats.into_exec import load_torch_into  # noqa: PLC0415 - import time
     return load_torch_into(target, path, file_kind=_file_kind, unpickle=_unpickle,
                            shape=read_plan.ReadShape(SMALL_STORAGE_BYTES, MAX_GROUP_BYTES, MAX_GAP_BYTES),
                            strict=strict, cast=cast, progress=progress, return_stats=return_stats,

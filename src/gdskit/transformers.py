@@ -12,6 +12,8 @@ the checkpoint's bytes land straight in them. Needs transformers 5
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import re
@@ -53,7 +55,7 @@ def _dependencies() -> tuple[Any, Any]:
     except MissingDependencyError:
         raise MissingDependencyError(f"gdskit.transformers needs torch: {_INSTALL_HINT}") from None
     try:
-        import transformers
+        import transformers  # noqa: PLC0415 - optional dependency (transformers)
     except ImportError:
         raise MissingDependencyError(f"gdskit.transformers needs transformers: {_INSTALL_HINT}") from None
     major = int(transformers.__version__.split(".")[0])
@@ -122,7 +124,7 @@ def _resolve_dtype(torch: Any, config: Any, chosen: Any, index: Any) -> Any:
         dt = getattr(torch, dt, None)
     if isinstance(dt, torch.dtype):
         return dt
-    from gdskit import safetensors as gs
+    from gdskit import safetensors as gs  # noqa: PLC0415 - import time
     for loc in index.tensors.values():
         cand, _shape = gs._torch_type(torch, loc.entry)
         if cand.is_floating_point:
@@ -135,9 +137,6 @@ def _build_on_meta(transformers: Any, torch: Any, cls: Any, config: Any, dtype: 
     with torch's initialisers switched off while it is built (transformers' own
     ``no_init_weights``): on the meta device they compute nothing, and cost a third of the
     build."""
-    import contextlib
-    import importlib
-
     try:  # a submodule the package does not import by itself
         init = importlib.import_module("transformers.initialization")
     except ImportError:
@@ -164,7 +163,7 @@ def _materialise(torch: Any, model: Any, device: Any) -> None:
     replaces them between devices; a shared one by one new tensor. Where torch is told to swap or overwrite module parameters on conversion
     (``torch.__future__``), or a tensor is a subclass, ``to_empty`` itself runs.
     """
-    from gdskit.formats.torch_io import reserve_device_memory
+    from gdskit.formats.torch_io import reserve_device_memory  # noqa: PLC0415 - import time
 
     fut = torch.__future__
     modules = list(model.modules())
@@ -256,11 +255,11 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
         In eval mode, weights tied, with its generation config where the directory has one.
     """
     torch, transformers = _dependencies()
-    from gdskit import safetensors as gs
-    from gdskit.formats.shard_index import index_checkpoint
+    from gdskit import safetensors as gs  # noqa: PLC0415 - import time
+    from gdskit.formats.shard_index import index_checkpoint  # noqa: PLC0415 - import time
 
     chosen = _chosen_dtype(torch, dtype, torch_dtype)  # before anything is read
-    from gdskit.formats.verified import verify_mode
+    from gdskit.formats.verified import verify_mode  # noqa: PLC0415 - import time
 
     verify_mode(verify)  # a bad value is refused before the model is built
     path = os.fspath(path)
@@ -275,7 +274,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     dtype = _resolve_dtype(torch, config, chosen, index)
     dev = gs._device(torch, device)
     if EARLY_WARM_UP and dev.type == "cuda":  # load_into's own reads wait for it, or find it done
-        from gdskit.engine import start_warm_up
+        from gdskit.engine import start_warm_up  # noqa: PLC0415 - import time
 
         start_warm_up(dev.index, sum(loc.entry.nbytes for loc in index.tensors.values()))
     model = _build_on_meta(transformers, torch, _model_class(transformers, config, model_class), config, dtype)
@@ -286,7 +285,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
 
     _materialise(torch, model, dev)
     model.tie_weights()  # tied parameters are one tensor: load_into fills it once
-    from gdskit.formats.into_exec import load_safetensors_into, module_state
+    from gdskit.formats.into_exec import load_safetensors_into, module_state  # noqa: PLC0415 - import time
 
     params = module_state(model)
     renamed = _checkpoint_names(model, set(index.tensors), params)

@@ -94,7 +94,7 @@ def _inflight_budget(extra: Any) -> int | None:
 
 def _verify_setting(extra: Any) -> Any:
     """``verify`` from ``model_loader_extra_config`` (False: not given); refused here if invalid."""
-    from gdskit.formats.verified import verify_mode
+    from gdskit.formats.verified import verify_mode  # noqa: PLC0415 - import time
 
     value = extra.get("verify", False) if isinstance(extra, Mapping) else False
     if verify_mode(value).kind == "sha256":

@@ -399,12 +399,12 @@ def test_make_run_installs_the_core_only_and_make_test_the_rest(tmp_path):
     assert run[-1].endswith("/bin/gdskit bench")
     test = _make_dry_run(tmp_path, "test")
     torch_at = next(i for i, ln in enumerate(test) if 'torch==2.13.0' in ln)
-    extras_at = next(i for i, ln in enumerate(test) if "[torch,plot,test,prometheus]" in ln)
+    extras_at = next(i for i, ln in enumerate(test) if "[torch,plot,test,prometheus,s3]" in ln)
     assert torch_at < extras_at and test[-1].endswith("-m pytest -q -n 2")
     # After `make run`, `make test` still installs what the tests need: a stamp of its own.
     core_stamp = next(ln.split()[-1] for ln in run if ln.startswith("touch"))
     after_run = _make_dry_run(tmp_path, "test", os.path.basename(core_stamp))
-    assert any("[torch,plot,test,prometheus]" in ln for ln in after_run)
+    assert any("[torch,plot,test,prometheus,s3]" in ln for ln in after_run)
     assert not any(ln.endswith("pip install -q -e .") for ln in after_run)
 
 

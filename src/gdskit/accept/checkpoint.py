@@ -55,10 +55,10 @@ def _attempt(torch: Any, want: dict[str, Any], name: str, load: Callable[[], Any
 
 def round_trip(directory: str, nbytes: int, device: str) -> dict[str, Any]:
     """Write both formats with gdskit under ``directory`` and read them back every way."""
-    import torch
+    import torch  # noqa: PLC0415 - optional dependency (torch)
 
-    import gdskit.safetensors as gst
-    import gdskit.torch as gtorch
+    import gdskit.safetensors as gst  # noqa: PLC0415 - import time
+    import gdskit.torch as gtorch  # noqa: PLC0415 - import time
 
     want = make_tensors(torch, nbytes, device, tensor_bytes=max(4096, nbytes // 16))
     total = sum(t.numel() * t.element_size() for t in want.values())
@@ -75,7 +75,7 @@ def round_trip(directory: str, nbytes: int, device: str) -> dict[str, Any]:
                  "detail": f"{os.path.getsize(st_path)} B safetensors, {os.path.getsize(pt_path)} B torch.save"})
 
     try:
-        from safetensors.torch import load_file as st_load
+        from safetensors.torch import load_file as st_load  # noqa: PLC0415 - optional dependency (safetensors)
     except ImportError:
         rows.append({"check": "safetensors library reads gdskit's safetensors file", "status": NA,
                      "detail": "the safetensors library is not installed (pip install 'gdskit[torch]')"})

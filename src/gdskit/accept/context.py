@@ -135,7 +135,7 @@ class AcceptContext:
     @property
     def gpu_count(self) -> int:
         if self._gpus is None:
-            from gdskit.engine import cuda
+            from gdskit.engine import cuda  # noqa: PLC0415 - import time
 
             self._gpus = cuda.device_count()
         return self._gpus
@@ -147,7 +147,7 @@ class AcceptContext:
     def check_report(self) -> Any:
         """``gdskit check`` of the targets (or of every listed mount of a captured tree)."""
         if self._check is None:
-            from gdskit.probe import run_check
+            from gdskit.probe import run_check  # noqa: PLC0415 - import time
 
             self._check = run_check(self.options.targets or None, root=self.options.root, require="direct")
         return self._check

@@ -25,6 +25,12 @@ import json
 import sys
 from typing import Any
 
+import gdskit
+from gdskit.accept.workload import raw_round_trip
+from gdskit.engine import direct_path as route
+from gdskit.errors import DirectPathUnavailable
+from gdskit.vocabulary import Path
+
 CASES = ("compat", "register", "tmpfs")
 
 
@@ -36,7 +42,7 @@ def refuse_registration(bindings: Any = None) -> dict[str, Any]:
     hits: dict[str, Any] = {"refused": 0}
     if bindings is None:
         try:
-            from cuda.bindings import cufile as bindings
+            from cuda.bindings import cufile as bindings  # noqa: PLC0415 - import time
         except Exception as exc:  # no bindings: registration fails by itself (cufile_missing)
             hits["note"] = f"cuda.bindings.cufile not importable ({type(exc).__name__}); nothing to refuse"
             return hits
@@ -53,9 +59,6 @@ def pretend_direct_route() -> Any:
     """Tell every part of gdskit (the router, the cuFile backend) that this machine has a direct
     route, so that ``auto`` mode tries cuFile; for the rest of the process, or until the
     returned override ends (used as a context manager)."""
-    from gdskit.engine import direct_path as route
-    from gdskit.vocabulary import Path
-
     real = route.direct_route()
     return route.override(route.DirectRoute(real.route or Path.CUFILE_NVFS, None, real.nvidia_fs, real.p2pdma,
                                             real.udev))
@@ -63,10 +66,6 @@ def pretend_direct_route() -> Any:
 
 def forced_cufile_pass(directory: str, nbytes: int, device: int) -> dict[str, Any]:
     """The same round trip with ``mode="cufile"``: cuFile must still move the data, through its POSIX path."""
-    import gdskit
-    from gdskit.accept.workload import raw_round_trip
-    from gdskit.errors import DirectPathUnavailable
-
     try:
         with gdskit.settings.set(mode="cufile"):
             return raw_round_trip(directory, nbytes, device, name="gdskit-accept-cufile.bin")
@@ -82,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from gdskit.engine import cuda
-    from gdskit.accept.workload import raw_round_trip
+    from gdskit.engine import cuda  # noqa: PLC0415 - import time
 
     device = args.device if cuda.device_count() > args.device else None
     out: dict[str, Any] = {"case": args.case, "memory": "device" if device is not None else "host"}

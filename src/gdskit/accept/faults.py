@@ -43,7 +43,7 @@ def forced_compat_config(directory: str) -> str:
 
     cuFile's log goes to ``directory`` so that the child leaves nothing behind.
     """
-    from gdskit.machine.gds import DEFAULT_CUFILE_JSON, parse_cufile_json
+    from gdskit.machine.gds import DEFAULT_CUFILE_JSON, parse_cufile_json  # noqa: PLC0415 - import time
 
     source = os.environ.get("CUFILE_ENV_PATH_JSON") or DEFAULT_CUFILE_JSON
     data: dict[str, Any] = {}
@@ -62,7 +62,7 @@ def forced_compat_config(directory: str) -> str:
 
 
 def is_tmpfs(path: str) -> bool:
-    from gdskit.bench.machine import mount_for
+    from gdskit.bench.machine import mount_for  # noqa: PLC0415 - import time
 
     m = mount_for(path) if os.path.isdir(path) else None
     return m is not None and m.fstype == "tmpfs"

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from gdskit.accept import measure
 from gdskit.accept.context import AcceptContext
 from gdskit.accept.result import FAIL, NA, PASS, Artifact, ItemResult, not_applicable, result, write_json
 from gdskit.settings import format_size
@@ -182,22 +183,18 @@ def _measuring_precondition(item: int, ctx: AcceptContext) -> ItemResult | None:
 
 def item_ab(ctx: AcceptContext) -> ItemResult:
     """The direct path against the CPU path with identical parameters (``gdskit bench``)."""
-    from gdskit.accept import measure
-
     return _measuring_precondition(3, ctx) or measure.ab_item(ctx)
 
 
 def item_sweep(ctx: AcceptContext) -> ItemResult:
     """I/O sizes 4 KiB to 1 MiB on both paths, and the cut-off (``gdskit bench --sweep``)."""
-    from gdskit.accept import measure
-
     return _measuring_precondition(4, ctx) or measure.sweep_item(ctx)
 
 
 # --------------------------------------------------------------------------- item 5
 def run_workload(argv: list[str], **kw: Any) -> Any:
     """``gdskit.telemetry.run_workload``, imported when item 5 runs (ImportError when it is missing)."""
-    from gdskit.telemetry import run_workload as run
+    from gdskit.telemetry import run_workload as run  # noqa: PLC0415 - import time
 
     return run(argv, **kw)
 
@@ -288,10 +285,10 @@ def item_checkpoint(ctx: AcceptContext) -> ItemResult:
     """gdskit's checkpoint files reload with plain torch.load and safetensors; the fallback path loads them."""
     if not ctx.live:
         return not_applicable(6, _CAPTURED)
-    from gdskit.accept import checkpoint
+    from gdskit.accept import checkpoint  # noqa: PLC0415 - import time
 
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401, PLC0415 - optional dependency (torch)
     except ImportError:
         return not_applicable(6, "torch is not installed (pip install 'gdskit[torch]')")
     device = f"cuda:{ctx.options.device}" if ctx.has_gpu else "cpu"
@@ -317,7 +314,7 @@ def item_faults(ctx: AcceptContext) -> ItemResult:
     """With the direct path made unavailable, the workload degrades to the CPU path and completes."""
     if not ctx.live:
         return not_applicable(7, _CAPTURED)
-    from gdskit.accept import faults
+    from gdskit.accept import faults  # noqa: PLC0415 - import time
 
     cases = faults.run_cases(ctx)
     write_json(ctx.artifact("faults.json"), cases)

@@ -12,6 +12,7 @@ import io
 import json
 from typing import Any
 
+from gdskit.accept import plots
 from gdskit.accept.context import AcceptContext
 from gdskit.accept.result import FAIL, PASS, Artifact, ItemResult, result, write_json
 from gdskit.durable import write_text_whole
@@ -24,8 +25,8 @@ WORKERS = 4
 
 def _run(ctx: AcceptContext, item: int, **params: Any) -> tuple[Any, ItemResult | None]:
     """Run one benchmark; on a path that cannot run, the failing :class:`ItemResult` instead."""
-    from gdskit.bench import runner
-    from gdskit.bench.params import PathUnavailableError, make_params
+    from gdskit.bench import runner  # noqa: PLC0415 - import time
+    from gdskit.bench.params import PathUnavailableError, make_params  # noqa: PLC0415 - import time
 
     p = make_params(paths=AB_PATHS, workers=WORKERS, cache="cold", device=ctx.options.device, **params)
     try:
@@ -44,7 +45,7 @@ def _fix_for_reason(ctx: AcceptContext, reason: str) -> str:
 
 
 def _archive(ctx: AcceptContext, report: Any, stem: str, what: str) -> list[Artifact]:
-    from gdskit.bench.report import write_csv
+    from gdskit.bench.report import write_csv  # noqa: PLC0415 - import time
 
     write_json(ctx.artifact(f"{stem}.json"), report.to_dict())
     rows = io.StringIO()
@@ -87,8 +88,6 @@ def ab_item(ctx: AcceptContext) -> ItemResult:
     if not {"cufile", "bounce"} <= ran:
         return result(3, FAIL, "the benchmark did not run both paths", evidence=ev, data={"summaries": rows},
                       fix="See gdskit bench -x cufile,bounce for the error.", artifacts=arts)
-    from gdskit.accept import plots
-
     png = plots.ab_chart(report, ctx.artifact("ab.png"))
     if png:
         arts.insert(0, Artifact("plot", "ab.png", "A/B: throughput, latency and CPU cost per path"))
@@ -104,7 +103,7 @@ def ab_item(ctx: AcceptContext) -> ItemResult:
 
 
 def sweep_item(ctx: AcceptContext) -> ItemResult:
-    from gdskit.bench.report import size_text
+    from gdskit.bench.report import size_text  # noqa: PLC0415 - import time
 
     s = ctx.sizes
     report, failed = _run(ctx, 4, size=s.sweep_size, io_size=SWEEP_RANGE, repeat=s.sweep_repeat,
@@ -113,7 +112,7 @@ def sweep_item(ctx: AcceptContext) -> ItemResult:
         return failed
     arts = _archive(ctx, report, "sweep", "I/O-size sweep")
     try:
-        from gdskit.bench.report import plot
+        from gdskit.bench.report import plot  # noqa: PLC0415 - import time
 
         plot(report, ctx.artifact("sweep.png"))
         arts.insert(0, Artifact("plot", "sweep.png", "Sweep: throughput and CPU cost against I/O size"))

@@ -15,9 +15,9 @@ def ab_chart(report: Any, filename: str) -> bool:
     Returns False (and writes nothing) when matplotlib is not installed.
     """
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency (matplotlib)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency (matplotlib)
     except ImportError:
         return False
 

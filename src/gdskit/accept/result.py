@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from gdskit import __version__
 from gdskit.durable import write_text_whole
 
 SCHEMA = "gdskit.accept"
@@ -119,8 +120,6 @@ class AcceptReport:
         return "accepted" if self.count(PASS) == len(self.items) else "incomplete"
 
     def to_dict(self) -> dict[str, Any]:
-        from gdskit import __version__
-
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,

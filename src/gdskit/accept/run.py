@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from gdskit import __version__
 from gdskit.accept.context import ALL_ITEMS, AcceptContext, AcceptOptions
 from gdskit.accept.items import ITEMS
 from gdskit.accept.report import write_report
@@ -63,8 +64,6 @@ def _holds_a_report(path: str) -> bool:
 
 
 def _machine(ctx: AcceptContext) -> dict[str, Any]:
-    from gdskit import __version__
-
     rep = ctx.check_report()
     gpu, gds = rep.gpu, rep.gds
     return {

@@ -36,7 +36,7 @@ def _cpu_path_bytes(ledger: dict[str, Any]) -> int:
 
 def _evict(path: str) -> None:
     """Drop the file's pages so the read comes from storage, not from the page cache."""
-    from gdskit.bench.runner import make_cold
+    from gdskit.bench.runner import make_cold  # noqa: PLC0415 - import time
 
     make_cold([path], drop_all=False)
 
@@ -46,7 +46,7 @@ def raw_round_trip(directory: str, nbytes: int, device: int | None, name: str = 
 
     ``device`` None uses host memory, else GPU memory on that device. The file is removed afterwards.
     """
-    from gdskit.bench.memory import allocate, pattern
+    from gdskit.bench.memory import allocate, pattern  # noqa: PLC0415 - import time
 
     nbytes = max(4096, nbytes - nbytes % 4096)
     chunk = min(CHUNK, nbytes)
@@ -118,9 +118,9 @@ def same_bytes(torch: Any, a: Any, b: Any) -> bool:
 
 def checkpoint_round_trip(directory: str, nbytes: int, device: int | None) -> dict[str, Any]:
     """Save a checkpoint of ``nbytes`` with gdskit.safetensors, evict it, load it, compare."""
-    import torch
+    import torch  # noqa: PLC0415 - optional dependency (torch)
 
-    import gdskit.safetensors as gst
+    import gdskit.safetensors as gst  # noqa: PLC0415 - import time
 
     dev = f"cuda:{device}" if device is not None else "cpu"
     tensors = make_tensors(torch, nbytes, dev)
@@ -158,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", action="store_true", help="raw bytes through gdskit.open even when torch is installed")
     args = ap.parse_args(argv)
 
-    from gdskit.engine import cuda
+    from gdskit.engine import cuda  # noqa: PLC0415 - import time
 
     device = args.device if cuda.device_count() > args.device else None
     nbytes = parse_size(args.size)
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401, PLC0415 - optional dependency (torch)
         have_torch = not args.raw
     except ImportError:
         have_torch = False

@@ -65,7 +65,7 @@ class CpuCost:
 
 def _system_times() -> dict[str, float]:
     try:
-        import psutil
+        import psutil  # noqa: PLC0415 - import time
     except ImportError:  # psutil is a dependency; be robust anyway: no system view
         return {}
     return dict(psutil.cpu_times()._asdict())

@@ -12,6 +12,8 @@ import os
 import platform
 from typing import Any
 
+import gdskit
+
 
 @dataclasses.dataclass(frozen=True)
 class MountInfo:
@@ -29,14 +31,14 @@ def _mount_info(m: Any) -> MountInfo:
 
 def parse_mountinfo(text: str) -> list[MountInfo]:
     """Parse the text of ``/proc/self/mountinfo`` (malformed lines are skipped), as ``gdskit check`` does."""
-    from gdskit.machine.mounts import parse_mountinfo as parse  # noqa: PLC0415
+    from gdskit.machine.mounts import parse_mountinfo as parse  # noqa: PLC0415 - import time
 
     return [_mount_info(m) for m in parse(text)]
 
 
 def mount_for(path: str, mountinfo_text: str | None = None) -> MountInfo | None:
     """The mount holding ``path`` (the longest mount point that is a prefix; last one wins)."""
-    from gdskit.machine.mounts import mount_of  # noqa: PLC0415
+    from gdskit.machine.mounts import mount_of  # noqa: PLC0415 - import time
 
     m = mount_of(path, mountinfo_text)
     return None if m is None else _mount_info(m)
@@ -76,7 +78,7 @@ def block_device_facts(dev: str, sys_root: str = "/sys") -> dict[str, Any]:
 def gpu_facts(index: int) -> dict[str, Any]:
     """Name, driver and PCIe facts of GPU ``index`` (NVML, asked the way ``gdskit check`` asks);
     empty without NVML."""
-    from gdskit.machine.gpus import query_nvml  # noqa: PLC0415 - only a run with a GPU needs it
+    from gdskit.machine.gpus import query_nvml  # noqa: PLC0415 - test seam
 
     raw = query_nvml()
     if not raw.get("available"):
@@ -93,11 +95,11 @@ def gpu_facts(index: int) -> dict[str, Any]:
 def cufile_version() -> str | None:
     """libcufile's version as ``major.minor.patch``, or None when it cannot be loaded."""
     try:
-        from cuda.bindings import cufile
+        from cuda.bindings import cufile  # noqa: PLC0415 - import time
         v = int(cufile.get_version())
     except Exception:
         return None
-    from gdskit.machine.gds import cufile_version_text  # noqa: PLC0415
+    from gdskit.machine.gds import cufile_version_text  # noqa: PLC0415 - import time
 
     return cufile_version_text(v)
 
@@ -134,7 +136,7 @@ def _cpu_model() -> str | None:
 
 def _memory() -> int | None:
     try:
-        import psutil
+        import psutil  # noqa: PLC0415 - import time
         return int(psutil.virtual_memory().total)
     except Exception:
         return None
@@ -143,7 +145,6 @@ def _memory() -> int | None:
 def collect(target: str | None, gpu_index: int | None = 0) -> MachineFacts:
     """Gather the facts for a run on ``target`` (a file or directory) and GPU ``gpu_index``."""
     try:
-        import gdskit
         version = getattr(gdskit, "__version__", None)
     except Exception:
         version = None

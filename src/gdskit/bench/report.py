@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
 import os
 import statistics
 from collections.abc import Iterable, Sequence
@@ -385,9 +386,9 @@ def plot_target(name: str) -> str:
 
 def _pyplot() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency (matplotlib)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency (matplotlib)
     except ImportError as exc:
         raise MissingDependencyError(
             "--plot needs matplotlib: pip install 'gdskit[plot]'") from exc
@@ -414,8 +415,8 @@ def size_text(n: int) -> str:
 
 def render_table(report: BenchReport, console: Any = None) -> None:
     """Print the report for people (rich)."""
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # noqa: PLC0415 - import time
+    from rich.table import Table  # noqa: PLC0415 - import time
 
     console = console or Console()
     p = report.params
@@ -462,7 +463,6 @@ def render_table(report: BenchReport, console: Any = None) -> None:
         console.print(f"[bold]knee[/bold]: {k.note}")
         console.print(f"  gdskit: {k.gdskit_setting}")
         if k.cufile_json is not None:
-            import json
             console.print(f"  cufile.json: {json.dumps(k.cufile_json)}")
         elif k.verdicts:
             console.print(f"  cufile.json: no posix_gds_min_kb key for {k.fstype or 'this filesystem'}"

@@ -31,15 +31,16 @@ import numpy as np
 
 import gdskit
 from gdskit.engine import cuda
-from gdskit.bench import cpu as cpu_mod
+from gdskit.bench import cpu as cpu_mod, profile
 from gdskit.bench import machine
 from gdskit.bench.knee import KneeResult, find_knee
 from gdskit.bench.memory import THP_SETTING, DeviceBuffer, pattern, transparent_huge_pages
 from gdskit.bench.params import GPU_PATHS, GiB, MiB, PATH_NAMES, BenchParams, Cache, PathUnavailableError
-from gdskit.bench.report import EXPECTED_PATHS, BenchReport, EngineResult, RunResult, VerifyResult
+from gdskit.bench.report import EXPECTED_PATHS, BenchReport, EngineResult, RunResult, VerifyResult, size_text
 from gdskit.bench.worker import (RunPlan, RunWindow, Targets, WorkerOut, counter_delta, make_cold, open_worker,
                                  run_counters, work)
 from gdskit.durable import create_new_file, create_temp_file, fd_path
+from gdskit.engine.direct_path import direct_route
 from gdskit.errors import GdskitIOError, InvalidArgumentError, NoSpaceError, from_os_error
 from gdskit.settings import format_size
 from gdskit.threads import start_thread
@@ -80,7 +81,7 @@ def static_availability(device: int) -> dict[str, str | None]:
     if device >= n:
         raise InvalidArgumentError(f"GPU index (-d) {device} does not exist; this machine has {n} GPU(s)")
     try:
-        from gdskit.engine.backends.cufile import cufile_library
+        from gdskit.engine.backends.cufile import cufile_library  # noqa: PLC0415 - test seam
         if not cufile_library().available():
             out["cufile"] = Reason.CUFILE_MISSING.value
     except Exception:
@@ -338,7 +339,6 @@ def _fallback(name: str, taken: dict[str, int], reasons: dict[str, int]) -> tupl
     if not other:
         return False, None
     if "cufile-compat" in other:
-        from gdskit.engine.direct_path import direct_route
         r = direct_route().reason
         return True, (r.value if r is not None else Reason.CUFILE_COMPAT_OBSERVED.value)
     told = sorted(((n, r) for r, n in reasons.items()
@@ -481,8 +481,6 @@ def engine_note(params: BenchParams, chunk_size: int, threads: int) -> str:
 
 
 def size_text_of(n: int) -> str:
-    from gdskit.bench.report import size_text  # noqa: PLC0415 - the table's spelling of sizes
-
     return size_text(n)
 
 
@@ -618,7 +616,7 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
         stack.callback(lambda: targets.cleanup(failed=failed))  # runs last: after the processes ended
         processes = None
         if params.processes:
-            from gdskit.bench.procs import WorkerProcesses
+            from gdskit.bench.procs import WorkerProcesses  # noqa: PLC0415 - import time
             processes = stack.enter_context(WorkerProcesses(params.workers))
         facts = machine.collect(targets.files[0], params.device if cuda.device_count() else None)
         runs: list[RunResult] = []
@@ -651,7 +649,6 @@ def run_benchmark(params: BenchParams, *, workdir: str | None = None, progress: 
                 report.warnings.append("the knee compares cuFile's compat mode (POSIX inside libcufile) with "
                                        "the bounce path: there is no direct path on this machine")
         if save_profile and report.knee is not None:
-            from gdskit.bench import profile
             report.profile_saved = profile.save_profile(
                 targets.files[0], report.knee,
                 extra={"gpu": facts.gpu.get("name"), "cufile_version": facts.cufile_version,

@@ -148,7 +148,7 @@ def run_counters(plan: RunPlan) -> dict[str, int] | None:
     """cuFile's counters for a cufile run's device (None for other paths, or where cuFile has none)."""
     if plan.name != "cufile":
         return None
-    from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415 - only cufile runs need it
+    from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415 - import time
 
     return counters_now(plan.params.device)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from gdskit.errors import GdskitError
+
 
 @contextlib.contextmanager
 def cli_errors(command: str, interrupted: str = "interrupted") -> Iterator[None]:
     """One way for every command to end on a bad argument, an unwritable file or Ctrl-C:
     a one-line message on stderr and exit status 2 (130 on Ctrl-C), never a traceback."""
-    import typer
-
-    from gdskit.errors import GdskitError
+    import typer  # noqa: PLC0415 - import time
 
     try:
         yield

@@ -13,6 +13,10 @@ from typing import Optional
 
 import typer
 
+from gdskit.cli import cli_errors
+from gdskit.errors import InvalidArgumentError
+from gdskit.settings import parse_size
+
 _HELP = (
     "Run the production acceptance checklist for GPUDirect Storage and write a report "
     "(report.md, a self-contained report.html with the plots, report.json).\n\n"
@@ -26,8 +30,7 @@ _HELP = (
 
 
 def _parse_items(text: str | None) -> tuple[int, ...]:
-    from gdskit.accept.context import ALL_ITEMS
-    from gdskit.errors import InvalidArgumentError
+    from gdskit.accept.context import ALL_ITEMS  # noqa: PLC0415 - import time
 
     if text is None:
         return ALL_ITEMS
@@ -61,13 +64,11 @@ def accept(
     device: int = typer.Option(0, "-d", "--device", help="GPU index."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds a child process (workload, fault case) may run."),
 ) -> None:
-    from rich.console import Console
+    from rich.console import Console  # noqa: PLC0415 - import time
 
-    from gdskit.accept.context import AcceptOptions
-    from gdskit.accept.report import headline
-    from gdskit.accept.run import ConsoleProgress, default_report_dir, run_accept
-    from gdskit.cli import cli_errors
-    from gdskit.settings import parse_size
+    from gdskit.accept.context import AcceptOptions  # noqa: PLC0415 - import time
+    from gdskit.accept.report import headline  # noqa: PLC0415 - import time
+    from gdskit.accept.run import ConsoleProgress, default_report_dir, run_accept  # noqa: PLC0415 - import time
 
     err = Console(stderr=True, highlight=False)
     progress = None

@@ -11,10 +11,14 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
 import typer
+
+from gdskit.cli import cli_errors
+from gdskit.vocabulary import Reason
 
 _HELP = (
     "Compare the direct path (cuFile) with the CPU paths (bounce, host) under identical parameters.\n\n"
@@ -56,11 +60,10 @@ def bench(
     csv_file: Optional[str] = typer.Option(None, "--csv", help="Write one CSV row per run to this file ('-' for stdout)."),
     plot_file: Optional[str] = typer.Option(None, "--plot", metavar="FILE", help="Plot throughput and CPU cost against I/O size to this PNG (given a directory: a new gdskit-bench.png in it; needs gdskit\\[plot])."),
 ) -> None:
-    from gdskit.bench import runner
-    from gdskit.bench.params import make_params
-    from gdskit.bench.report import plot, plot_target, render_table, save_csv, write_csv
-    from gdskit.durable import check_output_file
-    from gdskit.cli import cli_errors
+    from gdskit.bench import runner  # noqa: PLC0415 - import time
+    from gdskit.bench.params import make_params  # noqa: PLC0415 - import time
+    from gdskit.bench.report import plot, plot_target, render_table, save_csv, write_csv  # noqa: PLC0415 - import time
+    from gdskit.durable import check_output_file  # noqa: PLC0415 - import time
 
     default_run = file is None and directory is None
     plot_path = None
@@ -91,7 +94,7 @@ def bench(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     elif csv_file != "-":
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 - import time
         render_table(report, Console(width=None if sys.stdout.isatty() else 160))
         note = no_gpu_note(report)
         if note:
@@ -105,8 +108,6 @@ def bench(
 def no_gpu_note(report: Any) -> str | None:
     """One line for a run whose GPU paths could not run for want of a GPU (``make run`` on a laptop,
     CI): what its ``host`` row is, and what the same command shows on a GPU machine."""
-    from gdskit.vocabulary import Reason
-
     gpu_paths = ("cufile", "bounce")
     if any(report.unavailable.get(p) != Reason.NO_GPU.value for p in gpu_paths):
         return None
@@ -131,7 +132,7 @@ class _progress:
         if self._bar is None:
             if time.monotonic() - self._t0 < 2.0:
                 return
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415 - import time
             self._bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.description}"), TimeRemainingColumn(), transient=True)
             self._bar.start()
@@ -159,5 +160,4 @@ class _sigterm_as_interrupt:
 
 
 def _main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread() and os.name == "posix"

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import typer
 
+from gdskit.errors import GdskitError
 from gdskit.settings import format_size
 
 SEVERITY_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
@@ -35,7 +36,7 @@ def _yes(v: Any, yes: str = "yes", no: str = "no") -> str:
 def _text(cell: Any) -> Any:
     """A cell as rich Text: report strings are shown as they are, never read as markup
     (a finding's ``[reason]`` would otherwise vanish as an unknown style tag)."""
-    from rich.text import Text
+    from rich.text import Text  # noqa: PLC0415 - import time
 
     return Text(cell) if isinstance(cell, str) else cell
 
@@ -60,8 +61,8 @@ def _print_table(console: Any, table: Any) -> None:
 def _word_safe_widths(console: Any, table: Any) -> list[int] | None:
     """Each column at least as wide as its longest word, the room left shared out towards each
     column's longest line; None where even the longest words do not fit side by side."""
-    from rich.cells import cell_len
-    from rich.measure import Measurement
+    from rich.cells import cell_len  # noqa: PLC0415 - import time
+    from rich.measure import Measurement  # noqa: PLC0415 - import time
 
     shortest, longest = [], []
     for column in table.columns:
@@ -90,9 +91,9 @@ def _word_safe_widths(console: Any, table: Any) -> list[int] | None:
 def _print_blocks(console: Any, table: Any) -> None:
     """``table`` for a narrow console: its title, then per row the first cell as a heading and
     the others below it, one ``column  value`` line each (a word longer than the line folds)."""
-    from rich.padding import Padding
-    from rich.table import Table
-    from rich.text import Text
+    from rich.padding import Padding  # noqa: PLC0415 - import time
+    from rich.table import Table  # noqa: PLC0415 - import time
+    from rich.text import Text  # noqa: PLC0415 - import time
 
     if table.title:
         console.print(Text(str(table.title), style="italic"))
@@ -109,10 +110,10 @@ def _print_blocks(console: Any, table: Any) -> None:
 
 def render(report: Any, console: Any) -> None:
     """Print the report as grouped rich tables: platform, GPUs, topology, mounts, findings."""
-    from rich.table import Table
-    from rich.text import Text
+    from rich.table import Table  # noqa: PLC0415 - import time
+    from rich.text import Text  # noqa: PLC0415 - import time
 
-    from gdskit.probe.verdict import SEVERITIES
+    from gdskit.probe.verdict import SEVERITIES  # noqa: PLC0415 - import time
 
     d = report.to_dict()
     p = d["platform"]
@@ -227,10 +228,10 @@ def render(report: Any, console: Any) -> None:
 
 def render_routes(table: Any, console: Any) -> None:
     """The route table: per mount, each GPU's distance to the storage and where its reads go."""
-    from rich.table import Table
-    from rich.text import Text
+    from rich.table import Table  # noqa: PLC0415 - import time
+    from rich.text import Text  # noqa: PLC0415 - import time
 
-    from gdskit.probe.routes import describe
+    from gdskit.probe.routes import describe  # noqa: PLC0415 - import time
 
     why = table.why
     if why is not None:
@@ -282,8 +283,7 @@ def check(
     Exit status: 0 the check ran (and --require is met); 1 --require is not met;
     2 bad arguments.
     """
-    from gdskit.errors import GdskitError
-    from gdskit.probe import run_check
+    from gdskit.probe import run_check  # noqa: PLC0415 - import time
 
     urls = [p for p in paths or () if "://" in p]
     if urls:
@@ -297,7 +297,7 @@ def check(
     if as_json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
     else:
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 - import time
 
         render(report, Console())
     raise typer.Exit(report.exit_code)
@@ -306,8 +306,8 @@ def check(
 def _check_objects(urls: list[str], mixed: bool, as_json: bool) -> None:
     """``gdskit check s3://bucket/prefix ...``: each store's answer, credentials and one GET's rate.
     Exit status 0 where every URL checked out, 1 where one did not, 2 for bad arguments."""
-    from gdskit.engine import is_object_url
-    from gdskit.probe.objects import check_object_store
+    from gdskit.engine import is_object_url  # noqa: PLC0415 - import time
+    from gdskit.probe.objects import check_object_store  # noqa: PLC0415 - import time
 
     bad = [u for u in urls if not is_object_url(u)]
     if mixed or bad:

@@ -39,9 +39,9 @@ def digest(
     jobs: Optional[int] = typer.Option(None, "-j", "--jobs", min=1, max=256, help="Files digested at once (default: up to 8)."),  # noqa: UP007
     device: Optional[int] = typer.Option(None, "-d", "--device", min=0, help="Hash on this GPU: each file read into its memory whole, one at a time (default: the CPU)."),  # noqa: UP007
 ) -> None:
-    from gdskit.errors import GdskitError
-    from gdskit.formats import digest_scan
-    from gdskit.formats.progress import Progress
+    from gdskit.errors import GdskitError  # noqa: PLC0415 - import time
+    from gdskit.formats import digest_scan  # noqa: PLC0415 - import time
+    from gdskit.formats.progress import Progress  # noqa: PLC0415 - import time
 
     try:
         chunk_bytes = _size(chunk)
@@ -72,8 +72,8 @@ def digest(
 
 
 def _size(text: str) -> int:
-    from gdskit.errors import InvalidArgumentError
-    from gdskit.verify.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+    from gdskit.verify.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES  # noqa: PLC0415 - import time
 
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -88,9 +88,9 @@ def _size(text: str) -> int:
 
 
 def _table(results: list) -> None:  # type: ignore[type-arg]
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    from rich.console import Console  # noqa: PLC0415 - import time
+    from rich.table import Table  # noqa: PLC0415 - import time
+    from rich.text import Text  # noqa: PLC0415 - import time
 
     table = Table(box=None, header_style="bold")
     for col in ("status", "file", "kind", "size", "tensors", "blake3", "GB/s"):

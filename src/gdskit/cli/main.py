@@ -8,6 +8,10 @@ import sys
 
 import typer
 
+from gdskit import __version__
+from gdskit.errors import GdskitError
+from gdskit.settings import settings
+
 app = typer.Typer(
     name="gdskit",
     help="Files to GPU memory by the fastest path, with proof of the path every byte took.",
@@ -19,8 +23,6 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from gdskit import __version__
-
         typer.echo(f"gdskit {__version__}")
         raise typer.Exit()
 
@@ -44,9 +46,6 @@ def main() -> None:
     """Run the ``gdskit`` command. One line on stderr, never a traceback, for an invalid
     ``GDSKIT_*`` variable or any other error gdskit raises on purpose (exit status 2), and for
     what the system refuses at run time that a command did not catch itself (exit status 1)."""
-    from gdskit.errors import GdskitError
-    from gdskit.settings import settings
-
     try:
         settings.check_environment()  # every command depends on it, --help too: say so first
         app()

@@ -16,6 +16,9 @@ from typing import Any, Optional
 
 import typer
 
+from gdskit.cli import cli_errors
+from gdskit.errors import GdskitError, GdskitFileNotFoundError, GdskitIOError, WorkloadTimeoutError
+
 
 class Requirement(str, enum.Enum):
     direct = "direct"
@@ -42,10 +45,8 @@ def run(
     report_file: Optional[str] = typer.Option(None, "--report", metavar="FILE", help="Also write the JSON report to FILE."),  # noqa: UP007
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.01, help="Stop the workload after this many seconds."),  # noqa: UP007
 ) -> None:
-    from gdskit.errors import GdskitError, GdskitFileNotFoundError, GdskitIOError, WorkloadTimeoutError
-    from gdskit.cli import cli_errors
-    from gdskit.durable import check_output_file, write_text_whole
-    from gdskit.telemetry import run_workload
+    from gdskit.durable import check_output_file, write_text_whole  # noqa: PLC0415 - import time
+    from gdskit.telemetry import run_workload  # noqa: PLC0415 - import time
 
     if report_file:
         with cli_errors("run"):  # settled before the workload runs, not found wrong after it
@@ -88,15 +89,15 @@ def run(
 
 def render(report: Any) -> None:
     """The path split, the non-direct reasons, cuFile's counters and the verdict, on stderr."""
-    from rich.console import Console
-    from rich.text import Text
+    from rich.console import Console  # noqa: PLC0415 - import time
+    from rich.text import Text  # noqa: PLC0415 - import time
 
     from gdskit.telemetry.render import (
         human_bytes,
         paths_table,
         reasons_table,
         verdict_text,
-    )
+    )  # noqa: PLC0415 - import time
 
     console = Console(stderr=True)
     console.print(Text(f"gdskit run: {' '.join(report.argv)[:200]}", style="bold"))

@@ -10,12 +10,15 @@ line on stderr, whatever the output format.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from typing import Any, Optional
 
 import typer
+
+from gdskit.errors import GdskitError, MissingDependencyError, NotPublishingError, ProcessNotFoundError
 
 _HELP = (
     "Show the live gdskit figures of a process: bytes, ops, latency and busy time per path and reason "
@@ -54,8 +57,6 @@ def stats(
         help="Serve Prometheus metrics on PORT (/metrics) until Ctrl-C (needs gdskit\\[prometheus])."),
     serve_addr: str = typer.Option("127.0.0.1", "--serve-addr", help="Address --serve listens on."),
 ) -> None:
-    from gdskit.errors import GdskitError, MissingDependencyError
-
     if as_json and prometheus:
         raise _fail("--json and --prometheus exclude each other", 2)
     if watch is not None and (prometheus or serve is not None):
@@ -89,8 +90,8 @@ def _level_for(snap: Any, asked: int | None) -> int:
 
 
 def _show(pid: int, level: int | None, as_json: bool, prometheus: bool) -> None:
-    from gdskit.telemetry import read_snapshot, to_prometheus
-    from gdskit.telemetry.snapshot import restrict
+    from gdskit.telemetry import read_snapshot, to_prometheus  # noqa: PLC0415 - import time
+    from gdskit.telemetry.snapshot import restrict  # noqa: PLC0415 - import time
 
     snap = read_snapshot(pid)
     lvl = _level_for(snap, level)
@@ -99,18 +100,16 @@ def _show(pid: int, level: int | None, as_json: bool, prometheus: bool) -> None:
     elif prometheus:
         sys.stdout.write(to_prometheus([snap], level=lvl))
     else:
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 - import time
 
-        from gdskit.telemetry.render import snapshot_view
+        from gdskit.telemetry.render import snapshot_view  # noqa: PLC0415 - import time
 
         Console().print(snapshot_view(snap, lvl))
 
 
 def _list(as_json: bool, prometheus: bool, level: int | None) -> None:
-    import os
-
-    from gdskit.telemetry import SCHEMA, list_snapshots, to_prometheus
-    from gdskit.telemetry.snapshot import restrict
+    from gdskit.telemetry import SCHEMA, list_snapshots, to_prometheus  # noqa: PLC0415 - import time
+    from gdskit.telemetry.snapshot import restrict  # noqa: PLC0415 - import time
 
     refused: list[tuple[str, Any]] = []
     snaps = [s for s in list_snapshots(refused=refused) if s.pid != os.getpid()]
@@ -125,9 +124,9 @@ def _list(as_json: bool, prometheus: bool, level: int | None) -> None:
         typer.echo("No process of this user publishes gdskit figures. Start one with GDSKIT_STATS=1, "
                    "or run it under `gdskit run`.")
     else:
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 - import time
 
-        from gdskit.telemetry.render import processes_table
+        from gdskit.telemetry.render import processes_table  # noqa: PLC0415 - import time
 
         Console().print(processes_table(snaps))
 
@@ -154,13 +153,12 @@ def _advance(snap: Any, nxt: Any, rates: dict[str, float], now: float) -> tuple[
 
 
 def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
-    from rich.console import Console
-    from rich.live import Live
+    from rich.console import Console  # noqa: PLC0415 - import time
+    from rich.live import Live  # noqa: PLC0415 - import time
 
-    from gdskit.errors import NotPublishingError, ProcessNotFoundError
-    from gdskit.telemetry import read_snapshot
-    from gdskit.telemetry.render import snapshot_view
-    from gdskit.telemetry.snapshot import restrict
+    from gdskit.telemetry import read_snapshot  # noqa: PLC0415 - import time
+    from gdskit.telemetry.render import snapshot_view  # noqa: PLC0415 - import time
+    from gdskit.telemetry.snapshot import restrict  # noqa: PLC0415 - import time
 
     console = Console()
     snap = read_snapshot(pid)  # errors before the first frame are errors
@@ -196,16 +194,13 @@ def _watch(pid: int, level: int | None, every: float, as_json: bool) -> None:
 
 
 def _serve(pid: int | None, port: int, addr: str, level: int | None) -> None:
-    import os
-
-    from gdskit.telemetry import list_snapshots, read_snapshot, start_exporter
+    from gdskit.telemetry import list_snapshots, read_snapshot, start_exporter  # noqa: PLC0415 - import time
 
     if pid is not None:
         read_snapshot(pid)  # a clear error now rather than an empty endpoint
 
     def source() -> list[dict[str, Any]]:
-        from gdskit.errors import GdskitError
-        from gdskit.telemetry.snapshot import restrict
+        from gdskit.telemetry.snapshot import restrict  # noqa: PLC0415 - import time
 
         try:
             snaps = [read_snapshot(pid)] if pid is not None else [s for s in list_snapshots() if s.pid != os.getpid()]

@@ -114,7 +114,7 @@ class Dataset(ABC):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Sample ``index`` as a CPU tensor (read through the engine; the loader reads batches)."""
-        from gdskit.data.read import FileCache, read_samples
+        from gdskit.data.read import FileCache, read_samples  # noqa: PLC0415 - import time
 
         n = self._len
         i = operator.index(index)

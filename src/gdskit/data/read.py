@@ -23,7 +23,7 @@ import torch
 from gdskit.data.errors import SampleMismatchError, TruncatedFileError
 from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
-from gdskit.errors import call_each
+from gdskit.errors import InvalidArgumentError, call_each
 from gdskit.formats.device import torch_device
 from gdskit.engine import BufferView, adapt, open_file, synchronized_device_views
 
@@ -270,8 +270,6 @@ def read_samples(dataset: Any, indices: np.ndarray, device: torch.device, files:
 
 def target_device(device: Any) -> torch.device:
     """The device batches go to: ``"cuda:0"``, ``"cuda"`` (the current GPU), an index, ``"cpu"``..."""
-    from gdskit.errors import InvalidArgumentError
-
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
             else torch.device(device)

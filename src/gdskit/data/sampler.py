@@ -48,7 +48,7 @@ def epoch_of(epoch: Any, seed: int) -> int:
 
 def permutation(n: int, seed: int) -> np.ndarray:
     """``torch.randperm(n)`` from a generator seeded with ``seed`` (DistributedSampler's shuffle)."""
-    import torch
+    import torch  # noqa: PLC0415 - optional dependency (torch)
 
     g = torch.Generator()
     g.manual_seed(seed)

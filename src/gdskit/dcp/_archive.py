@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import _weights_only_unpickler
 
 from gdskit.errors import FormatError
 from gdskit.formats.torch_zip import RecordSizes, StorageRecords
@@ -200,7 +201,6 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
 
 
 def _unpickle(data: bytes, persistent_load: Callable[[Any], Any], where: str) -> Any:
-    from torch import _weights_only_unpickler
     up = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
     up.persistent_load = persistent_load
     try:

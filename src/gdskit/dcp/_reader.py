@@ -228,7 +228,7 @@ class StorageReader(dcp_storage.StorageReader):
             nbytes = (view.numel() if direct else _span_elements(view)) * es
             extent = read_plan.Extent(i, st.record_offset + view.storage_offset() * es, nbytes)
             jobs.append(_Job(req, dest, view, extent, direct))
-        from gdskit.formats.torch_io import execute
+        from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
         by_device: dict[torch.device, list[_Job]] = {}
         served: dict[torch.device, list[tuple[_Job, bytes]]] = {}
         for j in jobs:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint import filesystem, storage as dcp_storage
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -283,7 +283,6 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """Write ``.metadata`` last: temporary name, fsync, rename, directory fsync."""
         if "version" in {fl.name for fl in dataclasses.fields(metadata)}:
-            from torch.distributed.checkpoint import filesystem
             version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
             if version is not None:
                 metadata.version = version

@@ -31,6 +31,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gdskit.settings import settings
+from gdskit.vocabulary import Mode
+
 if TYPE_CHECKING:
     from gdskit.engine.buffers import (BufferView, ScatterList, adapt, scattered_device_view,  # noqa: F401
                                 synchronized_device_view, synchronized_device_views)
@@ -52,19 +55,19 @@ _ROUTING = ("RouteDecision", "RouteWhy", "decide")
 
 def __getattr__(name: str) -> Any:
     if name in _BUFFERS:
-        import gdskit.engine.buffers as buffers
+        import gdskit.engine.buffers as buffers  # noqa: PLC0415 - import time
 
         return getattr(buffers, name)
     if name in _READERS:
-        import gdskit.engine.reader_processes as reader_processes
+        import gdskit.engine.reader_processes as reader_processes  # noqa: PLC0415 - import time
 
         return getattr(reader_processes, name)
     if name in _ROUTING:
-        import gdskit.engine.gpu_routing as gpu_routing
+        import gdskit.engine.gpu_routing as gpu_routing  # noqa: PLC0415 - import time
 
         return getattr(gpu_routing, name)
     if name in _FILES:
-        import gdskit.engine.file as file
+        import gdskit.engine.file as file  # noqa: PLC0415 - import time
 
         return getattr(file, name)
     raise AttributeError(f"module 'gdskit.engine' has no attribute {name!r}")
@@ -72,22 +75,22 @@ def __getattr__(name: str) -> Any:
 
 def open_file(path: str | os.PathLike[str], mode: str = "r", *, atomic: bool = False) -> Any:
     """Open ``path`` through the engine: a :class:`gdskit.File`."""
-    from gdskit.engine.file import open as engine_open
+    from gdskit.engine.file import open as engine_open  # noqa: PLC0415 - import time
     return engine_open(path, mode, atomic=atomic)
 
 
 def is_object_url(path: Any) -> bool:
     """Whether ``path`` names an object in a store (``s3://bucket/key``) rather than a local file
     (:func:`open_file` opens both)."""
-    from gdskit.engine.objects.url import is_object_url as is_url
+    from gdskit.engine.objects.url import is_object_url as is_url  # noqa: PLC0415 - import time
     return is_url(path)
 
 
 def list_objects(prefix: str) -> list[tuple[str, int]]:
     """``(url, size)`` of every object under the URL ``prefix`` (``s3://bucket/dir/``), by key."""
-    from gdskit.engine.objects.store import bucket_for
-    from gdskit.engine.objects.url import parse_url
-    from gdskit.settings import settings
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.settings import settings  # noqa: PLC0415 - import time
 
     url = parse_url(prefix)
     found = bucket_for(url).list(url.key, settings.snapshot())
@@ -97,21 +100,21 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
 def object_endpoint_name() -> str:
     """The object store endpoint the environment names now (``AWS_ENDPOINT_URL``, the profile's
     ``endpoint_url``, else ``aws:<region>``), as the ledger names it."""
-    from gdskit.engine.objects.store import endpoint_now
+    from gdskit.engine.objects.store import endpoint_now  # noqa: PLC0415 - import time
     return endpoint_now().name
 
 
 def open_object_stream(url: str) -> Any:
     """The object at ``url`` as a buffered, seekable binary stream of ranged GETs (for readers
     that take a file object)."""
-    from gdskit.engine.objects.source import open_object_stream as open_stream
+    from gdskit.engine.objects.source import open_object_stream as open_stream  # noqa: PLC0415 - import time
     return open_stream(url)
 
 
 def forget_object_clients() -> None:
     """Make the next object store request build its client anew, with the endpoint and credentials
     the environment names then."""
-    from gdskit.engine.objects.store import forget_clients
+    from gdskit.engine.objects.store import forget_clients  # noqa: PLC0415 - import time
     forget_clients()
 
 
@@ -119,14 +122,14 @@ def read_files(jobs: list[tuple[str, list[tuple[Any, ...]]]],
                on_bytes: Callable[[int], None] | None = None) -> list[list[int]]:
     """Many files' reads as one engine job (``gdskit.engine.many_files``): ``(path, reads)`` pairs,
     each read as :meth:`gdskit.File.read_many` takes it; each file's byte counts."""
-    from gdskit.engine.many_files import FileReads, read_files as engine_read_files
+    from gdskit.engine.many_files import FileReads, read_files as engine_read_files  # noqa: PLC0415 - import time
     return engine_read_files([FileReads(p, r) for p, r in jobs], on_bytes=on_bytes)
 
 
 def whole_file_limit(device: int) -> int:
     """The largest file :func:`read_whole_files` takes into ``device``'s memory now; 0 where
     its reads must be routed file by file (cuFile may serve some)."""
-    import gdskit.engine.whole_files as whole_files
+    import gdskit.engine.whole_files as whole_files  # noqa: PLC0415 - import time
     return whole_files.limit(device)
 
 
@@ -134,39 +137,38 @@ def read_whole_files(paths: list[str], sizes: list[int], device: int, place: Cal
                      on_bytes: Callable[[int], None] | None = None) -> None:
     """Small files read whole into pinned stages and landed on ``device`` where ``place`` says
     (``gdskit.engine.whole_files``)."""
-    import gdskit.engine.whole_files as whole_files
+    import gdskit.engine.whole_files as whole_files  # noqa: PLC0415 - import time
     whole_files.read_whole_files(paths, sizes, device, place, on_bytes=on_bytes)
 
 
 def spread(n: int, k: int) -> list[int]:
     """Up to ``k`` indices of ``range(n)`` spread evenly over it, the first and last included
     (:func:`gdskit.engine.plan.spread`: what a job samples to judge all of it)."""
-    from gdskit.engine.plan import spread as engine_spread
+    from gdskit.engine.plan import spread as engine_spread  # noqa: PLC0415 - import time
     return engine_spread(n, k)
 
 
 def stats() -> Any:
     """A snapshot of the engine's ledger."""
-    from gdskit.engine.ledger import stats as ledger_stats
+    from gdskit.engine.ledger import stats as ledger_stats  # noqa: PLC0415 - import time
     return ledger_stats()
 
 
 def stats_delta(before: Any, after: Any) -> Any:
     """What the ledger recorded between two snapshots."""
-    from gdskit.engine.ledger import stats_delta as delta
+    from gdskit.engine.ledger import stats_delta as delta  # noqa: PLC0415 - import time
     return delta(before, after)
 
 
 def settings_values() -> dict[str, Any]:
     """The engine's settings as plain values (for a process that is to read as this one does)."""
-    from gdskit.settings import settings
     return settings.as_dict()
 
 
 def add_ledger_rows(rows: list[list[Any]]) -> None:
     """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
     bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each."""
-    from gdskit.engine.ledger import LedgerEntry, ledger
+    from gdskit.engine.ledger import LedgerEntry, ledger  # noqa: PLC0415 - import time
     ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
                                     tuple((int(k), int(c)) for k, c in hist))
                         for p, r, op, b, n, busy, req, hist in rows])
@@ -176,7 +178,7 @@ def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0
                 device: int | None = None, ops: int = 1) -> None:
     """Count bytes that arrived from rank ``source_rank`` of a process group over ``transport``
     ("nccl", "gloo") in the ledger: path ``peer``, reason ``fan_out``."""
-    from gdskit.engine.ledger import ledger
+    from gdskit.engine.ledger import ledger  # noqa: PLC0415 - import time
     ledger.record_peer(nbytes, source_rank, transport, busy_s, device, ops)
 
 
@@ -185,33 +187,31 @@ def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0, device: int 
     GPU kernel on ``stream`` (the stream the bytes landed on), host memory on the CPU; counted
     in the ledger's ``verified`` figures (:mod:`gdskit.engine.digests`). ``device``: all of them
     are memory of that GPU."""
-    from gdskit.engine.digests import digest_buffers as engine_digest_buffers
+    from gdskit.engine.digests import digest_buffers as engine_digest_buffers  # noqa: PLC0415 - import time
     return engine_digest_buffers(buffers, stream, device)
 
 
 def prepare_gpu_digests(device: int) -> None:
     """Compile (or find in the cache) and load the BLAKE3 kernels for GPU ``device`` in the
     background: a verified load calls it before its reads, so its first digest does not wait."""
-    from gdskit.engine.gpu_hash import prepare
+    from gdskit.engine.gpu_hash import prepare  # noqa: PLC0415 - import time
     prepare(device)
 
 
 def pinned_budget() -> int:
     """The most page-locked memory the engine's staging may hold (``settings.pinned_budget``)."""
-    from gdskit.settings import settings
     return settings.pinned_budget
 
 
 def worker_threads() -> int:
     """The engine's I/O worker threads (``settings.threads``)."""
-    from gdskit.settings import settings
     return settings.threads
 
 
 def first_page_cached(path: str) -> bool | None:
     """Whether the page cache holds the first page of the file at ``path``; None where it
     cannot say or the file cannot be opened (the read that follows reports that)."""
-    from gdskit.engine.residency import Residency, path_residency
+    from gdskit.engine.residency import Residency, path_residency  # noqa: PLC0415 - import time
 
     held = path_residency(path, 0, 4096)
     return None if held is None else held is Residency.ALL
@@ -220,42 +220,39 @@ def first_page_cached(path: str) -> bool | None:
 def cuda_layer() -> Any:
     """The engine's thin CUDA driver layer (:mod:`gdskit.engine.cuda`): pinned host memory, events and
     copies queued on a caller's stream (the data loader's pinned staging uses them)."""
-    import gdskit.engine.cuda as cuda
+    import gdskit.engine.cuda as cuda  # noqa: PLC0415 - import time
     return cuda
 
 
 def closed_at_exit(close: Callable[[Any], None], *, free_memory: bool = False) -> Any:
     """A weak set whose objects are each closed by ``close(obj)`` at exit, where the engine stops
     its worker threads (or, with ``free_memory``, where it frees its pinned memory); ``.add(obj)``."""
-    from gdskit.shutdown import FREE_MEMORY, STOP_WORK, ClosedAtExit
+    from gdskit.shutdown import FREE_MEMORY, STOP_WORK, ClosedAtExit  # noqa: PLC0415 - import time
     return ClosedAtExit(FREE_MEMORY if free_memory else STOP_WORK, close)
 
 
 def cufile_counters(device: int) -> dict[str, int] | None:
     """cuFile's own operation counters of GPU ``device``, or None where cuFile or its statistics
     are not available (``gdskit check --probe`` reads them around its probe)."""
-    from gdskit.engine.backends.cufile import counters_now
+    from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415 - import time
     return counters_now(device)
 
 
 def io_uring_availability() -> Any:
     """Whether io_uring reads work in this process (``.usable``, ``.detail``); never raises."""
-    from gdskit.engine.backends.uring import availability
+    from gdskit.engine.backends.uring import availability  # noqa: PLC0415 - import time
     return availability()
 
 
 def can_scatter() -> bool:
     """Whether a read's bytes may be scattered into several device allocations: on every
     path but ``mode="cufile"``, which reads into one buffer per request."""
-    from gdskit.settings import settings
-    from gdskit.vocabulary import Mode
-
     return settings.mode is not Mode.CUFILE
 
 
 def scattered_hot_workers() -> int:
     """How many workers the engine gives a job of scattered reads the page cache holds."""
-    from gdskit.engine.backends.bounce import SCATTERED_HOT_WORKERS
+    from gdskit.engine.backends.bounce import SCATTERED_HOT_WORKERS  # noqa: PLC0415 - import time
     return SCATTERED_HOT_WORKERS
 
 
@@ -287,8 +284,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
     parse holds, and take several times longer (docs/engine.md, "Measurements behind the
     defaults"). A failure here is left for the read itself to report.
     """
-    import gdskit.engine.pool as pool
-    from gdskit.settings import settings
+    import gdskit.engine.pool as pool  # noqa: PLC0415 - import time
 
     workers = settings.threads if workers is None else min(workers, settings.threads)
     if nbytes < workers * settings.chunk_size or pool.lanes.holds(device):
@@ -300,8 +296,8 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
         except Exception:  # noqa: BLE001 - the read that follows meets the same error and raises it
             pass
 
-    from gdskit.shutdown import STOP_WORK, at_exit
-    from gdskit.threads import start_thread
+    from gdskit.shutdown import STOP_WORK, at_exit  # noqa: PLC0415 - import time
+    from gdskit.threads import start_thread  # noqa: PLC0415 - import time
 
     at_exit(STOP_WORK, _join_warm_ups)
     with _warm_ups_lock:

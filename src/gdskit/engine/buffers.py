@@ -157,7 +157,7 @@ def _from_buffer_protocol(obj: Any) -> BufferView:
         # ctypes finds a writable buffer's address about three times faster than numpy.
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(byte_view))
     else:  # ctypes takes only writable buffers
-        import numpy as np  # noqa: PLC0415 - not at import time: `import gdskit` stays light
+        import numpy as np  # noqa: PLC0415 - import time
 
         ptr = int(np.frombuffer(byte_view, dtype=np.uint8).ctypes.data)
     return BufferView(ptr, mv.nbytes, MemoryKind.HOST, None, mv.readonly, byte_view, obj)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.shutdown import exiting
-from gdskit.errors import CudaError
+from gdskit.errors import CudaError, InvalidArgumentError
 from gdskit.engine.residency import MAP_FAILED, libc
 
 
@@ -71,7 +71,7 @@ def _driver() -> Any:
 def _load_bindings(state: _DriverState) -> Any:
     with _state_lock:
         if state.driver is None:
-            from cuda.bindings import driver  # noqa: PLC0415 - lazy on purpose
+            from cuda.bindings import driver  # noqa: PLC0415 - import time
 
             check(driver.cuInit(0), "cuInit")
             state.driver = driver
@@ -598,7 +598,7 @@ class DeviceArray:
 
     def copy_from_host(self, data: Any, offset: int = 0) -> None:
         """Copy ``data`` (bytes-like or a numpy array) to ``offset`` (blocking)."""
-        import numpy as np  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415 - import time
 
         arr = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data)
         if arr.nbytes:
@@ -606,7 +606,7 @@ class DeviceArray:
 
     def to_numpy(self, nbytes: int | None = None) -> Any:
         """A host copy of the first ``nbytes`` (default: all) as a uint8 numpy array."""
-        import numpy as np  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415 - import time
 
         n = self.nbytes if nbytes is None else nbytes
         out = np.empty(n, dtype=np.uint8)
@@ -640,8 +640,6 @@ def stream_handle(stream: Any) -> int:
     ``cuda_stream`` (torch) or ``ptr`` (CuPy), one with ``__cuda_stream__`` (the CUDA stream
     protocol: ``(version, handle)``), or a ``cuda.bindings`` ``CUstream``. Anything else, a
     boolean or a negative number: :class:`~gdskit.errors.InvalidArgumentError`."""
-    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415
-
     if isinstance(stream, bool):
         raise InvalidArgumentError("stream must be a CUDA stream or its integer handle, not a boolean")
     value: Any = stream

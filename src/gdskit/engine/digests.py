@@ -52,5 +52,5 @@ def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: 
 
 def cuda_digests(items: list[tuple[int, int]], device: int, stream: int) -> list[str]:
     """The GPU's digests of ``items`` on ``device`` (compiled and loaded at first use)."""
-    from gdskit.engine.gpu_hash import digest_device  # noqa: PLC0415 - NVRTC only where a GPU digests
+    from gdskit.engine.gpu_hash import digest_device  # noqa: PLC0415 - import time
     return digest_device(items, device, stream)

@@ -31,8 +31,8 @@ class DirectRoute:
 
 
 def udev_database_present() -> bool:
-    from gdskit.machine.gds import udev  # noqa: PLC0415
-    from gdskit.machine.root import SystemRoot  # noqa: PLC0415
+    from gdskit.machine.gds import udev  # noqa: PLC0415 - import time
+    from gdskit.machine.root import SystemRoot  # noqa: PLC0415 - import time
 
     return udev(SystemRoot("/")).database
 
@@ -54,7 +54,7 @@ def direct_route() -> DirectRoute:
         if _overrides:
             return _overrides[-1].route
         if _route is None:
-            from gdskit.machine.root import SystemRoot  # noqa: PLC0415
+            from gdskit.machine.root import SystemRoot  # noqa: PLC0415 - import time
 
             _route = route_of(SystemRoot("/"))
         return _route
@@ -87,7 +87,7 @@ class override:  # noqa: N801 - used like a function, as settings.set is
 
 def route_of(root: Any) -> DirectRoute:
     """The direct route of the machine seen through ``root`` (a :class:`gdskit.machine.root.SystemRoot`)."""
-    from gdskit.machine import gds  # noqa: PLC0415
+    from gdskit.machine import gds  # noqa: PLC0415 - import time
 
     nvfs = gds.nvidia_fs(root, gds.loaded_modules(root)).loaded
     config = gds.cufile_config(root)

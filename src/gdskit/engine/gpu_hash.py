@@ -21,6 +21,7 @@ import gdskit.engine.cuda as cuda
 from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, CHUNK_BYTES, SOURCE
 from gdskit.durable import write_whole
 from gdskit.errors import CudaError, MissingDependencyError
+from gdskit.threads import start_thread
 
 _BLOCK_BYTES = BLOCK_CHUNKS * CHUNK_BYTES
 _images: dict[tuple[int, int], bytes] = {}            # (major, minor) -> compiled image
@@ -38,7 +39,7 @@ cuda.on_driver_change(_forget_modules)
 
 def _nvrtc() -> Any:
     try:
-        from cuda.bindings import nvrtc  # noqa: PLC0415 - loaded with the first GPU digest (import time)
+        from cuda.bindings import nvrtc  # noqa: PLC0415 - import time
     except ImportError:
         raise MissingDependencyError("GPU digests need NVRTC: pip install cuda-bindings nvidia-cuda-nvrtc") from None
     return nvrtc
@@ -170,8 +171,6 @@ def image_for(major: int, minor: int) -> bytes:
 def prepare(device: int) -> None:
     """Compile (or find) and load the kernels for GPU ``device`` on a background thread, so that
     a verified load's first digest does not wait for them; a failure is left for that digest."""
-    from gdskit.threads import start_thread  # noqa: PLC0415 - beside its use
-
     def run() -> None:
         try:
             _kernels(device)

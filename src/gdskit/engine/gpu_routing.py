@@ -158,7 +158,7 @@ FactSource = Callable[[int, tuple[str, ...]], StorageFacts]
 
 def _live_facts(st_dev: int, gpu_bus_ids: tuple[str, ...]) -> StorageFacts:
     """The file's storage facts read from this machine's sysfs (:mod:`gdskit.machine.storage`)."""
-    from gdskit.machine.storage import live_storage_facts  # noqa: PLC0415 - import time: read only when a read may be routed
+    from gdskit.machine.storage import live_storage_facts  # noqa: PLC0415 - import time
 
     return live_storage_facts(st_dev, gpu_bus_ids)
 

@@ -261,7 +261,7 @@ def _wait_for_producers(views: Iterable[BufferView]) -> None:
 
 def _worker(files: _Files, reads: list[list[_Read]], cfg: Settings,
             on_bytes: Callable[[int], None] | None) -> Callable[[LaneRef, _Unit], _Done]:
-    from gdskit.engine.file import backend  # noqa: PLC0415 - the backends' instances live with the facade
+    from gdskit.engine.file import backend  # noqa: PLC0415 - import time
 
     align = cfg.alignment
 
@@ -385,7 +385,7 @@ def _read_deferred(paths: list[str], reads: list[list[_Read]], units: list[tuple
     routed reads), one file at a time; their counts go in their ``_Done``."""
     if not units:
         return
-    from gdskit.engine.file import File  # noqa: PLC0415
+    from gdskit.engine.file import File  # noqa: PLC0415 - import time
 
     by_file: dict[int, list[tuple[_Unit, _Done]]] = {}
     for u, d in units:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import gdskit.engine.cuda as cuda
 from gdskit.engine.residency import libc
-from gdskit.machine.numa import UNKNOWN, NumaPlace, parse_cpulist
+from gdskit.machine.numa import UNKNOWN, NumaPlace, live_numa_place, parse_cpulist
 
 
 #: ``source(pci_bus_id)``: the NUMA place of the GPU at that PCI address.
@@ -39,8 +39,6 @@ PlaceSource = Callable[[str], NumaPlace]
 
 def _live_place(pci_bus_id: str) -> NumaPlace:
     """The GPU's place read from this machine's sysfs (:mod:`gdskit.machine.numa`)."""
-    from gdskit.machine.numa import live_numa_place  # noqa: PLC0415 - import time: read when a device lane is first made
-
     return live_numa_place(pci_bus_id)
 
 

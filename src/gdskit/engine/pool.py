@@ -9,6 +9,7 @@ memory never exceeds ``settings.pinned_budget``.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import gdskit.engine.cuda as cuda
+from gdskit.engine.direct_path import direct_route
 
 import gdskit.engine.numa as numa
 from gdskit.shutdown import FREE_MEMORY, STOP_WORK, at_exit
@@ -57,8 +59,6 @@ class _HostStage:
     device as fewer, larger requests (measured: docs/engine.md, "Measurements behind the defaults")."""
 
     def __init__(self, nbytes: int) -> None:
-        import ctypes  # noqa: PLC0415
-
         self.nbytes = nbytes
         # Unlike the pinned stages, a forked child keeps this one: it may read through the host
         # path with the lanes it inherited.
@@ -549,8 +549,6 @@ def set_up(device: int | None, workers: int | None = None) -> None:
     cfg = settings.snapshot()
     dev = None
     if cuda.available():
-        from gdskit.engine.direct_path import direct_route  # noqa: PLC0415
-
         dev = cuda.current_device() if device is None else device
         # Worked out here, before the ring: side by side with the ring's set-up (another thread)
         # it made that set-up slower by as much as it saved on the H200 machine.

@@ -50,7 +50,7 @@ def profile_key(mount_point: str, dev: str) -> str:
 
 def mount_key(target: str, mountinfo_text: str | None = None) -> str | None:
     """The store's key for the mount holding ``target``, or None when that cannot be told."""
-    from gdskit.machine.mounts import mount_of  # noqa: PLC0415 - only where a store exists
+    from gdskit.machine.mounts import mount_of  # noqa: PLC0415 - import time
 
     m = mount_of(target, mountinfo_text)
     return None if m is None else profile_key(m.mountpoint, f"{m.major}:{m.minor}")

@@ -19,6 +19,16 @@ from typing import Any
 
 import numpy as np
 
+from gdskit.engine.buffers import adapt
+import gdskit.engine.cuda as cuda
+from gdskit.engine.file import open as open_file
+from gdskit.engine.ledger import ledger
+from gdskit.engine.reader_processes import (KIND_DONE, KIND_ERROR, KIND_INIT, KIND_READ, pack_done, recv_message,
+                                            send_message, unpack_read)
+from gdskit.settings import settings
+from gdskit.threads import take_signals_back
+from gdskit.vocabulary import Reason
+
 #: Files kept open at once (the least recently used is closed first), as in the loader.
 OPEN_FILES = 64
 
@@ -31,14 +41,6 @@ def _error(exc: BaseException, path: str | None) -> dict[str, Any]:
 
 
 def serve(sock: socket.socket, view: Any) -> None:
-    import gdskit.engine.cuda as cuda
-    from gdskit.engine.reader_processes import (KIND_DONE, KIND_ERROR, KIND_INIT, KIND_READ, pack_done, recv_message,
-                                   send_message, unpack_read)
-    from gdskit.engine.file import open as open_file
-    from gdskit.engine.ledger import ledger
-    from gdskit.settings import settings
-    from gdskit.vocabulary import Reason
-
     kind, payload = recv_message(sock)
     if kind != KIND_INIT:
         raise SystemExit(f"gdskit reader process: expected the loader's first message, got {kind!r}")
@@ -82,14 +84,11 @@ def serve(sock: socket.socket, view: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from gdskit.threads import take_signals_back
-
     take_signals_back()  # the loader's SIGTERM ends this process, whichever thread started it
     sock_fd, mem_fd, nbytes = (int(a) for a in argv[1:4])
     sock = socket.socket(fileno=sock_fd)
     shared = mmap.mmap(mem_fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(mem_fd)
-    from gdskit.engine.buffers import adapt
     try:
         serve(sock, adapt(np.frombuffer(shared, dtype=np.uint8)))
     except (BrokenPipeError, ConnectionResetError):

@@ -139,7 +139,7 @@ def unpack_done(payload: bytes | bytearray) -> tuple[list[list[int]], list[list[
 
 
 def _cuda() -> Any:
-    import gdskit.engine.cuda as cuda
+    import gdskit.engine.cuda as cuda  # noqa: PLC0415 - import time
     return cuda
 
 
@@ -243,7 +243,7 @@ class ReaderProcesses:
             mapping = self._mapping = _SharedMapping(slots * self.slot_bytes, pinned)
             self._slots = [SharedSlot(mapping, k * self.slot_bytes, pinned)
                            for k in range(slots)]
-            from gdskit.engine.read_route import host_reason
+            from gdskit.engine.read_route import host_reason  # noqa: PLC0415 - import time
             init = json.dumps({"paths": list(paths), "settings": settings_values,
                                "host_reason": host_reason().value}).encode()
             env = dict(os.environ)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import queue
 import threading
 import time
@@ -343,7 +344,7 @@ def _record(op: _StreamOp) -> None:
         if kind is BackendKind.HOST:
             ledger.record(Path.HOST, reason, op.op, nbytes, len(pieces), share)
         elif kind is BackendKind.CUFILE:
-            from gdskit.engine.backends.cufile import record_async  # noqa: PLC0415
+            from gdskit.engine.backends.cufile import record_async  # noqa: PLC0415 - import time
 
             record_async(op.f, Request(op.op, op.view, nbytes, pieces[0].route.file_offset, pieces[0].route.buf_offset,
                                  reason), nbytes, len(pieces), share, op.cufile_before.get(op.device or 0))
@@ -478,8 +479,6 @@ def submit(f: OpenFile, op: str, view: BufferView, size: int, file_offset: int, 
     if view.scatter is not None:
         raise InvalidArgumentError("a scattered destination cannot be read in stream order")
     if op == "read" and size:
-        import os  # noqa: PLC0415
-
         try:
             size = max(0, min(size, os.fstat(f.fd).st_size - file_offset))  # nothing is queued past the end
         except OSError as exc:
@@ -510,7 +509,7 @@ def _queue(op: _StreamOp, routes: list[BackendChoice], cfg: Settings) -> None:
         _order_after_producer(op.view, stream)
     op.done_event = cuda.Event()  # host memory: in the calling thread's context, as its stream's
     if any(r.backend is BackendKind.CUFILE for r in routes):
-        from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415
+        from gdskit.engine.backends.cufile import counters_now  # noqa: PLC0415 - import time
 
         op.cufile_before[op.device or 0] = counters_now(op.device or 0)
     stage_set = stages.take(op.device, stream, cfg) if any(r.backend is BackendKind.BOUNCE for r in routes) else None
@@ -587,7 +586,7 @@ def _queue_bounce(op: _StreamOp, route: BackendChoice, stage_set: StageSet, turn
 
 
 def _queue_cufile(op: _StreamOp, route: BackendChoice) -> None:
-    from gdskit.engine.backends.cufile import async_outcome, enqueue_async  # noqa: PLC0415
+    from gdskit.engine.backends.cufile import async_outcome, enqueue_async  # noqa: PLC0415 - import time
 
     done = 0
     while done < route.size:

@@ -132,14 +132,14 @@ def read_whole_files(paths: Sequence[str], sizes: Sequence[int], device: int, pl
 
 
 def _ring_usable() -> bool:
-    from gdskit.engine.backends import uring  # noqa: PLC0415 - numpy and the ring only where a job needs them
+    from gdskit.engine.backends import uring  # noqa: PLC0415 - import time
 
     return uring.availability().usable is True
 
 
 def _groups(sizes: list[int], stage_bytes: int, align: int) -> list[tuple[int, int]]:
     """Consecutive files, ``(first, end)``, whose aligned slots fill at most a stage and a ring."""
-    from gdskit.engine.backends.uring import RING_ENTRIES  # noqa: PLC0415
+    from gdskit.engine.backends.uring import RING_ENTRIES  # noqa: PLC0415 - import time
 
     out: list[tuple[int, int]] = []
     first, fill = 0, 0
@@ -298,7 +298,7 @@ def _read(job: _Job, view: memoryview, fds: _Opened) -> list[tuple[int, int]]:
     spans = [align_up(job.sizes[i], align) if fl == _DIRECT else job.sizes[i] for i, _fd, _s, fl in fds]
     got: list[int] | None = None  # the ring's results, where it read them
     if job.ring and fds:
-        from gdskit.engine.backends import uring  # noqa: PLC0415
+        from gdskit.engine.backends import uring  # noqa: PLC0415 - import time
 
         ring = uring.ring_for_thread()
         if ring is not None:

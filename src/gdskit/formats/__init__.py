@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from gdskit.errors import MissingDependencyError
+
 
 def require_torch(user: str) -> Any:
     """The torch module, imported on first use by ``user`` (e.g. ``"gdskit.torch"``);
     :class:`~gdskit.errors.MissingDependencyError` (an ImportError) when it is not installed."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 - optional dependency (torch)
     except ImportError:
-        from gdskit.errors import MissingDependencyError
         raise MissingDependencyError(f"{user} needs torch: pip install 'gdskit[torch]'") from None
     return torch

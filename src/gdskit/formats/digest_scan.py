@@ -19,7 +19,7 @@ from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError, from_os_error
 from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
-                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest)
+                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, write_manifest)
 
 #: How ``gdskit digest`` calls a file by its format.
 KINDS = ("safetensors", "torch", "npy", "raw")
@@ -82,10 +82,10 @@ def tensor_spans(path: str, kind: str) -> list[Span]:
 
 def _torch_spans(path: str) -> list[Span]:
     try:
-        import torch  # noqa: PLC0415 - optional: torch's own reader places the records
+        import torch  # noqa: PLC0415 - optional dependency (torch)
     except ImportError:
         return []  # digested as raw bytes without torch
-    from gdskit.formats.torch_zip import StorageRecords  # noqa: PLC0415 - needs torch
+    from gdskit.formats.torch_zip import StorageRecords  # noqa: PLC0415 - optional dependency (torch)
 
     records = StorageRecords.open(torch, path, os.stat(path).st_size, path)
     try:
@@ -171,7 +171,7 @@ def _read_fully(fd: int, into: memoryview, offset: int, path: str) -> int:
 
 def _digest_on_gpu(path: str, chunk_bytes: int, spans: list[Span], on_bytes: Callable[[int], None] | None,
                    device: int) -> FileDigests:
-    from gdskit.engine import cuda_layer, digest_buffers, open_file  # noqa: PLC0415 - GPU digests only
+    from gdskit.engine import cuda_layer, digest_buffers, open_file  # noqa: PLC0415 - import time
 
     st = os.stat(path)
     if st.st_size == 0:
@@ -265,8 +265,6 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
     """Digest every file of ``paths`` (files and directories), files in parallel, and write each
     PATH's manifest. ``device``: hash on that GPU (each file read whole into its memory; files
     one at a time). Returns one result per file."""
-    from gdskit.verify import write_manifest  # noqa: PLC0415 - beside its use
-
     targets = [target_of(p) for p in paths]
     work = [(t, rel) for t in targets for rel in t.files]
     workers = 1 if device is not None else jobs or min(8, os.cpu_count() or 1)

@@ -21,6 +21,7 @@ the tensors already filled.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,6 +40,7 @@ from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, Partia
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
+from gdskit.formats.shard_index import index_checkpoint
 from gdskit.formats.torch_io import execute
 
 if TYPE_CHECKING:
@@ -461,8 +463,6 @@ def load_safetensors_into(target: Any, path_or_paths: Any, *, torch_type: TorchT
 def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchType, shape: ReadShape, strict: bool,
                            cast: bool, progress: ProgressArg, return_stats: bool, index: ShardIndex | None,
                            mode: VerifyMode = OFF) -> Any:
-    from gdskit.formats.shard_index import index_checkpoint
-
     items = target_tensors(target)
     infos = describe(items)
     if index is None:
@@ -519,7 +519,7 @@ def _torch_records(path: str, weights_only: bool, file_kind: Callable[[str], tup
     records of ``wanted`` tensors that are not stored as they are (deflated) are inflated here,
     so that a record that does not inflate is refused before anything is filled.
     """
-    from gdskit.formats.torch_zip import StorageRecords
+    from gdskit.formats.torch_zip import StorageRecords  # noqa: PLC0415 - import time
 
     try:
         kind, archive_size = file_kind(path)
@@ -638,8 +638,6 @@ def _load_torch_into(target: Any, path: str, file_kind: Callable[[str], tuple[st
 def _record_digests(path: str, mode: VerifyMode, sources: Mapping[str, Source], whole: Mapping[str, str]) -> Expectation:
     """The manifest's digests of a torch.save archive's storage records, by the state-dict names of
     the tensors that cover their records whole. A tensor that is part of its record is refused."""
-    import dataclasses
-
     (exp,) = expectations([path], mode).values()
     partial = sorted(n for n in sources if n not in whole)
     if partial:

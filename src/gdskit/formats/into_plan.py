@@ -276,7 +276,7 @@ def _refuse_overlaps(targets: list[TargetInfo]) -> None:
     spans = [t for t in targets if t.span]
     if len(spans) < 2:
         return
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - import time
 
     n = len(spans)
     devices: dict[str, int] = {}

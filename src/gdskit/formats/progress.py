@@ -55,8 +55,8 @@ class Progress:
     def _open_bar(self) -> None:
         try:
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress,
-                                       TextColumn, TimeRemainingColumn, TransferSpeedColumn)
-            from rich.console import Console
+                                       TextColumn, TimeRemainingColumn, TransferSpeedColumn)  # noqa: PLC0415 - import time
+            from rich.console import Console  # noqa: PLC0415 - import time
         except ImportError:
             self._want_bar = False
             return

@@ -78,7 +78,7 @@ class _Reader:
         """Read ``plan`` into the destinations in ``box``, which it empties: the executor keeps
         a job's arguments a moment after its result is out, and the tensors must not be
         kept alive by that."""
-        from gdskit.formats.torch_io import execute
+        from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
         dests = box.pop()
         self.thread = threading.get_ident()
         f = self.files.get(path)

@@ -26,7 +26,7 @@ def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
     for device, items in by_device.items():
         stream, gpu = 0, None
         if device.type == "cuda":
-            import torch  # noqa: PLC0415 - optional: only torch tensors come here
+            import torch  # noqa: PLC0415 - optional dependency (torch)
 
             stream = int(torch.cuda.current_stream(device).cuda_stream)
             gpu = device.index if device.index is not None else torch.cuda.current_device()
@@ -45,7 +45,7 @@ def expectations(paths: Iterable[str], mode: VerifyMode,
     metadata = metadata or {}
     found = {p: find_expectation(p, mode, metadata.get(p)) for p in paths}
     if device is not None and getattr(device, "type", None) == "cuda":
-        import torch  # noqa: PLC0415 - optional: a torch device came in
+        import torch  # noqa: PLC0415 - optional dependency (torch)
 
         prepare_gpu_digests(device.index if device.index is not None else torch.cuda.current_device())
     return found

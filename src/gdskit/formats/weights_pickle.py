@@ -194,9 +194,9 @@ def _vocabulary() -> _Vocabulary | None:
     """The short list, each name checked against torch's own weights-only list (a name
     torch does not allow, or would read as another, is left out); None where this torch
     has no such list or not the objects this module was written against."""
-    import torch
+    import torch  # noqa: PLC0415 - optional dependency (torch)
     try:
-        from torch import _weights_only_unpickler as wo
+        from torch import _weights_only_unpickler as wo  # noqa: PLC0415 - optional dependency (torch)
         allowed = wo._get_allowed_globals()
     except (ImportError, AttributeError):
         return None

@@ -16,6 +16,7 @@ from gdskit.errors import with_path
 from gdskit.formats import require_torch, safetensors_format as fmt
 from gdskit.engine import stats, stats_delta
 from gdskit.formats.progress import ProgressArg
+from gdskit.formats.torch_io import reserve_device_memory
 from gdskit.group.load import LoadJob, run_load
 from gdskit.group.plan import Segment
 
@@ -56,8 +57,6 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
     """See :func:`gdskit.safetensors.load_file`; every rank of ``process_group`` calls it (``st``:
     what it needs of gdskit.safetensors)."""
     torch = require_torch("gdskit.safetensors")
-    from gdskit.formats.torch_io import reserve_device_memory
-
     types: dict[str, tuple[Any, tuple[int, ...]]] = {}
     empty: dict[str, Any] = {}  # tensors of no bytes, made as the one-rank loader makes them
 

@@ -150,7 +150,7 @@ def gpu_facts(root: SystemRoot) -> GpuFacts:
 def query_nvml() -> dict[str, Any]:
     """Ask NVML about every GPU. Never raises: failures become ``available: False``."""
     try:
-        import pynvml  # nvidia-ml-py
+        import pynvml  # noqa: PLC0415 - import time
     except ImportError:
         return {"available": False, "error": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from gdskit.engine import io_uring_availability
 from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError
 from gdskit.machine.gds import gds_stack, query_cufile_library
 from gdskit.machine.gpus import gpu_facts, query_nvml
@@ -21,6 +22,7 @@ from gdskit.probe.report import REQUIREMENTS, CheckReport, IoUringResult
 from gdskit.machine.root import SystemRoot
 from gdskit.probe.routes import route_findings, route_table
 from gdskit.machine.topology import topology
+from gdskit.probe.live import live_probe
 from gdskit.probe.verdict import Finding, MountCheck, is_network, judge_mount, platform_findings, udev_entry_for
 from gdskit.settings import settings
 
@@ -65,8 +67,6 @@ def _io_uring(root: SystemRoot) -> IoUringResult:
     """Whether this process can read batches through io_uring (the live machine only)."""
     if not root.is_live:
         return IoUringResult("not-probed", "captured tree, not the live machine")
-    from gdskit.engine import io_uring_availability  # noqa: PLC0415 - import time: numpy only when checking
-
     known = io_uring_availability()
     return IoUringResult("usable" if known.usable else "unavailable", known.detail)
 
@@ -136,7 +136,5 @@ def run_check(
     report = CheckReport(root=root.prefix, gpu=gpu, gds=gds, topology=topo, mounts=checks,
                          findings=findings, require=require, routes=routes, io_uring=_io_uring(root))
     if probe:
-        from gdskit.probe.live import live_probe
-
         live_probe(report, root)
     return report

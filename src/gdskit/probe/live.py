@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gdskit import engine
 from gdskit.durable import create_temp_file, fd_path
 from gdskit.machine.mounts import odirect_dir_for, read_mounts
 from gdskit.machine.root import SystemRoot
 from gdskit.probe.verdict import Finding, MountCheck
+from gdskit.settings import settings
 from gdskit.vocabulary import Reason, is_direct_path
 
 
@@ -31,9 +33,7 @@ def _ledger_view(delta: Any) -> dict[str, Any]:
 
 def probe_directory(directory: str, nbytes: int, on_gpu: bool) -> dict[str, Any]:
     """Write then read ``nbytes`` through ``gdskit.open`` in a temp file in ``directory``."""
-    import numpy as np
-
-    from gdskit import engine
+    import numpy as np  # noqa: PLC0415 - import time
 
     pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
     tmp: str | None = None
@@ -115,11 +115,7 @@ def live_probe(report: Any, root: SystemRoot) -> None:
         for mc in report.mounts:
             mc.probe = {"status": "skipped", "detail": "captured tree", "summary": "skipped"}
         return
-    from gdskit import engine
-
     cuda = engine.cuda_layer()
-    from gdskit.settings import settings
-
     on_gpu = cuda.device_count() > 0
     align = settings.alignment
     nbytes = max(settings.direct_threshold, 1 << 20)

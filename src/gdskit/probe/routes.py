@@ -19,7 +19,7 @@ from gdskit.machine.mounts import NETWORK_FS, block_node, device_name, mount_blo
 from gdskit.machine.root import SystemRoot
 from gdskit.machine.topology import PciPlace, PeerDevice, Topology, pci_place, rdma_devices
 from gdskit.machine.numa import numa_of
-from gdskit.engine import RouteDecision, RouteWhy, decide  # the check shows the engine's own decision
+from gdskit.engine import RouteDecision, RouteWhy, cuda_layer, decide
 from gdskit.machine.distance import UNKNOWN_PEER, Distance, PeerLink
 from gdskit.machine.storage import Storage, block_storage, is_network, network_storage, storage_of_device
 from gdskit.vocabulary import Routing
@@ -43,8 +43,6 @@ def _fixture_peers(root: SystemRoot) -> dict[frozenset[str], PeerLink] | None:
 
 def _live_peers(bus_ids: Sequence[str]) -> dict[frozenset[str], PeerLink]:
     """Peer access from the CUDA driver; NVLink from NVML where it answers."""
-    from gdskit.engine import cuda_layer  # noqa: PLC0415 - import time: only when there are GPUs to ask about
-
     cuda = cuda_layer()
 
     out: dict[frozenset[str], PeerLink] = {}
@@ -67,7 +65,7 @@ def _live_peers(bus_ids: Sequence[str]) -> dict[frozenset[str], PeerLink]:
 
 def _nvlink_pairs(bus_ids: Sequence[str]) -> dict[frozenset[str], bool]:
     try:
-        import pynvml  # noqa: PLC0415 - nvidia-ml-py, optional
+        import pynvml  # noqa: PLC0415 - import time
     except ImportError:
         return {}
     out: dict[frozenset[str], bool] = {}
@@ -228,7 +226,7 @@ def route_table(root: SystemRoot, gpu: GpuFacts, topo: Topology, mounts: Sequenc
 
 def route_findings(table: RouteTable) -> list[Finding]:
     """A finding for each mount whose storage sits poorly for some GPU, with the fix."""
-    from gdskit.probe.verdict import Finding  # noqa: PLC0415 - the engine's fact source needs none of it
+    from gdskit.probe.verdict import Finding  # noqa: PLC0415 - import time
 
     out: list[Finding] = []
     if len(table.gpus) < 2:

@@ -23,6 +23,7 @@ _LAZY = {"stats_dir": ("location", "stats_dir"), "to_prometheus": ("prometheus",
          "WorkloadReport": ("workload", "WorkloadReport"), "run_workload": ("workload", "run_workload")}
 
 # Not lazy: the function shares its name with its module, which would shadow it once imported.
+from gdskit.settings import settings
 from gdskit.telemetry.verdict import verdict  # noqa: E402, F401 - light (the ledger is loaded anyway)
 
 __all__ = sorted([*_LAZY, "follow_settings", "verdict"])
@@ -32,17 +33,13 @@ def follow_settings() -> None:
     """Publish this process's ledger whenever ``settings.stats_level`` is on: from now on if
     it is already (``GDSKIT_STATS`` at start-up), and each time it is switched on or back on.
     ``import gdskit`` calls this once; the publisher stops itself when the level goes to 0."""
-    from gdskit.settings import settings  # noqa: PLC0415
-
     settings.subscribe(_stats_level_changed)
     _stats_level_changed(frozenset({"stats_level"}))
 
 
 def _stats_level_changed(names: frozenset[str]) -> None:
-    from gdskit.settings import settings  # noqa: PLC0415
-
     if "stats_level" in names and settings.stats_level > 0:
-        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - off by default, so lazy
+        from gdskit.telemetry.publish import start_publishing  # noqa: PLC0415 - import time
 
         start_publishing()
 

@@ -47,7 +47,7 @@ def read_per_gpu() -> dict[int, dict[str, int]] | None:
 
 
 def _per_gpu(s: Any) -> dict[int, dict[str, int]]:
-    import numpy as np  # noqa: PLC0415 - only where cuFile is in use
+    import numpy as np  # noqa: PLC0415 - import time
 
     per_gpu = s.per_gpu_stats
     columns = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -101,8 +102,6 @@ def stats_dir(uid: int | None = None, environ: Mapping[str, str] | None = None) 
 
 def _home_of(uid: int) -> str | None:
     try:
-        import pwd  # noqa: PLC0415 - Unix only
-
         return pwd.getpwuid(uid).pw_dir
     except (ImportError, KeyError):
         return None
@@ -246,8 +245,6 @@ def process_command(pid: int) -> str:
 
 def user_name(uid: int) -> str:
     try:
-        import pwd  # noqa: PLC0415 - Unix only
-
         return pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError):
         return f"uid {uid}"

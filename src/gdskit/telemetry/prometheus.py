@@ -153,8 +153,8 @@ def start_exporter(port: int, addr: str = "127.0.0.1", *,
     Returns what ``prometheus_client.start_http_server`` returns.
     """
     try:
-        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
-        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415 - optional dependency (prometheus_client)
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415 - optional dependency (prometheus_client)
     except ImportError:
         raise MissingDependencyError("the Prometheus exporter needs prometheus-client: "
                                      "pip install 'gdskit[prometheus]'") from None

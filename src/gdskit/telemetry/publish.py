@@ -33,6 +33,7 @@ from gdskit.durable import create_new_file, unguessable_token
 from gdskit.errors import GdskitPermissionError, from_os_error
 from gdskit.engine.ledger import Stats, ledger
 from gdskit.settings import settings
+from gdskit.shutdown import STOP_WORK, at_exit
 from gdskit.telemetry import cufile_counters
 from gdskit.telemetry.location import (
     RUN_DIR_ENV,
@@ -394,8 +395,6 @@ def _install_hooks() -> None:
         atexit.register(_at_exit)
         # Also in the ordered exit, before the workers stop and cuFile closes: the thread
         # must not be inside a cuFile counter query when the driver goes.
-        from gdskit.shutdown import STOP_WORK, at_exit  # noqa: PLC0415
-
         at_exit(STOP_WORK, _at_exit)
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
                             after_in_child=_after_fork_child)

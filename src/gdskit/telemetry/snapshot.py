@@ -18,6 +18,7 @@ from typing import Any
 
 from gdskit.errors import FormatError
 from gdskit.engine.ledger import PathStats, Stats, ledger
+from gdskit.telemetry.cufile_counters import totals
 from gdskit.telemetry.schema import MAX_ARGV, MAX_COUNT, SCHEMA, valid_session, validate  # noqa: F401 - validate: re-exported
 
 #: The command line a snapshot carries is cut to this many characters (it is only shown).
@@ -57,8 +58,6 @@ def build(*, level: int, pid: int, ticks: int | None, started_at: float, interva
           gpus: dict[int, dict[str, PathStats]] | None = None,
           cufile: dict[int, dict[str, int]] | None = None) -> dict[str, Any]:
     """The snapshot document of this process (``baseline`` is subtracted: what a forked child inherited)."""
-    from gdskit.telemetry.cufile_counters import totals  # noqa: PLC0415
-
     stats = ledger.snapshot()
     if baseline is not None and baseline.entries:
         stats = _since(stats, baseline)

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from gdskit.durable import open_file_fd
-from gdskit.errors import ChecksumMismatchError, GdskitIOError, StaleManifestError
+from gdskit.errors import ChecksumMismatchError, GdskitIOError, NothingToVerifyError, StaleManifestError
 from gdskit.verify.digest import tagged
 from gdskit.verify.expect import Expectation
 
@@ -39,8 +39,6 @@ def check_tensors(expectation: Expectation, actual: Mapping[str, str],
     A tensor the expectation has no digest for is refused as unverifiable
     (:class:`~gdskit.errors.NothingToVerifyError`): a check asked for is never silently skipped.
     """
-    from gdskit.errors import NothingToVerifyError  # noqa: PLC0415 - beside its only use
-
     bad = [n for n in actual if n not in expectation.tensors]
     if bad:
         raise NothingToVerifyError(f"{expectation.path}: {expectation.source} records no digest of tensor "

@@ -25,7 +25,7 @@ _SPREAD_BYTES = 1 << 20
 
 def _blake3() -> Any:
     try:
-        import blake3  # noqa: PLC0415 - a core dependency, imported with the first digest (import time)
+        import blake3  # noqa: PLC0415 - import time
     except ImportError:
         raise MissingDependencyError("digests need the blake3 package: pip install blake3") from None
     return blake3

@@ -21,6 +21,8 @@ from typing import Any
 from gdskit.shutdown import CLOSE_DRIVERS, at_exit
 from gdskit.engine.backends.base import Backend, FileRegistration, OpenFile, Request
 from gdskit.engine.backends.staged import contiguous_prefix
+from gdskit.engine.buffers import adapt
+from gdskit.engine.cuda import MemoryKind
 from gdskit.engine.direct_path import direct_route, udev_database_present
 from gdskit.errors import DirectPathUnavailable, GdskitIOError, from_os_error
 from gdskit.engine.ledger import ledger
@@ -65,7 +67,7 @@ _COUNTER_FIELDS = ("n_nvfs_reads", "n_p2p_reads", "n_posix_reads", "n_nvfs_write
 
 
 def _import_bindings() -> Any:
-    from cuda.bindings import cufile  # noqa: PLC0415 - lazy on purpose
+    from cuda.bindings import cufile  # noqa: PLC0415 - import time
 
     return cufile
 
@@ -149,7 +151,7 @@ class CufileLibrary:
         """cuFile's level-3 per-GPU operation counters, or ``None`` when stats are off."""
         if not self.stats_enabled:
             return None
-        import numpy as np  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415 - import time
 
         mod = self.module
         try:
@@ -423,7 +425,7 @@ def _may_batch(cfg: Any) -> bool:
     """Whether a read job may put any piece in a batch (else: one call each, as ever)."""
     if cfg.cufile_batch is CufileBatch.NEVER:
         return False
-    from gdskit.engine.backends.cufile_batch import batches_possible  # noqa: PLC0415
+    from gdskit.engine.backends.cufile_batch import batches_possible  # noqa: PLC0415 - import time
 
     return batches_possible(cfg.cufile_batch)
 
@@ -436,7 +438,7 @@ def _read_with_batches(f: OpenFile, reqs: Sequence[Request], cfg: Any, lib: Cufi
     :func:`~gdskit.engine.backends.cufile_batch.batch_chosen` picks) read through batches, the others
     with one cuFileRead each on the workers (all of them where libcufile refuses batches); and
     the paths libcufile's batch counters saw (None: no batch, or no counters)."""
-    from gdskit.engine.backends import cufile_batch as cb  # noqa: PLC0415
+    from gdskit.engine.backends import cufile_batch as cb  # noqa: PLC0415 - import time
 
     plans = [chunks(r.file_offset, r.buf_offset, r.size, max(cfg.chunk_size, 16 * 2**20), cfg.alignment)
              for r in reqs]
@@ -477,9 +479,6 @@ class BufferRegistration:
     """
 
     def __init__(self, buf: Any) -> None:
-        from gdskit.engine.buffers import adapt  # noqa: PLC0415
-        from gdskit.engine.cuda import MemoryKind  # noqa: PLC0415
-
         view = adapt(buf)
         self.ptr, self.nbytes = view.ptr, view.nbytes
         self.registered = False

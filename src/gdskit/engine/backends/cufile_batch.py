@@ -61,7 +61,7 @@ _TERMINAL = _INVALID | _CANCELED | _COMPLETE | _TIMEOUT | _FAILED
 
 def _params_dtype() -> Any:
     """``CUfileIOParams_t`` as cufile.h lays it out (the bindings' ``io_params_dtype``)."""
-    import numpy as np  # noqa: PLC0415 - the bindings need numpy; gdskit's import does not
+    import numpy as np  # noqa: PLC0415 - import time
 
     batch = np.dtype([("dev_ptr_base", "<i8"), ("file_offset", "<i8"), ("dev_ptr_offset", "<i8"), ("size", "<u8")])
     return np.dtype({"names": ["mode", "u", "fh", "opcode", "cookie"],
@@ -71,7 +71,7 @@ def _params_dtype() -> Any:
 
 def _events_dtype() -> Any:
     """``CUfileIOEvents_t``: cookie, status, bytes moved (``ret``, a ``size_t``)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415 - import time
 
     return np.dtype({"names": ["cookie", "status", "ret"], "formats": ["<i8", "<i4", "<u8"],
                      "offsets": [0, 8, 16], "itemsize": 24})
@@ -285,7 +285,7 @@ def read_batched(lib: Any, handle: int, entries: Sequence[tuple[int, int, int, i
     called with each entry's count once it is complete. Raises :class:`BatchRefused` (before
     anything is read) where libcufile will not set up a batch.
     """
-    import numpy as np  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415 - import time
 
     if not entries:
         return []

@@ -266,7 +266,7 @@ class HostBackend(Backend):
         submitted at once on ``fd``, those that come back whole done; each other one (short at the
         end of the file, failed) then takes the general path alone, which counts and reports it
         as a read outside a batch would. None where no ring can be had (read another way)."""
-        from gdskit.engine.backends import uring  # noqa: PLC0415 - numpy and the ring only where batches need them
+        from gdskit.engine.backends import uring  # noqa: PLC0415 - import time
 
         ring = uring.ring_for_thread()
         if ring is None:

@@ -38,9 +38,9 @@ _RETRIED_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Re
 
 def _botocore() -> Any:
     try:
-        import botocore.config  # noqa: PLC0415 - optional dependency (gdskit[s3])
-        import botocore.exceptions  # noqa: PLC0415 - the same
-        import botocore.session  # noqa: PLC0415 - the same
+        import botocore.config  # noqa: PLC0415 - optional dependency (botocore)
+        import botocore.exceptions  # noqa: PLC0415 - optional dependency (botocore)
+        import botocore.session  # noqa: PLC0415 - optional dependency (botocore)
     except ImportError as exc:
         raise MissingDependencyError(INSTALL_HINT) from exc
     return botocore
