@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError, from_os_error
+from gdskit.threads import executor
 from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
                            TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, write_manifest)
@@ -268,7 +268,7 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
     targets = [target_of(p) for p in paths]
     work = [(t, rel) for t in targets for rel in t.files]
     workers = 1 if device is not None else jobs or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with executor(workers, "gdskit-digest") as pool:
         done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes,
                                                     device), work))
     results = []
@@ -322,7 +322,7 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes)
         return FileResult(full, kind, want.size, len(want.tensors), got.digest, seconds, status, bad)
 
-    with ThreadPoolExecutor(max_workers=jobs or min(8, os.cpu_count() or 1)) as pool:
+    with executor(jobs or min(8, os.cpu_count() or 1), "gdskit-digest") as pool:
         return list(pool.map(one, work))
 
 
