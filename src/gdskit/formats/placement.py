@@ -145,10 +145,12 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Uncovered:
-    """A checkpoint tensor the plan leaves to the engine's own loader, and why."""
+    """A checkpoint tensor (``nbytes`` in its file) the plan leaves to the engine's own
+    loader, and why."""
 
     source: str
     why: str
+    nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +171,12 @@ class _Refused(Exception):
 
 
 def plan_placements(params: Mapping[str, ParamFacts], records: Iterable[Record],
-                    packed_modules: Mapping[str, Sequence[str]] | None = None) -> PlacementPlan:
+                    packed_modules: Mapping[str, Sequence[str]] | None = None,
+                    unplanned: Mapping[str, str] | None = None) -> PlacementPlan:
     """Place each of ``records`` (in order) into ``params`` (by name).
+
+    ``unplanned``: the model's other parameters, with why they are not described (their
+    tensors are uncovered with that reason).
 
     A record's name is a parameter's name, or becomes one by putting a fused module's name
     in place of one of its pieces (``packed_modules``, the model's
@@ -183,10 +189,10 @@ def plan_placements(params: Mapping[str, ParamFacts], records: Iterable[Record],
     uncovered: list[Uncovered] = []
     for rec in records:
         try:
-            param, shard = _resolve(rec.name, params, pieces)
+            param, shard = _resolve(rec.name, params, pieces, unplanned or {})
             placements.append(_place(params[param], rec, shard))
         except _Refused as why:
-            uncovered.append(Uncovered(rec.name, str(why)))
+            uncovered.append(Uncovered(rec.name, str(why), rec.nbytes))
     return PlacementPlan(tuple(placements), tuple(uncovered))
 
 
@@ -204,22 +210,28 @@ def _piece_index(packed: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, in
     return out
 
 
-def _resolve(name: str, params: Mapping[str, ParamFacts], pieces: Mapping[str, tuple[str, int]]) -> tuple[str, int | None]:
+def _resolve(name: str, params: Mapping[str, ParamFacts], pieces: Mapping[str, tuple[str, int]],
+             unplanned: Mapping[str, str]) -> tuple[str, int | None]:
     """The parameter ``name`` fills and its shard index (None: the whole of a parameter)."""
+    target, shard = _target(name, params, pieces, unplanned)
+    if target in unplanned:
+        raise _Refused(f"parameter {target!r}: {unplanned[target]}")
+    if target not in params:
+        raise _Refused(f"no parameter {target!r}")
+    return target, shard
+
+
+def _target(name: str, params: Mapping[str, ParamFacts], pieces: Mapping[str, tuple[str, int]],
+            unplanned: Mapping[str, str]) -> tuple[str, int | None]:
     parts = name.split(".")
     fused = [(i, pieces[p]) for i, p in enumerate(parts[:-1]) if p in pieces]
     if len(fused) > 1:
         raise _Refused("more than one packed piece in the name")
     if fused:
-        if name in params:
+        if name in params or name in unplanned:
             raise _Refused("both a parameter and a packed piece")
         i, (module, shard) = fused[0]
-        target = ".".join(parts[:i] + [module] + parts[i + 1:])
-        if target not in params:
-            raise _Refused(f"no parameter {target!r}")
-        return target, shard
-    if name not in params:
-        raise _Refused("no parameter of that name")
+        return ".".join(parts[:i] + [module] + parts[i + 1:]), shard
     return name, None
 
 
