@@ -266,8 +266,10 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
-@pytest.mark.parametrize("tp,heads,kv", [(1, 4, 2), (2, 4, 2), (4, 4, 2), (8, 8, 2), (2, 8, 8), (3, 6, 3)])
-def test_stand_in_matches_vllm(tp, heads, kv) -> None:
+@pytest.mark.parametrize("tp,heads,kv", [(1, 4, 2), (2, 4, 2), (4, 4, 2), (8, 8, 2), (8, 16, 1), (2, 8, 8),
+                                         (3, 6, 3), (3, 6, 1)])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_stand_in_and_plan_match_vllms_own_loaders(tmp_path, tp, heads, kv, dtype) -> None:
     import vllm_reference  # tests/: builds vLLM's own layers on the CPU
     for rank in range(tp):
-        vllm_reference.compare(rules, tp=tp, rank=rank, heads=heads, kv_heads=kv)
+        vllm_reference.compare(rules, tmp_path, tp=tp, rank=rank, heads=heads, kv_heads=kv, dtype=DTYPES[dtype])
