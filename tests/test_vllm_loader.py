@@ -369,3 +369,51 @@ def test_a_shard_that_shrank_after_its_header_was_read_is_refused(gdskit_vllm, t
     os.truncate(shard, os.path.getsize(shard) - 2)
     with pytest.raises(TruncatedFileError):
         read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
+
+
+def _with_f32(src: Path, dst: Path, names: set[str]) -> Path:
+    """A copy of checkpoint ``src`` whose tensors ``names`` are stored as float32."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {n: (t.to(torch.float32) if n in names else t) for n, t in load_file(f).items()}
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["tied", "untied", "mixed"])
+def test_gpu_engine_with_placement_matches_vllms_own_loader(llamas, tmp_path, which) -> None:
+    """Placement on and off against vLLM's ``safetensors``, at tp=1: every parameter's bytes, greedy
+    tokens, and which way the tensors went (``mixed``: two float32 tensors in a bfloat16 model go
+    through load_weights, which converts them as vLLM's own loader does)."""
+    from safetensors import safe_open
+
+    path = llamas["untied" if which == "mixed" else which]
+    fallback = {"model.norm.weight", "model.layers.0.self_attn.k_proj.weight"} if which == "mixed" else set()
+    if fallback:
+        path = _with_f32(path, tmp_path / "mixed", fallback)
+    names = set()
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            names.update(fh.keys())
+    fallback |= names & {"lm_head.weight"} if which == "tied" else set()  # tied: vLLM's loader skips it
+    ref, ref_log = _engine(path, "safetensors", tmp_path / "ref.json")
+    assert ref, ref_log[-4000:]
+    for placement in (True, False):
+        ours, log = _engine(path, "gdskit", tmp_path / f"ours-{placement}.json", {"placement": placement})
+        assert ours, log[-4000:]
+        assert ours["weights"] == ref["weights"]
+        assert ours["tokens"] == ref["tokens"]
+        report = ours["report"]
+        assert report["planned"] is placement
+        if placement:
+            assert (report["placed"], report["fallback"]) == (len(names) - len(fallback), len(fallback))
+        else:
+            assert (report["placed"], report["fallback"]) == (0, len(names))

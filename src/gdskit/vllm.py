@@ -40,7 +40,8 @@ except ImportError as e:
 from gdskit.formats import placement_exec  # noqa: E402  (imports torch: after vLLM's check above)
 from gdskit.formats.placement_exec import PlacementReport  # noqa: E402
 
-__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError"]
+__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError", "PlacementReport",
+           "last_report"]
 
 #: Under vLLM's logger, so that the lines show where vLLM's own do, with its handlers and level.
 _log = logging.getLogger("vllm.gdskit")
@@ -139,6 +140,8 @@ class GdskitModelLoader(BaseModelLoader):
         delta = stats_delta(before, stats())
         read = delta.bytes_read
         self.last_report = placement_exec.report(plan, counted.tensors, counted.nbytes)
+        global _last_report
+        _last_report = self.last_report
         _log.info("gdskit read %.2f GB of %s onto %s in %.2f s (%.1f GB/s)\n%s\n%s", read / 1e9, path, device,
                   seconds, read / 1e9 / seconds if seconds > 0 else 0.0, _describe(self.last_report), delta.summary())
         if loaded is not None and getattr(model_config, "quantization", None) is None:
@@ -189,6 +192,13 @@ def _refuse_unfilled(model: torch.nn.Module, loaded: set[str], path: str) -> Non
 
 
 _registered = False
+_last_report: PlacementReport | None = None
+
+
+def last_report() -> PlacementReport | None:
+    """How the last load in this process sent the tensors (None before the first): what a
+    test or a tool asks the engine's worker process, through ``LLM.apply_model``."""
+    return _last_report
 
 
 def register() -> None:
