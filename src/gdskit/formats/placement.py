@@ -40,7 +40,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 #: Bytes per element of the dtypes a placement copies as they are (safetensors' names).
-ITEMSIZE: dict[str, int] = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+ITEMSIZE: dict[str, int] = {"BF16": 2, "F16": 2, "F32": 4}
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PADDING = 64
 #: The shard names of a QKV layer's pieces, in their order in the fused parameter.

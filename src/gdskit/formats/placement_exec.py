@@ -39,8 +39,9 @@ from gdskit.formats.shard_index import ShardIndex
 
 #: Model classes whose ``load_weights`` only maps names (``q_proj`` -> ``qkv_proj`` and so on)
 #: and calls each parameter's weight loader: their tensors may be placed. Any other model
-#: goes through its own ``load_weights`` whole.
-PLAIN_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+#: goes through its own ``load_weights`` whole. (vLLM's Qwen2 and Qwen3 map names the same
+#: way; they join once a GPU run has compared them with vLLM's own loader.)
+PLAIN_MODELS = frozenset({"LlamaForCausalLM"})
 
 _LINEAR = {"ReplicatedLinear": LayerKind.REPLICATED, "ColumnParallelLinear": LayerKind.COLUMN,
            "RowParallelLinear": LayerKind.ROW, "QKVParallelLinear": LayerKind.QKV,
@@ -48,7 +49,7 @@ _LINEAR = {"ReplicatedLinear": LayerKind.REPLICATED, "ColumnParallelLinear": Lay
 _VOCAB = frozenset({"VocabParallelEmbedding", "ParallelLMHead"})
 _NORMS = frozenset({"RMSNorm"})
 _UNQUANTIZED_EMBEDDING = frozenset({"UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"})
-_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 class _NotPlanned(Exception):
