@@ -9,6 +9,7 @@ stand-in itself is checked against vLLM's own weight loaders (``test_stand_in_ma
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -222,42 +223,103 @@ def test_odd_tensors_are_left_to_the_fallback(tmp_path, case) -> None:
 
 # -- hostile facts and records never make the plan read or write out of bounds ----------------
 
-_ints = st.integers(-2, 70)
+_ints = st.integers(-3, 70)
+_FIELDS = ("p_rows", "p_cols", "r_rows", "r_cols", "tp_rank", "tp_size", "heads", "kv_heads", "head_size",
+           "v_head_size", "sizes", "vocab", "padding", "nbytes", "offset", "input_dim", "output_dim")
 
 
 @st.composite
-def _hostile(draw):
-    kind = draw(st.sampled_from([*LayerKind, "other"]))
-    dtype = draw(st.sampled_from(["BF16", "F32", "I8", "F8_E4M3"]))
-    shape = tuple(draw(st.lists(_ints, min_size=0, max_size=3)))
-    rshape = tuple(draw(st.lists(_ints, min_size=0, max_size=3)))
-    tp = draw(st.integers(-1, 9))
-    p = ParamFacts("x.qkv_proj.weight", kind, shape, dtype, draw(st.integers(-1, 9)), tp,
-                   output_dim=draw(st.sampled_from([None, 0, 1])), input_dim=draw(st.sampled_from([None, 0, 1])),
-                   output_sizes=tuple(draw(st.lists(_ints, max_size=3))),
-                   heads=draw(st.none() | st.builds(QKVHeads, _ints, _ints, _ints, _ints)),
-                   vocab=draw(st.none() | st.builds(VocabSplit, _ints, _ints, _ints)))
-    item = ITEMSIZE.get(dtype, 1)
-    nbytes = draw(st.sampled_from([math.prod(rshape) * item if all(d >= 0 for d in rshape) else 0, 3]))
-    name = draw(st.sampled_from(["x.q_proj.weight", "x.k_proj.weight", "x.v_proj.weight", "x.qkv_proj.weight"]))
-    rec = Record(name, "f", draw(st.integers(0, 100)), nbytes, draw(st.sampled_from([dtype, "BF16"])), rshape)
-    return p, rec
+def _near_valid(draw):
+    """A parameter and a record that fit (``perturbed`` None), or the same with one fact replaced
+    by an arbitrary small integer (``perturbed`` names it)."""
+    kind = draw(st.sampled_from(list(LayerKind)))
+    tp = draw(st.integers(1, 8))
+    rank = draw(st.integers(0, tp - 1))
+    cols = draw(st.integers(1, 5))
+    name, out_dim, in_dim, heads, sizes, vocab = "x.weight", 0, 1, None, (), None
+    if kind is LayerKind.REPLICATED:
+        p_shape = r_shape = (draw(st.integers(1, 6)), cols)
+    elif kind is LayerKind.COLUMN:
+        n = draw(st.integers(1, 6))
+        p_shape, r_shape = (n, cols), (n * tp, cols)
+    elif kind is LayerKind.ROW:
+        rows = draw(st.integers(1, 6))
+        p_shape, r_shape = (rows, cols), (rows, cols * tp)
+    elif kind is LayerKind.QKV:
+        nh = tp * draw(st.integers(1, 3))
+        kv = draw(st.sampled_from([k for k in range(1, nh + 1) if nh % k == 0 and (k % tp == 0 or tp % k == 0)]))
+        hs, vhs = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        heads = QKVHeads(nh, kv, hs, vhs)
+        q, nkv = nh // tp, max(1, kv // tp)
+        piece = draw(st.sampled_from(["q", "k", "v"]))
+        name = f"x.{piece}_proj.weight"
+        p_shape = ((q + nkv) * hs + nkv * vhs, cols)
+        r_shape = ({"q": nh * hs, "k": kv * hs, "v": kv * vhs}[piece], cols)
+    elif kind is LayerKind.MERGED_COLUMN:
+        sizes = (tp * draw(st.integers(1, 4)), tp * draw(st.integers(1, 4)))
+        piece = draw(st.integers(0, 1))
+        name = f"x.{('gate', 'up')[piece]}_proj.weight"
+        p_shape, r_shape = (sum(sizes) // tp, cols), (sizes[piece], cols)
+    else:
+        pad = draw(st.sampled_from([4, 8, 64]))
+        v = draw(st.integers(1, 70))
+        padded = -(-v // pad) * pad
+        assume(padded % tp == 0)
+        vocab = VocabSplit(v, v, pad)
+        p_shape, r_shape = (padded // tp, cols), (v, cols)
+    fused = {LayerKind.QKV: "x.qkv_proj.weight", LayerKind.MERGED_COLUMN: "x.gate_up_proj.weight"}
+    facts = dict(name=fused.get(kind, "x.weight"), kind=kind, shape=p_shape, dtype="BF16", tp_rank=rank, tp_size=tp,
+                 output_dim=out_dim, input_dim=in_dim, output_sizes=sizes, heads=heads, vocab=vocab)
+    rec = dict(name=name, path="f", file_offset=draw(st.integers(0, 64)), nbytes=math.prod(r_shape) * 2,
+               dtype="BF16", shape=r_shape)
+    perturbed = draw(st.none() | st.sampled_from(_FIELDS))
+    bad = draw(_ints)
+    if perturbed in ("p_rows", "p_cols"):
+        shape = list(p_shape)
+        shape[perturbed == "p_cols"] = bad
+        facts["shape"] = tuple(shape)
+    elif perturbed in ("r_rows", "r_cols"):
+        shape = list(r_shape)
+        shape[perturbed == "r_cols"] = bad
+        rec["shape"] = tuple(shape)
+    elif perturbed in ("tp_rank", "tp_size", "input_dim", "output_dim"):
+        facts[perturbed] = bad
+    elif perturbed in ("heads", "kv_heads", "head_size", "v_head_size") and heads is not None:
+        field = {"heads": "total_num_heads", "kv_heads": "total_num_kv_heads"}.get(perturbed, perturbed)
+        facts["heads"] = dataclasses.replace(heads, **{field: bad})
+    elif perturbed == "sizes" and sizes:
+        facts["output_sizes"] = (sizes[0], bad)
+    elif perturbed in ("vocab", "padding") and vocab is not None:
+        facts["vocab"] = dataclasses.replace(vocab, **{"org_vocab_size" if perturbed == "vocab" else "padding_size": bad})
+    elif perturbed == "nbytes":
+        rec["nbytes"] = bad
+    elif perturbed == "offset":
+        rec["file_offset"] = bad
+    else:
+        perturbed = None
+    return ParamFacts(**facts), Record(**rec), perturbed
 
 
-@settings(max_examples=400, deadline=None)
-@given(_hostile())
+@settings(max_examples=600, deadline=None)
+@given(_near_valid())
 def test_hostile_facts_never_escape_their_tensor_or_parameter(case) -> None:
-    p, rec = case
+    p, rec, perturbed = case
     plan = plan_placements({p.name: p}, [rec], PACKED)
     assert len(plan.placements) + len(plan.uncovered) == 1
+    if perturbed is None:
+        assert plan.placements, plan.uncovered  # what fits is placed
     for pl in plan.placements:
         pbytes = math.prod(p.shape) * ITEMSIZE[p.dtype]
+        covered = np.zeros(pbytes, dtype=np.int64)
         for r in pl.runs:
             assert r.nbytes > 0
             assert rec.file_offset <= r.file_offset and r.file_offset + r.nbytes <= rec.file_offset + rec.nbytes
             assert 0 <= r.dest_offset and r.dest_offset + r.nbytes <= pbytes
+            covered[r.dest_offset:r.dest_offset + r.nbytes] += 1
         for start, n in pl.zero_fill:
             assert 0 <= start and start + n <= pbytes
+            covered[start:start + n] += 1
+        assert covered.max(initial=0) <= 1
 
 
 # -- the stand-in against vLLM's own loaders, where vLLM is installed --------------------------

@@ -291,7 +291,7 @@ def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> None:
 
 def _rows(p: ParamFacts, rec: Record, dest_row: int, first: int, count: int, row: int) -> Placement:
     """Rows ``[first, first + count)`` of ``rec`` to rows from ``dest_row`` of ``p``: one run."""
-    if dest_row + count > p.shape[0] or first + count > rec.shape[0]:
+    if min(dest_row, first, count) < 0 or dest_row + count > p.shape[0] or first + count > rec.shape[0]:
         raise _Refused("rows past the end")
     dest = dest_row * row
     runs = (Run(rec.file_offset + first * row, count * row, dest),) if count * row else ()
@@ -319,8 +319,8 @@ def _place_row(p: ParamFacts, rec: Record, itemsize: int) -> Placement:
 def qkv_split(heads: QKVHeads, tp_size: int) -> tuple[int, int, int]:
     """``(num_heads, num_kv_heads, num_kv_head_replicas)`` on each of ``tp_size`` ranks, as
     vLLM's QKV layer splits them; raises ValueError where it cannot."""
-    if min(heads.total_num_heads, heads.total_num_kv_heads, tp_size) < 1:
-        raise ValueError("head counts and the rank count must be positive")
+    if min(heads.total_num_heads, heads.total_num_kv_heads, heads.head_size, heads.v_head_size, tp_size) < 1:
+        raise ValueError("head counts, head sizes and the rank count must be positive")
     if heads.total_num_heads % tp_size:
         raise ValueError(f"{heads.total_num_heads} heads do not split over {tp_size} ranks")
     if tp_size >= heads.total_num_kv_heads:
