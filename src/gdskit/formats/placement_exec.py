@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from gdskit.engine import adapt, open_file
-from gdskit.formats.placement import (LayerKind, ParamFacts, PlacementPlan, QKVHeads, Record, Uncovered,
-                                      VocabSplit, plan_placements, qkv_split, vocab_rows)
+from gdskit.formats.placement import (LayerKind, ParamFacts, Placement, PlacementPlan, QKVHeads, Record,
+                                      Uncovered, VocabSplit, plan_placements, qkv_split, vocab_rows)
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.shard_index import ShardIndex
 
@@ -217,29 +217,40 @@ def _is_packing(packed: Any) -> bool:
 
 def read_placements(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor],
                     file_sizes: Mapping[str, int]) -> int:
-    """Read every placement's runs straight into its parameter's memory (one engine job per
-    file) and zero its padding; returns the bytes read.
+    """Read every placement's runs straight into its parameter's memory and zero its padding;
+    returns the bytes read. Per file, the single runs of all placements go to the engine as
+    one job (``File.read_many``); a placement of many runs of one size (a row-parallel shard:
+    one run per row) goes as one ``File.read_batch`` into its parameter.
 
     Raises
     ------
     TruncatedFileError
         A file's size is not its header's, or a read came back short.
     """
-    by_file: dict[str, list[tuple[Any, int, int, int]]] = {}
+    by_file: dict[str, tuple[list[tuple[Any, int, int, int]], list[tuple[Any, Placement]]]] = {}
     views: dict[str, Any] = {}
     for pl in plan.placements:
         view = views.get(pl.param)
         if view is None:
             view = views[pl.param] = adapt(tensors[pl.param])
-        by_file.setdefault(pl.path, []).extend((view, r.nbytes, r.file_offset, r.dest_offset) for r in pl.runs)
+        single, batches = by_file.setdefault(pl.path, ([], []))
+        if len(pl.runs) > 1 and len({r.nbytes for r in pl.runs}) == 1:
+            batches.append((view, pl))
+        else:
+            single.extend((view, r.nbytes, r.file_offset, r.dest_offset) for r in pl.runs)
     total = 0
-    for path, reads in by_file.items():
+    for path, (single, batches) in by_file.items():
         with open_file(path, "r") as f:
             if f.size != file_sizes[path]:
                 raise TruncatedFileError(f"{path} changed size after its header was read "
                                          f"({file_sizes[path]} -> {f.size} bytes)")
-            got = f.read_many(reads)
-        if got != [r[1] for r in reads]:
+            got = f.read_many(single) if single else []
+            want = [r[1] for r in single]
+            for view, pl in batches:
+                size = pl.runs[0].nbytes
+                got += f.read_batch(view, [r.file_offset for r in pl.runs], size, [r.dest_offset for r in pl.runs])
+                want += [size] * len(pl.runs)
+        if got != want:
             raise TruncatedFileError(f"{path}: a read came back short (the file shrank while it was read)")
         total += sum(got)
     with torch.no_grad():
