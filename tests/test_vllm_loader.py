@@ -417,3 +417,25 @@ def test_gpu_engine_with_placement_matches_vllms_own_loader(llamas, tmp_path, wh
             assert (report["placed"], report["fallback"]) == (len(names) - len(fallback), len(fallback))
         else:
             assert (report["placed"], report["fallback"]) == (0, len(names))
+
+
+def test_counting_the_fallbacks_tensors_keeps_none_alive(gdskit_vllm) -> None:
+    """The loader counts what it hands load_weights without holding a tensor while the next is read
+    (iter_tensors' budget counts every tensor still referenced)."""
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    refs: list[weakref.ref] = []
+
+    def stream():
+        for i in range(3):
+            assert not refs or refs[-1]() is None  # the consumer dropped the last one: nobody else holds it
+            t = torch.zeros(4 + i)
+            refs.append(weakref.ref(t))
+            yield f"t{i}", t
+            del t
+
+    counted = gdskit_vllm._Counted()
+    for _name, tensor in counted.through(stream()):
+        del tensor
+    assert (counted.tensors, counted.nbytes) == (3, (4 + 5 + 6) * 4)

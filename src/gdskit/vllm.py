@@ -157,10 +157,11 @@ class _Counted:
         self.nbytes = 0
 
     def through(self, weights: Any) -> Any:
-        for name, tensor in weights:
+        for item in weights:
             self.tensors += 1
-            self.nbytes += tensor.nbytes
-            yield name, tensor
+            self.nbytes += item[1].nbytes
+            yield item
+            del item  # before the next is read: the stream's budget counts tensors still referenced
 
 
 def _describe(r: PlacementReport) -> str:
