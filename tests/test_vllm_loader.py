@@ -439,3 +439,34 @@ def test_counting_the_fallbacks_tensors_keeps_none_alive(gdskit_vllm) -> None:
     for _name, tensor in counted.through(stream()):
         del tensor
     assert (counted.tensors, counted.nbytes) == (3, (4 + 5 + 6) * 4)
+
+
+@pytest.mark.parametrize("group,placed", [(None, False), ((1, 2), True), ((1, 4), False), ("raises", False)])
+def test_an_embedding_without_its_rank_takes_the_parallel_groups(gdskit_vllm, tmp_path, group, placed) -> None:
+    """vLLM 0.26's embeddings keep no ``tp_rank``: the loader asks vLLM's parallel group, whose size
+    must be the layer's; without an answer the embedding goes through load_weights."""
+    import vllm_fake_layers as fake
+    from gdskit.formats.placement_exec import plan_model, read_placements
+    from gdskit.formats.shard_index import index_checkpoint
+    from vllm_llama_shapes import checkpoint, expected, raw
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg)
+    model = fake.LlamaForCausalLM(cfg, 1, 2)
+    for layer in (model.model.embed_tokens, model.lm_head):
+        del layer.tp_rank
+
+    def ask():
+        if group == "raises":
+            raise AssertionError("tensor model parallel group is not initialized")  # what vLLM raises
+        return group
+
+    index = index_checkpoint(str(path))
+    plan, tensors = plan_model(model, index, None if group is None else ask)
+    embeddings = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert (embeddings & plan.placed_params) == (embeddings if placed else set())
+    if placed:
+        read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
+        want = expected(checkpoint(cfg), cfg, 1, 2)
+        for name in embeddings:
+            assert raw(tensors[name]) == raw(want[name])

@@ -137,17 +137,18 @@ def stand_in_loaded(rules, full: dict[str, torch.Tensor], rank: int, tp: int, he
     return {n: raw(t) for n, t in out.items()}
 
 
-def plan_loaded(path: str, rank: int, tp: int, dtype: torch.dtype, **shape) -> tuple[dict[str, bytes], int]:
+def plan_loaded(path: str, rank: int, tp: int, dtype: torch.dtype,
+                **shape) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
     """Every parameter's bytes after gdskit's plan, made from vLLM's own layers' attributes, read
-    ``path`` into them; and how many tensors the plan left over."""
+    ``path`` into them; and the tensors the plan left over, with why."""
     from gdskit.formats.placement_exec import plan_model, read_placements
     from gdskit.formats.shard_index import index_checkpoint
 
     model = build(rank, tp, dtype, **shape)
     index = index_checkpoint(path)
-    plan, tensors = plan_model(model, index)
+    plan, tensors = plan_model(model, index, lambda: (rank, tp))  # what vLLM's parallel group answers there
     read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
-    return {n: raw(p) for n, p in model.named_parameters()}, len(plan.uncovered)
+    return {n: raw(p) for n, p in model.named_parameters()}, [(u.source, u.why) for u in plan.uncovered]
 
 
 def shapes(tp: int, heads: int, kv_heads: int, qkv_bias: bool = True) -> dict[str, int]:
@@ -170,6 +171,6 @@ def compare(rules, tmp_path, tp: int, rank: int, heads: int, kv_heads: int, dtyp
     path = tmp_path / f"r{rank}of{tp}.safetensors"
     save_file(full, path)
     planned, left = plan_loaded(str(path), rank, tp, dtype, **shape)
-    assert left == 0
+    assert left == []
     for name in theirs:
         assert planned[name] == theirs[name], f"plan {name} at rank {rank} of {tp}"

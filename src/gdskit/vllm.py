@@ -125,7 +125,7 @@ class GdskitModelLoader(BaseModelLoader):
         keys: list[str] | None = None  # None: every tensor goes to the model's load_weights
         if self.placement and getattr(model_config, "quantization", None) is None:
             index = index_checkpoint(path)
-            plan, tensors = placement_exec.plan_model(model, index)
+            plan, tensors = placement_exec.plan_model(model, index, _parallel_rank)
             if plan.placements:
                 placement_exec.read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
                 keys = [u.source for u in plan.uncovered]
@@ -147,6 +147,13 @@ class GdskitModelLoader(BaseModelLoader):
         if loaded is not None and getattr(model_config, "quantization", None) is None:
             placed = plan.placed_params if plan is not None else frozenset()
             _refuse_unfilled(model, set(loaded) | placed, path)
+
+
+def _parallel_rank() -> tuple[int, int]:
+    """vLLM's tensor-parallel rank and size, for layers that do not keep their rank (vLLM 0.26's
+    embeddings)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 class _Counted:

@@ -6,7 +6,9 @@ to the model's own loader) and read through the attributes vLLM sets on them; an
 missing, of another type, or disagreeing with the arithmetic leaves that parameter to the
 model's own ``load_weights``. What is read (docs/models.md lists it):
 
-- every planned layer: ``tp_rank`` and ``tp_size`` (ints); its parameters' ``output_dim``,
+- every planned layer: ``tp_rank`` and ``tp_size`` (ints; a layer without ``tp_rank``, as
+  vLLM 0.26's embeddings, takes the rank of the parallel group the caller names, whose size
+  must be the layer's ``tp_size``); its parameters' ``output_dim``,
   ``input_dim``; where a parameter carries ``tp_rank``/``tp_size`` (vLLM's
   ``BasevLLMParameter``), they equal the layer's; ``is_sharded_weight`` and ``packed_dim``
   absent or false/None;
@@ -26,7 +28,7 @@ model's own ``load_weights``. What is read (docs/models.md lists it):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +38,9 @@ from gdskit.formats.placement import (LayerKind, ParamFacts, Placement, Placemen
                                       Uncovered, VocabSplit, plan_placements, qkv_split, vocab_rows)
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.formats.shard_index import ShardIndex
+
+#: ``() -> (rank, size)`` of the tensor-parallel group, for layers that do not keep their rank.
+ParallelRank = Callable[[], tuple[int, int]]
 
 #: Model classes whose ``load_weights`` only maps names (``q_proj`` -> ``qkv_proj`` and so on)
 #: and calls each parameter's weight loader: their tensors may be placed. Any other model
@@ -82,8 +87,9 @@ class PlacementReport:
     reasons: tuple[tuple[str, int], ...] = ()
 
 
-def model_facts(model: torch.nn.Module) -> ModelFacts:
-    """Describe every parameter of ``model`` (``named_parameters``' names: a tied one once)."""
+def model_facts(model: torch.nn.Module, parallel_rank: ParallelRank | None = None) -> ModelFacts:
+    """Describe every parameter of ``model`` (``named_parameters``' names: a tied one once).
+    ``parallel_rank``: the tensor-parallel group's rank and size, for layers without ``tp_rank``."""
     modules = dict(model.named_modules())
     params: dict[str, ParamFacts] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -91,7 +97,7 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
     for name, param in model.named_parameters():
         prefix, _, attr = name.rpartition(".")
         try:
-            facts = _describe(name, modules.get(prefix), attr, param)
+            facts = _describe(name, modules.get(prefix), attr, param, parallel_rank)
         except _NotPlanned as why:
             unplanned[name] = str(why)
             continue
@@ -117,7 +123,7 @@ def _dims(param: Any) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
-def _describe(name: str, module: Any, attr: str, param: torch.Tensor) -> ParamFacts:
+def _describe(name: str, module: Any, attr: str, param: torch.Tensor, parallel: ParallelRank | None) -> ParamFacts:
     dtype = _DTYPE_NAMES.get(param.dtype)
     if dtype is None:
         raise _NotPlanned(f"dtype {param.dtype}")
@@ -133,14 +139,23 @@ def _describe(name: str, module: Any, attr: str, param: torch.Tensor) -> ParamFa
             raise _NotPlanned(f"{kind_name}.{attr} with its own weight loader")
         return ParamFacts(name, LayerKind.REPLICATED, shape, dtype)
     if kind_name in _LINEAR:
-        return _describe_linear(name, module, _LINEAR[kind_name], param, shape, dtype)
+        return _describe_linear(name, module, _LINEAR[kind_name], param, shape, dtype, parallel)
     if kind_name in _VOCAB:
-        return _describe_vocab(name, module, param, shape, dtype)
+        return _describe_vocab(name, module, param, shape, dtype, parallel)
     raise _NotPlanned(f"layer {kind_name} is not planned")
 
 
-def _rank(module: Any, param: Any) -> tuple[int, int]:
-    rank, size = _int(module, "tp_rank"), _int(module, "tp_size")
+def _rank(module: Any, param: Any, parallel: ParallelRank | None) -> tuple[int, int]:
+    size = _int(module, "tp_size")
+    if getattr(module, "tp_rank", None) is None and parallel is not None:
+        try:
+            rank, group = parallel()
+        except Exception as exc:  # noqa: BLE001 - no group to ask: the layer is left to load_weights
+            raise _NotPlanned(f"no tp_rank, and the parallel group's rank is unknown ({type(exc).__name__})") from None
+        if type(rank) is not int or group != size:
+            raise _NotPlanned(f"no tp_rank, and the parallel group ({rank!r} of {group!r}) is not the layer's {size}")
+    else:
+        rank = _int(module, "tp_rank")
     for attr, value in (("tp_rank", rank), ("tp_size", size)):
         own = getattr(param, attr, value)
         if own != value:
@@ -149,11 +164,11 @@ def _rank(module: Any, param: Any) -> tuple[int, int]:
 
 
 def _describe_linear(name: str, module: Any, kind: LayerKind, param: Any, shape: tuple[int, ...],
-                     dtype: str) -> ParamFacts:
+                     dtype: str, parallel: ParallelRank | None) -> ParamFacts:
     method = type(getattr(module, "quant_method", None)).__name__
     if method != "UnquantizedLinearMethod":
         raise _NotPlanned(f"quantization method {method}")
-    rank, size = _rank(module, param)
+    rank, size = _rank(module, param, parallel)
     output_dim, input_dim = _dims(param)
     heads, sizes = None, ()
     if kind is LayerKind.QKV:
@@ -175,11 +190,12 @@ def _describe_linear(name: str, module: Any, kind: LayerKind, param: Any, shape:
     return ParamFacts(name, kind, shape, dtype, rank, size, output_dim, input_dim, sizes, heads)
 
 
-def _describe_vocab(name: str, module: Any, param: Any, shape: tuple[int, ...], dtype: str) -> ParamFacts:
+def _describe_vocab(name: str, module: Any, param: Any, shape: tuple[int, ...], dtype: str,
+                    parallel: ParallelRank | None) -> ParamFacts:
     method = getattr(module, "quant_method", None) or getattr(module, "linear_method", None)
     if type(method).__name__ not in _UNQUANTIZED_EMBEDDING:
         raise _NotPlanned(f"quantization method {type(method).__name__}")
-    rank, size = _rank(module, param)
+    rank, size = _rank(module, param, parallel)
     output_dim, input_dim = _dims(param)
     vocab = VocabSplit(_int(module, "org_vocab_size"), _int(module, "num_embeddings"), _int(module, "padding_size"))
     try:
@@ -193,16 +209,17 @@ def _describe_vocab(name: str, module: Any, param: Any, shape: tuple[int, ...], 
     return ParamFacts(name, LayerKind.VOCAB, shape, dtype, rank, size, output_dim, input_dim, vocab=vocab)
 
 
-def plan_model(model: torch.nn.Module, index: ShardIndex) -> tuple[PlacementPlan, dict[str, torch.Tensor]]:
+def plan_model(model: torch.nn.Module, index: ShardIndex,
+               parallel_rank: ParallelRank | None = None) -> tuple[PlacementPlan, dict[str, torch.Tensor]]:
     """The plan for ``model`` from the checkpoint ``index`` describes, and the parameters'
-    memory by name. A model whose class is not in :data:`PLAIN_MODELS` gets a plan that
-    places nothing."""
+    memory by name (``parallel_rank``: as :func:`model_facts` takes it). A model whose class
+    is not in :data:`PLAIN_MODELS` gets a plan that places nothing."""
     records = [Record(name, loc.path, loc.file_offset, loc.entry.nbytes, loc.entry.dtype, tuple(loc.entry.shape))
                for name, loc in index.tensors.items()]
     if type(model).__name__ not in PLAIN_MODELS:
         why = f"model {type(model).__name__} is not planned"
         return PlacementPlan((), tuple(Uncovered(r.name, why, r.nbytes) for r in records)), {}
-    found = model_facts(model)
+    found = model_facts(model, parallel_rank)
     packed = getattr(model, "packed_modules_mapping", None)
     if not _is_packing(packed):
         packed = {}
