@@ -143,7 +143,7 @@ class GdskitModelLoader(BaseModelLoader):
         global _last_report
         _last_report = self.last_report
         _log.info("gdskit read %.2f GB of %s onto %s in %.2f s (%.1f GB/s)\n%s\n%s", read / 1e9, path, device,
-                  seconds, read / 1e9 / seconds if seconds > 0 else 0.0, _describe(self.last_report), delta.summary())
+                  seconds, read / 1e9 / seconds if seconds > 0 else 0.0, _which_way(self.last_report), delta.summary())
         if loaded is not None and getattr(model_config, "quantization", None) is None:
             placed = plan.placed_params if plan is not None else frozenset()
             _refuse_unfilled(model, set(loaded) | placed, path)
@@ -171,7 +171,7 @@ class _Counted:
             del item  # before the next is read: the stream's budget counts tensors still referenced
 
 
-def _describe(r: PlacementReport) -> str:
+def _which_way(r: PlacementReport) -> str:
     """The log's line on which way the tensors went."""
     if not r.planned:
         return (f"placement plan off: {r.fallback} tensors ({r.fallback_bytes / 1e9:.2f} GB) went through the "
