@@ -40,14 +40,14 @@ def at_rank(rank: int, tp: int) -> Iterator[None]:
 
 class LlamaForCausalLM(nn.Module):
     """One decoder layer's linear layers and the embeddings, built of vLLM's own classes, with
-    the names vLLM's Llama gives them."""
+    the names vLLM's Llama gives them; and a replicated layer (``router``)."""
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_size: int, intermediate: int, vocab: int,
                  qkv_bias: bool) -> None:
         from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                                       RowParallelLinear)
+                                                       ReplicatedLinear, RowParallelLinear)
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
         super().__init__()
@@ -60,6 +60,7 @@ class LlamaForCausalLM(nn.Module):
         layer.mlp = nn.Module()
         layer.mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=False)
         layer.mlp.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
+        layer.router = ReplicatedLinear(hidden, 8, bias=True)  # not Llama's: a replicated layer to check
         self.model.layers = nn.ModuleList([layer])
         self.lm_head = ParallelLMHead(vocab, hidden)
 
@@ -90,7 +91,8 @@ def checkpoint(hidden: int, heads: int, kv_heads: int, head_size: int, intermedi
            a + "q_proj.weight": rand(heads * head_size, hidden), a + "k_proj.weight": rand(kv_heads * head_size, hidden),
            a + "v_proj.weight": rand(kv_heads * head_size, hidden), a + "o_proj.weight": rand(hidden, heads * head_size),
            m + "gate_proj.weight": rand(intermediate, hidden), m + "up_proj.weight": rand(intermediate, hidden),
-           m + "down_proj.weight": rand(hidden, intermediate), "lm_head.weight": rand(vocab, hidden)}
+           m + "down_proj.weight": rand(hidden, intermediate), "lm_head.weight": rand(vocab, hidden),
+           "model.layers.0.router.weight": rand(8, hidden), "model.layers.0.router.bias": rand(8)}
     if qkv_bias:
         out.update({a + "q_proj.bias": rand(heads * head_size), a + "k_proj.bias": rand(kv_heads * head_size),
                     a + "v_proj.bias": rand(kv_heads * head_size)})
@@ -129,7 +131,9 @@ def stand_in_loaded(rules, full: dict[str, torch.Tensor], rank: int, tp: int, he
            "lm_head.weight": rules.vocab(full["lm_head.weight"], rank, tp),
            a + "o_proj.weight": rules.row(full[a + "o_proj.weight"], rank, tp),
            m + "gate_up_proj.weight": rules.merged([full[m + "gate_proj.weight"], full[m + "up_proj.weight"]], rank, tp),
-           m + "down_proj.weight": rules.row(full[m + "down_proj.weight"], rank, tp)}
+           m + "down_proj.weight": rules.row(full[m + "down_proj.weight"], rank, tp),
+           "model.layers.0.router.weight": rules.replicated(full["model.layers.0.router.weight"]),
+           "model.layers.0.router.bias": rules.replicated(full["model.layers.0.router.bias"])}
     for part in ("weight", "bias") if qkv_bias else ("weight",):
         out[a + "qkv_proj." + part] = rules.qkv(full[a + "q_proj." + part], full[a + "k_proj." + part],
                                                 full[a + "v_proj." + part], rank, tp, heads, kv_heads, head_size,
