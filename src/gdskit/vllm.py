@@ -152,7 +152,8 @@ class GdskitModelLoader(BaseModelLoader):
 def _parallel_rank() -> tuple[int, int]:
     """vLLM's tensor-parallel rank and size, for layers that do not keep their rank (vLLM 0.26's
     embeddings)."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import (get_tensor_model_parallel_rank,  # noqa: PLC0415 - optional dependency (vllm)
+                                  get_tensor_model_parallel_world_size)  # noqa: PLC0415 - optional dependency (vllm)
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 

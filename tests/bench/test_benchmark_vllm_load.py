@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
+from repo_paths import REPO
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import vllm_load  # noqa: E402
 

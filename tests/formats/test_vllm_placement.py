@@ -24,7 +24,7 @@ from gdskit.formats.shard_index import index_checkpoint
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-import vllm_shard_rules as rules  # noqa: E402  (tests/ is on sys.path)
+import vllm_shard_rules as rules  # noqa: E402  (tests/support is on sys.path)
 from vllm_llama_shapes import DTYPES, Cfg, checkpoint, expected, facts, raw  # noqa: E402
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
