@@ -12,8 +12,8 @@ figures:
   generated token of a one-token request: what a user waits for.
 
 Formats: ``safetensors``, ``runai_streamer`` (vLLM's own; needs ``runai-model-streamer``),
-``gdskit`` (the placement plan on, the default) and ``gdskit-noplacement`` (every tensor
-through the model's ``load_weights``: ``model_loader_extra_config={"placement": False}``).
+``gdskit`` (the placement plan on: ``model_loader_extra_config={"placement": True}``) and
+``gdskit-noplacement`` (every tensor through the model's ``load_weights``, the default).
 Any other vLLM load format may be named too (``fastsafetensors``). For gdskit the engine's
 worker also reports how many tensors the plan placed.
 
@@ -45,8 +45,8 @@ _MARKER = "VLLM_LOAD_BENCH "
 FORMATS: dict[str, tuple[str, dict | None]] = {
     "safetensors": ("safetensors", None),
     "runai_streamer": ("runai_streamer", None),
-    "gdskit": ("gdskit", None),
-    "gdskit-noplacement": ("gdskit", {"placement": False}),
+    "gdskit": ("gdskit", {"placement": True}),
+    "gdskit-noplacement": ("gdskit", None),
 }
 DEFAULT_FORMATS = "safetensors,runai_streamer,gdskit,gdskit-noplacement"
 

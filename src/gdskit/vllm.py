@@ -6,7 +6,7 @@ With gdskit installed beside vLLM, vLLM finds the load format through gdskit's
     LLM(model="/path/to/checkpoint", load_format="gdskit")      # or vllm serve --load-format gdskit
 
 :class:`GdskitModelLoader` reads a local safetensors checkpoint (a directory with its
-index file, or with its ``*.safetensors`` files). With the placement plan (the default;
+index file, or with its ``*.safetensors`` files). With the placement plan (``model_loader_extra_config={"placement": True}``;
 :mod:`gdskit.formats.placement`), each tensor of a layer whose sharding it knows is read
 straight into this rank's part of its (fused, sharded) parameter; every other tensor is
 streamed with :func:`gdskit.safetensors.iter_tensors` onto the worker's GPU, within a memory
@@ -50,9 +50,11 @@ _log = logging.getLogger("vllm.gdskit")
 LOAD_FORMAT = "gdskit"
 #: What ``model_loader_extra_config`` may hold: ``max_inflight_bytes``, the most bytes of
 #: tensors read ahead and not yet taken by the model (``iter_tensors``' budget; its default
-#: when absent); ``placement``, False to hand every tensor to the model's ``load_weights``
-#: (default True: the placement plan's tensors are read straight into their parameters).
+#: when absent); ``placement``, True to read the placement plan's tensors straight into their
+#: parameters (default False, every tensor through the model's ``load_weights``, until vLLM's
+#: own engine has checked the plan on a GPU: docs/models.md).
 _EXTRA_KEYS = frozenset({"max_inflight_bytes", "placement"})
+_PLACEMENT_DEFAULT = False
 
 
 class UninitializedWeightsError(FormatError):
@@ -84,7 +86,7 @@ def _extra_settings(extra: Any) -> tuple[int | None, bool]:
     but a mapping of the keys in ``_EXTRA_KEYS`` is refused here; None means no extra config.
     """
     if extra is None:
-        return None, True
+        return None, _PLACEMENT_DEFAULT
     if not isinstance(extra, Mapping):
         raise InvalidArgumentError(f"model_loader_extra_config must be a mapping (such as "
                                    f"{{'max_inflight_bytes': 2 << 30}}) for the load format {LOAD_FORMAT!r}, "
@@ -97,7 +99,7 @@ def _extra_settings(extra: Any) -> tuple[int | None, bool]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise InvalidArgumentError(f"model_loader_extra_config: max_inflight_bytes must be a positive "
                                    f"integer, got {budget!r}")
-    placement = extra.get("placement", True)
+    placement = extra.get("placement", _PLACEMENT_DEFAULT)
     if type(placement) is not bool:
         raise InvalidArgumentError(f"model_loader_extra_config: placement must be True or False, got {placement!r}")
     return budget, placement

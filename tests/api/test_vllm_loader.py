@@ -155,8 +155,8 @@ def test_extra_config_that_is_not_a_mapping_is_refused(gdskit_vllm, extra) -> No
 
 
 @pytest.mark.parametrize("extra,budget,placement", [
-    (None, None, True), ({}, None, True), ({"max_inflight_bytes": None}, None, True),
-    ({"max_inflight_bytes": 1 << 20}, 1 << 20, True), (MappingProxyType({"max_inflight_bytes": 4096}), 4096, True),
+    (None, None, False), ({}, None, False), ({"max_inflight_bytes": None}, None, False),
+    ({"max_inflight_bytes": 1 << 20}, 1 << 20, False), (MappingProxyType({"max_inflight_bytes": 4096}), 4096, False),
     ({"placement": False}, None, False), ({"placement": True, "max_inflight_bytes": 4096}, 4096, True)])
 def test_extra_config_taken(gdskit_vllm, extra, budget, placement) -> None:
     loader = gdskit_vllm.GdskitModelLoader(_load_config(extra))
@@ -293,7 +293,7 @@ def test_placement_fills_every_parameter_as_the_models_own_loader(gdskit_vllm, t
     for rank in range(tp):
         placed = fake.LlamaForCausalLM(cfg, rank, tp)
         ptrs = {n: p.data_ptr() for n, p in placed.named_parameters()}
-        rep = _load(gdskit_vllm, placed, path)
+        rep = _load(gdskit_vllm, placed, path, {"placement": True})
         assert {n: p.data_ptr() for n, p in placed.named_parameters()} == ptrs  # in place
         assert (rep.planned, rep.placed, rep.fallback, rep.fallback_bytes) == (True, n_tensors, 0, 0)
         own = fake.LlamaForCausalLM(cfg, rank, tp)
@@ -317,7 +317,7 @@ def test_placement_hands_what_it_does_not_cover_to_load_weights(gdskit_vllm, tmp
     path = _fake_checkpoint(tmp_path, cfg, extra)
     # and both layers' o_proj (16 x 32 BF16 in the checkpoint), whose layers are of another quantization method
     model = fake.LlamaForCausalLM(cfg, 0, 2, o_proj_method=fake.Fp8LinearMethod)
-    rep = _load(gdskit_vllm, model, path)
+    rep = _load(gdskit_vllm, model, path, {"placement": True})
     from vllm_llama_shapes import checkpoint
     n_tensors = len(checkpoint(cfg)) + 2  # the norm and k_proj replaced, two more
     assert rep.fallback == 4 + 2
@@ -339,7 +339,7 @@ def test_a_model_the_plan_does_not_know_goes_through_load_weights(gdskit_vllm, t
     cfg = _cfg()
     path = _fake_checkpoint(tmp_path, cfg)
     model = fake.OtherForCausalLM(cfg, 1, 2)
-    rep = _load(gdskit_vllm, model, path)
+    rep = _load(gdskit_vllm, model, path, {"placement": True})
     assert (rep.planned, rep.placed, rep.fallback) == (True, 0, len(checkpoint(cfg)))
     own = fake.LlamaForCausalLM(cfg, 1, 2)
     _load(gdskit_vllm, own, path, {"placement": False})
