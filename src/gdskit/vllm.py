@@ -1,17 +1,19 @@
-"""vLLM's load format ``gdskit``: a model's weights read by gdskit and handed to vLLM one by one.
+"""vLLM's load format ``gdskit``: a model's weights read by gdskit straight into vLLM's parameters.
 
 With gdskit installed beside vLLM, vLLM finds the load format through gdskit's
 ``vllm.general_plugins`` entry point (:func:`register`), in every process it starts:
 
     LLM(model="/path/to/checkpoint", load_format="gdskit")      # or vllm serve --load-format gdskit
 
-:class:`GdskitModelLoader` streams a local safetensors checkpoint (a directory with its
-index file, or with its ``*.safetensors`` files) with :func:`gdskit.safetensors.iter_tensors`
-straight onto the worker's GPU, within a memory budget, and feeds the tensors to the model's
-own ``load_weights``, which slices them for tensor parallelism and copies them into its
-parameters. It then logs how the bytes were read (the ledger's summary) and refuses a model
-left with parameters the checkpoint did not fill, as vLLM's own loader does. See
-docs/models.md.
+:class:`GdskitModelLoader` reads a local safetensors checkpoint (a directory with its
+index file, or with its ``*.safetensors`` files). With the placement plan (``model_loader_extra_config={"placement": True}``;
+:mod:`gdskit.formats.placement`), each tensor of a layer whose sharding it knows is read
+straight into this rank's part of its (fused, sharded) parameter; every other tensor is
+streamed with :func:`gdskit.safetensors.iter_tensors` onto the worker's GPU, within a memory
+budget, and fed to the model's own ``load_weights``, which slices and copies it. It then logs
+how many tensors and bytes took which way and how the bytes were read (the ledger's summary),
+and refuses a model left with parameters the checkpoint did not fill, as vLLM's own loader
+does. See docs/models.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import gdskit.safetensors
 from gdskit.errors import FormatError, InvalidArgumentError, MissingDependencyError
 from gdskit.engine import stats, stats_delta
+from gdskit.formats.shard_index import index_checkpoint
 
 try:
     import torch
@@ -34,7 +37,11 @@ try:
 except ImportError as e:
     raise MissingDependencyError(f"gdskit.vllm needs vLLM (pip install vllm): {e}") from None
 
-__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError"]
+from gdskit.formats import placement_exec  # noqa: E402  (imports torch: after vLLM's check above)
+from gdskit.formats.placement_exec import PlacementReport  # noqa: E402
+
+__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError", "PlacementReport",
+           "last_report"]
 
 #: Under vLLM's logger, so that the lines show where vLLM's own do, with its handlers and level.
 _log = logging.getLogger("vllm.gdskit")
@@ -43,9 +50,13 @@ _log = logging.getLogger("vllm.gdskit")
 LOAD_FORMAT = "gdskit"
 #: What ``model_loader_extra_config`` may hold: ``max_inflight_bytes``, the most bytes of
 #: tensors read ahead and not yet taken by the model (``iter_tensors``' budget; its default
-#: when absent), and ``verify`` (``True`` or a manifest's path: every tensor checked against
-#: its digest where it landed, before the model takes it; docs/verify.md).
-_EXTRA_KEYS = frozenset({"max_inflight_bytes", "verify"})
+#: when absent); ``placement``, True to read the placement plan's tensors straight into their
+#: parameters (default False, every tensor through the model's ``load_weights``, until vLLM's
+#: own engine has checked the plan on a GPU: docs/models.md); ``verify`` (``True`` or a manifest's
+#: path: every tensor checked against its digest where it landed, before the model takes it;
+#: docs/verify.md; not with ``placement`` yet).
+_EXTRA_KEYS = frozenset({"max_inflight_bytes", "placement", "verify"})
+_PLACEMENT_DEFAULT = False
 
 
 class UninitializedWeightsError(FormatError):
@@ -69,14 +80,15 @@ def _weights_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _inflight_budget(extra: Any) -> int | None:
-    """``max_inflight_bytes`` from vLLM's ``model_loader_extra_config`` (None: not given).
+def _extra_settings(extra: Any) -> tuple[int | None, bool]:
+    """``max_inflight_bytes`` (None: not given) and ``placement`` from vLLM's
+    ``model_loader_extra_config``.
 
     vLLM passes the setting through unchecked (its type admits any object), so everything
     but a mapping of the keys in ``_EXTRA_KEYS`` is refused here; None means no extra config.
     """
     if extra is None:
-        return None
+        return None, _PLACEMENT_DEFAULT
     if not isinstance(extra, Mapping):
         raise InvalidArgumentError(f"model_loader_extra_config must be a mapping (such as "
                                    f"{{'max_inflight_bytes': 2 << 30}}) for the load format {LOAD_FORMAT!r}, "
@@ -89,7 +101,10 @@ def _inflight_budget(extra: Any) -> int | None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise InvalidArgumentError(f"model_loader_extra_config: max_inflight_bytes must be a positive "
                                    f"integer, got {budget!r}")
-    return budget
+    placement = extra.get("placement", _PLACEMENT_DEFAULT)
+    if type(placement) is not bool:
+        raise InvalidArgumentError(f"model_loader_extra_config: placement must be True or False, got {placement!r}")
+    return budget, placement
 
 
 def _verify_setting(extra: Any) -> Any:
@@ -108,8 +123,15 @@ class GdskitModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
-        self.max_inflight_bytes: int | None = _inflight_budget(load_config.model_loader_extra_config)
+        self.max_inflight_bytes: int | None
+        self.placement: bool
+        self.max_inflight_bytes, self.placement = _extra_settings(load_config.model_loader_extra_config)
         self.verify: Any = _verify_setting(load_config.model_loader_extra_config)
+        if self.verify is not False and self.placement:
+            raise InvalidArgumentError("model_loader_extra_config: verify is not taken with placement=True yet "
+                                       "(placed tensors bypass the stream the checks run on)")
+        #: How the last :meth:`load_weights` sent the tensors (None before the first).
+        self.last_report: PlacementReport | None = None
 
     def download_model(self, model_config: Any) -> None:
         _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
@@ -118,16 +140,67 @@ class GdskitModelLoader(BaseModelLoader):
         path = _checkpoint_dir(model_config)
         device = _weights_device(model)
         before, start = stats(), time.perf_counter()
-        with gdskit.safetensors.iter_tensors(path, device, max_inflight_bytes=self.max_inflight_bytes,
-                                             verify=self.verify) as weights:
-            loaded = model.load_weights(weights)
+        plan = None
+        keys: list[str] | None = None  # None: every tensor goes to the model's load_weights
+        if self.placement and getattr(model_config, "quantization", None) is None:
+            index = index_checkpoint(path)
+            plan, tensors = placement_exec.plan_model(model, index, _parallel_rank)
+            if plan.placements:
+                placement_exec.read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
+                keys = [u.source for u in plan.uncovered]
+        counted = _Counted()
+        if keys == []:
+            loaded = model.load_weights(iter(()))
+        else:
+            with gdskit.safetensors.iter_tensors(path, device, keys=keys, max_inflight_bytes=self.max_inflight_bytes,
+                                                 verify=self.verify) as weights:
+                loaded = model.load_weights(counted.through(weights))
         seconds = time.perf_counter() - start
         delta = stats_delta(before, stats())
         read = delta.bytes_read
-        _log.info("gdskit read %.2f GB of %s onto %s in %.2f s (%.1f GB/s)\n%s", read / 1e9, path, device, seconds,
-                  read / 1e9 / seconds if seconds > 0 else 0.0, delta.summary())
+        self.last_report = placement_exec.report(plan, counted.tensors, counted.nbytes)
+        global _last_report
+        _last_report = self.last_report
+        _log.info("gdskit read %.2f GB of %s onto %s in %.2f s (%.1f GB/s)\n%s\n%s", read / 1e9, path, device,
+                  seconds, read / 1e9 / seconds if seconds > 0 else 0.0, _which_way(self.last_report), delta.summary())
         if loaded is not None and getattr(model_config, "quantization", None) is None:
-            _refuse_unfilled(model, set(loaded), path)
+            placed = plan.placed_params if plan is not None else frozenset()
+            _refuse_unfilled(model, set(loaded) | placed, path)
+
+
+def _parallel_rank() -> tuple[int, int]:
+    """vLLM's tensor-parallel rank and size, for layers that do not keep their rank (vLLM 0.26's
+    embeddings)."""
+    from vllm.distributed import (get_tensor_model_parallel_rank,  # noqa: PLC0415 - optional dependency (vllm)
+                                  get_tensor_model_parallel_world_size)  # noqa: PLC0415 - optional dependency (vllm)
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+class _Counted:
+    """Counts the tensors (and their bytes) a stream hands the model."""
+
+    def __init__(self) -> None:
+        self.tensors = 0
+        self.nbytes = 0
+
+    def through(self, weights: Any) -> Any:
+        for item in weights:
+            self.tensors += 1
+            self.nbytes += item[1].nbytes
+            yield item
+            del item  # before the next is read: the stream's budget counts tensors still referenced
+
+
+def _which_way(r: PlacementReport) -> str:
+    """The log's line on which way the tensors went."""
+    if not r.planned:
+        return (f"placement plan off: {r.fallback} tensors ({r.fallback_bytes / 1e9:.2f} GB) went through the "
+                "model's load_weights")
+    why = "; ".join(f"{n} x {reason}" for reason, n in r.reasons[:3])
+    more = f" and {len(r.reasons) - 3} more reasons" if len(r.reasons) > 3 else ""
+    return (f"placement plan: {r.placed} tensors ({r.placed_bytes / 1e9:.2f} GB read) straight into their "
+            f"parameters, {r.fallback} tensors ({r.fallback_bytes / 1e9:.2f} GB) through the model's load_weights"
+            + (f" ({why}{more})" if why else ""))
 
 
 def _refuse_unfilled(model: torch.nn.Module, loaded: set[str], path: str) -> None:
@@ -147,6 +220,13 @@ def _refuse_unfilled(model: torch.nn.Module, loaded: set[str], path: str) -> Non
 
 
 _registered = False
+_last_report: PlacementReport | None = None
+
+
+def last_report() -> PlacementReport | None:
+    """How the last load in this process sent the tensors (None before the first): what a
+    test or a tool asks the engine's worker process, through ``LLM.apply_model``."""
+    return _last_report
 
 
 def register() -> None:

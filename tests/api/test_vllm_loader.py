@@ -138,7 +138,8 @@ def _load_config(extra):
 
 
 @pytest.mark.parametrize("extra", [{"nope": 1}, {"max_inflight_bytes": 0}, {"max_inflight_bytes": "1GB"},
-                                   {"max_inflight_bytes": True}, {1: 2, "nope": 3}])
+                                   {"max_inflight_bytes": True}, {1: 2, "nope": 3}, {"placement": "yes"},
+                                   {"placement": 1}, {"placement": None}, {"placement": 0}])
 def test_bad_extra_config_refused(gdskit_vllm, extra) -> None:
     with pytest.raises(InvalidArgumentError):
         gdskit_vllm.GdskitModelLoader(_load_config(extra))
@@ -153,12 +154,13 @@ def test_extra_config_that_is_not_a_mapping_is_refused(gdskit_vllm, extra) -> No
         gdskit_vllm.GdskitModelLoader(_load_config(extra))
 
 
-@pytest.mark.parametrize("extra,budget", [(None, None), ({}, None), ({"max_inflight_bytes": None}, None),
-                                          ({"max_inflight_bytes": 1 << 20}, 1 << 20),
-                                          (MappingProxyType({"max_inflight_bytes": 4096}), 4096)])
-def test_extra_config_taken(gdskit_vllm, extra, budget) -> None:
+@pytest.mark.parametrize("extra,budget,placement", [
+    (None, None, False), ({}, None, False), ({"max_inflight_bytes": None}, None, False),
+    ({"max_inflight_bytes": 1 << 20}, 1 << 20, False), (MappingProxyType({"max_inflight_bytes": 4096}), 4096, False),
+    ({"placement": False}, None, False), ({"placement": True, "max_inflight_bytes": 4096}, 4096, True)])
+def test_extra_config_taken(gdskit_vllm, extra, budget, placement) -> None:
     loader = gdskit_vllm.GdskitModelLoader(_load_config(extra))
-    assert loader.max_inflight_bytes == budget
+    assert (loader.max_inflight_bytes, loader.placement) == (budget, placement)
 
 
 @needs_vllm
@@ -239,7 +241,8 @@ def test_gpu_engine_refuses_a_checkpoint_missing_a_parameter(llamas, tmp_path) -
     assert "UninitializedWeightsError" in log and dropped in log, log[-4000:]
 
 
-@pytest.mark.parametrize("extra", [{"verify": 1}, {"verify": "sha256:" + "0" * 64}, {"verify": b"x"}])
+@pytest.mark.parametrize("extra", [{"verify": 1}, {"verify": "sha256:" + "0" * 64}, {"verify": b"x"},
+                                   {"verify": True, "placement": True}])
 def test_bad_verify_settings_are_refused(gdskit_vllm, extra) -> None:
     with pytest.raises(InvalidArgumentError):
         gdskit_vllm.GdskitModelLoader(_load_config(extra))
@@ -281,3 +284,235 @@ def test_verified_weights_reach_the_model_and_a_flipped_byte_is_refused(gdskit_v
     with pytest.raises(ChecksumMismatchError) as info:
         gdskit_vllm.GdskitModelLoader(_load_config({"verify": True})).load_weights(Model(), config)
     assert info.value.tensor == "b"
+
+
+# -- the placement plan, on a vLLM-shaped model of stand-in layers (tests/vllm_fake_layers.py) ---
+
+def _fake_checkpoint(tmp_path, cfg, extra: dict | None = None, drop: str | None = None) -> Path:
+    from safetensors.torch import save_file
+    from vllm_llama_shapes import checkpoint
+
+    tensors = checkpoint(cfg)
+    tensors.update(extra or {})
+    tensors.pop(drop, None)
+    names = list(tensors)
+    half = len(names) // 2  # two shards and an index, as save_pretrained writes them
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, tmp_path / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tmp_path
+
+
+def _load(gv, model, path: Path, extra=None):
+    """Load ``model`` with gdskit's loader; its report."""
+    loader = gv.GdskitModelLoader(_load_config(extra))
+    loader.load_weights(model, SimpleNamespace(model=str(path), subfolder=None, quantization=None))
+    return loader.last_report
+
+
+def _bytes(model) -> dict[str, bytes]:
+    from vllm_llama_shapes import raw
+    return {n: raw(p.data) for n, p in model.named_parameters()}
+
+
+def _cfg(**kw):
+    from vllm_llama_shapes import Cfg
+    base = dict(hidden=16, heads=8, kv_heads=2, head_size=4, v_head_size=4, intermediate=24, vocab=100, tied=False,
+                dtype="BF16", layers=2)
+    base.update(kw)
+    return Cfg(**base)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("tied", [False, True])
+def test_placement_fills_every_parameter_as_the_models_own_loader(gdskit_vllm, tmp_path, tp, tied) -> None:
+    import vllm_fake_layers as fake
+    from vllm_llama_shapes import checkpoint, expected, raw
+
+    cfg = _cfg(tied=tied, qkv_bias=True)
+    path = _fake_checkpoint(tmp_path, cfg)
+    n_tensors = len(checkpoint(cfg))
+    for rank in range(tp):
+        placed = fake.LlamaForCausalLM(cfg, rank, tp)
+        ptrs = {n: p.data_ptr() for n, p in placed.named_parameters()}
+        rep = _load(gdskit_vllm, placed, path, {"placement": True})
+        assert {n: p.data_ptr() for n, p in placed.named_parameters()} == ptrs  # in place
+        assert (rep.planned, rep.placed, rep.fallback, rep.fallback_bytes) == (True, n_tensors, 0, 0)
+        own = fake.LlamaForCausalLM(cfg, rank, tp)
+        rep_off = _load(gdskit_vllm, own, path, {"placement": False})
+        assert (rep_off.planned, rep_off.placed, rep_off.fallback) == (False, 0, n_tensors)
+        assert _bytes(placed) == _bytes(own)
+        want = expected(checkpoint(cfg), cfg, rank, tp)
+        assert _bytes(placed) == {n: raw(t) for n, t in want.items()}
+
+
+def test_placement_hands_what_it_does_not_cover_to_load_weights(gdskit_vllm, tmp_path) -> None:
+    import vllm_fake_layers as fake
+
+    torch = pytest.importorskip("torch")
+    cfg = _cfg(tied=True)
+    k_proj = torch.randn(8, 16)  # F32: its slot of qkv_proj is filled by load_weights, q's and v's by the plan
+    extra = {"model.layers.0.rotary_emb.inv_freq": torch.ones(2),                     # no such parameter
+             "model.norm.weight": torch.arange(16, dtype=torch.float32),              # F32 into a BF16 parameter
+             "model.layers.1.self_attn.k_proj.weight": k_proj,
+             "lm_head.weight": torch.ones(100, 16, dtype=torch.bfloat16)}             # tied: the embedding's
+    path = _fake_checkpoint(tmp_path, cfg, extra)
+    # and both layers' o_proj (16 x 32 BF16 in the checkpoint), whose layers are of another quantization method
+    model = fake.LlamaForCausalLM(cfg, 0, 2, o_proj_method=fake.Fp8LinearMethod)
+    rep = _load(gdskit_vllm, model, path, {"placement": True})
+    from vllm_llama_shapes import checkpoint
+    n_tensors = len(checkpoint(cfg)) + 2  # the norm and k_proj replaced, two more
+    assert rep.fallback == 4 + 2
+    assert rep.placed == n_tensors - rep.fallback
+    assert rep.fallback_bytes == 2 * 4 + 16 * 4 + 8 * 16 * 4 + 100 * 16 * 2 + 2 * 16 * 32 * 2
+    assert sum(n for _, n in rep.reasons) == rep.fallback
+    own = fake.LlamaForCausalLM(cfg, 0, 2, o_proj_method=fake.Fp8LinearMethod)
+    _load(gdskit_vllm, own, path, {"placement": False})
+    assert _bytes(model) == _bytes(own)
+    assert torch.equal(model.model.norm.weight, torch.arange(16, dtype=torch.bfloat16))  # cast by load_weights
+    k_rows = model.model.layers[1].self_attn.qkv_proj.weight[16:20]  # rank 0 of 2: 4 q heads, then its KV head
+    assert torch.equal(k_rows, k_proj[:4].to(torch.bfloat16))
+
+
+def test_a_model_the_plan_does_not_know_goes_through_load_weights(gdskit_vllm, tmp_path) -> None:
+    import vllm_fake_layers as fake
+    from vllm_llama_shapes import checkpoint
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg)
+    model = fake.OtherForCausalLM(cfg, 1, 2)
+    rep = _load(gdskit_vllm, model, path, {"placement": True})
+    assert (rep.planned, rep.placed, rep.fallback) == (True, 0, len(checkpoint(cfg)))
+    own = fake.LlamaForCausalLM(cfg, 1, 2)
+    _load(gdskit_vllm, own, path, {"placement": False})
+    assert _bytes(model) == _bytes(own)
+
+
+@pytest.mark.parametrize("placement", [True, False])
+def test_a_parameter_the_checkpoint_lacks_is_refused_either_way(gdskit_vllm, tmp_path, placement) -> None:
+    import vllm_fake_layers as fake
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg, drop="model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(gdskit_vllm.UninitializedWeightsError):
+        _load(gdskit_vllm, fake.LlamaForCausalLM(cfg, 0, 2), path, {"placement": placement})
+
+
+def test_a_shard_that_shrank_after_its_header_was_read_is_refused(gdskit_vllm, tmp_path) -> None:
+    import vllm_fake_layers as fake
+    from gdskit.formats.placement_exec import plan_model, read_placements
+    from gdskit.formats.safetensors_format import TruncatedFileError
+    from gdskit.formats.shard_index import index_checkpoint
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg)
+    index = index_checkpoint(str(path))
+    plan, tensors = plan_model(fake.LlamaForCausalLM(cfg, 0, 1), index)
+    shard = index.headers[-1][0]
+    os.truncate(shard, os.path.getsize(shard) - 2)
+    with pytest.raises(TruncatedFileError):
+        read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
+
+
+def _with_f32(src: Path, dst: Path, names: set[str]) -> Path:
+    """A copy of checkpoint ``src`` whose tensors ``names`` are stored as float32."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {n: (t.to(torch.float32) if n in names else t) for n, t in load_file(f).items()}
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["tied", "untied", "mixed"])
+def test_gpu_engine_with_placement_matches_vllms_own_loader(llamas, tmp_path, which) -> None:
+    """Placement on and off against vLLM's ``safetensors``, at tp=1: every parameter's bytes, greedy
+    tokens, and which way the tensors went (``mixed``: two float32 tensors in a bfloat16 model go
+    through load_weights, which converts them as vLLM's own loader does)."""
+    from safetensors import safe_open
+
+    path = llamas["untied" if which == "mixed" else which]
+    fallback = {"model.norm.weight", "model.layers.0.self_attn.k_proj.weight"} if which == "mixed" else set()
+    if fallback:
+        path = _with_f32(path, tmp_path / "mixed", fallback)
+    names = set()
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            names.update(fh.keys())
+    fallback |= names & {"lm_head.weight"} if which == "tied" else set()  # tied: vLLM's loader skips it
+    ref, ref_log = _engine(path, "safetensors", tmp_path / "ref.json")
+    assert ref, ref_log[-4000:]
+    for placement in (True, False):
+        ours, log = _engine(path, "gdskit", tmp_path / f"ours-{placement}.json", {"placement": placement})
+        assert ours, log[-4000:]
+        assert ours["weights"] == ref["weights"]
+        assert ours["tokens"] == ref["tokens"]
+        report = ours["report"]
+        assert report["planned"] is placement
+        if placement:
+            assert (report["placed"], report["fallback"]) == (len(names) - len(fallback), len(fallback))
+        else:
+            assert (report["placed"], report["fallback"]) == (0, len(names))
+
+
+def test_counting_the_fallbacks_tensors_keeps_none_alive(gdskit_vllm) -> None:
+    """The loader counts what it hands load_weights without holding a tensor while the next is read
+    (iter_tensors' budget counts every tensor still referenced)."""
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    refs: list[weakref.ref] = []
+
+    def stream():
+        for i in range(3):
+            assert not refs or refs[-1]() is None  # the consumer dropped the last one: nobody else holds it
+            t = torch.zeros(4 + i)
+            refs.append(weakref.ref(t))
+            yield f"t{i}", t
+            del t
+
+    counted = gdskit_vllm._Counted()
+    for _name, tensor in counted.through(stream()):
+        del tensor
+    assert (counted.tensors, counted.nbytes) == (3, (4 + 5 + 6) * 4)
+
+
+@pytest.mark.parametrize("group,placed", [(None, False), ((1, 2), True), ((1, 4), False), ("raises", False)])
+def test_an_embedding_without_its_rank_takes_the_parallel_groups(gdskit_vllm, tmp_path, group, placed) -> None:
+    """vLLM 0.26's embeddings keep no ``tp_rank``: the loader asks vLLM's parallel group, whose size
+    must be the layer's; without an answer the embedding goes through load_weights."""
+    import vllm_fake_layers as fake
+    from gdskit.formats.placement_exec import plan_model, read_placements
+    from gdskit.formats.shard_index import index_checkpoint
+    from vllm_llama_shapes import checkpoint, expected, raw
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg)
+    model = fake.LlamaForCausalLM(cfg, 1, 2)
+    for layer in (model.model.embed_tokens, model.lm_head):
+        del layer.tp_rank
+
+    def ask():
+        if group == "raises":
+            raise AssertionError("tensor model parallel group is not initialized")  # what vLLM raises
+        return group
+
+    index = index_checkpoint(str(path))
+    plan, tensors = plan_model(model, index, None if group is None else ask)
+    embeddings = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert (embeddings & plan.placed_params) == (embeddings if placed else set())
+    if placed:
+        read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
+        want = expected(checkpoint(cfg), cfg, 1, 2)
+        for name in embeddings:
+            assert raw(tensors[name]) == raw(want[name])

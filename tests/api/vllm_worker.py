@@ -1,11 +1,13 @@
 """One vLLM engine in a fresh process, as a user starts it: ``python vllm_worker.py CHECKPOINT
 LOAD_FORMAT OUT.json [EXTRA_CONFIG_JSON]``. Writes the greedy continuations of fixed prompts
-and a digest of every parameter of the model the engine built. gdskit is not imported here:
-vLLM finds the ``gdskit`` load format through the installed entry point, in its own engine
-process."""
+and a digest of every parameter of the model the engine built, and (load format ``gdskit``)
+the loader's placement report, asked of the engine's worker process. gdskit is not imported
+in this process: vLLM finds the ``gdskit`` load format through the installed entry point, in
+its own engine process."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -23,6 +25,13 @@ def digests(model):
     return out
 
 
+def placement_report(model):
+    """The gdskit loader's report in the engine's worker process (None under other load formats)."""
+    import gdskit.vllm
+    report = gdskit.vllm.last_report()
+    return None if report is None else dataclasses.asdict(report)
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
@@ -35,8 +44,9 @@ def main() -> None:
     results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     tokens = [list(r.outputs[0].token_ids) for r in results]
     weights = llm.apply_model(digests)[0]
+    report = llm.apply_model(placement_report)[0] if load_format == "gdskit" else None
     with open(out, "w") as f:
-        json.dump({"tokens": tokens, "weights": weights}, f)
+        json.dump({"tokens": tokens, "weights": weights, "report": report}, f)
 
 
 if __name__ == "__main__":

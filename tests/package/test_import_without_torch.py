@@ -98,3 +98,18 @@ def test_the_core_imports_and_reads_host_memory_without_torch(tmp_path) -> None:
     result = _run(_CORE.format(path=str(tmp_path / "data.bin")))
     size = 256 * 4099
     assert result == {"n": size, "same": True, "m": 10000, "part": True, "bytes_read": size + 10000, "torch": False}
+
+
+_PLACEMENT = """
+import json
+from gdskit.formats.placement import LayerKind, ParamFacts, Record, plan_placements
+param = ParamFacts("o.weight", LayerKind.ROW, (2, 3), "BF16", 1, 2, output_dim=0, input_dim=1)
+plan = plan_placements({"o.weight": param}, [Record("o.weight", "f", 100, 24, "BF16", (2, 6))])
+print(json.dumps({"runs": [list(r) for p in plan.placements for r in p.runs], "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_placement_plan_is_pure_arithmetic_without_torch() -> None:
+    result = _run(_PLACEMENT)
+    # rank 1 of 2 keeps columns 3..5 of each 6-column BF16 row: 6 bytes from byte 6 of each 12-byte row
+    assert result == {"runs": [[106, 6, 0], [118, 6, 6]], "torch": False}
