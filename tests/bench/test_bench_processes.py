@@ -16,8 +16,20 @@ from gdskit.bench.params import MiB, make_params
 from gdskit.errors import GdskitFileNotFoundError, GdskitIOError, WorkerProcessError
 
 
+_EARLIER: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    """Children the test process had before the test (a session's S3 server, say) are not the
+    test's: only those it started count."""
+    _EARLIER.clear()
+    _EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+
+
 def _children() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _EARLIER]
 
 
 def test_reads_happen_in_the_worker_processes_and_their_cpu_is_counted(tmp_path):
