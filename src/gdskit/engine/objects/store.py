@@ -191,6 +191,10 @@ class Bucket:
                                                                      Body=bytes(data)))
         ledger.record_object(self.endpoint.name, "write", data.nbytes, 1, 0, time.perf_counter() - t0)
 
+    def delete(self, url: ObjectURL, cfg: Settings) -> None:
+        """Remove the object (nothing to do where there is none: S3 answers the same)."""
+        self._call(url, cfg, "write", lambda: self.client.delete_object(Bucket=self.bucket, Key=url.key))
+
     # -- retries and errors -----------------------------------------------
     def _call(self, url: ObjectURL, cfg: Settings, op: str, request: Callable[[], T]) -> T:
         """``request()`` retried after throttling, server errors and dropped connections, at most
