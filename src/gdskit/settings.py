@@ -99,6 +99,7 @@ _ACCEPTS = {
     "s3_concurrency": "a whole number from 1 to 256",
     "s3_max_retries": "a whole number from 0 to 100",
     "s3_backoff": "seconds from 0.001 to 60",
+    "s3_coalesce_gap": "a size from 0 to 64 MiB, e.g. 1MiB",
 }
 
 
@@ -179,6 +180,10 @@ class Settings:
     s3_backoff : float
         Seconds before the first retry; each later one waits twice as long, with jitter, up to
         64 times this (``GDSKIT_S3_BACKOFF``).
+    s3_coalesce_gap : int
+        Reads into host memory of one request (``read_many``, ``read_batch``) whose bytes lie at
+        most this far apart in an object are served by one ranged GET, the bytes between them
+        read and dropped (``GDSKIT_S3_COALESCE_GAP``); 0 to 64 MiB, 0 merges only reads that touch.
     """
 
     mode: Mode = Mode.AUTO
@@ -199,6 +204,7 @@ class Settings:
     s3_concurrency: int = 16
     s3_max_retries: int = 5
     s3_backoff: float = 0.1
+    s3_coalesce_gap: int = 1 * MiB
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -253,6 +259,8 @@ class Settings:
             raise ConfigError(f"pinned_budget must be at least 1 MiB, got {size}")
         if name == "s3_part_size" and not 5 * MiB <= size <= 5 * GiB:
             raise ConfigError(f"s3_part_size must be between 5 MiB and 5 GiB, got {size}")
+        if name == "s3_coalesce_gap" and not 0 <= size <= 64 * MiB:
+            raise ConfigError(f"s3_coalesce_gap must be between 0 and 64 MiB, got {size}")
         if name == "direct_threshold" and size < 0:
             raise ConfigError("direct_threshold must be >= 0")
         return size

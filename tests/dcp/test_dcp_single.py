@@ -125,7 +125,7 @@ def test_large_payloads_are_aligned(tmp_path: Path) -> None:
         for idx, info in md.storage_data.items():
             fh.seek(info.offset)
             blob = fh.read(info.length)
-            saved = _archive.parse(fh.fileno(), info.offset, info.length, blob[:4096], blob[-8192:], idx.fqn)
+            saved = _archive.parse(_pread(fh), info.offset, info.length, blob[:4096], blob[-8192:], idx.fqn)
             if idx.fqn in ("a", "c"):
                 assert saved.record_offset % 4096 == 0, idx.fqn
             # every item is a complete torch.save archive on its own
@@ -414,6 +414,10 @@ def test_template_matches_torch_save_layout() -> None:
     assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)
 
 
+def _pread(fh: Any) -> Any:
+    return lambda offset, n: os.pread(fh.fileno(), n, offset)
+
+
 def test_parse_reads_views_from_stock_archives(tmp_path: Path) -> None:
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
     view = base[1:5, 2:].t()                      # strided, with a storage offset; torch.save keeps the view
@@ -423,7 +427,7 @@ def test_parse_reads_views_from_stock_archives(tmp_path: Path) -> None:
     p = tmp_path / "x"
     p.write_bytes(b"\0" * 100 + blob)
     with open(p, "rb") as fh:
-        saved = _archive.parse(fh.fileno(), 100, len(blob), blob[:64], blob[-64:], "x")
+        saved = _archive.parse(_pread(fh), 100, len(blob), blob[:64], blob[-64:], "x")
     assert saved.meta.shape == view.shape and saved.meta.stride() == view.stride()
     assert saved.meta.storage_offset() == view.storage_offset()
     raw = torch.frombuffer(bytearray(p.read_bytes()[saved.record_offset:saved.record_offset + saved.record_nbytes]),
@@ -438,7 +442,7 @@ def test_parse_refuses_other_objects(tmp_path: Path) -> None:
     p = tmp_path / "x"
     p.write_bytes(blob)
     with open(p, "rb") as fh, pytest.raises(FormatError):
-        _archive.parse(fh.fileno(), 0, len(blob), blob, blob, "x")
+        _archive.parse(_pread(fh), 0, len(blob), blob, blob, "x")
 
 
 def test_parse_refuses_a_deflated_storage_record(tmp_path: Path) -> None:
@@ -459,13 +463,15 @@ def test_parse_refuses_a_deflated_storage_record(tmp_path: Path) -> None:
     p = tmp_path / "x"
     p.write_bytes(blob)
     with open(p, "rb") as fh, pytest.raises(FormatError):
-        _archive.parse(fh.fileno(), 0, len(blob), blob, blob, "x")
+        _archive.parse(_pread(fh), 0, len(blob), blob, blob, "x")
 
 
 def test_validate_checkpoint_id(tmp_path: Path) -> None:
     assert gdskit.dcp.StorageWriter.validate_checkpoint_id(tmp_path / "new")
     assert gdskit.dcp.StorageReader.validate_checkpoint_id(str(tmp_path / "new"))
-    assert not gdskit.dcp.StorageWriter.validate_checkpoint_id("s3://bucket/x")
+    assert gdskit.dcp.StorageWriter.validate_checkpoint_id("s3://bucket/x/")  # an object prefix
+    assert gdskit.dcp.StorageReader.validate_checkpoint_id("s3://bucket/x")
+    assert not gdskit.dcp.StorageWriter.validate_checkpoint_id("gs://bucket/x")
 
 
 def test_checkpoint_id_and_storage_meta(tmp_path: Path) -> None:

@@ -157,6 +157,37 @@ class Rank:
         """An archive with deflated storage records (and one stored): torch.load's values."""
         return self.torch_load("deflated.pt")
 
+    # -- loads of objects (tests/group/test_group_objects.py) ----------------------------------
+    def load_object(self, url: str, local: str) -> dict[str, Any]:
+        """``url`` loaded by the group; the reference is safetensors' own load of ``local``, its copy."""
+        with gdskit.group.options(window=WINDOW, piece=PIECE):
+            got, stats = gdskit.safetensors.load_file(url, self.device, process_group=self.pg, return_stats=True)
+        obj = stats.paths.get("object", gdskit.PathStats())
+        return {"differs": same({k: v.cpu() for k, v in got.items()}, self.reference(self.path(local))),
+                "object": obj.bytes_read, **ledger_facts(stats)}
+
+    def object_replicated(self) -> dict[str, Any]:
+        return self.load_object(self.manifest["objects"]["replicated"], "replicated.safetensors")
+
+    def object_sharded(self) -> dict[str, Any]:
+        return self.load_object(self.manifest["objects"]["sharded"], "sharded")
+
+    def object_torch(self) -> dict[str, Any]:
+        url = self.manifest["objects"]["torch"]
+        with gdskit.group.options(window=WINDOW, piece=PIECE):
+            got, stats = gdskit.torch.load(url, map_location=self.device, process_group=self.pg, return_stats=True)
+        want = torch.load(self.path("ckpt.pt"), map_location="cpu", weights_only=True)
+        differs = same({k: v.cpu() for k, v in got.items() if isinstance(v, torch.Tensor)},
+                       {k: v for k, v in want.items() if isinstance(v, torch.Tensor)})
+        obj = stats.paths.get("object", gdskit.PathStats())
+        return {"differs": differs, "step": got["step"], "object": obj.bytes_read, **ledger_facts(stats)}
+
+    def object_other_values_on_rank_one(self) -> dict[str, Any]:
+        """Rank 1 loads an object of the same layout and other values: refused on every rank."""
+        key = "other" if self.rank == 1 else "replicated"
+        return self.expect_failure(lambda: gdskit.safetensors.load_file(
+            self.manifest["objects"][key], self.device, process_group=self.pg))
+
     # -- loads that fail ------------------------------------------------------------------------
     def bad_file_on_last_rank(self) -> dict[str, Any]:
         name = "garbage.safetensors" if self.rank == self.world - 1 else "replicated.safetensors"
@@ -240,6 +271,8 @@ WORLDS: dict[str, list[str]] = {
     "four": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank",
              "callback_raises_on_last_rank", "replicated_after_failures", "killed_last_rank"],
     "one": ["replicated", "keys", "torch_load"],
+    # s3:// objects of moto's server (tests/group/test_group_objects.py).
+    "objects": ["object_replicated", "object_sharded", "object_torch", "object_other_values_on_rank_one"],
     # GPU memory, every rank on the GPU its rank picks (tests/group/test_group_gpu.py).
     "gpu": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank", "replicated_after_failures"],
 }

@@ -27,7 +27,10 @@ _HELP = (
     "and removes the file.\n\n"
     "Runs of different paths are interleaved (A B A B ...); each row is the median of the repetitions "
     "with min and max. Every run reports the path its bytes really took (gdskit's ledger, cuFile's "
-    "counters) and the CPU it cost."
+    "counters) and the CPU it cost.\n\n"
+    "With an object URL (gdskit bench s3://bucket/key): the object read whole into host memory at each "
+    "part size (--part-sizes) and concurrency (--concurrency) of a small grid, cells interleaved, "
+    "--repeat times; GB/s, GETs and retries per cell."
 )
 
 
@@ -36,6 +39,10 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
+    target: Optional[str] = typer.Argument(None, metavar="[URL]", help="An object URL (s3://bucket/key) to benchmark instead of a file."),
+    part_sizes: Optional[str] = typer.Option(None, "--part-sizes", help="With an object URL: part sizes to compare, e.g. 8M,64M (default: a quarter of s3_part_size and s3_part_size)."),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="With an object URL: GETs in flight to compare, e.g. 4,16 (default: a quarter of s3_concurrency and s3_concurrency)."),
+    buffer: str = typer.Option("1G", "--buffer", help="With an object URL: the host buffer it is read into (a larger object is read a buffer at a time)."),
     file: Optional[str] = typer.Option(None, "-f", "--file", help="Target file, shared by all workers (each owns a slice)."),
     directory: Optional[str] = typer.Option(None, "-D", "--dir", help="Directory with one file per worker."),
     device: int = typer.Option(0, "-d", "--device", help="GPU index for device buffers."),
@@ -65,6 +72,11 @@ def bench(
     from gdskit.bench.report import plot, plot_target, render_table, save_csv, write_csv  # noqa: PLC0415 - import time
     from gdskit.durable import check_output_file  # noqa: PLC0415 - import time
 
+    if target is not None:
+        _bench_object(target, part_sizes, concurrency, buffer, repeat, as_json,
+                      others=file is not None or directory is not None or sweep or save_profile or plot_file is not None
+                      or csv_file is not None)
+        return
     default_run = file is None and directory is None
     plot_path = None
     with cli_errors("bench", "interrupted; temporary files removed"):
@@ -103,6 +115,51 @@ def bench(
         typer.echo(f"plot written to {plot_path}", err=as_json or csv_file == "-")
     if report.verify_ok is False:
         raise typer.Exit(1)
+
+
+def _bench_object(url: str, part_sizes: str | None, concurrency: str | None, buffer: str, repeat: int,
+                  as_json: bool, others: bool) -> None:
+    """``gdskit bench s3://bucket/key``: the grid of part sizes and concurrencies, rendered."""
+    from gdskit.bench.objects import run_object_bench  # noqa: PLC0415 - import time
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+    from gdskit.settings import format_size, parse_size  # noqa: PLC0415 - import time
+
+    with cli_errors("bench"):
+        if others:
+            raise InvalidArgumentError("an object URL is benchmarked with --part-sizes, --concurrency, --buffer, "
+                                       "--repeat and --json only")
+        parts = [parse_size(p) for p in part_sizes.split(",")] if part_sizes else None
+        concs = [_whole(c, "--concurrency") for c in concurrency.split(",")] if concurrency else None
+        with _progress(enabled=not as_json and sys.stderr.isatty()) as progress, _sigterm_as_interrupt():
+            report = run_object_bench(url, parts, concs, repeat=repeat, buffer_bytes=parse_size(buffer),
+                                      progress=progress)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        typer.echo(f"{report.url}: {format_size(report.object_bytes)} at {report.endpoint}, "
+                   f"read whole {report.repeat}x per cell into a {format_size(report.buffer_bytes)} host buffer")
+        typer.echo(f"{'part size':>10} {'GETs in flight':>15} {'GB/s':>8} {'min':>8} {'max':>8} {'GETs':>6} {'retries':>8}")
+        for c in report.cells:
+            typer.echo(f"{format_size(c.part_size):>10} {c.concurrency:>15} {c.gb_s:8.3f} {c.gb_s_min:8.3f} "
+                       f"{c.gb_s_max:8.3f} {c.gets:6d} {c.retries:8d}")
+        best = report.best
+        if best is not None:
+            size_text = f"{best.part_size >> 20}MiB" if best.part_size % (1 << 20) == 0 else str(best.part_size)
+            typer.echo(f"fastest: {format_size(best.part_size)} parts, {best.concurrency} in flight "
+                       f"(GDSKIT_S3_PART_SIZE={size_text} GDSKIT_S3_CONCURRENCY={best.concurrency})")
+        if not report.whole:
+            typer.echo("not every cell read the whole object, the same bytes", err=True)
+    if not report.whole:
+        raise typer.Exit(1)
+
+
+def _whole(text: str, option: str) -> int:
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{option} takes whole numbers, got {text!r:.40}") from None
 
 
 def no_gpu_note(report: Any) -> str | None:

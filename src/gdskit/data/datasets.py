@@ -13,6 +13,7 @@ import json
 import math
 import operator
 import os
+import posixpath
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from gdskit.data.errors import FileSizeError, SampleMismatchError, TruncatedFile
 from gdskit.data.layout import Layout, from_numpy, torch_dtype
 from gdskit.data.sources import Files, Source, resolve
 from gdskit.durable import open_file_fd
+from gdskit.engine import is_object_url
 from gdskit.errors import InvalidArgumentError
 
 __all__ = ["Dataset", "NpyDataset", "RecordDataset", "TokenDataset"]
@@ -47,9 +49,25 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def _check_readable(sources: Sequence[Source]) -> None:
-    """Open and close each file: a missing or unreadable one is named now, not mid-epoch."""
+    """Open and close each file: a missing or unreadable one is named now, not mid-epoch.
+    (Objects were just found by a HEAD or a listing, with the credentials that read them.)"""
     for s in sources:
-        os.close(open_file_fd(s.path, os.O_RDONLY)[0])
+        if not is_object_url(s.path):
+            os.close(open_file_fd(s.path, os.O_RDONLY)[0])
+
+
+def _relative_names(paths: list[str]) -> list[str]:
+    """The files' names relative to their common directory, or the objects' relative to their
+    common prefix (a dataset moved elsewhere keeps them)."""
+    if all(is_object_url(p) for p in paths):
+        keys = [p.split("://", 1)[1] for p in paths]
+        root = posixpath.commonpath(keys) if len(keys) > 1 else posixpath.dirname(keys[0])
+        return [posixpath.relpath(k, root) for k in keys]
+    if any(is_object_url(p) for p in paths):
+        return [p if is_object_url(p) else os.path.abspath(p) for p in paths]
+    paths = [os.path.abspath(p) for p in paths]
+    root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    return [os.path.relpath(p, root) for p in paths]
 
 
 class Dataset(ABC):
@@ -103,9 +121,7 @@ class Dataset(ABC):
     def fingerprint(self) -> str:
         """A digest of what the samples are: the kind, its parameters, the files' names (relative to
         their common directory, so that a moved dataset keeps it) and sizes."""
-        paths = [os.path.abspath(s.path) for s in self._sources]
-        root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
-        names = [os.path.relpath(p, root) for p in paths]
+        names = _relative_names([s.path for s in self._sources])
         blob = json.dumps([type(self).__name__, self._params(), names, [s.size for s in self._sources]])
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -139,7 +155,9 @@ class TokenDataset(Dataset):
 
     Parameters
     ----------
-    files : path, directory, glob or list of paths
+    files : path, directory, glob or list of paths; or object URLs (``s3://bucket/key``, a
+        prefix ``s3://bucket/dir/`` for every object under it), whose windows a batch reads by
+        ranged GETs, nearby windows sharing one (``settings.s3_coalesce_gap``)
     dtype : the tokens' type: ``uint16``, ``uint32`` or ``int32`` (any integer type works)
     seq_len : tokens per window, not counting the extra target token
 

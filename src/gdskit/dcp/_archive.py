@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -152,8 +151,10 @@ class SavedTensor:
     record_nbytes: int
 
 
-def _slice_stream(fd: int, offset: int, length: int, head: bytes, tail: bytes) -> _RangeStream:
-    """``[offset, offset + length)`` of an open file as a stream, served from prefetched ends when possible."""
+def _slice_stream(read: Callable[[int, int], bytes], offset: int, length: int, head: bytes, tail: bytes
+                  ) -> _RangeStream:
+    """``[offset, offset + length)`` of what ``read(offset, n)`` reads as a stream, served from
+    prefetched ends when possible."""
     tail_start = length - len(tail)
 
     def fetch(start: int, end: int) -> bytes:
@@ -161,13 +162,15 @@ def _slice_stream(fd: int, offset: int, length: int, head: bytes, tail: bytes) -
             return head[start:end]
         if start >= tail_start:
             return tail[start - tail_start:end - tail_start]
-        return os.pread(fd, end - start, offset + start)
+        return read(offset + start, end - start)
 
     return _RangeStream(length, fetch)
 
 
-def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: str) -> SavedTensor:
-    """Parse the tensor archive at ``[offset, offset + length)`` of ``fd``.
+def parse(read: Callable[[int, int], bytes], offset: int, length: int, head: bytes, tail: bytes,
+          where: str) -> SavedTensor:
+    """Parse the tensor archive at ``[offset, offset + length)`` of what ``read(offset, n)``
+    reads (a file's or an object's bytes: at most ``n`` at ``offset``).
 
     ``head`` and ``tail`` are the archive's first and last bytes, already read
     (any length; what they miss is read on demand). Raises :class:`FormatError`
@@ -176,7 +179,7 @@ def parse(fd: int, offset: int, length: int, head: bytes, tail: bytes, where: st
     if not head.startswith(b"PK\x03\x04"):
         raise FormatError(f"{where}: the item is not a torch.save archive")
     try:
-        source = _slice_stream(fd, offset, length, head, tail)
+        source = _slice_stream(read, offset, length, head, tail)
         reader = torch._C.PyTorchFileReader(source)
         pkl = reader.get_record("data.pkl")
     except RuntimeError as exc:

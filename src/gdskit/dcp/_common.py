@@ -1,7 +1,10 @@
-"""What the writer and the reader share: file names, errors, durable renames."""
+"""What the writer and the reader share: file names, where they live, errors."""
 
 from __future__ import annotations
 
+import os
+
+from gdskit.engine import is_object_url
 from gdskit.errors import GdskitError
 
 #: The stock layout's names (torch.distributed.checkpoint.filesystem).
@@ -29,3 +32,12 @@ class UnsupportedItemError(GdskitError, ValueError):
 def metadata_name(rank: int | None = None) -> str:
     """``.metadata``, or ``__{rank}.metadata`` for a save without rank coordination."""
     return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def member(location: str, name: str) -> str:
+    """The file ``name`` of the checkpoint at ``location``: a file in its directory, or the
+    object ``name`` under its prefix (``s3://bucket/ckpt`` and ``s3://bucket/ckpt/`` are the same
+    prefix)."""
+    if is_object_url(location):
+        return location.rstrip("/") + "/" + name
+    return os.path.join(location, name)

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from gdskit.dcp import _archive
-from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, metadata_name
+from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, member, metadata_name
 from gdskit.dcp._metadata_pickle import checked_metadata, load_metadata
 from gdskit.durable import read_whole_file
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import read_plan
-from gdskit.engine import open_file
+from gdskit.engine import is_object_url, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError
 # Items are torch.save archives: grouped for reading the way gdskit.torch groups storages.
 from gdskit.torch import MAX_GAP_BYTES, MAX_GROUP_BYTES
@@ -73,6 +73,9 @@ class StorageReader(dcp_storage.StorageReader):
     Each tensor's bytes go straight from the file into the destination tensor's
     memory when the saved and requested ranges are contiguous; otherwise the
     covering range is read onto the destination's device and copied from there.
+
+    ``path`` may be an object prefix (``s3://bucket/ckpt/``): ``.metadata`` and
+    the items' bytes are then read by ranged GETs through the engine.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -93,7 +96,7 @@ class StorageReader(dcp_storage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return FileSystem.validate_checkpoint_id(checkpoint_id)
+        return is_object_url(checkpoint_id) or FileSystem.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's ``.metadata`` (``__{rank}.metadata`` with ``rank=`` for saves without coordination).
@@ -102,11 +105,14 @@ class StorageReader(dcp_storage.StorageReader):
         finished, or the directory holds no checkpoint.
         """
         rank = kwargs.get("rank")
-        path = os.path.join(self.path, metadata_name(rank))
+        path = member(self.path, metadata_name(rank))
         try:
-            data = read_whole_file(path)
+            data = _read_object(path) if is_object_url(path) else read_whole_file(path)
         except FileNotFoundError:
-            what = "does not exist" if not os.path.isdir(self.path) else f"has no {metadata_name(rank)} file"
+            if is_object_url(path):
+                what = f"prefix has no {metadata_name(rank)} object"
+            else:
+                what = "does not exist" if not os.path.isdir(self.path) else f"has no {metadata_name(rank)} file"
             raise IncompleteCheckpointError(
                 2, f"no complete checkpoint: the directory {what} (a save that failed or is still "
                    "running leaves this state)", self.path) from None
@@ -155,7 +161,7 @@ class StorageReader(dcp_storage.StorageReader):
         return info
 
     def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        path = os.path.join(self.path, rel)
+        path = member(self.path, rel)
         with open_file(path, "r") as f:
             size = f.size
             for req in reqs:
@@ -204,8 +210,8 @@ class StorageReader(dcp_storage.StorageReader):
             concurrent.futures.wait(futs)
         out, wholes = {}, {}
         for (off, n), head, tail in ends:
-            out[(off, n)] = _archive.parse(f.fileno(), off, n, bytes(head), bytes(tail if tail is not None else head),
-                                           f"{path}@{off}")
+            out[(off, n)] = _archive.parse(_reader_of(f), off, n, bytes(head),
+                                           bytes(tail if tail is not None else head), f"{path}@{off}")
             if tail is None:
                 wholes[(off, n)] = bytes(head)
         return out, wholes
@@ -255,6 +261,27 @@ class StorageReader(dcp_storage.StorageReader):
                         j.dest.copy_(src)
         for j in jobs:
             planner.commit_tensor(j.req, j.dest)
+
+
+def _read_object(url: str) -> bytes:
+    """Every byte of the object at ``url``, read through the engine (under one ETag)."""
+    with open_file(url, "r") as f:
+        buf = bytearray(f.size)
+        got = f.read(buf)
+    if got != len(buf):
+        raise TruncatedFileError(f"{url}: read {got} of its {len(buf)} bytes")
+    return bytes(buf)
+
+
+def _reader_of(f: Any) -> Any:
+    """``read(offset, n)`` of the open engine file (or object) ``f``: at most ``n`` bytes at ``offset``."""
+
+    def read(offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = f.read(buf, n, offset)
+        return bytes(buf[:got])
+
+    return read
 
 
 def _item_bytes(j: _Job, whole: bytes, archive_offset: int, path: str) -> bytes:

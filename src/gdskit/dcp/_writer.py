@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
 from gdskit.dcp import _archive
-from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError,
+from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError, member,
                                 metadata_name)
 from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
 from gdskit.errors import GdskitError, from_os_error
-from gdskit.engine import open_file
+from gdskit.engine import delete_object, is_object_url, list_objects, open_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 
 #: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written
@@ -84,14 +84,21 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     least 1 MiB start 4 KiB-aligned in the file and go straight from each
     rank's device memory to the file.
 
+    An object prefix (``s3://bucket/ckpt/``) gets the same objects: each rank's
+    file is one multipart upload, packed without alignment gaps, that appears
+    whole or not at all; ``.metadata`` is put last, after every rank's object
+    is complete. A failed save aborts its uploads and puts no ``.metadata``.
+
     Parameters
     ----------
     path : str or PathLike
-        The checkpoint's directory (``checkpoint_id`` replaces it). Give every
-        checkpoint its own directory: a failed save then never harms an older one.
+        The checkpoint's directory, or an object prefix ``s3://bucket/prefix/``
+        (``checkpoint_id`` replaces it). Give every checkpoint its own directory:
+        a failed save then never harms an older one.
     sync_files : bool
         fsync every file and the directory before the checkpoint is declared
         complete (default). False skips the fsyncs (faster, not crash-safe).
+        Objects are durable when their upload completes either way.
     overwrite : bool
         Allow saving into a directory that already holds a complete checkpoint
         (its ``.metadata`` is removed before any new data is written).
@@ -133,7 +140,11 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return FileSystem.validate_checkpoint_id(checkpoint_id)
+        return is_object_url(checkpoint_id) or FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def _on_objects(self) -> bool:
+        return is_object_url(self.path)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -143,9 +154,9 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
 
     # -- planning -------------------------------------------------------------
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
-        if not self.overwrite and os.path.exists(os.path.join(self.path, metadata_name(
-                None if self.use_collectives else 0))):
+        if not self._on_objects:
+            os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and self._exists(metadata_name(None if self.use_collectives else 0)):
             raise CheckpointExistsError(f"{self.path} already holds a complete checkpoint and overwrite=False")
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_RankFiles(f"__{self.rank}_"))
@@ -158,7 +169,16 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_")) if p.storage_data is None else p
                 for i, p in enumerate(plans)]
 
+    def _exists(self, name: str) -> bool:
+        where = member(self.path, name)
+        if self._on_objects:
+            return any(url == where for url, _size in list_objects(member(self.path, "")))
+        return os.path.exists(where)
+
     def _retire_previous(self) -> None:
+        if self._on_objects:  # no temporaries here: an object being uploaded is not in the bucket yet
+            delete_object(member(self.path, self._own_metadata_name()))
+            return
         changed = False
         meta = os.path.join(self.path, self._own_metadata_name())
         if os.path.exists(meta):
@@ -189,6 +209,26 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             raise GdskitError("the save plan carries no file prefix; was prepare_global_plan skipped?")
         name = f"{prefix}0{DATA_SUFFIX}"
         entries = self._layout(plan.items, planner)
+        if self._on_objects:
+            self._write_object(name, entries, planner)
+        else:
+            self._write_file(name, entries, planner)
+        return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
+                                        storage_data=_StorageInfo(name, e.where.offset, e.where.length))
+                for e in entries if e.where is not None]
+
+    def _write_object(self, name: str, entries: list[_Entry], planner: SavePlanner) -> None:
+        """The rank's file as one object: its items in order (an object is written in order), the
+        upload completed at close, aborted on any failure (nothing appears)."""
+        f = open_file(member(self.path, name), "w")
+        try:
+            self._write_entries(f, entries, planner)
+            f.close()
+        except BaseException:
+            f.abort()
+            raise
+
+    def _write_file(self, name: str, entries: list[_Entry], planner: SavePlanner) -> None:
         owned = self._new_temp(name)
         try:
             f = open_file(owned.fd_path, "w")  # the temporary itself, never whatever is at its name
@@ -205,9 +245,6 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             owned.discard()
             raise
         owned.close()
-        return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
-                                        storage_data=_StorageInfo(name, e.where.offset, e.where.length))
-                for e in entries if e.where is not None]
 
     def _layout(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[_Entry]:
         raw: list[_Entry] = []
@@ -230,7 +267,10 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             e = _Entry(item, ItemShape(len(tpl.head), nbytes, len(tpl.tail)), template=tpl)
             (large if nbytes >= LARGE_ITEM_BYTES else small).append(e)
         entries = raw + small + large
-        placements, _size = place([e.shape for e in entries], alignment=ALIGNMENT, large=LARGE_ITEM_BYTES)
+        # An object's bytes are read by ranged GETs through pinned lanes: alignment buys nothing,
+        # and an object is written in order, so its items are packed without gaps.
+        alignment = 1 if self._on_objects else ALIGNMENT
+        placements, _size = place([e.shape for e in entries], alignment=alignment, large=LARGE_ITEM_BYTES)
         for e, p in zip(entries, placements):
             e.where = p
         return entries
@@ -289,6 +329,10 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         name = self._own_metadata_name()
+        if self._on_objects:  # one PUT, or an upload completed only now: whole or absent
+            with open_file(member(self.path, name), "w") as f:
+                f.write(pickle.dumps(metadata))
+            return
         owned = self._new_temp(name)
         try:
             with os.fdopen(os.dup(owned.fd), "wb") as fh:

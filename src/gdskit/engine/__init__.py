@@ -97,6 +97,18 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
 
 
+def delete_object(url: str) -> None:
+    """Remove the object at ``url`` (``s3://bucket/key``); nothing happens where there is none."""
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+
+    parsed = parse_url(url)
+    if parsed.is_prefix:
+        raise InvalidArgumentError(f"{parsed} names a prefix, not an object")
+    bucket_for(parsed).delete(parsed, settings.snapshot())
+
+
 def object_endpoint_name() -> str:
     """The object store endpoint the environment names now (``AWS_ENDPOINT_URL``, the profile's
     ``endpoint_url``, else ``aws:<region>``), as the ledger names it."""
@@ -309,7 +321,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "open_object_stream", "object_endpoint_name",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "delete_object", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,

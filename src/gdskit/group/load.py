@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gdskit.durable import open_file_fd
+from gdskit.engine import is_object_url, open_file
 from gdskit.errors import GroupError, from_os_error
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
@@ -125,9 +126,18 @@ def _fingerprint(job: LoadJob) -> bytes:
     here, where the layout digest cannot tell them apart. Neither the path nor the mtime is in
     it: a node-local copy of the file has its own of both and is the same checkpoint. Files that
     differ only between the samples are not told apart (docs/multigpu.md).
+
+    An object (``s3://``) is told by its size and ETag instead, from one HEAD: the store's own
+    name for its contents, under which every GET of the load is then made (a GET of a sample
+    costs a request's latency). A rank loading an object and one loading a file differ here.
     """
     digest = hashlib.sha256()
     for i, path in enumerate(job.files):
+        if is_object_url(path):
+            with open_file(path, "r") as obj:
+                digest.update(struct.pack("<QQ", i, obj.size))
+                digest.update(b"etag:" + str(obj.etag).encode())
+            continue
         fd, st = open_file_fd(path, os.O_RDONLY)
         try:
             mine = [(s.file_offset, s.nbytes) for s in sorted(job.segments, key=lambda s: s.file_offset)

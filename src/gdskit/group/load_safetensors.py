@@ -14,7 +14,7 @@ from typing import Any
 
 from gdskit.errors import with_path
 from gdskit.formats import require_torch, safetensors_format as fmt
-from gdskit.engine import stats, stats_delta
+from gdskit.engine import is_object_url, stats, stats_delta
 from gdskit.formats.progress import ProgressArg
 from gdskit.formats.torch_io import reserve_device_memory
 from gdskit.group.load import LoadJob, run_load
@@ -36,9 +36,14 @@ def _checkpoint(path_or_paths: Any) -> tuple[list[str], list[fmt.Header], dict[s
             where[e.name] = (i, e)
     if shards.weight_map is not None:
         for name, p in shards.weight_map.items():
-            if name not in where or os.path.abspath(files[where[name][0]]) != os.path.abspath(p):
+            if name not in where or _place(files[where[name][0]]) != _place(p):
                 raise fmt.FormatError(f"the index says {name!r} is in {p}, but it is not there", path=shards.index)
     return files, headers, where
+
+
+def _place(path: str) -> str:
+    """Where ``path`` is, to compare: an object URL as it is (os.path would fold its ``//``)."""
+    return path if is_object_url(path) else os.path.abspath(path)
 
 
 @dataclass(frozen=True)

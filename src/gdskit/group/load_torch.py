@@ -20,7 +20,7 @@ from typing import Any
 
 from gdskit.errors import FormatError, from_os_error
 from gdskit.formats import require_torch
-from gdskit.engine import stats, stats_delta
+from gdskit.engine import is_object_url, open_object_stream, stats, stats_delta
 from gdskit.formats.progress import ProgressArg
 from gdskit.formats.torch_zip import StorageRecords
 from gdskit.group.load import LoadJob, run_load
@@ -62,13 +62,19 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         target = pt.target(torch, map_location)
         if kind == "legacy" or target.eager:
             return local_load()
-        archive = StorageRecords.open(torch, path, archive_size, path)
+        # An object's zip directory and pickle are read through a stream of ranged GETs.
+        stream = open_object_stream(path) if is_object_url(path) else None
         try:
-            if archive.not_ours() is not None:  # TorchScript, or the other byte order: torch.load's
-                return local_load()
-            return archive_job(archive, target, archive_size)
+            archive = StorageRecords.open(torch, path if stream is None else stream, archive_size, path)
+            try:
+                if archive.not_ours() is not None:  # TorchScript, or the other byte order: torch.load's
+                    return local_load()
+                return archive_job(archive, target, archive_size)
+            finally:
+                archive.close()  # whatever an error's traceback keeps alive, the file is closed now
         finally:
-            archive.close()  # whatever an error's traceback keeps alive, the file is closed now
+            if stream is not None:
+                stream.close()
 
     def archive_job(archive: StorageRecords, target: Any, archive_size: int) -> LoadJob:
         slots: dict[str, tuple[Any, int, int, Any]] = {}  # key -> (typed storage, offset, nbytes, device)

@@ -50,6 +50,40 @@ class _Part:
     size: int
     buf_offset: int
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One ranged GET serving several host-memory parts: object bytes ``[start, end)``, the
+    parts (by offset) within it; the bytes between them are read and dropped."""
+
+    start: int
+    end: int
+    parts: tuple[_Part, ...]
+
+
+def coalesce(parts: list[_Part], max_span: int, max_gap: int) -> list[_Run]:
+    """Parts merged into runs, each one GET: taken by offset, a part joins the run before it
+    where it starts at most ``max_gap`` bytes past the run's end (overlapping it, or touching
+    it, included) and the run then spans at most ``max_span`` bytes."""
+    runs: list[_Run] = []
+    members: list[_Part] = []
+    start = end = 0
+    for part in sorted(parts, key=lambda p: (p.offset, p.end)):
+        if members and part.offset - end <= max_gap and max(end, part.end) - start <= max_span:
+            members.append(part)
+            end = max(end, part.end)
+            continue
+        if members:
+            runs.append(_Run(start, end, tuple(members)))
+        members, start, end = [part], part.offset, part.end
+    if members:
+        runs.append(_Run(start, end, tuple(members)))
+    return runs
+
 
 class ObjectFile:
     """An object opened for reads (mode ``"r"``) or written whole (mode ``"w"``).
@@ -342,14 +376,26 @@ class ObjectFile:
                  for i, ((_v, _s, off, bo), n) in enumerate(zip(items, counts)) for k in range(0, n, cfg.s3_part_size)]
         if not parts:
             return counts
+        # Parts into host memory that lie near each other share a GET (a batch's windows); a
+        # part into GPU memory is its own GET, through a pinned lane.
+        runs = coalesce([p for p in parts if not items[p.item][0].on_device], cfg.s3_part_size, cfg.s3_coalesce_gap)
+        jobs: list[_Run | _Part] = [*runs, *(p for p in parts if items[p.item][0].on_device)]
+
+        def work(job: _Run | _Part) -> None:
+            if isinstance(job, _Run):
+                self._read_run(items, job, cfg, on_bytes)
+            else:
+                self._read_part(items[job.item][0], job, cfg, on_bytes)
+
         t0 = time.perf_counter()
-        _run_parts(parts, lambda part: self._read_part(items[part.item][0], part, cfg, on_bytes), cfg.s3_concurrency)
+        _run_parts(jobs, work, cfg.s3_concurrency)
         elapsed = time.perf_counter() - t0
         total = sum(counts) or 1
         for reason in set(r for r in reasons if r is not None):
             chosen = [i for i, r in enumerate(reasons) if r is reason]
             nbytes = sum(counts[i] for i in chosen)
-            n_parts = sum(1 for p in parts if reasons[p.item] is reason)
+            n_parts = sum(1 for job in jobs
+                          if any(reasons[p.item] is reason for p in (job.parts if isinstance(job, _Run) else (job,))))
             devices = {items[i][0].device for i in chosen}
             ledger.record(Path.OBJECT, reason, "read", nbytes, n_parts, elapsed * nbytes / total,
                           device=devices.pop() if len(devices) == 1 else None, requests=len(chosen))
@@ -357,21 +403,77 @@ class ObjectFile:
 
     def _read_part(self, view: BufferView, part: _Part, cfg: Settings, on_bytes: Callable[[int], None] | None) -> None:
         etag = self._meta.etag if self._meta is not None else None
-        if not view.on_device:
-            assert view.host_view is not None
-            host = view.host_view
-
-            def land(pos: int, n: int) -> memoryview:
-                start = part.buf_offset + pos
-                return host[start:start + n]
-
-            def landed(pos: int, n: int) -> None:
-                if on_bytes is not None:
-                    on_bytes(n)
-
-            self._bucket.read_range(self.url, part.offset, part.size, etag, cfg, cfg.chunk_size, land, landed)
-            return
         _read_part_to_device(self._bucket, self.url, etag, view, part, cfg, on_bytes)
+
+    def _read_run(self, items: list[tuple[BufferView, int, int, int]], run: _Run, cfg: Settings,
+                  on_bytes: Callable[[int], None] | None) -> None:
+        """One GET of ``run`` straight into its parts' host memory (the bytes between them into a
+        scratch buffer of at most ``s3_coalesce_gap`` bytes); where parts overlap, the bytes
+        landed for the first are then copied to the others."""
+        etag = self._meta.etag if self._meta is not None else None
+        segments, copies = _landing(run)
+        scratch = memoryview(bytearray(min(cfg.chunk_size, max((n for _p, n, part, _b in segments if part is None),
+                                                                default=0))))
+        hosts = {p.item: items[p.item][0].host_view for p in run.parts}
+        at = [0]  # the segment being filled: GETs (and their resumptions) go forward
+
+        def land(pos: int, n: int) -> memoryview:
+            while segments[at[0]][0] + segments[at[0]][1] <= pos:
+                at[0] += 1
+            seg_pos, seg_len, part, buf_offset = segments[at[0]]
+            k = min(n, seg_pos + seg_len - pos)
+            if part is None:
+                return scratch[:k]
+            host = hosts[part.item]
+            assert host is not None
+            start = buf_offset + pos - seg_pos
+            return host[start:start + k]
+
+        def landed(pos: int, n: int) -> None:
+            if on_bytes is not None and segments[at[0]][2] is not None:
+                on_bytes(n)
+
+        self._bucket.read_range(self.url, run.start, run.end - run.start, etag, cfg, cfg.chunk_size, land, landed)
+        for part, buf_offset, pos, n in copies:
+            _copy_landed(segments, hosts, pos, n, hosts[part.item], buf_offset)
+            if on_bytes is not None:
+                on_bytes(n)
+
+
+#: Where a run's bytes land: ``(run position, length, part or None for bytes dropped, buffer offset)``.
+_Segment = tuple[int, int, "_Part | None", int]
+
+
+def _landing(run: _Run) -> tuple[list[_Segment], list[tuple[_Part, int, int, int]]]:
+    """The run's bytes, in order, as segments that cover it once; and the copies
+    ``(part, buffer offset, run position, length)`` that give a part the bytes it shares with
+    parts before it (they land once, in the first part's memory)."""
+    segments: list[_Segment] = []
+    copies: list[tuple[_Part, int, int, int]] = []
+    covered = run.start
+    for part in run.parts:
+        if part.offset > covered:
+            segments.append((covered - run.start, part.offset - covered, None, 0))
+        shared = min(part.end, covered) - part.offset
+        if shared > 0:
+            copies.append((part, part.buf_offset, part.offset - run.start, shared))
+        first = max(part.offset, covered)
+        if part.end > first:
+            segments.append((first - run.start, part.end - first, part, part.buf_offset + first - part.offset))
+        covered = max(covered, part.end)
+    return segments, copies
+
+
+def _copy_landed(segments: list[_Segment], hosts: dict[int, Any], pos: int, n: int, dest: memoryview,
+                 dest_offset: int) -> None:
+    """Run bytes ``[pos, pos + n)``, landed in earlier parts' memory, into ``dest`` at ``dest_offset``."""
+    for seg_pos, seg_len, part, buf_offset in segments:
+        lo, hi = max(pos, seg_pos), min(pos + n, seg_pos + seg_len)
+        if lo >= hi:
+            continue
+        assert part is not None, "shared bytes are always some part's"
+        src = hosts[part.item][buf_offset + lo - seg_pos:buf_offset + hi - seg_pos]
+        dest[dest_offset + lo - pos:dest_offset + hi - pos] = src
 
 
 def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view: BufferView, part: _Part,
@@ -429,15 +531,15 @@ def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view:
             pass
 
 
-def _run_parts(parts: list[_Part], work: Callable[[_Part], None], concurrency: int) -> None:
-    """``work(part)`` for every part, ``concurrency`` at once; after the first failure no part
-    starts, those under way finish, and that failure is raised."""
+def _run_parts(parts: list[Any], work: Callable[[Any], None], concurrency: int) -> None:
+    """``work(part)`` for every part (or run), ``concurrency`` at once; after the first failure
+    no part starts, those under way finish, and that failure is raised."""
     if len(parts) == 1:
         work(parts[0])
         return
     failed: list[BaseException] = []
 
-    def run(part: _Part) -> None:
+    def run(part: Any) -> None:
         if failed:
             return
         try:

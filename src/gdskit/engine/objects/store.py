@@ -117,8 +117,8 @@ class Bucket:
     def read_range(self, url: ObjectURL, start: int, size: int, etag: str | None, cfg: Settings, piece: int,
                    land: Callable[[int, int], memoryview], landed: Callable[[int, int], None]) -> None:
         """Object bytes ``[start, start + size)`` read under ``etag``, ``piece`` bytes at a time:
-        ``land(pos, n)`` gives the memory for range bytes ``[pos, pos + n)``, ``landed(pos, n)``
-        is told once they are there. A connection cut mid-body is retried from where it stopped
+        ``land(pos, n)`` gives the memory for range bytes ``[pos, pos + k)`` (``k``, its length,
+        from 1 to ``n``), ``landed(pos, k)`` is told once they are there. A connection cut mid-body is retried from where it stopped
         (the bytes already landed stay: the ETag guarantees they are the same object's).
         :class:`ObjectChangedError` where the object changed or is shorter than ``start + size``."""
         done = [0]
@@ -139,10 +139,11 @@ class Bucket:
             body = out["Body"]
             try:
                 while done[0] < size:
-                    n = min(piece, size - done[0])
-                    _fill(body, land(done[0], n))
-                    landed(done[0], n)
-                    done[0] += n
+                    view = land(done[0], min(piece, size - done[0]))
+                    assert 0 < view.nbytes <= size - done[0], "land() gives 1 to n bytes"
+                    _fill(body, view)
+                    landed(done[0], view.nbytes)
+                    done[0] += view.nbytes
             finally:
                 body.close()
 
@@ -190,6 +191,10 @@ class Bucket:
         self._call(url, cfg, "write", lambda: self.client.put_object(Bucket=self.bucket, Key=url.key,
                                                                      Body=bytes(data)))
         ledger.record_object(self.endpoint.name, "write", data.nbytes, 1, 0, time.perf_counter() - t0)
+
+    def delete(self, url: ObjectURL, cfg: Settings) -> None:
+        """Remove the object (nothing to do where there is none: S3 answers the same)."""
+        self._call(url, cfg, "write", lambda: self.client.delete_object(Bucket=self.bucket, Key=url.key))
 
     # -- retries and errors -----------------------------------------------
     def _call(self, url: ObjectURL, cfg: Settings, op: str, request: Callable[[], T]) -> T:
