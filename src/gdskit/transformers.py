@@ -17,8 +17,11 @@ import importlib
 import logging
 import os
 import re
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+from gdskit.engine import is_object_url, list_objects, open_file
 from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, MissingDependencyError
 from gdskit.formats import require_torch
 from gdskit.formats.into_plan import key_mismatch
@@ -68,8 +71,34 @@ def _dependencies() -> tuple[Any, Any]:
 _dependencies()  # at import, as every torch-facing module of gdskit fails without what it needs
 
 
+#: The files of a checkpoint that transformers reads itself (not the weights): copied from an object
+#: prefix into a private temporary directory for it.
+_CONFIG_FILES = ("config.json", "generation_config.json")
+#: The largest of those an object prefix may hold: a config is kilobytes.
+_MAX_CONFIG_BYTES = 16 << 20
+_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def _objects_under(prefix: str) -> dict[str, tuple[str, int]]:
+    """The objects directly under the URL ``prefix`` (a ``/`` is added), by name: (url, size)."""
+    prefix = prefix if prefix.endswith("/") else prefix + "/"
+    found = {}
+    for url, size in list_objects(prefix):
+        name = url[len(prefix):]
+        if "/" not in name:
+            found[name] = (url, size)
+    return found
+
+
 def _checkpoint_files(path: str) -> str:
-    """The safetensors weights of checkpoint directory ``path``: its index file, or its one file."""
+    """The safetensors weights of checkpoint directory (or object prefix) ``path``: its index
+    file, or its one file."""
+    if is_object_url(path):
+        objects = _objects_under(path)
+        for name in _WEIGHT_FILES:
+            if name in objects:
+                return objects[name][0]
+        raise FormatError(f"{path}: no model.safetensors or model.safetensors.index.json under this prefix")
     if not os.path.isdir(path):
         raise FormatError(f"{path}: not a checkpoint directory (with config.json and model.safetensors)")
     for name in ("model.safetensors.index.json", "model.safetensors"):
@@ -78,6 +107,34 @@ def _checkpoint_files(path: str) -> str:
             return full
     raise FormatError(f"{path}: no model.safetensors or model.safetensors.index.json (gdskit reads "
                       "safetensors checkpoints; save with save_pretrained(safe_serialization=True))")
+
+
+@contextlib.contextmanager
+def _config_directory(path: str) -> Iterator[str]:
+    """Where transformers reads the checkpoint's config from: ``path`` itself, or for an object
+    prefix a private temporary directory (made by ``mkdtemp``: mode 0700, a random name) holding
+    a copy of its config files, removed on exit."""
+    if not is_object_url(path):
+        yield path
+        return
+    objects = _objects_under(path)
+    if "config.json" not in objects:
+        raise FormatError(f"{path}: no config.json under this prefix (a save_pretrained directory holds one)")
+    with tempfile.TemporaryDirectory(prefix="gdskit-config-") as local:
+        for name in _CONFIG_FILES:
+            if name not in objects:
+                continue
+            url, size = objects[name]
+            if size > _MAX_CONFIG_BYTES:
+                raise FormatError(f"{url}: {size} bytes is not a config file (at most {_MAX_CONFIG_BYTES})")
+            data = bytearray(size)
+            with open_file(url) as f:
+                got = f.read(data, size, 0)
+            if got != size:
+                raise FormatError(f"{url}: {got} bytes read where the listing said {size}")
+            with open(os.path.join(local, name), "xb") as out:  # a new file in our own directory
+                out.write(data)
+        yield local
 
 
 def _model_class(transformers: Any, config: Any, model_class: Any) -> Any:
@@ -226,9 +283,10 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
 
     Parameters
     ----------
-    path : path
+    path : path or str
         A directory written by ``save_pretrained``: ``config.json`` and ``model.safetensors``
-        or shards with their ``model.safetensors.index.json``.
+        or shards with their ``model.safetensors.index.json``; or an object prefix holding the
+        same (``s3://bucket/models/llama/``, docs/object-storage.md).
     device : str, int or torch.device
         Where the model's tensors are made (``"cpu"`` works too).
     model_class : class, optional
@@ -268,7 +326,10 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     # A model class names its config class, as from_pretrained reads it (one Auto does not know of,
     # say); the Auto classes and the default go through AutoConfig.
     config_class = getattr(model_class, "config_class", None) if not hasattr(model_class, "_model_mapping") else None
-    config = (config_class or transformers.AutoConfig).from_pretrained(path)
+    with _config_directory(path) as config_dir:
+        config = (config_class or transformers.AutoConfig).from_pretrained(config_dir)
+        generation_config = (transformers.GenerationConfig.from_pretrained(config_dir)
+                             if os.path.isfile(os.path.join(config_dir, "generation_config.json")) else None)
     if getattr(config, "quantization_config", None) is not None:
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
     dtype = _resolve_dtype(torch, config, chosen, index)
@@ -315,8 +376,8 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     model.initialize_weights()
     model.tie_weights()
     model.eval()
-    if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    if model.can_generate() and generation_config is not None:
+        model.generation_config = generation_config
     return model
 
 
