@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 torch = pytest.importorskip("torch")
 
 import gdskit  # noqa: E402
-from gdskit.data import Loader, RecordDataset, TokenDataset  # noqa: E402
+from gdskit.data import Loader, NpyDataset, RecordDataset, TokenDataset  # noqa: E402
+from gdskit.data.errors import UnsupportedLayoutError  # noqa: E402
 from gdskit.data.read import FileCache, read_samples  # noqa: E402
 
 from object_server import moto_endpoint, s3  # noqa: E402, F401 - fixtures
@@ -125,6 +126,27 @@ def test_records_of_an_object_equal_the_local_file(s3, tmp_path):
     local = RecordDataset(str(tmp_path / "rec.bin"), record_bytes=4096)
     for i in (0, 5, 11):
         assert torch.equal(remote[i], local[i])
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_npy_objects_equal_the_local_files(s3, tmp_path, order):
+    """Rows of one .npy object, and whole arrays of a prefix of them, as the local files give."""
+    rng = np.random.default_rng(7)
+    arrays = [np.asarray(rng.standard_normal((9, 5)).astype(np.float32), order=order) for _ in range(3)]
+    for i, a in enumerate(arrays):
+        np.save(tmp_path / f"part{i}.npy", a)
+        s3.put(f"npy/part{i}.npy", (tmp_path / f"part{i}.npy").read_bytes())
+    if order == "C":
+        rows = NpyDataset(s3.url("npy/part0.npy"), rows=True)
+        assert len(rows) == 9 and all(torch.equal(rows[i], torch.from_numpy(arrays[0][i])) for i in range(9))
+    else:  # as for the local file: a Fortran-order array's rows are scattered
+        with pytest.raises(UnsupportedLayoutError):
+            NpyDataset(s3.url("npy/part0.npy"), rows=True)
+    whole = NpyDataset(s3.url("npy/"))
+    local = NpyDataset([str(tmp_path / f"part{i}.npy") for i in range(3)])
+    assert len(whole) == len(local) == 3
+    for i in range(3):
+        assert torch.equal(whole[i], local[i]) and torch.equal(whole[i], torch.from_numpy(np.ascontiguousarray(arrays[i])))
 
 
 def test_a_token_object_of_a_partial_token_is_refused(s3):

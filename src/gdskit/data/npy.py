@@ -27,6 +27,7 @@ import numpy as np
 
 from gdskit.data.errors import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
 from gdskit.durable import open_file_fd
+from gdskit.engine import is_object_url, open_file
 from gdskit.errors import from_os_error
 
 MAGIC = b"\x93NUMPY"
@@ -317,6 +318,8 @@ def read_header(path: str | os.PathLike[str], *, whole_file_ahead: int = 0) -> t
     file's array then comes in the same request as its header instead of in a second one.
     """
     name = os.fspath(path)
+    if is_object_url(name):
+        return _object_header(name)
     fd, st = open_file_fd(name, os.O_RDONLY)
     try:
         size = st.st_size
@@ -334,6 +337,19 @@ def read_header(path: str | os.PathLike[str], *, whole_file_ahead: int = 0) -> t
     finally:
         os.close(fd)
     return header_of(name, head), size
+
+
+#: The first bytes of an ``.npy`` object read for its header (one ranged GET; a header longer
+#: than this is refused by :func:`header_of` as it would be cut short).
+OBJECT_NPY_HEAD = 64 << 10
+
+
+def _object_header(url: str) -> tuple[NpyHeader, int]:
+    """:func:`read_header` of an object (``s3://...``): its first bytes in one ranged GET."""
+    with open_file(url) as obj:
+        size = obj.size
+        head = bytearray(min(OBJECT_NPY_HEAD, size))
+        return header_of(url, memoryview(head)[:obj.read(head)]), size
 
 
 def header_of(name: str, data: bytes | memoryview) -> NpyHeader:

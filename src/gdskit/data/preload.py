@@ -40,24 +40,10 @@ def _layout_and_offset(src: Source, whole_file_ahead: int = 0) -> tuple[Layout, 
         if 0 < src.size <= whole_file_ahead and not is_object_url(src.path):
             _read_ahead(src)
         return Layout(torch.uint8, (src.size,)), 0
-    if is_object_url(src.path):
-        h, size = _object_npy_header(src), src.size
-    else:
-        h, size = npy.read_header(src.path, whole_file_ahead=whole_file_ahead)
+    h, size = npy.read_header(src.path, whole_file_ahead=whole_file_ahead)  # an object's too
     if size < h.data_offset + h.nbytes:
         raise TruncatedFileError(f"{src.path}: {size} bytes, but its header describes {h.data_offset + h.nbytes}")
     return from_numpy(h.dtype, h.shape, h.fortran_order), h.data_offset
-
-
-#: The first bytes of an ``.npy`` object read for its header (one ranged GET; a header longer
-#: than this is refused by :func:`gdskit.data.npy.header_of` as it would be cut short).
-OBJECT_NPY_HEAD = 64 << 10
-
-
-def _object_npy_header(src: Source) -> npy.NpyHeader:
-    with open_file(src.path) as obj:
-        head = bytearray(min(OBJECT_NPY_HEAD, src.size))
-        return npy.header_of(src.path, memoryview(head)[:obj.read(head)])
 
 
 def _read_ahead(src: Source) -> None:
