@@ -247,13 +247,10 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     mode = verify_mode(verify)
     path_or_paths = filename
     if process_group is not None:
-        if mode.on:
-            raise InvalidArgumentError("verify= is not taken with process_group= yet: load, then check each rank's "
-                                       "tensors, or verify without a group")
         from gdskit.group.load_safetensors import OneRank, load_file as group_load_file  # noqa: PLC0415 - import time
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
                                progress=progress, return_stats=return_stats,
-                               st=OneRank(_device, _torch_type, _empty_tensor))
+                               st=OneRank(_device, _torch_type, _empty_tensor), verify=mode)
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats, mode)
 
