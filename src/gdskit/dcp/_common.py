@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gdskit.errors import GdskitError
 
 #: The stock layout's names (torch.distributed.checkpoint.filesystem).
@@ -29,3 +31,12 @@ class UnsupportedItemError(GdskitError, ValueError):
 def metadata_name(rank: int | None = None) -> str:
     """``.metadata``, or ``__{rank}.metadata`` for a save without rank coordination."""
     return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def item_name(index: Any) -> str:
+    """What the digest manifest calls one item (a ``MetadataIndex``): its fully qualified name,
+    and for a tensor the offsets of its chunk, ``"layer.weight@[0,0]"`` (the chunks of a sharded
+    tensor are items of their own)."""
+    if index.offset is None:
+        return str(index.fqn)
+    return f"{index.fqn}@[{','.join(str(int(o)) for o in index.offset)}]"
