@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError, InvalidArgumentError,
-                           UnsupportedBufferError, with_path)
+                           UnsupportedBufferError, UnverifiableRangeError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
@@ -721,10 +721,17 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
         ``"pt"`` (or ``"torch"``, ``"pytorch"``): gdskit makes torch tensors only.
     device : str, int or torch.device
         Where tensors go; bytes for a CUDA device go straight there.
+    verify : bool, str or path
+        Check each whole tensor read (``get_tensor``, ``get_tensors``, a slice that indexes all
+        of a tensor) against its BLAKE3 digest, as :func:`load_file` does: ``True`` (the file's
+        header, else a manifest beside it) or a manifest's path; ``NothingToVerifyError`` here
+        if nothing records digests of the file. A slice of part of a tensor cannot be checked
+        (the digest covers the whole tensor): indexing one raises ``UnverifiableRangeError``
+        before anything is read. ``"sha256:..."`` is refused (the whole file is never read).
     """
 
     def __init__(self, filename: str | os.PathLike[str], framework: str, device: Any = "cpu", *,
-                 backend: str = "mmap") -> None:
+                 backend: str = "mmap", verify: Any = False) -> None:
         torch = _torch()
         if framework not in _FRAMEWORKS:
             raise InvalidArgumentError(f"framework {framework!r} is not one gdskit.safetensors reads into "
@@ -734,6 +741,12 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
         self._path = os.fspath(filename)
         self._header: fmt.Header | None = fmt.read_header_file(self._path)
         self._by_name = {e.name: e for e in self._header.entries}
+        self._verify = verify_mode(verify)
+        if self._verify.kind == "sha256":
+            raise InvalidArgumentError("safe_open reads tensors one at a time, never the whole file at once: "
+                                       "verify takes True or a manifest's path")
+        self._expect = (expectations([self._path], self._verify, {self._path: self._header.metadata},
+                                     self._device)[self._path] if self._verify.on else None)
 
     def __enter__(self) -> safe_open:
         self._open_header()
@@ -777,7 +790,7 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, as :func:`load_file` reads them."""
         self._open_header()
-        return load_file(self._path, self._device)
+        return load_file(self._path, self._device, verify=self._verify.manifest or self._verify.on)
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle on tensor ``name`` that reads only the part indexed from it."""
@@ -818,7 +831,15 @@ class TensorSlice:
                 else torch.empty(0, dtype=dt, device="meta").reshape(shape))  # allocates nothing
         _index_torch(lambda: meta[items])  # torch's refusals, before a byte is read
         box, inside = _box(shape, items)
+        whole = all(b == (0, n) for b, n in zip(box, shape))
+        if owner._expect is not None and not whole:
+            raise UnverifiableRangeError(f"{owner._path}: tensor {entry.name!r}: its digest covers the whole tensor, "
+                                         "so part of it cannot be checked; read all of it (get_tensor) to verify, "
+                                         "or open the file without verify")
         data = _read_box(torch, owner._path, header, entry, dt, shape, box, owner._device)
+        if owner._expect is not None:
+            start = header.data_start + entry.start
+            check_loaded(owner._expect, [(entry.name, data)], {entry.name: (start, start + entry.nbytes)})
         part = _index_torch(lambda: data[inside])
         if part.data_ptr() == data.data_ptr() and part.nbytes == data.nbytes and part.is_contiguous():
             return part

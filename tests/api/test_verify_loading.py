@@ -100,7 +100,13 @@ _READERS = {
     "load_file": lambda p: gs.load_file(p, verify=True),
     "iter_tensors": lambda p: dict(gs.iter_tensors(p, device="cpu", verify=True)),
     "load_into": lambda p: gs.load_into({k: torch.zeros_like(v) for k, v in _tensors().items()}, p, verify=True),
+    "safe_open": lambda p: _every_tensor_through_safe_open(p),
 }
+
+
+def _every_tensor_through_safe_open(path: str) -> dict:
+    with gs.safe_open(path, framework="pt", verify=True) as f:
+        return {n: f.get_tensor(n) for n in f.keys()}
 
 
 @pytest.mark.parametrize("reader", sorted(_READERS))
@@ -133,6 +139,37 @@ def test_a_flipped_byte_is_caught_against_a_manifest(name, at, plain_with_manife
     assert info.value.tensor == name
     with pytest.raises(ChecksumMismatchError):
         gs.load_file(bad, verify=bad + ".gdskit-digest.json")  # the manifest named
+
+
+def test_safe_open_verified_equals_the_safetensors_library(signed, plain_with_manifest):
+    for path, verify in ((signed, True), (plain_with_manifest, True),
+                         (plain_with_manifest, plain_with_manifest + ".gdskit-digest.json")):
+        with gs.safe_open(path, framework="pt", verify=verify) as f, \
+                safetensors.safe_open(path, framework="pt") as ref:
+            for n in ref.keys():
+                assert torch.equal(f.get_tensor(n), ref.get_tensor(n))
+                assert torch.equal(f.get_slice(n)[...], ref.get_slice(n)[...])  # a slice of all of it is checked
+            assert _same(f.get_tensors(), {n: ref.get_tensor(n) for n in ref.keys()})
+
+
+def test_safe_open_refuses_a_slice_of_part_of_a_tensor_when_verifying(signed):
+    before = gdskit.stats().bytes_read
+    with gs.safe_open(signed, framework="pt", verify=True) as f:
+        for index in ((slice(0, 10),), (5,), (slice(None), slice(0, 3)), (slice(None, None, 2),)):
+            with pytest.raises(UnverifiableRangeError):
+                f.get_slice("emb")[index]
+    assert gdskit.stats().bytes_read == before  # refused before a byte is read
+    with gs.safe_open(signed, framework="pt") as f:  # without verify, slices read as ever
+        assert torch.equal(f.get_slice("emb")[0:10], _tensors()["emb"][0:10])
+
+
+def test_safe_open_with_nothing_to_verify_is_refused_at_open(tmp_path):
+    path = str(tmp_path / "bare.safetensors")
+    safetensors.torch.save_file({"a": torch.ones(3)}, path)
+    with pytest.raises(NothingToVerifyError):
+        gs.safe_open(path, framework="pt", verify=True)
+    with pytest.raises(InvalidArgumentError):
+        gs.safe_open(path, framework="pt", verify="sha256:" + "0" * 64)
 
 
 def test_a_file_changed_after_its_manifest_is_stale_not_corrupt(plain_with_manifest, tmp_path):
