@@ -450,3 +450,31 @@ def test_an_object_is_checked_against_its_header_digests(s3, tmp_path):
         gs.load_file(s3.url("plain.safetensors"), verify=True)
     with pytest.raises(InvalidArgumentError):
         gs.load_file(s3.url("plain.safetensors"), verify="sha256:" + "0" * 64)
+
+
+@pytest.fixture(scope="module")
+def several_batches(tmp_path_factory):
+    """A file whose host load is hashed in several batches (more than HOST_BATCH_BYTES of tensors)."""
+    from gdskit.formats.verified import HOST_BATCH_BYTES
+    g = torch.Generator().manual_seed(5)
+    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
+    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}  # 8 MiB each
+    tensors["small"] = torch.arange(10)
+    path = tmp_path_factory.mktemp("batches") / "model.safetensors"
+    gs.save_file(tensors, path, digests=True)
+    return str(path), tensors
+
+
+@pytest.mark.parametrize("which", ["t00", "middle", "last", "small"])
+def test_a_load_hashed_batch_by_batch_catches_a_flip_in_any_batch(several_batches, which, tmp_path):
+    path, tensors = several_batches
+    names = sorted(n for n in tensors if n != "small")
+    name = {"middle": names[len(names) // 2], "last": names[-1]}.get(which, which)
+    before = gdskit.stats().verified.bytes
+    assert _same(gs.load_file(path, verify=True), tensors)
+    assert gdskit.stats().verified.bytes - before == sum(t.nbytes for t in tensors.values())
+    bad = str(tmp_path / "bad.safetensors")
+    _flipped_copy(path, bad, name, 12345, keep_mtime=False)
+    with pytest.raises(ChecksumMismatchError) as info:
+        gs.load_file(bad, verify=True)
+    assert info.value.tensor == name
