@@ -6,6 +6,11 @@ tensors, its first-use compile time, peak GPU memory, and ``gdskit digest``'s ra
 and on the GPU (``--device 0``).
 
     python benchmarks/verify_load.py --dir /tmp/vl --gib 4 --rounds 3 [--out result.json]
+
+``--device cpu``: the same loads into host memory (128 x 8 MiB float32 tensors per GiB, hashed
+on the CPU), no kernel or ``gdskit digest`` figures; runs on a machine without a GPU.
+
+    python benchmarks/verify_load.py --device cpu --gib 1 --rounds 5
 """
 
 from __future__ import annotations
@@ -21,6 +26,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fresh_process import report, run_child  # noqa: E402
 
 TENSOR_BYTES = 32 << 20
+CPU_TENSOR_BYTES = 8 << 20
+
+
+def make_cpu_file(path: str, gib: int) -> None:
+    import torch
+
+    import gdskit.safetensors as gs
+
+    n = (gib << 30) // CPU_TENSOR_BYTES
+    g = torch.Generator().manual_seed(0)
+    gs.save_file({f"layer.{i}.weight": torch.randn(CPU_TENSOR_BYTES // 4, generator=g) for i in range(n)}, path,
+                 digests=True)
+
+
+def cpu_child(path: str, verify: bool) -> None:
+    import gdskit
+    import gdskit.safetensors as gs
+
+    size = os.path.getsize(path)
+    out: dict = {"verify": verify}
+    for call in ("first", "second"):
+        t0 = time.perf_counter()
+        tensors = gs.load_file(path, device="cpu", verify=verify)
+        out[f"{call}_s"] = time.perf_counter() - t0
+        out[f"{call}_gbps"] = size / out[f"{call}_s"] / 1e9
+        del tensors
+    out["verified"] = gdskit.stats().verified.to_dict()
+    report(out)
 
 
 def make_file(path: str, gib: int) -> None:
@@ -77,16 +110,49 @@ def child(path: str, verify: bool) -> None:
     report(out)
 
 
+def cpu_main(args: argparse.Namespace) -> None:
+    """Host-memory loads, verify False and True interleaved, each in a fresh process."""
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, f"model-cpu-{args.gib}g.safetensors")
+    if not os.path.exists(path):
+        make_cpu_file(path, args.gib)
+    warm(path)
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        for verify in ((False, True) if r % 2 == 0 else (True, False)):
+            res = run_child(__file__, ["--device", "cpu", "--child", path, "1" if verify else "0"], timeout=300)
+            print(json.dumps(res), flush=True)
+            runs.append(res)
+    summary: dict = {"device": "cpu", "file_bytes": os.path.getsize(path), "rounds": args.rounds,
+                     "cpus": os.cpu_count()}
+    for verify in (False, True):
+        mine = [r for r in runs if r.get("verify") is verify and "error" not in r]
+        for key in ("first_s", "second_s", "first_gbps", "second_gbps"):
+            if mine:
+                vals = [r[key] for r in mine]
+                name = f"{'verified' if verify else 'plain'}_{key}"
+                summary[name + "_median"] = round(statistics.median(vals), 3)
+                summary[name + "_range"] = [round(min(vals), 3), round(max(vals), 3)]
+    print("SUMMARY " + json.dumps(summary, indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"summary": summary, "runs": runs}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/gdskit-verify-bench")
     ap.add_argument("--gib", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--child", nargs=2)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.child[1] == "1")
+        (cpu_child if args.device == "cpu" else child)(args.child[0], args.child[1] == "1")
+        return
+    if args.device == "cpu":
+        cpu_main(args)
         return
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"model-{args.gib}g.safetensors")

@@ -24,13 +24,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError, InvalidArgumentError,
-                           UnsupportedBufferError, with_path)
+                           UnsupportedBufferError, UnverifiableRangeError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.verified import Sha256Check, check_loaded, expectations, tensor_digests, verify_mode
+from gdskit.formats.verified import (HostChecks, Sha256Check, batches, check_loaded, expectations, tensor_digests,
+                                    verify_mode)
 from gdskit.verify import HEADER_KEY, OFF, VerifyMode
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
@@ -247,13 +248,10 @@ def load_file(filename: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     mode = verify_mode(verify)
     path_or_paths = filename
     if process_group is not None:
-        if mode.on:
-            raise InvalidArgumentError("verify= is not taken with process_group= yet: load, then check each rank's "
-                                       "tensors, or verify without a group")
         from gdskit.group.load_safetensors import OneRank, load_file as group_load_file  # noqa: PLC0415 - import time
         return group_load_file(path_or_paths, device, process_group=process_group, keys=keys,
                                progress=progress, return_stats=return_stats,
-                               st=OneRank(_device, _torch_type, _empty_tensor))
+                               st=OneRank(_device, _torch_type, _empty_tensor), verify=mode)
     with collector_paused():
         return _load_file(path_or_paths, device, keys, progress, return_stats, mode)
 
@@ -308,25 +306,32 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    with Progress(total, progress, "loading") as prog:
+    with Progress(total, progress, "loading") as prog, HostChecks() as host_checks:
         for p, h in headers:
             entries = by_file.get(p)
             if not entries:
                 continue
-            plan = read_plan.plan(fmt.extents(h, entries), small=SMALL_TENSOR_BYTES,
-                                  max_group=MAX_GROUP_BYTES, max_gap=0)
+            spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
+            # Host tensors are hashed batch by batch as they land, while the next batch is read.
+            overlap = p in expect and dev.type == "cpu"
+            runs = batches(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes) if overlap else [entries]
             with open_file(p, "r") as f:
                 if f.size != h.file_size:
                     raise TruncatedFileError(f"changed size after its header was read "
                                              f"({h.file_size} -> {f.size} bytes)", path=p)
-                try:
-                    landed = execute(f, plan, dev, alloc=alloc, progress=prog)
-                except fmt.FormatError as exc:
-                    raise with_path(exc, p) from None
-            if p in expect:
-                check_loaded(expect[p], [(e.name, landed[e.name]) for e in entries],
-                             {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries})
-            raw.update(landed)
+                for run in runs:
+                    plan = read_plan.plan(fmt.extents(h, run), small=SMALL_TENSOR_BYTES,
+                                          max_group=MAX_GROUP_BYTES, max_gap=0)
+                    try:
+                        landed = execute(f, plan, dev, alloc=alloc, progress=prog)
+                    except fmt.FormatError as exc:
+                        raise with_path(exc, p) from None
+                    if overlap:
+                        host_checks.submit(expect[p], [(e.name, landed[e.name]) for e in run], spans)
+                    raw.update(landed)
+            if p in expect and not overlap:
+                check_loaded(expect[p], [(e.name, raw[e.name]) for e in entries], spans)
+        host_checks.finish()
     for n, t in empty.items():
         p = where[n][0]
         if p in expect:
@@ -724,10 +729,17 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
         ``"pt"`` (or ``"torch"``, ``"pytorch"``): gdskit makes torch tensors only.
     device : str, int or torch.device
         Where tensors go; bytes for a CUDA device go straight there.
+    verify : bool, str or path
+        Check each whole tensor read (``get_tensor``, ``get_tensors``, a slice that indexes all
+        of a tensor) against its BLAKE3 digest, as :func:`load_file` does: ``True`` (the file's
+        header, else a manifest beside it) or a manifest's path; ``NothingToVerifyError`` here
+        if nothing records digests of the file. A slice of part of a tensor cannot be checked
+        (the digest covers the whole tensor): indexing one raises ``UnverifiableRangeError``
+        before anything is read. ``"sha256:..."`` is refused (the whole file is never read).
     """
 
     def __init__(self, filename: str | os.PathLike[str], framework: str, device: Any = "cpu", *,
-                 backend: str = "mmap") -> None:
+                 backend: str = "mmap", verify: Any = False) -> None:
         torch = _torch()
         if framework not in _FRAMEWORKS:
             raise InvalidArgumentError(f"framework {framework!r} is not one gdskit.safetensors reads into "
@@ -737,6 +749,12 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
         self._path = os.fspath(filename)
         self._header: fmt.Header | None = fmt.read_header_file(self._path)
         self._by_name = {e.name: e for e in self._header.entries}
+        self._verify = verify_mode(verify)
+        if self._verify.kind == "sha256":
+            raise InvalidArgumentError("safe_open reads tensors one at a time, never the whole file at once: "
+                                       "verify takes True or a manifest's path")
+        self._expect = (expectations([self._path], self._verify, {self._path: self._header.metadata},
+                                     self._device)[self._path] if self._verify.on else None)
 
     def __enter__(self) -> safe_open:
         self._open_header()
@@ -780,7 +798,7 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, as :func:`load_file` reads them."""
         self._open_header()
-        return load_file(self._path, self._device)
+        return load_file(self._path, self._device, verify=self._verify.manifest or self._verify.on)
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle on tensor ``name`` that reads only the part indexed from it."""
@@ -821,7 +839,15 @@ class TensorSlice:
                 else torch.empty(0, dtype=dt, device="meta").reshape(shape))  # allocates nothing
         _index_torch(lambda: meta[items])  # torch's refusals, before a byte is read
         box, inside = _box(shape, items)
+        whole = all(b == (0, n) for b, n in zip(box, shape))
+        if owner._expect is not None and not whole:
+            raise UnverifiableRangeError(f"{owner._path}: tensor {entry.name!r}: its digest covers the whole tensor, "
+                                         "so part of it cannot be checked; read all of it (get_tensor) to verify, "
+                                         "or open the file without verify")
         data = _read_box(torch, owner._path, header, entry, dt, shape, box, owner._device)
+        if owner._expect is not None:
+            start = header.data_start + entry.start
+            check_loaded(owner._expect, [(entry.name, data)], {entry.name: (start, start + entry.nbytes)})
         part = _index_torch(lambda: data[inside])
         if part.data_ptr() == data.data_ptr() and part.nbytes == data.nbytes and part.is_contiguous():
             return part

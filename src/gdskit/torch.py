@@ -315,16 +315,17 @@ def load(f: str | os.PathLike[str] | BinaryIO, map_location: MapLocation = None,
     """
     weights_only = resolve_weights_only(weights_only)
     mode = verify_mode(verify)
-    if mode.on and (not _is_path(f) or process_group is not None):
-        raise InvalidArgumentError("verify= checks a checkpoint given by its path, without process_group")
-    if mode.on:
-        return _verified_load(f, mode, map_location, weights_only, mmap, progress, return_stats)
+    if mode.on and not _is_path(f):
+        raise InvalidArgumentError("verify= checks a checkpoint given by its path")
     if process_group is not None:
         if not _is_path(f):
             raise InvalidArgumentError("load(process_group=...) reads a checkpoint by its path, not a file object")
         from gdskit.group.load_torch import OneRank, load as group_load  # noqa: PLC0415 - import time
         return group_load(f, map_location, weights_only, process_group=process_group, progress=progress,
-                          return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of))
+                          return_stats=return_stats, pt=OneRank(load, _file_kind, _Target, _unpickle, _bytes_of),
+                          verify=mode)
+    if mode.on:
+        return _verified_load(f, mode, map_location, weights_only, mmap, progress, return_stats)
     with collector_paused():
         return _load(f, map_location, weights_only, mmap, progress, return_stats)
 

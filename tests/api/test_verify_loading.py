@@ -100,7 +100,13 @@ _READERS = {
     "load_file": lambda p: gs.load_file(p, verify=True),
     "iter_tensors": lambda p: dict(gs.iter_tensors(p, device="cpu", verify=True)),
     "load_into": lambda p: gs.load_into({k: torch.zeros_like(v) for k, v in _tensors().items()}, p, verify=True),
+    "safe_open": lambda p: _every_tensor_through_safe_open(p),
 }
+
+
+def _every_tensor_through_safe_open(path: str) -> dict:
+    with gs.safe_open(path, framework="pt", verify=True) as f:
+        return {n: f.get_tensor(n) for n in f.keys()}
 
 
 @pytest.mark.parametrize("reader", sorted(_READERS))
@@ -133,6 +139,37 @@ def test_a_flipped_byte_is_caught_against_a_manifest(name, at, plain_with_manife
     assert info.value.tensor == name
     with pytest.raises(ChecksumMismatchError):
         gs.load_file(bad, verify=bad + ".gdskit-digest.json")  # the manifest named
+
+
+def test_safe_open_verified_equals_the_safetensors_library(signed, plain_with_manifest):
+    for path, verify in ((signed, True), (plain_with_manifest, True),
+                         (plain_with_manifest, plain_with_manifest + ".gdskit-digest.json")):
+        with gs.safe_open(path, framework="pt", verify=verify) as f, \
+                safetensors.safe_open(path, framework="pt") as ref:
+            for n in ref.keys():
+                assert torch.equal(f.get_tensor(n), ref.get_tensor(n))
+                assert torch.equal(f.get_slice(n)[...], ref.get_slice(n)[...])  # a slice of all of it is checked
+            assert _same(f.get_tensors(), {n: ref.get_tensor(n) for n in ref.keys()})
+
+
+def test_safe_open_refuses_a_slice_of_part_of_a_tensor_when_verifying(signed):
+    before = gdskit.stats().bytes_read
+    with gs.safe_open(signed, framework="pt", verify=True) as f:
+        for index in ((slice(0, 10),), (5,), (slice(None), slice(0, 3)), (slice(None, None, 2),)):
+            with pytest.raises(UnverifiableRangeError):
+                f.get_slice("emb")[index]
+    assert gdskit.stats().bytes_read == before  # refused before a byte is read
+    with gs.safe_open(signed, framework="pt") as f:  # without verify, slices read as ever
+        assert torch.equal(f.get_slice("emb")[0:10], _tensors()["emb"][0:10])
+
+
+def test_safe_open_with_nothing_to_verify_is_refused_at_open(tmp_path):
+    path = str(tmp_path / "bare.safetensors")
+    safetensors.torch.save_file({"a": torch.ones(3)}, path)
+    with pytest.raises(NothingToVerifyError):
+        gs.safe_open(path, framework="pt", verify=True)
+    with pytest.raises(InvalidArgumentError):
+        gs.safe_open(path, framework="pt", verify="sha256:" + "0" * 64)
 
 
 def test_a_file_changed_after_its_manifest_is_stale_not_corrupt(plain_with_manifest, tmp_path):
@@ -413,3 +450,31 @@ def test_an_object_is_checked_against_its_header_digests(s3, tmp_path):
         gs.load_file(s3.url("plain.safetensors"), verify=True)
     with pytest.raises(InvalidArgumentError):
         gs.load_file(s3.url("plain.safetensors"), verify="sha256:" + "0" * 64)
+
+
+@pytest.fixture(scope="module")
+def several_batches(tmp_path_factory):
+    """A file whose host load is hashed in several batches (more than HOST_BATCH_BYTES of tensors)."""
+    from gdskit.formats.verified import HOST_BATCH_BYTES
+    g = torch.Generator().manual_seed(5)
+    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
+    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}  # 8 MiB each
+    tensors["small"] = torch.arange(10)
+    path = tmp_path_factory.mktemp("batches") / "model.safetensors"
+    gs.save_file(tensors, path, digests=True)
+    return str(path), tensors
+
+
+@pytest.mark.parametrize("which", ["t00", "middle", "last", "small"])
+def test_a_load_hashed_batch_by_batch_catches_a_flip_in_any_batch(several_batches, which, tmp_path):
+    path, tensors = several_batches
+    names = sorted(n for n in tensors if n != "small")
+    name = {"middle": names[len(names) // 2], "last": names[-1]}.get(which, which)
+    before = gdskit.stats().verified.bytes
+    assert _same(gs.load_file(path, verify=True), tensors)
+    assert gdskit.stats().verified.bytes - before == sum(t.nbytes for t in tensors.values())
+    bad = str(tmp_path / "bad.safetensors")
+    _flipped_copy(path, bad, name, 12345, keep_mtime=False)
+    with pytest.raises(ChecksumMismatchError) as info:
+        gs.load_file(bad, verify=True)
+    assert info.value.tensor == name

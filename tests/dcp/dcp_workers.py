@@ -136,6 +136,9 @@ class Rank:
         self.check("save_gdskit", lambda: self.save(gdskit.dcp.StorageWriter(self.path("g2"))))
         self.check("load_gdskit", lambda: self.load_and_compare(gdskit.dcp.StorageReader(self.path("g2"))))
         self.check("gdskit_to_stock", lambda: self.load_and_compare(FileSystemReader(self.path("g2"))))
+        self.check("save_digests", lambda: self.save(gdskit.dcp.StorageWriter(self.path("d2"), digests=True)))
+        self.check("load_verified", lambda: self.load_and_compare(gdskit.dcp.StorageReader(self.path("d2"),
+                                                                                             verify=True)))
         self.check("save_stock", lambda: self.save(self.stock_writer("s2")))
         self.check("stock_to_gdskit", lambda: self.load_and_compare(gdskit.dcp.StorageReader(self.path("s2"))))
 
@@ -194,13 +197,18 @@ class Rank:
             gdskit.dcp.StorageReader(self.path("g2")), local=False))
         self.check("reshard_2_4_stock_written", lambda: self.load_and_compare(
             gdskit.dcp.StorageReader(self.path("s2")), local=False))
+        self.check("reshard_2_4_verified", lambda: self.load_and_compare(
+            gdskit.dcp.StorageReader(self.path("d2"), verify=True), local=False))
         self.check("save_gdskit_4", lambda: self.save(gdskit.dcp.StorageWriter(self.path("g4"))))
+        self.check("save_digests_4", lambda: self.save(gdskit.dcp.StorageWriter(self.path("d4"), digests=True)))
         self.check("save_stock_4", lambda: self.save(self.stock_writer("s4")))
 
     def phase_narrow(self) -> None:
         """World 2 again: load the 4-rank checkpoints (4 -> 2)."""
         self.check("reshard_4_2_gdskit", lambda: self.load_and_compare(
             gdskit.dcp.StorageReader(self.path("g4")), local=False))
+        self.check("reshard_4_2_verified", lambda: self.load_and_compare(
+            gdskit.dcp.StorageReader(self.path("d4"), verify=True), local=False))
         self.check("reshard_4_2_gdskit_to_stock", lambda: self.load_and_compare(
             FileSystemReader(self.path("g4")), local=False))
         self.check("reshard_4_2_stock_to_gdskit", lambda: self.load_and_compare(

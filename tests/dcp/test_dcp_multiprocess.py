@@ -43,7 +43,7 @@ def _assert_all_ranks(report: dict[int, Any], check: str, world: int) -> None:
         assert checks[check]["ok"], f"rank {rank}, {check}: {checks[check]['detail']}"
 
 
-@pytest.mark.parametrize("check", ["save_gdskit", "load_gdskit", "async_save"])
+@pytest.mark.parametrize("check", ["save_gdskit", "load_gdskit", "async_save", "save_digests", "load_verified"])
 def test_save_load_two_ranks(worlds: dict[str, Any], check: str) -> None:
     _assert_all_ranks(worlds["first"], check, 2)
 
@@ -59,12 +59,14 @@ def test_rank_failing_in_write_data(worlds: dict[str, Any], check: str) -> None:
     _assert_all_ranks(worlds["first"], check, 2)
 
 
-@pytest.mark.parametrize("check", ["reshard_2_4_gdskit", "reshard_2_4_stock_written", "save_gdskit_4", "save_stock_4"])
+@pytest.mark.parametrize("check", ["reshard_2_4_gdskit", "reshard_2_4_stock_written", "reshard_2_4_verified",
+                                   "save_gdskit_4", "save_stock_4", "save_digests_4"])
 def test_reshard_two_to_four(worlds: dict[str, Any], check: str) -> None:
     _assert_all_ranks(worlds["wide"], check, 4)
 
 
-@pytest.mark.parametrize("check", ["reshard_4_2_gdskit", "reshard_4_2_gdskit_to_stock", "reshard_4_2_stock_to_gdskit"])
+@pytest.mark.parametrize("check", ["reshard_4_2_gdskit", "reshard_4_2_verified", "reshard_4_2_gdskit_to_stock",
+                                   "reshard_4_2_stock_to_gdskit"])
 def test_reshard_four_to_two(worlds: dict[str, Any], check: str) -> None:
     _assert_all_ranks(worlds["narrow"], check, 2)
 
@@ -89,3 +91,15 @@ def test_layout_on_disk(worlds: dict[str, Any]) -> None:
                                    blob[:4096], blob[-8192:], "t")
         assert saved.record_offset % 4096 == 0
         assert saved.record_nbytes == 256 * 1024 * 4
+
+
+def test_digests_of_every_rank_file_in_one_manifest(worlds: dict[str, Any]) -> None:
+    """The coordinator writes one manifest listing each rank's file, its items and their digests."""
+    from gdskit.verify import DIRECTORY_MANIFEST, read_manifest
+    ckpt = Path(worlds["_dir"]) / "ckpt"
+    for name, world in (("d2", 2), ("d4", 4)):
+        assert sorted(p.name for p in (ckpt / name).iterdir()) == (
+            [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + [DIRECTORY_MANIFEST])
+        manifest = read_manifest(ckpt / name / DIRECTORY_MANIFEST)
+        assert sorted(manifest.files) == [f"__{r}_0.distcp" for r in range(world)]
+        assert all(f.tensors for f in manifest.files.values())

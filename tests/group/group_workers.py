@@ -62,7 +62,8 @@ def ledger_facts(stats: gdskit.Stats) -> dict[str, Any]:
 def raised(exc: BaseException) -> dict[str, Any]:
     path = getattr(exc, "path", None)
     return {"raised": [c.__name__ for c in type(exc).__mro__], "ranks": list(getattr(exc, "ranks", ())),
-            "path": None if path is None else os.path.basename(path), "message": str(exc)[:500]}
+            "path": None if path is None else os.path.basename(path), "message": str(exc)[:500],
+            **{k: getattr(exc, k) for k in ("tensor", "expected", "actual") if hasattr(exc, k)}}
 
 
 class Rank:
@@ -188,6 +189,73 @@ class Rank:
         return self.expect_failure(lambda: gdskit.safetensors.load_file(
             self.manifest["objects"][key], self.device, process_group=self.pg))
 
+    # -- verify= (tests/group/test_group_verify.py) ----------------------------------------------
+    def load_verified(self, name: str, keys: list[str] | None = None) -> dict[str, Any]:
+        """A group load with verify=True; its tensors against the plain group load's and safetensors'."""
+        path = self.path(name)
+        with gdskit.group.options(window=WINDOW, piece=PIECE, timeout=30):
+            got, stats = gdskit.safetensors.load_file(path, self.device, process_group=self.pg, keys=keys,
+                                                      return_stats=True, verify=True)
+            plain = gdskit.safetensors.load_file(path, self.device, process_group=self.pg, keys=keys)
+        want = self.reference(path)
+        if keys is not None:
+            want = {k: want[k] for k in keys}
+        held = sum(t.numel() * t.element_size() for t in got.values())
+        return {"differs": same({k: v.cpu() for k, v in got.items()}, want),
+                "differs_from_plain": same({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in plain.items()}),
+                "held": held, "verified": stats.verified.bytes, **ledger_facts(stats)}
+
+    def verified(self) -> dict[str, Any]:
+        return self.load_verified("digested.safetensors")
+
+    def verified_keys(self) -> dict[str, Any]:
+        names = self.manifest["digested_names"]
+        return self.load_verified("digested.safetensors", keys=[n for i, n in enumerate(names) if i % self.world == self.rank])
+
+    def verified_sharded(self) -> dict[str, Any]:
+        """A sharded checkpoint checked against the manifest in its directory."""
+        return self.load_verified("digested_sharded/model.safetensors.index.json")
+
+    def flipped(self) -> dict[str, Any]:
+        """Every rank loads a file with one byte flipped in the data of a tensor every rank wants."""
+        return self.expect_failure(lambda: self.load_verified("flipped.safetensors"))
+
+    def flipped_where_only_rank_zero_looks(self) -> dict[str, Any]:
+        """The flipped byte lies in a tensor only rank 0 loads: the other ranks raise all the same."""
+        flipped = self.manifest["flipped_tensor"]
+        names = self.manifest["digested_names"]
+        keys = names if self.rank == 0 else [n for n in names if n != flipped]
+        return self.expect_failure(lambda: self.load_verified("flipped.safetensors", keys=keys))
+
+    def torch_verified(self) -> dict[str, Any]:
+        """gdskit.torch.load with verify=True against the manifest in the archive's directory."""
+        path = self.path("torch_digested/ckpt.pt")
+        with gdskit.group.options(window=WINDOW, piece=PIECE, timeout=30):
+            got, stats = gdskit.torch.load(path, map_location=self.device, process_group=self.pg, return_stats=True,
+                                           verify=True)
+        want = torch.load(path, map_location="cpu", weights_only=True)
+        differs = same({k: v.cpu() for k, v in got.items() if isinstance(v, torch.Tensor)},
+                       {k: v for k, v in want.items() if isinstance(v, torch.Tensor)})
+        return {"differs": differs, "step": got["step"], "verified": stats.verified.bytes, **ledger_facts(stats)}
+
+    def torch_flipped(self) -> dict[str, Any]:
+        def load() -> None:
+            with gdskit.group.options(window=WINDOW, piece=PIECE, timeout=30):
+                gdskit.torch.load(self.path("torch_flipped/ckpt.pt"), map_location=self.device, process_group=self.pg,
+                                  verify=True)
+        return self.expect_failure(load)
+
+    def nothing_to_verify(self) -> dict[str, Any]:
+        return self.expect_failure(lambda: self.load_verified("replicated.safetensors"))
+
+    def verify_on_rank_zero_only(self) -> dict[str, Any]:
+        """Ranks that do not all verify are refused before anything is read (they would not meet at the check)."""
+        def load() -> None:
+            with gdskit.group.options(window=WINDOW, piece=PIECE, timeout=30):
+                gdskit.safetensors.load_file(self.path("digested.safetensors"), self.device, process_group=self.pg,
+                                             verify=self.rank == 0)
+        return self.expect_failure(load)
+
     # -- loads that fail ------------------------------------------------------------------------
     def bad_file_on_last_rank(self) -> dict[str, Any]:
         name = "garbage.safetensors" if self.rank == self.world - 1 else "replicated.safetensors"
@@ -273,6 +341,9 @@ WORLDS: dict[str, list[str]] = {
     "one": ["replicated", "keys", "torch_load"],
     # s3:// objects of moto's server (tests/group/test_group_objects.py).
     "objects": ["object_replicated", "object_sharded", "object_torch", "object_other_values_on_rank_one"],
+    "verify": ["verified", "verified_keys", "verified_sharded", "flipped", "flipped_where_only_rank_zero_looks",
+               "torch_verified", "torch_flipped", "nothing_to_verify", "verify_on_rank_zero_only",
+               "verified_after_failures"],
     # GPU memory, every rank on the GPU its rank picks (tests/group/test_group_gpu.py).
     "gpu": ["replicated", "sharded", "keys", "torch_load", "bad_file_on_last_rank", "replicated_after_failures"],
 }
@@ -290,7 +361,7 @@ def main() -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     r = Rank(name, rank, world, workdir, device)
     for scenario in WORLDS[name]:
-        fn = getattr(r, "replicated" if scenario == "replicated_after_failures" else scenario)
+        fn = getattr(r, scenario.replace("_after_failures", ""))
         r.check(scenario, fn)
     sys.stdout.flush()
     sys.stderr.flush()

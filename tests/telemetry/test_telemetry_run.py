@@ -295,3 +295,35 @@ def test_cli_forwards_ctrl_c_to_the_workload(files, stats_dir):
             runner.wait()
     assert runner.returncode == 128 + signal.SIGINT, err
     assert "ended by signal 2" in err and "everything went through posix" in err
+
+
+VERIFIED_READER = textwrap.dedent("""
+    import sys
+    import gdskit.safetensors as gs
+
+    gs.load_file(sys.argv[1], verify=True)
+""")
+
+
+def test_gdskit_run_shows_the_workloads_verified_bytes(files, stats_dir, tmp_path):
+    torch = pytest.importorskip("torch")
+    import gdskit.safetensors as gs
+
+    tensors = {"a": torch.randn(1000, 100), "b": torch.arange(77)}
+    path = tmp_path / "model.safetensors"
+    gs.save_file(tensors, path, digests=True)
+    reader = tmp_path / "verified_reader.py"
+    reader.write_text(VERIFIED_READER)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    p = _gdskit_run(files, "--json", "--", sys.executable, str(reader), str(path))
+    assert p.returncode == 0, p.stderr
+    verified = json.loads(p.stdout)["stats"]["verified"]
+    assert verified["bytes"] == nbytes and verified["checks"] == 2 and verified["gpu_bytes"] == 0
+    p = _gdskit_run(files, "--", sys.executable, str(reader), str(path))
+    assert p.returncode == 0, p.stderr
+    line = next((ln for ln in p.stderr.splitlines() if ln.startswith("verified:")), None)
+    assert line is not None, p.stderr
+    from gdskit.telemetry.render import human_bytes
+    assert line.startswith(f"verified: {human_bytes(nbytes)} ")  # the bytes, shown as the other figures are
+    plain = _gdskit_run(files, "--", sys.executable, files["reader"], files["data"], str(1 << 20))
+    assert plain.returncode == 0 and not any(ln.startswith("verified:") for ln in plain.stderr.splitlines())

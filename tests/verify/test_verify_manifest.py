@@ -44,7 +44,7 @@ def test_written_manifests_replace_only_manifests(tmp_path):
 @settings(max_examples=80, deadline=None)
 def test_every_truncation_is_a_manifest_error(cut):
     text = _good().to_json().encode()
-    if cut >= len(text):
+    if cut >= len(text.rstrip()):  # only the closing newline gone: still the whole document
         return
     with pytest.raises(ManifestError):
         parse_manifest(text[:cut])

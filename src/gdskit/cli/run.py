@@ -97,6 +97,7 @@ def render(report: Any) -> None:
         paths_table,
         reasons_table,
         verdict_text,
+        verified_text,
     )  # noqa: PLC0415 - import time
 
     console = Console(stderr=True)
@@ -109,6 +110,8 @@ def render(report: Any) -> None:
     if report.stats.entries:
         console.print(paths_table(report.stats, title="Path split"))
         console.print(reasons_table(report.stats))
+    if report.stats.verified.checks:  # the workload's loads were checked against their digests
+        console.print(verified_text(report.stats))
     if report.cufile_counters:
         c = report.cufile_counters
         console.print("cuFile's own counters: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from gdskit.engine import is_object_url
 from gdskit.errors import GdskitError
@@ -41,3 +42,12 @@ def member(location: str, name: str) -> str:
     if is_object_url(location):
         return location.rstrip("/") + "/" + name
     return os.path.join(location, name)
+
+
+def item_name(index: Any) -> str:
+    """What the digest manifest calls one item (a ``MetadataIndex``): its fully qualified name,
+    and for a tensor the offsets of its chunk, ``"layer.weight@[0,0]"`` (the chunks of a sharded
+    tensor are items of their own)."""
+    if index.offset is None:
+        return str(index.fqn)
+    return f"{index.fqn}@[{','.join(str(int(o)) for o in index.offset)}]"

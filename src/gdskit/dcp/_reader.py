@@ -17,11 +17,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from gdskit.dcp import _archive
-from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, member, metadata_name
+from gdskit.dcp._common import IncompleteCheckpointError, UnsupportedItemError, item_name, member, metadata_name
 from gdskit.dcp._metadata_pickle import checked_metadata, load_metadata
 from gdskit.durable import read_whole_file
-from gdskit.errors import FormatError, from_os_error
+from gdskit.errors import FormatError, InvalidArgumentError, NothingToVerifyError, from_os_error
 from gdskit.formats import read_plan
+from gdskit.formats.verified import check_loaded, expectations, verify_mode
+from gdskit.verify import Expectation
 from gdskit.engine import is_object_url, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError
 # Items are torch.save archives: grouped for reading the way gdskit.torch groups storages.
@@ -38,6 +40,7 @@ class _Job:
     view: torch.Tensor          # the saved tensor narrowed to the request, on the meta device
     extent: read_plan.Extent
     direct: bool                # the extent's bytes are exactly the destination's memory
+    skip: int = 0               # elements of the read bytes before the view's first (verify: the whole record is read)
 
 
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any, where: str) -> torch.Tensor:
@@ -76,11 +79,24 @@ class StorageReader(dcp_storage.StorageReader):
 
     ``path`` may be an object prefix (``s3://bucket/ckpt/``): ``.metadata`` and
     the items' bytes are then read by ranged GETs through the engine.
+
+    ``verify`` (True, or a digest manifest's path) checks every item read against the digests
+    :class:`gdskit.dcp.StorageWriter` recorded with ``digests=True`` (a tensor's storage record
+    whole, where it landed; a byte item's bytes): a mismatch raises
+    :class:`~gdskit.errors.ChecksumMismatchError` naming the item, a checkpoint without digests
+    :class:`~gdskit.errors.NothingToVerifyError` before anything is read (docs/verify.md). A
+    request for part of a saved tensor (resharding) reads the whole record to check it.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: Any = False) -> None:
         super().__init__()
+        self.verify = verify_mode(verify)
+        if self.verify.kind == "sha256":
+            raise InvalidArgumentError("a DCP checkpoint is many files: verify takes True or a manifest's path")
         self.path = os.fspath(path)
+        if self.verify.on and is_object_url(self.path):
+            raise InvalidArgumentError(f"{self.path}: verify is for a checkpoint directory; an object prefix's "
+                                       "checkpoint has no digests (its writer records none)")
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
 
@@ -142,14 +158,30 @@ class StorageReader(dcp_storage.StorageReader):
             per_file: dict[str, list[ReadItem]] = {}
             for req in plan.items:
                 per_file.setdefault(self._info(req).relative_path, []).append(req)
+            expect = self._expectations(per_file) if self.verify.on else {}
             for rel, reqs in per_file.items():
-                self._read_file(rel, reqs, planner)
+                self._read_file(rel, reqs, planner, expect.get(rel))
             fut.set_result(None)
         except Exception as exc:
             fut.set_exception(exc)
         return fut
 
     # -- internals ------------------------------------------------------------
+    def _expectations(self, per_file: dict[str, list[ReadItem]]) -> dict[str, Expectation]:
+        """What each file's items are checked against, found (or refused) before a byte is read."""
+        found = expectations([os.path.join(self.path, rel) for rel in per_file], self.verify)
+        out = {}
+        for rel, reqs in per_file.items():
+            path = os.path.join(self.path, rel)
+            exp = found[path]
+            lacking = [item_name(r.storage_index) for r in reqs if item_name(r.storage_index) not in exp.tensors]
+            if lacking:
+                raise NothingToVerifyError(f"{path}: {exp.source} records no digest of item {lacking[0]!r}"
+                                           + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else "")
+                                           + "; save with StorageWriter(..., digests=True)", path=path)
+            out[rel] = exp
+        return out
+
     def _info(self, req: ReadItem) -> Any:
         try:
             info = self.storage_data[req.storage_index]
@@ -160,7 +192,8 @@ class StorageReader(dcp_storage.StorageReader):
                                        f"{list(info.transform_descriptors)}; read it with FileSystemReader")
         return info
 
-    def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner,
+                   expect: Expectation | None = None) -> None:
         path = member(self.path, rel)
         with open_file(path, "r") as f:
             size = f.size
@@ -169,12 +202,12 @@ class StorageReader(dcp_storage.StorageReader):
                 if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
                     raise TruncatedFileError(f"{path}: item {req.storage_index.fqn} at [{info.offset}, "
                                              f"{info.offset + info.length}) is past the end ({size} bytes)")
-            self._read_bytes(f, [r for r in reqs if r.type == LoadItemType.BYTE_IO], planner)
+            self._read_bytes(f, [r for r in reqs if r.type == LoadItemType.BYTE_IO], planner, expect)
             tensors = [r for r in reqs if r.type != LoadItemType.BYTE_IO]
             if tensors:
-                self._read_tensors(f, path, tensors, planner)
+                self._read_tensors(f, path, tensors, planner, expect)
 
-    def _read_bytes(self, f: Any, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_bytes(self, f: Any, reqs: list[ReadItem], planner: LoadPlanner, expect: Expectation | None) -> None:
         bufs = [bytearray(self._info(r).length) for r in reqs]
         futs = [f.pread(b, file_offset=self._info(r).offset) for r, b in zip(reqs, bufs)]
         try:
@@ -183,6 +216,9 @@ class StorageReader(dcp_storage.StorageReader):
                     raise TruncatedFileError(f"{f.path}: short read of {r.storage_index.fqn}")
         finally:
             concurrent.futures.wait(futs)
+        if expect is not None:  # before the planner sees any of them
+            _check(expect, [(item_name(r.storage_index), _host_bytes(b), (self._info(r).offset, self._info(r).offset + len(b)))
+                            for r, b in zip(reqs, bufs)])
         for r, b in zip(reqs, bufs):
             planner.load_bytes(r, io.BytesIO(b))
 
@@ -216,7 +252,8 @@ class StorageReader(dcp_storage.StorageReader):
                 wholes[(off, n)] = bytes(head)
         return out, wholes
 
-    def _read_tensors(self, f: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_tensors(self, f: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner,
+                      expect: Expectation | None = None) -> None:
         saved, wholes = self._parse_archives(f, path, reqs)
         jobs: list[_Job] = []
         for i, req in enumerate(reqs):
@@ -231,19 +268,28 @@ class StorageReader(dcp_storage.StorageReader):
             es = view.element_size()
             direct = (view.is_contiguous() and dest.is_contiguous() and dest.dtype == view.dtype
                       and dest.device.type in ("cpu", "cuda"))
+            if expect is not None:  # the digest covers the whole record: read all of it, where it can be hashed
+                direct = direct and view.storage_offset() == 0 and view.numel() * es == st.record_nbytes
+                extent = read_plan.Extent(i, st.record_offset, st.record_nbytes)
+                jobs.append(_Job(req, dest, view, extent, direct, skip=view.storage_offset()))
+                continue
             nbytes = (view.numel() if direct else _span_elements(view)) * es
             extent = read_plan.Extent(i, st.record_offset + view.storage_offset() * es, nbytes)
             jobs.append(_Job(req, dest, view, extent, direct))
         from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
         by_device: dict[torch.device, list[_Job]] = {}
         served: dict[torch.device, list[tuple[_Job, bytes]]] = {}
+        landed: list[tuple[str, Any, tuple[int, int]]] = []  # verify: each item's record as read
         for j in jobs:
             if j.dest.device.type == "meta":
                 continue
             info = self._info(j.req)
             whole = wholes.get((info.offset, info.length))
             if whole is not None:  # read whole for parsing: its bytes are here already
-                served.setdefault(j.dest.device, []).append((j, _item_bytes(j, whole, info.offset, path)))
+                data = _item_bytes(j, whole, info.offset, path)
+                served.setdefault(j.dest.device, []).append((j, data))
+                if expect is not None:
+                    landed.append((item_name(j.req.storage_index), _host_bytes(data), _span(j)))
             else:
                 by_device.setdefault(_engine_device(j.dest.device), []).append(j)
         for dev, items in served.items():
@@ -254,11 +300,14 @@ class StorageReader(dcp_storage.StorageReader):
                                   max_gap=MAX_GAP_BYTES)
             out = execute(f, plan, dev, dests=dests)
             for j in group:
-                if not j.direct:
-                    src = out[j.extent.key]
-                    if j.view.numel():
-                        src = src.view(j.view.dtype).as_strided(j.view.shape, j.view.stride(), 0)
-                        j.dest.copy_(src)
+                src = out[j.extent.key]
+                if expect is not None:
+                    landed.append((item_name(j.req.storage_index), src, _span(j)))
+                if not j.direct and j.view.numel():
+                    typed = src.view(j.view.dtype)
+                    j.dest.copy_(typed.as_strided(j.view.shape, j.view.stride(), typed.storage_offset() + j.skip))
+        if expect is not None:  # before the planner is handed any of them
+            _check(expect, landed)
         for j in jobs:
             planner.commit_tensor(j.req, j.dest)
 
@@ -282,6 +331,28 @@ def _reader_of(f: Any) -> Any:
         return bytes(buf[:got])
 
     return read
+
+
+def _span(j: _Job) -> tuple[int, int]:
+    return j.extent.file_offset, j.extent.file_offset + j.extent.nbytes
+
+
+def _host_bytes(data: bytes | bytearray) -> torch.Tensor:
+    """``data`` as a flat uint8 tensor over its own memory (an empty one for no bytes)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _check(expect: Expectation, landed: list[tuple[str, Any, tuple[int, int]]]) -> None:
+    """Check each item's bytes as read; an item read twice (two requests of one saved chunk) is
+    checked each time."""
+    while landed:
+        seen: set[str] = set()
+        now, later = [], []
+        for item in landed:
+            (later if item[0] in seen else now).append(item)
+            seen.add(item[0])
+        check_loaded(expect, [(n, t) for n, t, _r in now], {n: r for n, _t, r in now})
+        landed = later
 
 
 def _item_bytes(j: _Job, whole: bytes, archive_offset: int, path: str) -> bytes:
@@ -324,4 +395,4 @@ def _fill_from_bytes(device: torch.device, items: list[tuple[_Job, bytes]]) -> N
                 j.dest.reshape(-1).view(torch.uint8).copy_(src)
             else:  # as_strided counts from the start of the blob's storage
                 typed = src.view(j.view.dtype)
-                j.dest.copy_(typed.as_strided(j.view.shape, j.view.stride(), typed.storage_offset()))
+                j.dest.copy_(typed.as_strided(j.view.shape, j.view.stride(), typed.storage_offset() + j.skip))

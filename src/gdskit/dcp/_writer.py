@@ -20,13 +20,16 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
 from gdskit.dcp import _archive
-from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError, member,
-                                metadata_name)
+from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsError, UnsupportedItemError,
+                                item_name, member, metadata_name)
 from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
-from gdskit.errors import GdskitError, from_os_error
+from gdskit.errors import GdskitError, GdskitIOError, InvalidArgumentError, from_os_error
 from gdskit.engine import delete_object, is_object_url, list_objects, open_file
+from gdskit.formats.digest_scan import Span, digest_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
+from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
+                           ManifestError, read_manifest, write_manifest)
 
 #: Tensor payloads of at least this many bytes start 4 KiB-aligned and are written
 #: straight from their own memory; smaller items are packed and written in batches.
@@ -43,6 +46,15 @@ class _RankFiles:
     """A rank's part of the global save plan: the prefix of its file names (``__{rank}_``)."""
 
     prefix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Digested:
+    """A write result's storage data with ``digests=True``: the stock ``info`` that goes into
+    ``.metadata``, and on one result per file, that file's digests (carried to ``finish``)."""
+
+    info: _StorageInfo
+    file: FileDigests | None = None
 
 
 @dataclasses.dataclass
@@ -105,6 +117,14 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     cache_staged_state_dict : bool
         For ``dcp.async_save``: keep the host copy of the state dict between
         saves (faster staging, more host memory), as the stock writer does.
+    digests : bool
+        Also record each item's BLAKE3 digest (a tensor's bytes as stored, a byte
+        item's bytes) in a digest manifest beside the checkpoint, written before
+        ``.metadata`` (``gdskit-digest.json`` in the directory; ``__{rank}_0.distcp``'s
+        own ``.gdskit-digest.json`` for a save without rank coordination), so that
+        ``StorageReader(path, verify=True)`` can check every item it reads
+        (docs/verify.md). Each rank hashes its file once it is written, from the
+        page cache, on the CPU. Off by default.
 
     ``dcp.async_save`` first copies the state dict to host memory with the
     writer's own staging (the same as the stock ``FileSystemWriter``), then
@@ -112,12 +132,16 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sync_files: bool = True, overwrite: bool = True,
-                 cache_staged_state_dict: bool = False) -> None:
+                 cache_staged_state_dict: bool = False, digests: bool = False) -> None:
         dcp_storage.StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path)
         self.sync_files = sync_files
         self.overwrite = overwrite
+        if digests and is_object_url(self.path):
+            raise InvalidArgumentError(f"{self.path}: digests=True is for a checkpoint directory; an object "
+                                       "prefix's checkpoint is saved without digests")
+        self.digests = digests
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.is_coordinator = False
@@ -185,6 +209,9 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             os.unlink(meta)
             changed = True
         own = None if self.use_collectives else f".__{self.rank}_"
+        for manifest in self._own_manifests():  # digests of the data about to be replaced
+            if _remove_manifest(manifest):
+                changed = True
         for name in os.listdir(self.path):
             # Only a checkpoint's own temporaries: another gdskit writer may be at work in the directory.
             ours = DATA_SUFFIX in name or METADATA_NAME in name
@@ -209,13 +236,20 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             raise GdskitError("the save plan carries no file prefix; was prepare_global_plan skipped?")
         name = f"{prefix}0{DATA_SUFFIX}"
         entries = self._layout(plan.items, planner)
+        digests = None
         if self._on_objects:
             self._write_object(name, entries, planner)
         else:
-            self._write_file(name, entries, planner)
-        return [dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length,
-                                        storage_data=_StorageInfo(name, e.where.offset, e.where.length))
-                for e in entries if e.where is not None]
+            digests = self._write_file(name, entries, planner)
+        results = []
+        for e in entries:
+            if e.where is None:
+                continue  # a file of no items is read by no one: nothing to record
+            info: Any = _StorageInfo(name, e.where.offset, e.where.length)
+            if digests is not None:
+                info, digests = _Digested(info, digests), None  # the file's digests travel once
+            results.append(dcp_storage.WriteResult(index=e.item.index, size_in_bytes=e.where.length, storage_data=info))
+        return results
 
     def _write_object(self, name: str, entries: list[_Entry], planner: SavePlanner) -> None:
         """The rank's file as one object: its items in order (an object is written in order), the
@@ -228,7 +262,8 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             f.abort()
             raise
 
-    def _write_file(self, name: str, entries: list[_Entry], planner: SavePlanner) -> None:
+    def _write_file(self, name: str, entries: list[_Entry], planner: SavePlanner) -> FileDigests | None:
+        """The rank's file, written to a temporary and renamed into place; its digests where asked."""
         owned = self._new_temp(name)
         try:
             f = open_file(owned.fd_path, "w")  # the temporary itself, never whatever is at its name
@@ -240,11 +275,21 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             except BaseException:
                 f.abort()
                 raise
+            digests = self._digest(owned, entries) if self.digests else None
             self._publish(owned, name)
         except BaseException:
             owned.discard()
             raise
         owned.close()
+        return digests
+
+    @staticmethod
+    def _digest(owned: OwnedTemp, entries: list[_Entry]) -> FileDigests:
+        """The written file's digests (whole, chunks, and each item's bytes as stored: a tensor's
+        storage record, a byte item whole), read back once from the page cache."""
+        spans = [Span(item_name(e.item.index), e.where.payload_offset, e.shape.payload)
+                 for e in entries if e.where is not None]
+        return digest_file(owned.fd_path, DEFAULT_CHUNK_BYTES, spans)
 
     def _layout(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[_Entry]:
         raw: list[_Entry] = []
@@ -326,8 +371,19 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
             if version is not None:
                 metadata.version = version
-        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        files: dict[str, FileDigests] = {}
+        storage = {}
+        for wrs in results:
+            for wr in wrs:
+                info = wr.storage_data
+                if isinstance(info, _Digested):
+                    if info.file is not None:
+                        files[info.info.relative_path] = info.file
+                    info = info.info
+                storage[wr.index] = info
+        metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
+        manifest = self._write_manifest(files) if self.digests else None
         name = self._own_metadata_name()
         if self._on_objects:  # one PUT, or an upload completed only now: whole or absent
             with open_file(member(self.path, name), "w") as f:
@@ -343,8 +399,29 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             self._publish(owned, name)
         except BaseException:
             owned.discard()
+            if manifest is not None:
+                _remove_manifest(manifest)  # no checkpoint, no digests of it
             raise
         owned.close()
+
+    # -- digests --------------------------------------------------------------
+    def _own_manifests(self) -> list[str]:
+        """The manifests this save writes: the directory's, or (without rank coordination) the one
+        beside this rank's file."""
+        if self.use_collectives:
+            return [os.path.join(self.path, DIRECTORY_MANIFEST)]
+        return [os.path.join(self.path, f"__{self.rank}_0{DATA_SUFFIX}{MANIFEST_SUFFIX}")]
+
+    def _write_manifest(self, files: dict[str, FileDigests]) -> str:
+        """Write the save's digests before ``.metadata``; the manifest's path."""
+        (path,) = self._own_manifests()
+        if not self.use_collectives:  # this rank's file only
+            own = os.path.basename(path)[:-len(MANIFEST_SUFFIX)]
+            files = {k: v for k, v in files.items() if k == own}
+        write_manifest(Manifest(DEFAULT_CHUNK_BYTES, files), path)
+        if self.sync_files:
+            fsync_dir(self.path)
+        return path
 
     # -- temporaries ----------------------------------------------------------
     def _new_temp(self, name: str) -> OwnedTemp:
@@ -366,6 +443,17 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             raise
         except OSError as exc:
             raise from_os_error(exc, final) from exc
+
+
+def _remove_manifest(path: str) -> bool:
+    """Remove the digest manifest at ``path``: only one gdskit wrote (anything else stays)."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return False
+    try:
+        read_manifest(path)
+    except (ManifestError, GdskitIOError):
+        return False
+    return remove_if_present(path)
 
 
 def _batches(entries: list[_Entry]) -> list[list[_Entry]]:

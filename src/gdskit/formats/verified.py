@@ -12,8 +12,8 @@ from typing import Any
 
 from gdskit.engine import digest_buffers, prepare_gpu_digests
 from gdskit.errors import InvalidArgumentError
-from gdskit.threads import start_thread
-from gdskit.verify import (Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode)
+from gdskit.threads import executor, start_thread
+from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode
 
 
 def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
@@ -58,6 +58,54 @@ def check_loaded(expectation: Expectation, named: Sequence[tuple[str, Any]],
     check_tensors(expectation, tensor_digests(named), ranges)
 
 
+#: Bytes of host tensors read as one batch before it is handed to a hashing thread: small enough
+#: that hashing trails the reads closely, large enough that each batch's reads keep the engine busy.
+HOST_BATCH_BYTES = 64 << 20
+#: Threads hashing landed batches (each spreads a large tensor over the blake3 package's own threads).
+HOST_HASH_WORKERS = 2
+
+
+def batches(items: Sequence[Any], nbytes: Any, limit: int = HOST_BATCH_BYTES) -> list[list[Any]]:
+    """``items`` (in file order) cut into consecutive runs of about ``limit`` bytes (``nbytes(item)``)."""
+    out: list[list[Any]] = []
+    size = 0
+    for item in items:
+        if not out or (size and size + nbytes(item) > limit):
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes(item)
+    return out
+
+
+class HostChecks:
+    """``verify=`` for tensors in host memory, overlapped with the reads: each batch is hashed on
+    a worker thread as soon as it has landed (the blake3 package lets go of the GIL), while the
+    next batch is read; :meth:`finish` compares every digest, in the order submitted. Use as a
+    context manager: the threads end with it, whatever happened."""
+
+    def __init__(self, workers: int = HOST_HASH_WORKERS) -> None:
+        self._pool = executor(workers, "gdskit-verify")
+        self._pending: list[tuple[Expectation, Any, Mapping[str, tuple[int, int]] | None]] = []
+
+    def __enter__(self) -> HostChecks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)  # no thread outlives the load, nor reads a freed tensor
+
+    def submit(self, expectation: Expectation, named: Sequence[tuple[str, Any]],
+               ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Hash ``named`` (contiguous host tensors, kept alive until hashed) in the background."""
+        self._pending.append((expectation, self._pool.submit(tensor_digests, list(named)), ranges))
+
+    def finish(self) -> None:
+        """Wait for every digest; raise for the first batch with a tensor that differs."""
+        for expectation, fut, ranges in self._pending:
+            check_tensors(expectation, fut.result(), ranges)
+        self._pending.clear()
+
+
 class Sha256Check:
     """``verify="sha256:<hex>"``: the whole file's sha256, computed on a CPU thread while the
     load runs (the file is read a second time, through the page cache). A load that fails and
@@ -93,4 +141,5 @@ class Sha256Check:
             raise self._outcome[0]
 
 
-__all__ = ["Sha256Check", "VerifyMode", "check_loaded", "expectations", "tensor_digests", "verify_mode"]
+__all__ = ["HostChecks", "Sha256Check", "VerifyMode", "batches", "check_loaded", "expectations", "tensor_digests",
+           "verify_mode"]

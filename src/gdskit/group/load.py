@@ -6,7 +6,9 @@
    of the checkpoint's layout and of the plan options and a fingerprint of the files'
    contents (both must agree), which segments each wants, which memory they load into;
 3. every rank computes the same :func:`gdskit.group.plan.plan` and runs it
-   (:func:`gdskit.group.pipeline.run`).
+   (:func:`gdskit.group.pipeline.run`);
+4. with ``verify=``, every rank checks what it holds and the ranks agree on the outcome
+   (:func:`gdskit.group.checked.check_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gdskit.engine import is_object_url, open_file
 from gdskit.errors import GroupError, from_os_error
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.group import exchange, failure, pipeline
+from gdskit.group import checked, exchange, failure, pipeline
 from gdskit.group import config as group_options
 from gdskit.group.plan import Segment, plan
 
@@ -45,6 +47,7 @@ class LoadJob:
     dests: dict[Hashable, torch.Tensor]
     device_types: set[str]
     result: Any = None               # what the format makes of the filled destinations
+    check: Callable[[], None] | None = None  # verify=: raises where the filled destinations differ from their digests
 
     @property
     def wanted_bytes(self) -> int:
@@ -88,7 +91,9 @@ def _bit(bitmap: bytes, i: int) -> bool:
 
 
 def _digest(job: LoadJob, opts: group_options.Options) -> bytes:
-    doc = [job.layout, [list(s[1:]) for s in job.segments], [opts.window_bytes, opts.piece_bytes]]
+    # Whether the ranks check is in it: ranks that differ there would not meet at the check's exchange.
+    doc = [job.layout, [list(s[1:]) for s in job.segments], [opts.window_bytes, opts.piece_bytes],
+           job.check is not None]
     return hashlib.sha256(json.dumps(doc, default=repr).encode()).digest()
 
 
@@ -203,4 +208,6 @@ def _run_load(process_group: Any, prepare: Callable[[], LoadJob], progress: Prog
                     window_bytes=opts.window_bytes)
     with Progress(job.wanted_bytes, progress, "loading") as prog:
         pipeline.run(fan_plan, info, comm, job.files, job.sizes, job.dests, prog)
+    if job.check is not None:
+        checked.check_on_every_rank(info, job.check)
     return job

@@ -18,13 +18,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gdskit.errors import FormatError, from_os_error
+from gdskit.errors import ChecksumMismatchError, FormatError, InvalidArgumentError, StaleManifestError, from_os_error
 from gdskit.formats import require_torch
 from gdskit.engine import is_object_url, open_object_stream, stats, stats_delta
 from gdskit.formats.progress import ProgressArg
 from gdskit.formats.torch_zip import StorageRecords
+from gdskit.formats.verified import check_loaded, expectations
 from gdskit.group.load import LoadJob, run_load
 from gdskit.group.plan import Segment
+from gdskit.verify import OFF, VerifyMode
+
+
+def _checker(expectation: Any, held: dict[str, tuple[Any, Any]], torch: Any, pt: OneRank) -> Any:
+    """The check of every storage record this rank holds (read, received or inflated), as stored."""
+    def check() -> None:
+        named = [(name, pt.bytes_of(torch, storage, rec.nbytes)) for name, (rec, storage) in held.items()]
+        check_loaded(expectation, named, {name: (rec.offset, rec.offset + rec.nbytes)
+                                          for name, (rec, _s) in held.items()})
+    return check
 
 
 @dataclass(frozen=True)
@@ -41,18 +52,39 @@ class OneRank:
 
 
 def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: bool = True, *,
-         process_group: Any, progress: ProgressArg = None, return_stats: bool = False, pt: OneRank) -> Any:
+         process_group: Any, progress: ProgressArg = None, return_stats: bool = False, pt: OneRank,
+         verify: VerifyMode = OFF) -> Any:
     """See :func:`gdskit.torch.load`; every rank of ``process_group`` calls it (``pt``: what it
-    needs of gdskit.torch)."""
+    needs of gdskit.torch). ``verify``: each rank checks the storage records it holds once the
+    fan-out is done (:mod:`gdskit.group.checked`)."""
     torch = require_torch("gdskit.torch")
 
     path = os.fspath(path)
 
     def local_load() -> LoadJob:
-        out = pt.load(path, map_location, weights_only, progress=progress)
-        return LoadJob([path], [None], [], ["torch.load on every rank"], [], {}, set(), out)
+        check = None
+        if not verify.on:
+            out = pt.load(path, map_location, weights_only, progress=progress)
+        else:
+            try:
+                out = pt.load(path, map_location, weights_only, progress=progress,
+                              verify=verify.manifest if verify.kind == "manifest" else True)
+            except (ChecksumMismatchError, StaleManifestError) as exc:
+                out, found = None, exc
+
+                def check() -> None:  # the mismatch is told to every rank at the group's check
+                    raise found
+            else:
+                def check() -> None:
+                    pass
+        return LoadJob([path], [None], [], ["torch.load on every rank"], [], {}, set(), out, check=check)
 
     def prepare() -> LoadJob:
+        if verify.kind == "sha256":  # refused here, so that every rank hears of it
+            raise InvalidArgumentError("verify='sha256:...' hashes the whole file where a group load shares its "
+                                       "bytes out: give a manifest (gdskit digest) or verify=True")
+        if verify.on:  # nothing to check against is refused (on every rank) before a byte is read
+            expectations([path], verify)
         try:
             kind, archive_size = pt.file_kind(path)
         except OSError as exc:
@@ -79,9 +111,12 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
     def archive_job(archive: StorageRecords, target: Any, archive_size: int) -> LoadJob:
         slots: dict[str, tuple[Any, int, int, Any]] = {}  # key -> (typed storage, offset, nbytes, device)
         inflated: dict[str, str] = {}  # record name -> digest of the bytes of a record read whole (deflated)
+        held: dict[str, tuple[Any, Any]] = {}  # record name -> (record, storage) of what this rank holds
 
         def make_storage(rec: Any) -> Any:
             storage = torch.UntypedStorage(rec.nbytes, device=target.device(rec.location))
+            if rec.nbytes and storage.device.type != "meta":
+                held[rec.name] = (rec, storage)
             typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=rec.dtype, _internal=True)
             if rec.raw:  # read by the group, after the unpickle
                 slots[rec.key] = (typed, rec.offset, rec.nbytes, storage.device)
@@ -105,8 +140,9 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         # The pickle's digest: the objects around the tensors (a step count) are the checkpoint's too;
         # so are the inflated records' bytes, which no rank sends to another.
         layout = [archive_size, keys, hashlib.sha256(bytes(pickled)).hexdigest(), sorted(inflated.items())]
+        check = _checker(expectations([path], verify)[path], held, torch, pt) if verify.on else None
         return LoadJob([path], [archive_size], segments, layout, wanted, dests,
-                       {t.device.type for t in dests.values()}, result)
+                       {t.device.type for t in dests.values()}, result, check=check)
 
     before = stats() if return_stats else None
     job = run_load(process_group, prepare, progress)

@@ -146,6 +146,14 @@ def cufile_table(doc: dict[str, Any]) -> Table | None:
     return t
 
 
+def verified_text(stats: Stats) -> Text:
+    """The line that says how many bytes were checked against their digests (``gdskit stats``, ``gdskit run``)."""
+    v = stats.verified
+    return Text(f"verified: {human_bytes(v.bytes)} checked against their digests "
+                f"({human_bytes(v.gpu_bytes)} on a GPU) in {human_seconds(v.seconds)}, {v.checks} checks",
+                style="green")
+
+
 def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = None) -> Group:
     """Everything ``gdskit stats -p PID`` shows for one snapshot, up to ``level``."""
     doc = snap.doc
@@ -156,10 +164,7 @@ def snapshot_view(snap: Snapshot, level: int, rates: dict[str, float] | None = N
                          f"  updated {age:.1f} s ago", "\n" if snap.command else "", shown(snap.command[:200]))
     parts: list[Any] = [head, paths_table(stats, rates), reasons_table(stats)]
     if stats.verified.checks:
-        v = stats.verified
-        parts.append(Text(f"verified: {human_bytes(v.bytes)} checked against their digests "
-                          f"({human_bytes(v.gpu_bytes)} on a GPU) in {human_seconds(v.seconds)}, {v.checks} checks",
-                          style="green"))
+        parts.append(verified_text(stats))
     peers = peers_table(stats)
     if peers is not None:
         parts.append(peers)
