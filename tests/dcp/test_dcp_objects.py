@@ -202,3 +202,14 @@ def test_an_item_past_the_end_of_its_object_is_refused(s3: Any) -> None:
     with pytest.raises(BaseException) as info:
         _load({"a": torch.zeros(300_000)}, gdskit.dcp.StorageReader(url))
     assert any(isinstance(e, FormatError) for e in _failures(info.value))
+
+
+def test_digests_and_verify_are_refused_on_a_prefix_at_once(s3: Any) -> None:
+    """A prefix's checkpoint has no digest manifest: asking for one is an error before any work."""
+    from gdskit.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        gdskit.dcp.StorageWriter(s3.url("ckpt/"), digests=True)
+    with pytest.raises(InvalidArgumentError):
+        gdskit.dcp.StorageReader(s3.url("ckpt/"), verify=True)
+    assert s3.keys() == []
