@@ -14,7 +14,7 @@ from numpy.lib import format as npformat
 torch = pytest.importorskip("torch")
 
 import gdskit.data as gd  # noqa: E402
-from gdskit.data import npy  # noqa: E402
+from gdskit.formats import npy_format as npy  # noqa: E402
 from gdskit.errors import FormatError  # noqa: E402
 from test_data_datasets import random_array, same  # noqa: E402
 

@@ -17,7 +17,7 @@ try:  # numpy 2 keeps the reader behind the public module
 except ImportError:  # numpy 1
     _check_version, _read_array_header = npformat._check_version, npformat._read_array_header
 
-from gdskit.data import npy
+from gdskit.formats import npy_format as npy
 from gdskit.data.errors import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
 from gdskit.errors import FormatError, GdskitError
 

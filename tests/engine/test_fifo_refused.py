@@ -31,7 +31,7 @@ CASES = {
     "many-file job": textwrap.dedent("""\
         import gdskit.engine.many_files as mf
         mf.read_files([mf.FileReads(FIFO, [(bytearray(16), 16, 0)])])"""),
-    "npy header": "from gdskit.data import npy\nnpy.read_header(FIFO)",
+    "npy header": "from gdskit.formats import npy_format\nnpy_format.read_header(FIFO)",
     "dataset's readability check": textwrap.dedent("""\
         from gdskit.data.datasets import _check_readable
         from gdskit.data.sources import Source

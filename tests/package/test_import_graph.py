@@ -249,6 +249,16 @@ def test_digests_import_only_the_ground_floor():
     assert not found, "gdskit.verify reaches past the ground floor:\n  " + "\n  ".join(found)
 
 
+#: What the format layer may import: parsing and planning over the engine, never a user API
+#: (``gdskit.data``, ``gdskit.safetensors``, ...) or a tool above it.
+BELOW_FORMATS = ("gdskit.formats",) + CORE + FACT_READERS + BESIDE_ENGINE
+
+
+def test_the_formats_import_no_user_api_above_them():
+    found = core_violations(import_graph(), ("gdskit.formats",), BELOW_FORMATS)
+    assert not found, "the formats reach up to a user API:\n  " + "\n  ".join(found)
+
+
 def test_the_layers_above_reach_the_engine_through_its_door():
     graph = import_graph()
     assert "gdskit.engine.buffers" in graph[ENGINE_DOOR]  # the door itself may

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdskit.data import npy
+from gdskit.formats import npy_format as npy
 from gdskit.data.errors import FileSizeError, SampleMismatchError, TruncatedFileError, UnsupportedLayoutError
 from gdskit.data.layout import Layout, from_numpy, torch_dtype
 from gdskit.data.sources import Files, Source, resolve

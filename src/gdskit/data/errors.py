@@ -3,24 +3,13 @@ subclasses the fitting built-in (``ValueError``, ``TypeError``...)."""
 
 from __future__ import annotations
 
-from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, ReaderProcessError
+from gdskit.errors import FormatError, InvalidArgumentError, ReaderProcessError
+from gdskit.formats.npy_format import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
 from gdskit.formats.safetensors_format import TruncatedFileError
 
 __all__ = ["DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError", "ReaderProcessError",
            "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError", "UnsupportedDtypeError",
            "UnsupportedLayoutError"]
-
-
-class NpyHeaderError(FormatError):
-    """A ``.npy`` file's header is not valid: magic, version, length or the header dictionary."""
-
-
-class UnsupportedDtypeError(GdskitError, TypeError):
-    """A dtype with no tensor type here: structured, strings, dates, ``longdouble``, ..."""
-
-
-class ObjectDtypeError(UnsupportedDtypeError):
-    """An ``.npy`` file of Python objects: reading one would mean unpickling (never done)."""
 
 
 class FileSizeError(FormatError):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gdskit.data import npy
+from gdskit.formats import npy_format as npy
 from gdskit.data.errors import TruncatedFileError
 from gdskit.data.layout import Layout, from_numpy, sample_view
 from gdskit.data.read import FileReads, engine_views, target_device

@@ -69,7 +69,7 @@ def tensor_spans(path: str, kind: str) -> list[Span]:
         header = fmt.read_header_file(path)
         return [Span(e.name, header.data_start + e.start, e.nbytes) for e in header.entries]
     if kind == "npy":
-        from gdskit.data.npy import read_header  # noqa: PLC0415 - import time
+        from gdskit.formats.npy_format import read_header  # noqa: PLC0415 - import time
 
         npy, size = read_header(path)
         if npy.data_offset + npy.nbytes > size:

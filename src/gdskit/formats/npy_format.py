@@ -25,10 +25,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gdskit.data.errors import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
 from gdskit.durable import open_file_fd
 from gdskit.engine import is_object_url, open_file
-from gdskit.errors import from_os_error
+from gdskit.errors import FormatError, GdskitError, from_os_error
+
+
+class NpyHeaderError(FormatError):
+    """A ``.npy`` file's header is not valid: magic, version, length or the header dictionary."""
+
+
+class UnsupportedDtypeError(GdskitError, TypeError):
+    """A dtype with no tensor type here: structured, strings, dates, ``longdouble``, ..."""
+
+
+class ObjectDtypeError(UnsupportedDtypeError):
+    """An ``.npy`` file of Python objects: reading one would mean unpickling (never done)."""
 
 MAGIC = b"\x93NUMPY"
 #: numpy's own limit on a header's length in characters (``max_header_size``).
