@@ -478,3 +478,16 @@ def test_a_load_hashed_batch_by_batch_catches_a_flip_in_any_batch(several_batche
     with pytest.raises(ChecksumMismatchError) as info:
         gs.load_file(bad, verify=True)
     assert info.value.tensor == name
+
+
+def test_a_manifest_outranks_the_digests_a_replaced_file_carries(tmp_path):
+    """A file replaced by another that vouches for itself (its own header digests) is caught by
+    the manifest made of the first; a manifest path that does not exist is the gdskit error."""
+    path = tmp_path / "model.safetensors"
+    gs.save_file({"w": torch.ones(3)}, str(path))
+    assert digest_scan.make_manifests([str(path)])[0].status == "written"
+    gs.save_file({"w": torch.full((3,), 666.0)}, str(path), digests=True)  # its own digests
+    with pytest.raises((ChecksumMismatchError, gdskit.errors.StaleManifestError)):  # refused, either way
+        gs.load_file(str(path), verify=True)
+    with pytest.raises(gdskit.errors.GdskitFileNotFoundError):
+        gs.load_file(str(path), verify=str(tmp_path / "no-such-manifest.json"))

@@ -88,3 +88,16 @@ def test_a_torch_archive_is_digested_per_storage(tree):
     raw = (tree / "c.pt").read_bytes()
     for t in manifest["files"]["c.pt"]["tensors"].values():
         assert t["digest"] == blake3.blake3(raw[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest()
+
+
+def test_a_file_no_manifest_lists_fails_the_check(tree):
+    """A file added (or renamed) after the directory's manifest was made is not vouched for:
+    --check names it unlisted and exits 1, never 0 with nothing checked."""
+    assert gdskit(str(tree / "sub")).returncode == 0
+    (tree / "sub" / "new.bin").write_bytes(b"added later")
+    os.rename(tree / "sub" / "raw.bin", tree / "sub" / "renamed.bin")
+    for name in ("new.bin", "renamed.bin"):
+        checked = gdskit("--check", "--json", str(tree / "sub" / name))
+        assert checked.returncode == 1, checked.stdout
+        doc = json.loads(checked.stdout)
+        assert [f["status"] for f in doc["files"]] == ["unlisted"] and doc["failed"] == 1

@@ -234,8 +234,8 @@ def target_of(path: str) -> Target:
 
 @dataclass(frozen=True)
 class FileResult:
-    """One file digested or checked: ``status`` ``"written"``, ``"ok"``, ``"mismatch"``, ``"stale"``
-    or ``"missing"``; ``bad`` names what differs (tensors, ``chunk N``, ``file``)."""
+    """One file digested or checked: ``status`` ``"written"``, ``"ok"``, ``"mismatch"``, ``"stale"``,
+    ``"missing"`` or ``"unlisted"`` (a file PATH no manifest lists); ``bad`` names what differs (tensors, ``chunk N``, ``file``)."""
 
     path: str
     kind: str
@@ -303,6 +303,7 @@ def check_manifests(paths: list[str], jobs: int | None = None,
     """Check every file each PATH's manifest lists against it (a file PATH: its own manifest, or the
     directory manifest above it that lists it). Returns one result per file."""
     work = []
+    unlisted: list[FileResult] = []
     for p in paths:
         manifest_path = manifest_path_for(p)
         if not os.path.isdir(p) and not os.path.exists(manifest_path):
@@ -313,6 +314,10 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         if not os.path.isdir(p):
             listed = relative_name(manifest_path, p)
             names = [n for n in names if n in listed][:1]
+            if not names:  # no manifest describes this file (new, or renamed since): nothing vouches for it
+                size = os.path.getsize(p) if os.path.isfile(p) else 0
+                unlisted.append(FileResult(os.path.abspath(p), file_kind(p), size, 0, "", 0.0, "unlisted", ("file",)))
+                continue
         work += [(os.path.join(folder, n), manifest.files[n], manifest.chunk_bytes) for n in names]
 
     def one(item: tuple[str, FileDigests, int]) -> FileResult:
@@ -323,7 +328,7 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         return FileResult(full, kind, want.size, len(want.tensors), got.digest, seconds, status, bad)
 
     with executor(jobs or min(8, os.cpu_count() or 1), "gdskit-digest") as pool:
-        return list(pool.map(one, work))
+        return unlisted + list(pool.map(one, work))
 
 
 def _directory_manifest_listing(path: str) -> str | None:

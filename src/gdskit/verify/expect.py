@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gdskit.errors import InvalidArgumentError, NothingToVerifyError, StaleManifestError
+from gdskit.errors import InvalidArgumentError, NothingToVerifyError, StaleManifestError, from_os_error
 from gdskit.verify.manifest import (DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest, ManifestError,
                                     read_manifest)
 
@@ -109,7 +109,10 @@ _cache_lock = threading.Lock()
 
 def _cached_manifest(path: str) -> Manifest:
     """The manifest at ``path``, read once while its size and mtime stay (shards share one)."""
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise from_os_error(exc, path) from None
     key = (st.st_size, st.st_mtime_ns)
     with _cache_lock:
         hit = _cache.get(path)
@@ -143,7 +146,10 @@ def _entry_in(manifest_path: str, file_path: str) -> FileDigests | None:
 
 
 def _from_entry(path: str, manifest_path: str, entry: FileDigests, chunk_bytes: int) -> Expectation:
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise from_os_error(exc, path) from None
     if st.st_size != entry.size:
         raise StaleManifestError(f"{path} has {st.st_size} bytes; {manifest_path} was made when it had "
                                  f"{entry.size}: digest it again (gdskit digest)", path=path, manifest=manifest_path)
@@ -168,7 +174,10 @@ def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
                      metadata: Mapping[str, str] | None = None) -> Expectation:
     """What ``path`` is checked against under ``mode`` (``"auto"`` or ``"manifest"``).
 
-    ``metadata``: the file's safetensors ``__metadata__`` where it has one; its digests come first.
+    ``metadata``: the file's safetensors ``__metadata__`` where it has one. A manifest that lists
+    the file comes first: it was made apart from the file, so a file replaced by another that
+    carries its own digests is caught; the header's digests serve where no manifest lists the
+    file (they catch corruption, not substitution).
 
     Raises
     ------
@@ -188,17 +197,18 @@ def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
         if entry is None:
             raise NothingToVerifyError(f"{mode.manifest} holds no digests of {path}", path=path)
         return _from_entry(path, mode.manifest, entry, _cached_manifest(mode.manifest).chunk_bytes)
+    if "://" not in path:  # an object (s3://) has no manifest: manifests sit beside local files only
+        for candidate in _candidates(path):
+            if os.path.isfile(candidate):
+                entry = _entry_in(candidate, path)
+                if entry is not None:
+                    return _from_entry(path, candidate, entry, _cached_manifest(candidate).chunk_bytes)
     in_header = header_digests(metadata, path)
     if in_header is not None:
         return Expectation(path, "the file's header", in_header)
-    if "://" in path:  # an object (s3://): manifests sit beside local files only
+    if "://" in path:
         raise NothingToVerifyError(f"{path}: verify=True, but its header records no digests; an object is checked "
                                    "against the digests save_file(..., digests=True) writes in its header", path=path)
-    for candidate in _candidates(path):
-        if os.path.isfile(candidate):
-            entry = _entry_in(candidate, path)
-            if entry is not None:
-                return _from_entry(path, candidate, entry, _cached_manifest(candidate).chunk_bytes)
     raise NothingToVerifyError(f"{path}: verify=True, but its header records no digests and no manifest "
                                f"({os.path.basename(path)}{MANIFEST_SUFFIX} or {DIRECTORY_MANIFEST} above it) "
                                "lists it; make one with `gdskit digest`", path=path)
