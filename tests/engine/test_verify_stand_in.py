@@ -230,3 +230,40 @@ def test_a_cached_image_is_used_only_where_it_is_this_users_alone(tmp_path, monk
     os.chmod(in_open_folder, 0o600)
     os.chmod(os.path.dirname(private), 0o777)  # a folder others may write into: nothing in it is run
     assert _image_or_none(3, 3) != image
+
+
+def test_the_kernel_cache_writes_only_into_the_folder_it_found_private(tmp_path, monkeypatch):
+    """Whoever can change a folder above the cache swaps the cache folder for a link to the
+    victim's folder between the check and the write: the image still lands in the folder that
+    was checked, and the victim's file is untouched; a link at the folder's name is refused."""
+    import os
+
+    from gdskit.engine import gpu_hash
+
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o777)
+    kernels = parent / "kernels"
+    kernels.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "blake3.cubin").write_bytes(b"the victim's own file")
+    real_private = gpu_hash._private
+    swapped = []
+
+    def private_then_swap(st):
+        ok = real_private(st)
+        if not swapped:  # the race, won: the folder checked is replaced by a link
+            swapped.append(True)
+            os.rename(kernels, parent / "checked")
+            os.symlink(victim, kernels)
+        return ok
+
+    monkeypatch.setattr(gpu_hash, "_private", private_then_swap)
+    gpu_hash._cache_image(str(kernels / "blake3.cubin"), b"\x7fELF an image")
+    assert (victim / "blake3.cubin").read_bytes() == b"the victim's own file"
+    assert (parent / "checked" / "blake3.cubin").read_bytes() == b"\x7fELF an image"
+    monkeypatch.setattr(gpu_hash, "_private", real_private)
+    gpu_hash._cache_image(str(kernels / "blake3.cubin"), b"\x7fELF another")  # the link itself: refused
+    assert (victim / "blake3.cubin").read_bytes() == b"the victim's own file"
+    assert gpu_hash._cached_image(str(kernels / "blake3.cubin")) is None

@@ -19,7 +19,6 @@ from typing import Any
 
 import gdskit.engine.cuda as cuda
 from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, CHUNK_BYTES, SOURCE
-from gdskit.durable import write_whole
 from gdskit.errors import CudaError, MissingDependencyError
 from gdskit.threads import start_thread
 
@@ -115,14 +114,39 @@ def _private(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def _cached_image(path: str) -> bytes | None:
-    """The image cached at ``path``, where the cache and the file are this user's alone."""
+def _open_cache_folder(folder: str, *, make: bool) -> int | None:
+    """A descriptor of the cache ``folder``, or None where it is not this user's alone.
+
+    Everything after goes through the descriptor (``dir_fd``): whoever can change a folder above
+    it cannot redirect a read or a write once the folder itself was found private, and a link at
+    the folder's own name is refused (``O_NOFOLLOW``)."""
     try:
-        if not _private(os.stat(os.path.dirname(path))):
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        if make:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if _private(os.fstat(fd)):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _cached_image(path: str) -> bytes | None:
+    """The image cached at ``path``, where the cache and the file are this user's alone."""
+    folder = _open_cache_folder(os.path.dirname(path), make=False)
+    if folder is None:
+        return None
+    try:
+        fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=folder)
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not _private(st) or st.st_size > _MAX_IMAGE_BYTES:
@@ -136,21 +160,29 @@ def _cached_image(path: str) -> bytes | None:
 
 
 def _cache_image(path: str, image: bytes) -> None:
-    """Keep ``image`` for later processes; a cache that cannot be written is no error."""
-    folder = os.path.dirname(path)
+    """Keep ``image`` for later processes: a new file of random name in the private folder, made
+    whole, then renamed over ``path`` within that folder; a cache that cannot be written is no error."""
+    folder = _open_cache_folder(os.path.dirname(path), make=True)
+    if folder is None:
+        return
+    tmp = f".{os.path.basename(path)}.{os.urandom(8).hex()}.tmp"
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        if not _private(os.stat(folder)):
-            return
-
-        def fill(tmp: str) -> None:
-            with open(tmp, "wb") as fh:
-                fh.write(image)
-            os.chmod(tmp, 0o600)
-
-        write_whole(path, fill)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
+        try:
+            view = memoryview(image)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.basename(path), src_dir_fd=folder, dst_dir_fd=folder)
     except OSError:
-        pass
+        try:
+            os.unlink(tmp, dir_fd=folder)
+        except OSError:
+            pass
+    finally:
+        os.close(folder)
 
 
 def image_for(major: int, minor: int) -> bytes:
