@@ -486,14 +486,12 @@ def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view:
     max_lanes = max(1, min(cfg.s3_concurrency, cfg.pinned_budget // stage_bytes))
     held: list[Lane] = []
     current: list[Any] = [None, None]  # the stage being filled and its event
-    queued = [False]  # a copy may be in flight: the lane must not go back to the pool as it is
     before = None
 
     def land(pos: int, n: int) -> memoryview:
         if not held:
             held.append(lanes.acquire(device, stage_bytes, max(n_lanes, max_lanes), cfg.pinned_budget))
         current[0], current[1] = held[0].next_stage()  # waits for the copy that last used the stage
-        queued[0] = False
         return current[0].view[:n]
 
     def landed(pos: int, n: int) -> None:
@@ -505,7 +503,6 @@ def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view:
         else:
             ln.stream.copy_h2d_many([(d, stage.ptr + skip, k) for d, skip, k in view.scatter.pieces(dst, n)])
         event.record(ln.stream)
-        queued[0] = True
         if on_bytes is not None:
             on_bytes(n)
 
@@ -515,9 +512,11 @@ def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view:
         if held:
             held[0].drain()
     except BaseException:
-        if held:
-            if queued[0]:
-                lanes.discard_after_failure(held[0])  # its copy may still read the stage
+        if held:  # the copies of the lane's other stages may still run: none outlives the call
+            try:
+                held[0].drain()
+            except Exception:  # noqa: BLE001 - the read's own error is the one to report
+                lanes.discard_after_failure(held[0])
             else:
                 lanes.release(held[0])
         held.clear()
