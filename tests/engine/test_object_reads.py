@@ -206,3 +206,25 @@ def test_invalid_s3_variables_are_named(variable, value):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, variable: value, "PYTHONPATH": child_pythonpath()})
     assert out.stdout.strip() == variable
+
+
+def test_a_raw_read_of_an_object_with_verify_is_refused_before_reading(s3):
+    """gdskit.open gives File or ObjectFile with the same read arguments: verify= is taken, and an
+    object (no manifest lists it) has nothing to check against."""
+    from gdskit.errors import NothingToVerifyError
+
+    s3.put("v.bin", b"x" * 1000)
+    with gdskit.open(s3.url("v.bin")) as f:
+        before = gdskit.stats()
+        with pytest.raises(NothingToVerifyError):
+            f.read(bytearray(1000), verify=True)
+        assert (gdskit.stats() - before).bytes_read == 0
+        assert f.read(bytearray(1000), verify=False) == 1000
+
+
+def test_the_store_check_refuses_a_path_that_is_not_a_url():
+    from gdskit.errors import InvalidArgumentError
+    from gdskit.probe.objects import check_object_store
+
+    with pytest.raises(InvalidArgumentError):
+        check_object_store("/local/file")

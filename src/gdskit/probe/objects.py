@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdskit.engine import is_object_url, list_objects, object_endpoint_name, open_file
-from gdskit.errors import GdskitError, GdskitFileNotFoundError, NoCredentialsError, ObjectStoreError
+from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError, NoCredentialsError, ObjectStoreError
 
 #: Bytes the check's GET reads (less where the largest object is smaller).
 PROBE_BYTES = 64 << 20
@@ -52,7 +52,7 @@ def check_object_store(url: str) -> ObjectStoreCheck:
     """List ``url`` (a prefix ending in ``/``, or one object) and GET up to 64 MiB of its largest
     object into host memory; never raises for what the store answers (it is the finding)."""
     if not is_object_url(url):
-        raise ValueError(f"not an object URL: {url!r}")
+        raise InvalidArgumentError(f"not an object URL: {url!r}")
     try:
         endpoint = object_endpoint_name()
     except GdskitError as exc:  # the extra is missing

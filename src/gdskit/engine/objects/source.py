@@ -30,8 +30,8 @@ from gdskit.engine.objects.store import Bucket, ObjectMeta, bucket_for
 from gdskit.engine.objects.url import ObjectURL, parse_url
 from gdskit.engine.plan import nonnegative_int
 from gdskit.engine.pool import Lane, lanes, object_executor, request_executor
-from gdskit.errors import (BufferTooSmallError, ClosedFileError, InvalidArgumentError, ReadOnlyBufferError,
-                           UnsupportedOperationError)
+from gdskit.errors import (BufferTooSmallError, ClosedFileError, InvalidArgumentError, NothingToVerifyError,
+                           ReadOnlyBufferError, UnsupportedOperationError)
 from gdskit.settings import Settings, settings
 from gdskit.vocabulary import Path
 
@@ -162,8 +162,15 @@ class ObjectFile:
         self._leave()
 
     # -- reads -------------------------------------------------------------
-    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
-        """Read ``size`` bytes at ``file_offset`` into ``buf`` at ``buf_offset`` (as :meth:`gdskit.File.read`)."""
+    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0, *,
+             verify: Any = False) -> int:
+        """Read ``size`` bytes at ``file_offset`` into ``buf`` at ``buf_offset`` (as :meth:`gdskit.File.read`).
+        ``verify``: an object has no digest manifest (manifests list local files), so anything but
+        False is refused before a byte is read."""
+        if verify is not False and verify is not None:
+            raise NothingToVerifyError(f"{self.path}: a raw read of an object has no digests to check against "
+                                       "(manifests list local files; a checkpoint's header digests are checked "
+                                       "by the loaders)", path=self.path)
         self._enter()
         try:
             return self._read_items([self._validate_read(buf, size, file_offset, buf_offset)])[0]
