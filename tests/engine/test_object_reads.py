@@ -228,3 +228,14 @@ def test_the_store_check_refuses_a_path_that_is_not_a_url():
 
     with pytest.raises(InvalidArgumentError):
         check_object_store("/local/file")
+
+
+def test_an_executor_replaced_by_a_settings_change_still_takes_work():
+    """A reader that took the object executor before another thread changed s3_concurrency can
+    still submit to it (it is retired with the workers, not shut down under the reader)."""
+    from gdskit.engine import pool
+
+    held = pool.object_executor(3)
+    pool.object_executor(4)
+    assert held.submit(lambda: 42).result() == 42
+    pool.stop_workers()

@@ -364,6 +364,9 @@ lanes = LanePool()
 
 _exec_lock = threading.Lock()
 _executors: dict[str, tuple[ThreadPoolExecutor, int]] = {}
+#: Executors replaced after a settings change: another thread may hold one and submit to it yet,
+#: so they stop with the workers (``stop_workers``), not when replaced.
+_retired: list[ThreadPoolExecutor] = []
 
 
 def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
@@ -373,7 +376,7 @@ def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
         if found is not None and found[1] == threads:
             return found[0]
         if found is not None:
-            found[0].shutdown(wait=False)
+            _retired.append(found[0])
         ex = executor(threads, f"gdskit-{kind}")
         _executors[kind] = (ex, threads)
         return ex
@@ -559,10 +562,11 @@ def set_up(device: int | None, workers: int | None = None) -> None:
 def stop_workers() -> None:
     """Stop the worker threads, letting the work they hold finish."""
     with _exec_lock:
-        found = [_executors.pop(kind, None) for kind in ("req", "io")]
-    for item in found:
-        if item is not None:
-            item[0].shutdown(wait=True)
+        found = [item[0] for item in (_executors.pop(kind, None) for kind in ("req", "io")) if item is not None]
+        found += _retired
+        _retired.clear()
+    for ex in found:
+        ex.shutdown(wait=True)
 
 
 def shutdown() -> None:
