@@ -230,12 +230,13 @@ def test_the_store_check_refuses_a_path_that_is_not_a_url():
         check_object_store("/local/file")
 
 
-def test_an_executor_replaced_by_a_settings_change_still_takes_work():
+def test_the_object_executor_a_reader_holds_survives_a_change_of_concurrency():
     """A reader that took the object executor before another thread changed s3_concurrency can
-    still submit to it (it is retired with the workers, not shut down under the reader)."""
+    still submit to it: the setting bounds each job, not the executor."""
     from gdskit.engine import pool
 
-    held = pool.object_executor(3)
-    pool.object_executor(4)
+    with gdskit.settings.set(s3_concurrency=3):
+        held = pool.object_executor()
+    with gdskit.settings.set(s3_concurrency=4):
+        pool.object_executor()
     assert held.submit(lambda: 42).result() == 42
-    pool.stop_workers()

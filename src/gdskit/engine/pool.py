@@ -364,9 +364,10 @@ lanes = LanePool()
 
 _exec_lock = threading.Lock()
 _executors: dict[str, tuple[ThreadPoolExecutor, int]] = {}
-#: Executors replaced after a settings change: another thread may hold one and submit to it yet,
-#: so they stop with the workers (``stop_workers``), not when replaced.
-_retired: list[ThreadPoolExecutor] = []
+#: The object store's executor is made once, at the most GETs ``settings.s3_concurrency`` allows
+#: (its threads start only as work asks): a reader holding it is never left with one shut down
+#: by another thread's change of the setting. Each job bounds its own concurrency.
+OBJECT_THREADS = 256
 
 
 def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
@@ -376,7 +377,7 @@ def _executor(kind: str, threads: int) -> ThreadPoolExecutor:
         if found is not None and found[1] == threads:
             return found[0]
         if found is not None:
-            _retired.append(found[0])
+            found[0].shutdown(wait=False)
         ex = executor(threads, f"gdskit-{kind}")
         _executors[kind] = (ex, threads)
         return ex
@@ -387,10 +388,11 @@ def io_executor(threads: int) -> ThreadPoolExecutor:
     return _executor("io", threads)
 
 
-def object_executor(threads: int) -> ThreadPoolExecutor:
-    """Threads that wait on an object store's ranged GETs and part uploads (``settings.s3_concurrency``):
-    apart from the I/O workers, since they mostly wait on the network, not on a disk or a copy."""
-    return _executor("object", threads)
+def object_executor() -> ThreadPoolExecutor:
+    """Threads that wait on an object store's ranged GETs and part uploads: apart from the I/O
+    workers, since they mostly wait on the network, not on a disk or a copy. One for the process
+    (:data:`OBJECT_THREADS`); a job bounds how many of its GETs run at once."""
+    return _executor("object", OBJECT_THREADS)
 
 
 def request_executor(threads: int) -> ThreadPoolExecutor:
@@ -562,11 +564,10 @@ def set_up(device: int | None, workers: int | None = None) -> None:
 def stop_workers() -> None:
     """Stop the worker threads, letting the work they hold finish."""
     with _exec_lock:
-        found = [item[0] for item in (_executors.pop(kind, None) for kind in ("req", "io")) if item is not None]
-        found += _retired
-        _retired.clear()
-    for ex in found:
-        ex.shutdown(wait=True)
+        found = [_executors.pop(kind, None) for kind in ("req", "io")]
+    for item in found:
+        if item is not None:
+            item[0].shutdown(wait=True)
 
 
 def shutdown() -> None:

@@ -553,8 +553,20 @@ def _run_parts(parts: list[Any], work: Callable[[Any], None], concurrency: int) 
         except BaseException as exc:
             failed.append(exc)
 
-    ex = object_executor(concurrency)
-    for fut in [ex.submit(run, p) for p in parts]:
+    gate = threading.BoundedSemaphore(max(1, concurrency))  # this job's GETs at once
+
+    def gated(part: Any) -> None:
+        try:
+            run(part)
+        finally:
+            gate.release()
+
+    ex = object_executor()
+    futures = []
+    for p in parts:
+        gate.acquire()
+        futures.append(ex.submit(gated, p))
+    for fut in futures:
         fut.result()
     if failed:
         raise failed[0]
@@ -632,7 +644,7 @@ class _Upload:
             finally:
                 self._slots.release()
 
-        self._etags.append(object_executor(self._cfg.s3_concurrency).submit(upload))
+        self._etags.append(object_executor().submit(upload))
 
     def finish(self) -> None:
         """Upload the rest and complete; on any failure abort the upload and raise."""
