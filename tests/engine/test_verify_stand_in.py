@@ -7,17 +7,16 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import shutil
 import struct
-import subprocess
 
 import blake3
 import pytest
+from cpu_kernel import build_with_harness
 
 import gdskit
 from gdskit.engine import cuda, digest_buffers
 from gdskit.engine.gpu_hash import digest_device, provide_image
-from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, SOURCE
+from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS
 from gdskit.errors import ChecksumMismatchError, CudaError
 
 from fake_cuda import FakeDriver
@@ -76,15 +75,7 @@ def _fake_cubin(*names: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to run the kernels' source on the CPU")
-    where = tmp_path_factory.mktemp("kernels")
-    (where / "kernel.cu").write_text(SOURCE)
-    (where / "harness.cpp").write_text(_HARNESS)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", str(where / "k.so"),
-                    str(where / "harness.cpp")], check=True, cwd=where)
-    return ctypes.CDLL(str(where / "k.so"))
+    return build_with_harness(tmp_path_factory.mktemp("kernels"), _HARNESS)
 
 
 @pytest.fixture()

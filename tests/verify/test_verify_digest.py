@@ -6,14 +6,13 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import shutil
-import subprocess
 
 import blake3
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from blake3_vectors import VECTORS, vector_input
+from cpu_kernel import build_with_harness
 from gdskit.verify import blake3_hex, chunk_ranges, tagged
 
 
@@ -89,18 +88,7 @@ extern "C" void digest(const u8** ptrs, const u64* lens, int n, u32* roots) {
 
 @pytest.fixture(scope="module")
 def kernel_on_cpu(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to run the kernel's source on the CPU")
-    from gdskit.engine.gpu_hash_kernel import SOURCE
-
-    where = tmp_path_factory.mktemp("kernel")
-    (where / "kernel.cu").write_text(SOURCE)
-    (where / "harness.cpp").write_text(_HARNESS)
-    lib = where / "libkernel.so"
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", str(lib),
-                    str(where / "harness.cpp")], check=True, cwd=where)
-    dll = ctypes.CDLL(str(lib))
+    dll = build_with_harness(tmp_path_factory.mktemp("kernel"), _HARNESS)
 
     def digest(buffers: list[bytes], shift: int = 0) -> list[str]:
         """Digests of ``buffers``, each placed ``shift`` bytes past an aligned address."""
