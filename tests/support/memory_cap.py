@@ -28,8 +28,13 @@ allocation past the cap raises ``MemoryError`` in the child), kills the child af
 - ``"timed_out"``: the child ran past ``timeout_s`` and was killed.
 
 ``Outcome.peak_rss_growth`` is how far the child's resident memory rose above its size at the
-start of ``fn`` at its highest (bytes; ``VmHWM``, which a fork starts afresh), so that a test can
-ask that a case was cheap as well as bounded; None where the child did not report.
+start of ``fn`` at its highest (bytes), so that a test can ask that a case was cheap as well as
+bounded; None where the child did not report. It is the larger of two readings, each of which can
+only fall short of the truth, never exceed it: the kernel's peak (``VmHWM``, reset at the start
+through ``/proc/self/clear_refs``), which falls short when memory pressure reclaims file pages the
+child shares with its parent while the case runs, and the highest anonymous size (``RssAnon`` plus
+``VmSwap``) sampled every millisecond by a thread of the child, which reclaim cannot shrink but which can miss
+a peak shorter than a sample.
 
 Many cases can share one child: pass a function that loops over them (a hypothesis
 ``@given`` test included) and let the cap and the timeout bound the whole loop. Linux only
@@ -41,6 +46,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import resource
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +70,8 @@ class Outcome:
     signal: int | None = None
     exitcode: int | None = None
     peak_rss_growth: int | None = None
+    #: The two readings ``peak_rss_growth`` is the larger of: (kernel peak, sampled anonymous peak).
+    peak_readings: tuple[int, int] | None = None
 
     def raised(self, name: str) -> bool:
         """Whether the child raised an instance of the class called ``name`` (or a subclass)."""
@@ -76,13 +84,23 @@ class Outcome:
         return self.value
 
 
-def _status_bytes(field: str) -> int:
-    """A size this process's ``/proc/self/status`` gives (``VmSize``, ``VmRSS``, ``VmHWM``), in bytes."""
+def _status_fields(*fields: str) -> int:
+    """The sum of sizes this process's ``/proc/self/status`` gives (``VmSize``, ``VmRSS``, ...), in bytes."""
+    found = {}
     with open("/proc/self/status", encoding="ascii") as fh:
         for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+            name, _, rest = line.partition(":")
+            if name in fields:
+                found[name] = int(rest.split()[0]) * 1024
+    missing = [f for f in fields if f not in found]
+    if missing:
+        raise RuntimeError(f"no {', '.join(missing)} in /proc/self/status")
+    return sum(found.values())
+
+
+def _status_bytes(field: str) -> int:
+    """A size this process's ``/proc/self/status`` gives, in bytes."""
+    return _status_fields(field)
 
 
 def _cap_address_space(cap_bytes: int) -> None:
@@ -94,10 +112,49 @@ def _cap_address_space(cap_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+def _reset_peak() -> None:
+    """Make ``VmHWM`` the resident size now (the peak a fork inherits is its parent's moment)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:  # kernels before 4.0: the peak stays the parent's at the fork
+        pass
+
+
+def _anon_bytes() -> int:
+    """Anonymous memory, resident or swapped out (a page swapped out under pressure still counts)."""
+    return _status_fields("RssAnon", "VmSwap")
+
+
+class _AnonSampler:
+    """The highest anonymous size seen, read every millisecond by a daemon thread until stopped."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = _anon_bytes()
+        self._stop, self._sampling = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-cap-sampler", daemon=True)
+        self._thread.start()
+        self._sampling.wait()  # its first reading (and the malloc arena it takes) comes before the cap
+
+    def _run(self) -> None:
+        self.peak = max(self.peak, _anon_bytes())
+        self._sampling.set()
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _anon_bytes())
+
+    def growth(self) -> int:
+        """Stop sampling; the highest anonymous size seen above the start."""
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _anon_bytes()) - self.start
+
+
 def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
            cap_bytes: int) -> None:
     """The forked child: cap, run, report one message through ``conn``."""
+    _reset_peak()
     start_rss = _status_bytes("VmRSS")
+    sampler = _AnonSampler()
     try:
         _cap_address_space(cap_bytes)
         value = fn(*args, **kwargs)
@@ -111,7 +168,7 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         except Exception:  # noqa: BLE001 - an unpicklable result comes back as text
             value = repr(value)
         message = ("returned", value)
-    conn.send((_status_bytes("VmHWM") - start_rss, message))
+    conn.send(((_status_bytes("VmHWM") - start_rss, sampler.growth()), message))
     conn.close()
 
 
@@ -159,12 +216,12 @@ def run_capped(fn: Callable[..., Any], *args: Any, cap_bytes: int = DEFAULT_CAP_
     if message is None:
         code = proc.exitcode
         return Outcome("killed", signal=-code if code is not None and code < 0 else None, exitcode=code)
-    peak, message = message
+    readings, message = message
+    peak = {"peak_rss_growth": max(readings), "peak_readings": readings}
     if message[0] == "returned":
-        return Outcome("returned", value=message[1], exitcode=proc.exitcode, peak_rss_growth=peak)
+        return Outcome("returned", value=message[1], exitcode=proc.exitcode, **peak)
     _tag, name, bases, detail = message
-    return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode,
-                   peak_rss_growth=peak)
+    return Outcome("raised", error=name, error_bases=bases, detail=detail, exitcode=proc.exitcode, **peak)
 
 
 #: What a fresh interpreter that imports torch and reads hostile files may use at most.
