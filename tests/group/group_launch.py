@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from rank_launch import run_ranks
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "src"
 PIECE = 64 << 10  # group_workers.PIECE
 
 
@@ -114,42 +111,9 @@ def launch(name: str, world: int, workdir: Path, backend: str = "gloo", killed: 
     scenario kills on purpose and its status), hangs past ``timeout_s`` or reports nothing;
     every process is ended before returning.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    env["OMP_NUM_THREADS"] = "1"
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(workdir / f"{name}.{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "group_workers.py"), name, str(rank), str(world),
-                                       str(workdir), backend], env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    out: dict[int, Any] = {}
-    problems = []
-    for rank, p in enumerate(procs):
-        expected = killed[1] if killed is not None and killed[0] == rank else 0
-        report = workdir / f"{name}.{rank}.json"
-        if p.returncode != expected or not report.exists():
-            tail = (workdir / f"{name}.{rank}.log").read_text()[-4000:]
-            problems.append(f"rank {rank} exited with {p.returncode} (expected {expected}):\n{tail}")
-            continue
-        out[rank] = json.loads(report.read_text())
-    assert not problems, "\n".join(problems)
-    return out
+    exit_status = {killed[0]: killed[1]} if killed is not None else None
+    return run_ranks(HERE / "group_workers.py", name, world, workdir, extra=(backend,), exit_status=exit_status,
+                     timeout_s=timeout_s)
 
 
 def facts_of(ranks: dict[int, Any], world: int, scenario: str) -> list[dict[str, Any]]:

@@ -268,7 +268,22 @@ def pointer_info(ptr: int) -> PointerInfo:
     return _HOST_POINTER
 
 
-class PinnedBuffer:
+class _FreedWhenCollected:
+    """The last resort for memory whose owner forgot ``free()``: pools and callers free explicitly."""
+
+    def free(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if exiting():
+            return  # modules are being torn down; the exiting process returns the memory
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
+
+class PinnedBuffer(_FreedWhenCollected):
     """Page-locked host memory from ``cuMemHostAlloc`` (``cudaHostAlloc``), freed exactly once."""
 
     def __init__(self, nbytes: int) -> None:
@@ -284,14 +299,6 @@ class PinnedBuffer:
             check(_driver().cuMemFreeHost(self.ptr), "cuMemFreeHost")
             self.ptr = 0
 
-    def __del__(self) -> None:  # last resort; pools free explicitly
-        if exiting():
-            return  # modules are being torn down; the exiting process returns the memory
-        try:
-            self.free()
-        except Exception:
-            pass
-
 
 _HUGE_PAGE = 2 << 20
 _MADV_DONTFORK, _MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 10, 14, 15, 23
@@ -301,7 +308,7 @@ def _libc() -> Any:
     return libc  # the one ctypes view of the C library (gdskit.engine.residency)
 
 
-class RegisteredHostBuffer:
+class RegisteredHostBuffer(_FreedWhenCollected):
     """Page-locked host memory made by hand: anonymous memory on transparent huge pages,
     faulted in by the calling thread, then ``cuMemHostRegister``-ed. Freed exactly once.
 
@@ -357,14 +364,6 @@ class RegisteredHostBuffer:
             if int(err) == 0:
                 _libc().munmap(self._base, self._map_len)
             check(err, "cuMemHostUnregister")
-
-    def __del__(self) -> None:  # last resort; pools free explicitly
-        if exiting():
-            return  # modules are being torn down; the exiting process returns the memory
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 def register_host(ptr: int, nbytes: int) -> None:
@@ -567,7 +566,7 @@ def synchronize_producer(stream: int | None) -> None:
     check(_in_context().cuStreamSynchronize(handle), "cuStreamSynchronize")
 
 
-class DeviceArray:
+class DeviceArray(_FreedWhenCollected):
     """Plain ``cuMemAlloc`` (``cudaMalloc``) or managed memory exposing ``__cuda_array_interface__``.
 
     For programs (and gdskit's own benchmarks and tests) that need GPU buffers
@@ -622,14 +621,6 @@ class DeviceArray:
             self.ptr = 0
             # Exported as empty from now on: a consumer of the interface never sees the freed pointer.
             self.__cuda_array_interface__ = {**self.__cuda_array_interface__, "shape": (0,), "data": (0, False)}
-
-    def __del__(self) -> None:
-        if exiting():
-            return  # modules are being torn down; the exiting process returns the memory
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 # -- stream-ordered work on the caller's streams (gdskit.engine.stream_ordered) --------------------------------
