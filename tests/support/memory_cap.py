@@ -84,23 +84,24 @@ class Outcome:
         return self.value
 
 
-def _status_fields(*fields: str) -> int:
-    """The sum of sizes this process's ``/proc/self/status`` gives (``VmSize``, ``VmRSS``, ...), in bytes."""
-    found = {}
+def _status() -> dict[str, int]:
+    """The sizes this process's ``/proc/self/status`` gives (``VmSize``, ``VmRSS``, ...), in bytes."""
+    sizes = {}
     with open("/proc/self/status", encoding="ascii") as fh:
         for line in fh:
             name, _, rest = line.partition(":")
-            if name in fields:
-                found[name] = int(rest.split()[0]) * 1024
-    missing = [f for f in fields if f not in found]
-    if missing:
-        raise RuntimeError(f"no {', '.join(missing)} in /proc/self/status")
-    return sum(found.values())
+            fields = rest.split()
+            if len(fields) == 2 and fields[1] == "kB":
+                sizes[name] = int(fields[0]) * 1024
+    return sizes
 
 
 def _status_bytes(field: str) -> int:
     """A size this process's ``/proc/self/status`` gives, in bytes."""
-    return _status_fields(field)
+    size = _status().get(field)
+    if size is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return size
 
 
 def _cap_address_space(cap_bytes: int) -> None:
@@ -122,8 +123,12 @@ def _reset_peak() -> None:
 
 
 def _anon_bytes() -> int:
-    """Anonymous memory, resident or swapped out (a page swapped out under pressure still counts)."""
-    return _status_fields("RssAnon", "VmSwap")
+    """Anonymous memory, resident or swapped out (a page swapped out under pressure still counts);
+    the whole resident size where the kernel does not break it down."""
+    sizes = _status()
+    if "RssAnon" not in sizes:
+        return sizes["VmRSS"]
+    return sizes["RssAnon"] + sizes.get("VmSwap", 0)
 
 
 class _AnonSampler:
