@@ -44,9 +44,11 @@ ParallelRank = Callable[[], tuple[int, int]]
 
 #: Model classes whose ``load_weights`` only maps names (``q_proj`` -> ``qkv_proj`` and so on)
 #: and calls each parameter's weight loader: their tensors may be placed. Any other model
-#: goes through its own ``load_weights`` whole. (vLLM's Qwen2 and Qwen3 map names the same
-#: way; they join once a GPU run has compared them with vLLM's own loader.)
-PLAIN_MODELS = frozenset({"LlamaForCausalLM"})
+#: goes through its own ``load_weights`` whole. Each was compared byte for byte with vLLM's own
+#: loader on the CPU (vLLM 0.33, tests/api/test_vllm_families.py). Mistral's own checkpoint
+#: format (``layers.0.attention.wq.weight``, permuted by its ``load_weights``) names no
+#: parameter, so its tensors all go to ``load_weights``.
+PLAIN_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 _LINEAR = {"ReplicatedLinear": LayerKind.REPLICATED, "ColumnParallelLinear": LayerKind.COLUMN,
            "RowParallelLinear": LayerKind.ROW, "QKVParallelLinear": LayerKind.QKV,

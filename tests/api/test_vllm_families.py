@@ -1,0 +1,166 @@
+"""The load format's placement plan over the model families it places: Llama, Mistral, Qwen2
+(q/k/v biases), Qwen3 (per-head q/k norms), with tied and untied embeddings, at every rank of
+1, 2 and 4 tensor-parallel ranks.
+
+In CI, the models are made of stand-in layers (tests/support/vllm_fake_layers.py) and checked
+against the stand-in of vLLM's shard rules (tests/support/vllm_shard_rules.py). Where vLLM is
+installed, the same checks run on vLLM's own model classes, built on the CPU
+(tests/support/vllm_models.py): with ``placement`` on and off, gdskit's load must leave every
+parameter with the bytes vLLM's own ``load_weights`` gives it, and the bytes the stand-in rules
+make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from vllm_llama_shapes import Cfg, checkpoint, expected, raw  # noqa: E402
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
+
+#: Each family's shapes, as its vLLM model builds them: Qwen2 has q/k/v biases and no head_dim
+#: of its own (hidden / heads), Qwen3 per-head norms of q and k. 4 heads of 8, 2 KV heads: at 4
+#: ranks each KV head is on two ranks.
+FAMILIES = {
+    "llama": dict(qkv_bias=False, qk_norm=False),
+    "mistral": dict(qkv_bias=False, qk_norm=False),
+    "qwen2": dict(qkv_bias=True, qk_norm=False),
+    "qwen3": dict(qkv_bias=False, qk_norm=True),
+}
+
+
+def family_cfg(family: str, tied: bool) -> Cfg:
+    return Cfg(hidden=32, heads=4, kv_heads=2, head_size=8, v_head_size=8, intermediate=48, vocab=100, tied=tied,
+               dtype="BF16", layers=2, **FAMILIES[family])
+
+
+def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Two shards and their index, as save_pretrained writes them."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        safetensors_torch.save_file({n: tensors[n] for n in part}, root / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+# -- vLLM's own model classes, on the CPU, where vLLM is installed ------------------------------
+
+def _reference(tmp_path: Path, family: str, tied: bool, tp: int, *, head_in_checkpoint: bool = False) -> None:
+    import vllm_models
+
+    cfg = family_cfg(family, tied)
+    full = checkpoint(cfg)
+    if head_in_checkpoint:  # a tied model's checkpoint that holds its LM head too: vLLM unties it
+        full["lm_head.weight"] = full["model.embed_tokens.weight"].flip(0).contiguous()
+    root = write_checkpoint(tmp_path / "model", full)
+    vllm_models.write_config(root, family, tied=tied, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                             vocab=cfg.vocab, layers=cfg.layers)
+    untied = dataclasses.replace(cfg, tied=tied and not head_in_checkpoint)
+    for rank in range(tp):
+        _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
+        want = {n: raw(t) for n, t in expected(full, untied, rank, tp).items()}
+        assert theirs == want, f"the stand-in rules and vLLM's {family} differ at rank {rank} of {tp}"
+        for placement in (True, False):
+            _, ours, report = vllm_models.gdskit_loaded(root, str(root), rank, tp, torch.bfloat16,
+                                                        {"placement": placement})
+            assert ours == theirs, f"{family} placement={placement} at rank {rank} of {tp}"
+            assert report.planned is placement
+            if placement:
+                assert (report.placed, report.fallback) == (len(full), 0), report.reasons
+            else:
+                assert (report.placed, report.fallback) == (0, len(full))
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_vllm_models_place_as_their_own_loaders(tmp_path, family, tied, tp) -> None:
+    _reference(tmp_path, family, tied, tp)
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_vllm_tied_model_whose_checkpoint_holds_its_head(tmp_path, family, tp) -> None:
+    """vLLM unties a tied model whose checkpoint holds an LM head of its own (it reads the
+    model directory's headers): the head is then a parameter, placed as any other."""
+    _reference(tmp_path, family, True, tp, head_in_checkpoint=True)
+
+
+#: Mistral's own checkpoint format: its names for the transformers names of vllm_llama_shapes.
+_MISTRAL_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.layers.", "layers."),
+                  ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                  ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                  ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
+                  ("mlp.gate_proj", "feed_forward.w1"), ("mlp.down_proj", "feed_forward.w2"),
+                  ("mlp.up_proj", "feed_forward.w3"), ("model.norm.", "norm."), ("lm_head.", "output."))
+
+
+def mistral_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        for hf, ours in _MISTRAL_NAMES:
+            name = name.replace(hf, ours)
+        out[name] = t
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_mistral_format_goes_through_load_weights(tmp_path, tp) -> None:
+    """A checkpoint in Mistral's own format names no parameter (vLLM's ``load_weights`` renames
+    and permutes q and k): every tensor goes through it, and the model is vLLM's."""
+    import vllm_models
+
+    cfg = family_cfg("mistral", False)
+    full = mistral_format(checkpoint(cfg))
+    root = write_checkpoint(tmp_path / "model", full)
+    vllm_models.write_config(root, "mistral", tied=False, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                             vocab=cfg.vocab, layers=cfg.layers)
+    for rank in range(tp):
+        _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
+        _, ours, report = vllm_models.gdskit_loaded(root, str(root), rank, tp, torch.bfloat16, {"placement": True})
+        assert ours == theirs
+        assert (report.placed, report.fallback) == (0, len(full))
+        assert all(why.startswith("no parameter") for why, _ in report.reasons)
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vllm_tensors_of_another_dtype_go_through_load_weights(tmp_path, tp) -> None:
+    """float32 tensors in a bfloat16 model (a norm, a q/k norm, one piece of a fused layer) are
+    cast by vLLM's loaders: they fall back, counted, and the rest is placed."""
+    import vllm_models
+
+    cfg = family_cfg("qwen3", False)
+    full = checkpoint(cfg)
+    f32 = ("model.norm.weight", "model.layers.0.self_attn.k_norm.weight", "model.layers.1.self_attn.v_proj.weight")
+    for name in f32:
+        full[name] = full[name].float()
+    root = write_checkpoint(tmp_path / "model", full)
+    vllm_models.write_config(root, "qwen3", tied=False, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                             vocab=cfg.vocab, layers=cfg.layers)
+    for rank in range(tp):
+        _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
+        _, ours, report = vllm_models.gdskit_loaded(root, str(root), rank, tp, torch.bfloat16, {"placement": True})
+        assert ours == theirs
+        assert (report.placed, report.fallback) == (len(full) - len(f32), len(f32))
+        assert report.reasons == (("checkpoint dtype F32, parameter BF16", len(f32)),)
