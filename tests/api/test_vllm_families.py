@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from vllm_llama_shapes import Cfg, checkpoint, expected, raw  # noqa: E402
+from vllm_stand_in import gdskit_vllm, load_config  # noqa: E402, F401 - a fixture
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
@@ -55,6 +56,96 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
         weight_map.update({n: fname for n in part})
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
+
+
+#: Mistral's own checkpoint format: its names for the transformers names of vllm_llama_shapes.
+_MISTRAL_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.layers.", "layers."),
+                  ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                  ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                  ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
+                  ("mlp.gate_proj", "feed_forward.w1"), ("mlp.down_proj", "feed_forward.w2"),
+                  ("mlp.up_proj", "feed_forward.w3"), ("model.norm.", "norm."), ("lm_head.", "output."))
+
+
+def mistral_format(tensors: dict[str, torch.Tensor], cfg: Cfg) -> dict[str, torch.Tensor]:
+    """``tensors`` (transformers' names and layout) as Mistral's own format holds them: its names,
+    and q's and k's rows in Mistral's rotary layout (the inverse of the permutation vLLM's
+    Mistral applies when it loads them)."""
+    out = {}
+    for name, t in tensors.items():
+        for hf, ours in _MISTRAL_NAMES:
+            name = name.replace(hf, ours)
+        heads = {"wq": cfg.heads, "wk": cfg.kv_heads}.get(name.split(".")[-2])
+        if heads is not None:
+            rows, cols = t.shape
+            t = t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+        out[name] = t
+    return out
+
+
+# -- stand-in layers, everywhere (CI) -------------------------------------------------------------
+
+def _fake_model(family: str, cfg: Cfg, rank: int, tp: int):
+    import vllm_fake_layers as fake
+
+    cls = {"llama": fake.LlamaForCausalLM, "mistral": fake.MistralForCausalLM, "qwen2": fake.Qwen2ForCausalLM,
+           "qwen3": fake.Qwen3ForCausalLM}[family]
+    return cls(cfg, rank, tp)
+
+
+def _fake_load(gv, model, path: Path, extra: dict):
+    from types import SimpleNamespace
+
+    loader = gv.GdskitModelLoader(load_config(extra))
+    loader.load_weights(model, SimpleNamespace(model=str(path), subfolder=None, quantization=None))
+    return {n: raw(p.data) for n, p in model.named_parameters()}, loader.last_report
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_is_placed_as_the_shard_rules_place_it(gdskit_vllm, tmp_path, family, tied, tp) -> None:
+    cfg = family_cfg(family, tied)
+    full = checkpoint(cfg)
+    path = write_checkpoint(tmp_path, full)
+    for rank in range(tp):
+        placed, report = _fake_load(gdskit_vllm, _fake_model(family, cfg, rank, tp), path, {"placement": True})
+        assert (report.placed, report.fallback) == (len(full), 0), report.reasons
+        own, off = _fake_load(gdskit_vllm, _fake_model(family, cfg, rank, tp), path, {"placement": False})
+        assert (off.placed, off.fallback) == (0, len(full))
+        want = {n: raw(t) for n, t in expected(full, cfg, rank, tp).items()}
+        assert placed == own == want, f"{family} at rank {rank} of {tp}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_tied_checkpoint_holding_its_head_too_sends_the_head_through_load_weights(gdskit_vllm, tmp_path,
+                                                                                    tp) -> None:
+    """A tied model (its config says so, and vLLM did not untie it) skips ``lm_head.weight``:
+    the plan, which has no parameter of that name, leaves it to the model, which skips it."""
+    cfg = family_cfg("qwen2", True)
+    full = checkpoint(cfg)
+    full["lm_head.weight"] = full["model.embed_tokens.weight"].flip(0).contiguous()
+    path = write_checkpoint(tmp_path, full)
+    for rank in range(tp):
+        placed, report = _fake_load(gdskit_vllm, _fake_model("qwen2", cfg, rank, tp), path, {"placement": True})
+        assert (report.placed, report.fallback) == (len(full) - 1, 1)
+        assert report.reasons == (("no parameter 'lm_head.weight'", 1),)
+        own, _ = _fake_load(gdskit_vllm, _fake_model("qwen2", cfg, rank, tp), path, {"placement": False})
+        assert placed == own == {n: raw(t) for n, t in expected(full, cfg, rank, tp).items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mistral_format_goes_through_load_weights(gdskit_vllm, tmp_path, tp) -> None:
+    """Mistral's own names are no parameter's: every tensor goes to the model, which renames and
+    permutes them; the result is the model of the transformers-named checkpoint it came from."""
+    cfg = family_cfg("mistral", False)
+    hf = checkpoint(cfg)
+    own_format = mistral_format(hf, cfg)
+    path = write_checkpoint(tmp_path, own_format)
+    for rank in range(tp):
+        placed, report = _fake_load(gdskit_vllm, _fake_model("mistral", cfg, rank, tp), path, {"placement": True})
+        assert (report.placed, report.fallback) == (0, len(own_format))
+        assert placed == {n: raw(t) for n, t in expected(hf, cfg, rank, tp).items()}
 
 
 # -- vLLM's own model classes, on the CPU, where vLLM is installed ------------------------------
@@ -103,24 +194,6 @@ def test_vllm_tied_model_whose_checkpoint_holds_its_head(tmp_path, family, tp) -
     _reference(tmp_path, family, True, tp, head_in_checkpoint=True)
 
 
-#: Mistral's own checkpoint format: its names for the transformers names of vllm_llama_shapes.
-_MISTRAL_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.layers.", "layers."),
-                  ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
-                  ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
-                  ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
-                  ("mlp.gate_proj", "feed_forward.w1"), ("mlp.down_proj", "feed_forward.w2"),
-                  ("mlp.up_proj", "feed_forward.w3"), ("model.norm.", "norm."), ("lm_head.", "output."))
-
-
-def mistral_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in tensors.items():
-        for hf, ours in _MISTRAL_NAMES:
-            name = name.replace(hf, ours)
-        out[name] = t
-    return out
-
-
 @needs_vllm
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_mistral_format_goes_through_load_weights(tmp_path, tp) -> None:
@@ -129,13 +202,15 @@ def test_vllm_mistral_format_goes_through_load_weights(tmp_path, tp) -> None:
     import vllm_models
 
     cfg = family_cfg("mistral", False)
-    full = mistral_format(checkpoint(cfg))
+    hf = checkpoint(cfg)
+    full = mistral_format(hf, cfg)
     root = write_checkpoint(tmp_path / "model", full)
     vllm_models.write_config(root, "mistral", tied=False, heads=cfg.heads, kv_heads=cfg.kv_heads,
                              head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
                              vocab=cfg.vocab, layers=cfg.layers)
     for rank in range(tp):
         _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
+        assert theirs == {n: raw(t) for n, t in expected(hf, cfg, rank, tp).items()}  # the stand-in's permutation
         _, ours, report = vllm_models.gdskit_loaded(root, str(root), rank, tp, torch.bfloat16, {"placement": True})
         assert ours == theirs
         assert (report.placed, report.fallback) == (0, len(full))
