@@ -14,84 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
-from vllm_llama_shapes import Cfg, checkpoint, expected, raw  # noqa: E402
+from vllm_families import FAMILIES, fake_model, family_cfg, mistral_format, write_checkpoint  # noqa: E402
+from vllm_llama_shapes import checkpoint, expected, raw  # noqa: E402
 from vllm_stand_in import gdskit_vllm, load_config  # noqa: E402, F401 - a fixture
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
 
-#: Each family's shapes, as its vLLM model builds them: Qwen2 has q/k/v biases and no head_dim
-#: of its own (hidden / heads), Qwen3 per-head norms of q and k. 4 heads of 8, 2 KV heads: at 4
-#: ranks each KV head is on two ranks.
-FAMILIES = {
-    "llama": dict(qkv_bias=False, qk_norm=False),
-    "mistral": dict(qkv_bias=False, qk_norm=False),
-    "qwen2": dict(qkv_bias=True, qk_norm=False),
-    "qwen3": dict(qkv_bias=False, qk_norm=True),
-}
-
-
-def family_cfg(family: str, tied: bool) -> Cfg:
-    return Cfg(hidden=32, heads=4, kv_heads=2, head_size=8, v_head_size=8, intermediate=48, vocab=100, tied=tied,
-               dtype="BF16", layers=2, **FAMILIES[family])
-
-
-def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """Two shards and their index, as save_pretrained writes them."""
-    root.mkdir(parents=True, exist_ok=True)
-    names = list(tensors)
-    half = len(names) // 2
-    weight_map = {}
-    for i, part in enumerate((names[:half], names[half:])):
-        fname = f"model-{i + 1:05d}-of-00002.safetensors"
-        safetensors_torch.save_file({n: tensors[n] for n in part}, root / fname, metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
-
-
-#: Mistral's own checkpoint format: its names for the transformers names of vllm_llama_shapes.
-_MISTRAL_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.layers.", "layers."),
-                  ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
-                  ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
-                  ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
-                  ("mlp.gate_proj", "feed_forward.w1"), ("mlp.down_proj", "feed_forward.w2"),
-                  ("mlp.up_proj", "feed_forward.w3"), ("model.norm.", "norm."), ("lm_head.", "output."))
-
-
-def mistral_format(tensors: dict[str, torch.Tensor], cfg: Cfg) -> dict[str, torch.Tensor]:
-    """``tensors`` (transformers' names and layout) as Mistral's own format holds them: its names,
-    and q's and k's rows in Mistral's rotary layout (the inverse of the permutation vLLM's
-    Mistral applies when it loads them)."""
-    out = {}
-    for name, t in tensors.items():
-        for hf, ours in _MISTRAL_NAMES:
-            name = name.replace(hf, ours)
-        heads = {"wq": cfg.heads, "wk": cfg.kv_heads}.get(name.split(".")[-2])
-        if heads is not None:
-            rows, cols = t.shape
-            t = t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-        out[name] = t
-    return out
-
 
 # -- stand-in layers, everywhere (CI) -------------------------------------------------------------
-
-def _fake_model(family: str, cfg: Cfg, rank: int, tp: int):
-    import vllm_fake_layers as fake
-
-    cls = {"llama": fake.LlamaForCausalLM, "mistral": fake.MistralForCausalLM, "qwen2": fake.Qwen2ForCausalLM,
-           "qwen3": fake.Qwen3ForCausalLM}[family]
-    return cls(cfg, rank, tp)
-
 
 def _fake_load(gv, model, path: Path, extra: dict):
     from types import SimpleNamespace
@@ -109,9 +47,9 @@ def test_each_family_is_placed_as_the_shard_rules_place_it(gdskit_vllm, tmp_path
     full = checkpoint(cfg)
     path = write_checkpoint(tmp_path, full)
     for rank in range(tp):
-        placed, report = _fake_load(gdskit_vllm, _fake_model(family, cfg, rank, tp), path, {"placement": True})
+        placed, report = _fake_load(gdskit_vllm, fake_model(family, cfg, rank, tp), path, {"placement": True})
         assert (report.placed, report.fallback) == (len(full), 0), report.reasons
-        own, off = _fake_load(gdskit_vllm, _fake_model(family, cfg, rank, tp), path, {"placement": False})
+        own, off = _fake_load(gdskit_vllm, fake_model(family, cfg, rank, tp), path, {"placement": False})
         assert (off.placed, off.fallback) == (0, len(full))
         want = {n: raw(t) for n, t in expected(full, cfg, rank, tp).items()}
         assert placed == own == want, f"{family} at rank {rank} of {tp}"
@@ -127,10 +65,10 @@ def test_a_tied_checkpoint_holding_its_head_too_sends_the_head_through_load_weig
     full["lm_head.weight"] = full["model.embed_tokens.weight"].flip(0).contiguous()
     path = write_checkpoint(tmp_path, full)
     for rank in range(tp):
-        placed, report = _fake_load(gdskit_vllm, _fake_model("qwen2", cfg, rank, tp), path, {"placement": True})
+        placed, report = _fake_load(gdskit_vllm, fake_model("qwen2", cfg, rank, tp), path, {"placement": True})
         assert (report.placed, report.fallback) == (len(full) - 1, 1)
         assert report.reasons == (("no parameter 'lm_head.weight'", 1),)
-        own, _ = _fake_load(gdskit_vllm, _fake_model("qwen2", cfg, rank, tp), path, {"placement": False})
+        own, _ = _fake_load(gdskit_vllm, fake_model("qwen2", cfg, rank, tp), path, {"placement": False})
         assert placed == own == {n: raw(t) for n, t in expected(full, cfg, rank, tp).items()}
 
 
@@ -143,7 +81,7 @@ def test_mistral_format_goes_through_load_weights(gdskit_vllm, tmp_path, tp) -> 
     own_format = mistral_format(hf, cfg)
     path = write_checkpoint(tmp_path, own_format)
     for rank in range(tp):
-        placed, report = _fake_load(gdskit_vllm, _fake_model("mistral", cfg, rank, tp), path, {"placement": True})
+        placed, report = _fake_load(gdskit_vllm, fake_model("mistral", cfg, rank, tp), path, {"placement": True})
         assert (report.placed, report.fallback) == (0, len(own_format))
         assert placed == {n: raw(t) for n, t in expected(hf, cfg, rank, tp).items()}
 
