@@ -221,9 +221,8 @@ def _refuse_a_head_vllm_would_untie(model: torch.nn.Module, model_config: Any, p
     either way."""
     if not hasattr(model_config, "word_embeddings_untied_by_checkpoint"):
         return
-    once = {name for name, _ in model.named_parameters()}
-    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - once
-    held = sorted(aliases & set(index_checkpoint(path).tensors)) if aliases else []
+    aliases = placement_exec.tied_names(model)
+    held = sorted(set(aliases) & set(index_checkpoint(path).tensors)) if aliases else []
     if held:
         raise TiedHeadInCheckpointError(
             f"{path} holds {', '.join(held)}, which the model built from {model_config.model} ties to another "

@@ -4,8 +4,9 @@ read from elsewhere), each with a weight loader that narrows and copies as vLLM'
 
 The model's ``load_weights`` maps names as vLLM's Llama does (``q_proj`` -> ``qkv_proj``
 with shard ``"q"``, ``gate_proj`` -> ``gate_up_proj`` with shard 0, ...), skips
-``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.*``, and returns the names it
-filled. Every parameter starts as the fill pattern of :func:`vllm_shard_rules.garbage`.
+``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.*`` (and, as vLLM 0.33, raises
+where it skipped ``lm_head.weight`` but was not given the embedding it is tied to), and
+returns the names it filled. Every parameter starts as the fill pattern of :func:`vllm_shard_rules.garbage`.
 """
 
 from __future__ import annotations
@@ -164,8 +165,12 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights):
         params = dict(self.named_parameters())
         loaded = set()
+        skipped_alias = False
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tied and name.startswith("lm_head."):
+                skipped_alias = True
                 continue
             for fused, piece, shard in self._stacked:
                 if piece in name:
@@ -176,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
+        if skipped_alias and "model.embed_tokens.weight" not in loaded:
+            # vLLM 0.33's AutoWeightsLoader: a tied name skipped whose parameter this call never loaded
+            raise ValueError("lm_head.weight was skipped because it is tied to model.embed_tokens.weight, "
+                             "which was not loaded")
         return loaded
 
 
