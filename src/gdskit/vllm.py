@@ -6,7 +6,10 @@ With gdskit installed beside vLLM, vLLM finds the load format through gdskit's
     LLM(model="/path/to/checkpoint", load_format="gdskit")      # or vllm serve --load-format gdskit
 
 :class:`GdskitModelLoader` reads a local safetensors checkpoint (a directory with its
-index file, or with its ``*.safetensors`` files). With the placement plan (``model_loader_extra_config={"placement": True}``;
+index file, or with its ``*.safetensors`` files), or, with ``model_loader_extra_config=
+{"weights": "s3://bucket/prefix/"}``, the weights under an object prefix (or another local
+directory), while vLLM reads the config and tokenizer from the local ``model`` directory
+(vLLM takes an object URL as ``model`` only for its own object-storage load formats). With the placement plan (``model_loader_extra_config={"placement": True}``;
 :mod:`gdskit.formats.placement`), each tensor of a layer whose sharding it knows is read
 straight into this rank's part of its (fused, sharded) parameter; every other tensor is
 streamed with :func:`gdskit.safetensors.iter_tensors` onto the worker's GPU, within a memory
@@ -27,7 +30,8 @@ from typing import Any
 
 import gdskit.safetensors
 from gdskit.errors import FormatError, InvalidArgumentError, MissingDependencyError
-from gdskit.engine import stats, stats_delta
+from gdskit.engine import is_object_url, stats, stats_delta
+from gdskit.formats.safetensors_format import resolve_checkpoint
 from gdskit.formats.shard_index import index_checkpoint
 
 try:
@@ -40,8 +44,8 @@ except ImportError as e:
 from gdskit.formats import placement_exec  # noqa: E402  (imports torch: after vLLM's check above)
 from gdskit.formats.placement_exec import PlacementReport  # noqa: E402
 
-__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError", "PlacementReport",
-           "last_report"]
+__all__ = ["GdskitModelLoader", "register", "LOAD_FORMAT", "UninitializedWeightsError", "TiedHeadInCheckpointError",
+           "PlacementReport", "last_report"]
 
 #: Under vLLM's logger, so that the lines show where vLLM's own do, with its handlers and level.
 _log = logging.getLogger("vllm.gdskit")
@@ -54,8 +58,9 @@ LOAD_FORMAT = "gdskit"
 #: parameters (default False, every tensor through the model's ``load_weights``, until vLLM's
 #: own engine has checked the plan on a GPU: docs/models.md); ``verify`` (``True`` or a manifest's
 #: path: every tensor checked against its digest where it landed, before the model takes it;
-#: docs/verify.md; not with ``placement`` yet).
-_EXTRA_KEYS = frozenset({"max_inflight_bytes", "placement", "verify"})
+#: docs/verify.md; not with ``placement`` yet); ``weights``, where the weights are when not in
+#: the model's directory: an ``s3://`` prefix (with or without the last ``/``) or a local directory.
+_EXTRA_KEYS = frozenset({"max_inflight_bytes", "placement", "verify", "weights"})
 _PLACEMENT_DEFAULT = False
 
 
@@ -65,11 +70,37 @@ class UninitializedWeightsError(FormatError):
 
 def _checkpoint_dir(model_config: Any) -> str:
     path = model_config.model
-    if not os.path.isdir(path):
+    if not isinstance(path, str) or not os.path.isdir(path):
         raise FormatError(f"{path}: the load format {LOAD_FORMAT!r} reads a local checkpoint directory; "
-                          "download the model first (hf download <repo> --local-dir <dir>) and pass that directory")
+                          "download the model first (hf download <repo> --local-dir <dir>) and pass that directory, "
+                          "or pass a local directory holding its config as the model and the weights' place as "
+                          "model_loader_extra_config={'weights': 's3://bucket/prefix/'}")
     subfolder = getattr(model_config, "subfolder", None)
     return os.path.join(path, subfolder) if subfolder else path
+
+
+def _weights_setting(extra: Any) -> str | None:
+    """``weights`` from ``model_loader_extra_config`` (None: not given): an object prefix (ending
+    in ``/``, added where missing) or a local directory's path; refused here if not a string."""
+    value = extra.get("weights") if isinstance(extra, Mapping) else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise InvalidArgumentError(f"model_loader_extra_config: weights must be an s3:// prefix or a local "
+                                   f"directory (a non-empty string), got {reprlib.repr(value)}")
+    if is_object_url(value):
+        return value if value.endswith("/") else value + "/"
+    return value
+
+
+def _weights_location(model_config: Any, weights: str | None) -> str:
+    """Where the weights are read from: ``weights`` where given, else the model's directory."""
+    if weights is None:
+        return _checkpoint_dir(model_config)
+    if not is_object_url(weights) and not os.path.isdir(weights):
+        raise FormatError(f"{weights}: model_loader_extra_config's weights is neither an s3:// prefix nor a "
+                          "local directory")
+    return weights
 
 
 def _weights_device(model: torch.nn.Module) -> torch.device:
@@ -127,6 +158,8 @@ class GdskitModelLoader(BaseModelLoader):
         self.placement: bool
         self.max_inflight_bytes, self.placement = _extra_settings(load_config.model_loader_extra_config)
         self.verify: Any = _verify_setting(load_config.model_loader_extra_config)
+        #: Where the weights are when not in the model's directory (None: they are there).
+        self.weights: str | None = _weights_setting(load_config.model_loader_extra_config)
         if self.verify is not False and self.placement:
             raise InvalidArgumentError("model_loader_extra_config: verify is not taken with placement=True yet "
                                        "(placed tensors bypass the stream the checks run on)")
@@ -134,10 +167,16 @@ class GdskitModelLoader(BaseModelLoader):
         self.last_report: PlacementReport | None = None
 
     def download_model(self, model_config: Any) -> None:
-        _checkpoint_dir(model_config)  # nothing to fetch: only checks that the checkpoint is local
+        """Nothing to fetch: checks that the checkpoint is local, or that its object prefix
+        lists its weights (the endpoint answers and the credentials work)."""
+        path = _weights_location(model_config, self.weights)
+        if is_object_url(path):
+            resolve_checkpoint(path)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        path = _checkpoint_dir(model_config)
+        path = _weights_location(model_config, self.weights)
+        if self.weights is not None:
+            _refuse_a_head_vllm_would_untie(model, model_config, path)
         device = _weights_device(model)
         before, start = stats(), time.perf_counter()
         plan = None
@@ -166,6 +205,29 @@ class GdskitModelLoader(BaseModelLoader):
         if loaded is not None and getattr(model_config, "quantization", None) is None:
             placed = plan.placed_params if plan is not None else frozenset()
             _refuse_unfilled(model, set(loaded) | placed, path)
+
+
+class TiedHeadInCheckpointError(FormatError):
+    """The weights hold a tensor of a parameter the model ties to another (an LM head tied to
+    the embeddings), which vLLM would have untied had it found the weights in the model's directory."""
+
+
+def _refuse_a_head_vllm_would_untie(model: torch.nn.Module, model_config: Any, path: str) -> None:
+    """vLLM (0.33 on) builds a tied model untied when the checkpoint in the model's directory
+    holds the LM head (``ModelConfig.word_embeddings_untied_by_checkpoint``); with the weights
+    elsewhere it cannot look, ties them, and the model's ``load_weights`` drops the head. Where
+    the weights do hold a tied name, that would be another model than vLLM's own loader makes
+    from the same checkpoint: refused. vLLM that never unties (no such attribute) drops the head
+    either way."""
+    if not hasattr(model_config, "word_embeddings_untied_by_checkpoint"):
+        return
+    aliases = placement_exec.tied_names(model)
+    held = sorted(set(aliases) & set(index_checkpoint(path).tensors)) if aliases else []
+    if held:
+        raise TiedHeadInCheckpointError(
+            f"{path} holds {', '.join(held)}, which the model built from {model_config.model} ties to another "
+            "parameter; vLLM unties such a model only when the weights are in the model's directory. Set "
+            f"tie_word_embeddings to false in {model_config.model}/config.json, or put the weights there")
 
 
 def _parallel_rank() -> tuple[int, int]:

@@ -5,20 +5,16 @@ process as a user starts one (tests/api/vllm_worker.py): vLLM finds the load for
 installed entry point, and the model it builds with ``load_format="gdskit"`` must hold the
 same bytes, and generate the same tokens, as with vLLM's own ``load_format="safetensors"``.
 Where it is not, the loader's checks of its settings run over a stand-in of the three names
-gdskit.vllm imports from vLLM (:func:`_vllm_stand_in`).
+gdskit.vllm imports from vLLM (tests/support/vllm_stand_in.py).
 """
 
 from __future__ import annotations
 
-import abc
-import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
@@ -26,8 +22,8 @@ import pytest
 
 from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, MissingDependencyError
 from repo_paths import REPO
+from vllm_stand_in import HAS_VLLM, gdskit_vllm, load_config as _load_config  # noqa: F401 - a fixture
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm)")
 
@@ -77,64 +73,6 @@ def test_register_makes_the_load_format_known() -> None:
     gv.register()
     gv.register()  # a second call (vLLM loads plugins in each process, maybe again) changes nothing
     assert type(get_model_loader(LoadConfig(load_format="gdskit"))) is gv.GdskitModelLoader
-
-
-def _vllm_stand_in() -> dict[str, types.ModuleType]:
-    """The modules that hold what gdskit.vllm imports from vLLM, as strict as vLLM's own:
-    ``BaseModelLoader`` is an abstract class that keeps its ``load_config`` and whose two loading
-    methods a subclass must define; ``register_model_loader`` takes only its subclasses."""
-    class BaseModelLoader(abc.ABC):
-        def __init__(self, load_config) -> None:
-            self.load_config = load_config
-
-        @abc.abstractmethod
-        def download_model(self, model_config) -> None: ...
-
-        @abc.abstractmethod
-        def load_weights(self, model, model_config) -> None: ...
-
-    def register_model_loader(load_format: str):
-        def register(cls):
-            if not issubclass(cls, BaseModelLoader):
-                raise TypeError(f"{cls} is not a BaseModelLoader")
-            return cls
-        return register
-
-    names = ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader",
-             "vllm.model_executor.model_loader.base_loader")
-    modules = {name: types.ModuleType(name) for name in names}
-    modules["vllm.model_executor.model_loader"].register_model_loader = register_model_loader
-    modules["vllm.model_executor.model_loader.base_loader"].BaseModelLoader = BaseModelLoader
-    return modules
-
-
-@pytest.fixture
-def gdskit_vllm(monkeypatch):
-    """gdskit.vllm over vLLM where it is installed, else over :func:`_vllm_stand_in`
-    (imported afresh, and forgotten afterwards: without vLLM the module is not importable)."""
-    pytest.importorskip("torch")
-    if HAS_VLLM:
-        import gdskit.vllm as gv
-        yield gv
-        return
-    for name, module in _vllm_stand_in().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    import gdskit
-    try:
-        yield importlib.import_module("gdskit.vllm")
-    finally:
-        sys.modules.pop("gdskit.vllm", None)
-        gdskit.__dict__.pop("vllm", None)
-
-
-def _load_config(extra):
-    """vLLM's LoadConfig holding ``extra`` where vLLM is installed; else an object with the same
-    two fields (LoadConfig lets any value of model_loader_extra_config through: its type is
-    ``dict | TensorizerConfig``, and TensorizerConfig is ``Any`` at run time)."""
-    if HAS_VLLM:
-        from vllm.config.load import LoadConfig
-        return LoadConfig(load_format="gdskit", model_loader_extra_config=extra)
-    return SimpleNamespace(load_format="gdskit", model_loader_extra_config=extra)
 
 
 @pytest.mark.parametrize("extra", [{"nope": 1}, {"max_inflight_bytes": 0}, {"max_inflight_bytes": "1GB"},
@@ -365,9 +303,9 @@ def test_placement_hands_what_it_does_not_cover_to_load_weights(gdskit_vllm, tmp
     rep = _load(gdskit_vllm, model, path, {"placement": True})
     from vllm_llama_shapes import checkpoint
     n_tensors = len(checkpoint(cfg)) + 2  # the norm and k_proj replaced, two more
-    assert rep.fallback == 4 + 2
+    assert rep.fallback == 4 + 2 + 1  # and the embedding, tied to lm_head.weight, which the checkpoint holds
     assert rep.placed == n_tensors - rep.fallback
-    assert rep.fallback_bytes == 2 * 4 + 16 * 4 + 8 * 16 * 4 + 100 * 16 * 2 + 2 * 16 * 32 * 2
+    assert rep.fallback_bytes == 2 * 4 + 16 * 4 + 8 * 16 * 4 + 2 * 100 * 16 * 2 + 2 * 16 * 32 * 2
     assert sum(n for _, n in rep.reasons) == rep.fallback
     own = fake.LlamaForCausalLM(cfg, 0, 2, o_proj_method=fake.Fp8LinearMethod)
     _load(gdskit_vllm, own, path, {"placement": False})

@@ -4,8 +4,9 @@ read from elsewhere), each with a weight loader that narrows and copies as vLLM'
 
 The model's ``load_weights`` maps names as vLLM's Llama does (``q_proj`` -> ``qkv_proj``
 with shard ``"q"``, ``gate_proj`` -> ``gate_up_proj`` with shard 0, ...), skips
-``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.*``, and returns the names it
-filled. Every parameter starts as the fill pattern of :func:`vllm_shard_rules.garbage`.
+``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.*`` (and, as vLLM 0.33, raises
+where it skipped ``lm_head.weight`` but was not given the embedding it is tied to), and
+returns the names it filled. Every parameter starts as the fill pattern of :func:`vllm_shard_rules.garbage`.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn = nn.Module()
             layer.self_attn.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_size, cfg.heads, cfg.kv_heads, dtype,
                                                          rank, tp, bias=cfg.qkv_bias)
+            if cfg.qk_norm:  # Qwen3's per-head norms
+                layer.self_attn.q_norm = RMSNorm(cfg.head_size, dtype)
+                layer.self_attn.k_norm = RMSNorm(cfg.head_size, dtype)
             if o_proj_method is None:
                 layer.self_attn.o_proj = RowParallelLinear(cfg.heads * cfg.head_size, cfg.hidden, dtype, rank, tp)
             else:  # a layer of another quantization method: left to load_weights
@@ -161,8 +165,12 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights):
         params = dict(self.named_parameters())
         loaded = set()
+        skipped_alias = False
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tied and name.startswith("lm_head."):
+                skipped_alias = True
                 continue
             for fused, piece, shard in self._stacked:
                 if piece in name:
@@ -173,8 +181,52 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
+        if skipped_alias and "model.embed_tokens.weight" not in loaded:
+            # vLLM 0.33's AutoWeightsLoader: a tied name skipped whose parameter this call never loaded
+            raise ValueError("lm_head.weight was skipped because it is tied to model.embed_tokens.weight, "
+                             "which was not loaded")
         return loaded
 
 
 class OtherForCausalLM(LlamaForCausalLM):
     """The same layers under a model class the plan does not know."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """vLLM's Qwen2: Llama's layers and names, with q/k/v biases (``Cfg.qkv_bias``)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """vLLM's Qwen3: Llama's layers and names, with per-head q/k norms (``Cfg.qk_norm``)."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """vLLM's Mistral: Llama's, and it also takes Mistral's own checkpoint names
+    (``layers.0.attention.wq.weight``), renamed and with q's and k's rows permuted from
+    Mistral's rotary layout (pairs of rows interleaved) to the halves transformers keeps."""
+
+    _own_names = (("tok_embeddings.", "model.embed_tokens."), ("layers.", "model.layers."),
+                  ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+                  ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"),
+                  ("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                  ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w2", "mlp.down_proj"),
+                  ("feed_forward.w3", "mlp.up_proj"), ("norm.", "model.norm."), ("output.", "lm_head."))
+
+    def __init__(self, cfg, rank: int, tp: int, dtype=torch.bfloat16, **kw) -> None:
+        super().__init__(cfg, rank, tp, dtype, **kw)
+        self.cfg = cfg
+
+    def _from_own_format(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        if name.startswith(("model.", "lm_head.")):
+            return name, tensor
+        heads = {"wq": self.cfg.heads, "wk": self.cfg.kv_heads}.get(name.split(".")[-2])
+        if heads is not None and name.endswith(".weight"):
+            rows, cols = tensor.shape
+            tensor = tensor.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+        for own, hf in self._own_names:
+            if name.startswith(own) or f".{own}" in name:
+                name = name.replace(own, hf, 1) if name.startswith(own) else name.replace(f".{own}", f".{hf}", 1)
+        return name, tensor
+
+    def load_weights(self, weights):
+        return super().load_weights(self._from_own_format(n, t) for n, t in weights)

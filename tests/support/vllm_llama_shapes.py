@@ -27,6 +27,7 @@ class Cfg:
     dtype: str
     qkv_bias: bool = False
     layers: int = 1
+    qk_norm: bool = False  # Qwen3's per-head RMSNorms of q and k (``self_attn.q_norm``/``k_norm``)
 
 
 def checkpoint(cfg: Cfg, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,6 +50,9 @@ def checkpoint(cfg: Cfg, seed: int = 0) -> dict[str, torch.Tensor]:
             out[p + "self_attn.q_proj.bias"] = rand(cfg.heads * hs)
             out[p + "self_attn.k_proj.bias"] = rand(cfg.kv_heads * hs)
             out[p + "self_attn.v_proj.bias"] = rand(cfg.kv_heads * vhs)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = rand(hs)
+            out[p + "self_attn.k_norm.weight"] = rand(hs)
         out[p + "self_attn.o_proj.weight"] = rand(h, cfg.heads * vhs)
         out[p + "post_attention_layernorm.weight"] = rand(h)
         out[p + "mlp.gate_proj.weight"] = rand(cfg.intermediate, h)
@@ -88,6 +92,9 @@ def facts(cfg: Cfg, rank: int, tp: int) -> dict[str, ParamFacts]:
         ])
         if cfg.qkv_bias:
             out.update([f(p + "self_attn.qkv_proj.bias", LayerKind.QKV, (qkv_rows,), output_dim=0, heads=heads)])
+        if cfg.qk_norm:
+            out.update([f(p + "self_attn.q_norm.weight", LayerKind.REPLICATED, (hs,)),
+                        f(p + "self_attn.k_norm.weight", LayerKind.REPLICATED, (hs,))])
     out.update([f("model.norm.weight", LayerKind.REPLICATED, (h,))])
     if not cfg.tied:
         out.update([f("lm_head.weight", LayerKind.VOCAB, (per_rank, h), output_dim=0, input_dim=1, vocab=vocab)])
@@ -106,6 +113,9 @@ def expected(full: dict[str, torch.Tensor], cfg: Cfg, rank: int, tp: int) -> dic
                                                     full[a + "v_proj." + part], rank, tp, cfg.heads, cfg.kv_heads,
                                                     cfg.head_size, cfg.v_head_size)
         out[a + "o_proj.weight"] = rules.row(full[a + "o_proj.weight"], rank, tp)
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = rules.replicated(full[a + "q_norm.weight"])
+            out[a + "k_norm.weight"] = rules.replicated(full[a + "k_norm.weight"])
         out[p + "post_attention_layernorm.weight"] = rules.replicated(full[p + "post_attention_layernorm.weight"])
         out[p + "mlp.gate_up_proj.weight"] = rules.merged([full[p + "mlp.gate_proj.weight"],
                                                           full[p + "mlp.up_proj.weight"]], rank, tp)

@@ -44,9 +44,11 @@ ParallelRank = Callable[[], tuple[int, int]]
 
 #: Model classes whose ``load_weights`` only maps names (``q_proj`` -> ``qkv_proj`` and so on)
 #: and calls each parameter's weight loader: their tensors may be placed. Any other model
-#: goes through its own ``load_weights`` whole. (vLLM's Qwen2 and Qwen3 map names the same
-#: way; they join once a GPU run has compared them with vLLM's own loader.)
-PLAIN_MODELS = frozenset({"LlamaForCausalLM"})
+#: goes through its own ``load_weights`` whole. Each was compared byte for byte with vLLM's own
+#: loader on the CPU (vLLM 0.33, tests/api/test_vllm_families.py). Mistral's own checkpoint
+#: format (``layers.0.attention.wq.weight``, permuted by its ``load_weights``) names no
+#: parameter, so its tensors all go to ``load_weights``.
+PLAIN_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 _LINEAR = {"ReplicatedLinear": LayerKind.REPLICATED, "ColumnParallelLinear": LayerKind.COLUMN,
            "RowParallelLinear": LayerKind.ROW, "QKVParallelLinear": LayerKind.QKV,
@@ -220,10 +222,28 @@ def plan_model(model: torch.nn.Module, index: ShardIndex,
         why = f"model {type(model).__name__} is not planned"
         return PlacementPlan((), tuple(Uncovered(r.name, why, r.nbytes) for r in records)), {}
     found = model_facts(model, parallel_rank)
+    for alias, param in tied_names(model).items():
+        if alias in index.tensors and param in found.params:
+            del found.params[param]
+            found.unplanned[param] = f"tied to {alias}, which the checkpoint also holds: the model's loader decides"
     packed = getattr(model, "packed_modules_mapping", None)
     if not _is_packing(packed):
         packed = {}
     return plan_placements(found.params, records, packed, found.unplanned), found.tensors
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each other name of a parameter reached under two names (an LM head tied to the
+    embeddings), with the name ``named_parameters`` lists it by. A checkpoint tensor of such a
+    name goes to the model's ``load_weights``, which skips it (vLLM 0.33 then insists on being
+    given the parameter under its own name), so that parameter is left to it too."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        name_before = first.setdefault(id(param), name)
+        if name_before != name:
+            out[name] = name_before
+    return out
 
 
 def _is_packing(packed: Any) -> bool:
