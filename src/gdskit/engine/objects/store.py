@@ -12,6 +12,7 @@ and credentials files, SSO, container and instance roles); the endpoint from
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import threading
@@ -177,9 +178,37 @@ class Bucket:
         return str(out["ETag"])
 
     def complete_upload(self, url: ObjectURL, upload_id: str, etags: list[str], cfg: Settings) -> None:
+        """Complete the upload of the parts ``etags`` (as the server answered each). A retry told
+        NoSuchUpload may follow a try that completed the upload and lost its answer: then the
+        object at the key must be this upload's (its multipart ETag), else
+        :class:`ObjectStoreError`."""
         parts = [{"PartNumber": i + 1, "ETag": tag} for i, tag in enumerate(etags)]
-        self._call(url, cfg, "write", lambda: self.client.complete_multipart_upload(
-            Bucket=self.bucket, Key=url.key, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+        tries = [0]
+
+        def once() -> bool:
+            tries[0] += 1
+            try:
+                self.client.complete_multipart_upload(Bucket=self.bucket, Key=url.key, UploadId=upload_id,
+                                                      MultipartUpload={"Parts": parts})
+            except self._errors.ClientError as exc:
+                if tries[0] > 1 and _status(exc)[1] == "NoSuchUpload":
+                    return False  # completed by an earlier try, or aborted by someone else: see below
+                raise
+            return True
+
+        if not self._call(url, cfg, "write", once):
+            self._confirm_completed(url, etags, cfg)
+
+    def _confirm_completed(self, url: ObjectURL, etags: list[str], cfg: Settings) -> None:
+        expected = multipart_etag(etags)
+        try:
+            found = self.head(url, cfg).etag
+        except GdskitFileNotFoundError:
+            found = None
+        if expected is None or found is None or found.strip('"') != expected:
+            raise ObjectStoreError(5, f"the multipart upload of {url} at {self.endpoint.name} vanished before its "
+                                      f"completion was confirmed, and the object there (ETag {found}) is not "
+                                      f"this upload's ({expected})", str(url))
 
     def abort_upload(self, url: ObjectURL, upload_id: str, cfg: Settings) -> None:
         self._call(url, cfg, "write", lambda: self.client.abort_multipart_upload(
@@ -260,6 +289,22 @@ def _fill(body: Any, view: memoryview) -> None:
         if not got:
             raise ConnectionResetError(f"the body ended {n - pos} bytes short")
         pos += got
+
+
+def multipart_etag(part_etags: list[str]) -> str | None:
+    """The ETag S3 gives an object completed from parts with these ETags (the MD5 of their
+    binary MD5s, then ``-<part count>``), unquoted; None where a part's ETag is not an MD5
+    (some encryption modes), so the object's cannot be known."""
+    digests = []
+    for tag in part_etags:
+        text = tag.strip('"')
+        if len(text) != 32:
+            return None
+        try:
+            digests.append(bytes.fromhex(text))
+        except ValueError:
+            return None
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(part_etags)}"
 
 
 def _first_line(exc: BaseException) -> str:
