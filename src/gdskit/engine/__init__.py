@@ -97,6 +97,21 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
 
 
+def list_objects_bounded(prefix: str, limit: int) -> tuple[list[tuple[str, int]], bool]:
+    """``(url, size)`` of the first ``limit`` objects under the URL ``prefix``, listed a page at a
+    time and no further; and whether more exist past them."""
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.engine.plan import nonnegative_int  # noqa: PLC0415 - import time
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+
+    if nonnegative_int("limit", limit) < 1:
+        raise InvalidArgumentError(f"limit must be at least 1; got {limit}")
+    url = parse_url(prefix)
+    found, more = bucket_for(url).list_bounded(url.key, settings.snapshot(), limit)
+    return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found], more
+
+
 def delete_object(url: str) -> None:
     """Remove the object at ``url`` (``s3://bucket/key``); nothing happens where there is none."""
     from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
@@ -321,7 +336,8 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "delete_object", "open_object_stream", "object_endpoint_name",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "list_objects_bounded",
+    "delete_object", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,

@@ -154,13 +154,29 @@ class Bucket:
 
     def list(self, prefix: str, cfg: Settings) -> list[tuple[str, int]]:
         """``(key, size)`` of every object under ``prefix``, sorted by key."""
+        return sorted(self.list_bounded(prefix, cfg, None)[0])
 
-        def once() -> list[tuple[str, int]]:
-            out = []
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-            for page in pages:
-                out.extend((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
-            return sorted(out)
+    def list_bounded(self, prefix: str, cfg: Settings, limit: int | None) -> tuple[list[tuple[str, int]], bool]:
+        """``(key, size)`` of the first ``limit`` objects under ``prefix`` (all where None), in
+        the store's order, a page at a time; and whether more exist past them."""
+
+        def once() -> tuple[list[tuple[str, int]], bool]:
+            out: list[tuple[str, int]] = []
+            token = None
+            while True:
+                want = 1000 if limit is None else min(1000, limit - len(out))
+                kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": want}
+                if token is not None:
+                    kwargs["ContinuationToken"] = token
+                page = self.client.list_objects_v2(**kwargs)
+                got = [(o["Key"], int(o["Size"])) for o in page.get("Contents", ())]
+                out.extend(got)
+                more = bool(page.get("IsTruncated"))
+                token = page.get("NextContinuationToken")
+                if limit is not None and len(out) >= limit:
+                    return out[:limit], more or len(out) > limit
+                if not more or not token or not got:  # a page that brings nothing ends it (hostile servers)
+                    return out, False
 
         return self._call(ObjectURL(self.bucket, prefix), cfg, "read", once)
 
