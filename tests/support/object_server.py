@@ -142,6 +142,7 @@ class Faults:
     slow_down: int = 0            # answer this many GETs with 503 SlowDown
     cut_mid_body: int = 0         # send half of this many GET bodies, then close the connection
     fail_part_uploads: int = 0    # answer this many part uploads (PUT ?partNumber=) with 500
+    refuse_heads: int = 0         # answer this many HEADs with 403 AccessDenied
     lose_complete_answers: int = 0  # complete this many multipart uploads, then close without an answer
     after_lost_complete: Callable[[], None] | None = None  # called once the server completed one of those
     before_get: Callable[[int], None] | None = None  # called with the GET's number before it is forwarded
@@ -181,6 +182,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if is_complete and upload_id in faults.completed:
             self._answer(404, b"<Error><Code>NoSuchUpload</Code><Message>The specified multipart upload does not "
                               b"exist.</Message></Error>")
+            return
+        if self.command == "HEAD" and faults.take("refuse_heads"):
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
             return
         is_get = self.command == "GET" and "list-type" not in self.path and "uploads" not in self.path
         if is_get:

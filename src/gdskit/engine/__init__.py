@@ -112,6 +112,24 @@ def list_objects_bounded(prefix: str, limit: int) -> tuple[list[tuple[str, int]]
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found], more
 
 
+def object_exists(url: str) -> bool:
+    """Whether the object at ``url`` (``s3://bucket/key``) exists: one HEAD, a 404 is False; any
+    other failure raises as reads do (:class:`~gdskit.errors.GdskitPermissionError`,
+    :class:`~gdskit.errors.ObjectStoreError`...)."""
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError  # noqa: PLC0415 - import time
+
+    parsed = parse_url(url)
+    if parsed.is_prefix:
+        raise InvalidArgumentError(f"{parsed} names a prefix, not an object")
+    try:
+        bucket_for(parsed).head(parsed, settings.snapshot())
+    except GdskitFileNotFoundError:
+        return False
+    return True
+
+
 def delete_object(url: str) -> None:
     """Remove the object at ``url`` (``s3://bucket/key``); nothing happens where there is none."""
     from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
@@ -337,7 +355,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 __all__ = [
     # files and jobs
     "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "list_objects_bounded",
-    "delete_object", "open_object_stream", "object_endpoint_name",
+    "object_exists", "delete_object", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,
