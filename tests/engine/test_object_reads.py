@@ -268,3 +268,16 @@ def test_writes_of_every_size_make_the_object_their_bytes(s3, small_parts):
         assert f.size == data.size
     assert s3.get("pieces") == data.tobytes()
     assert s3.pending_uploads() == []
+
+
+def test_atomic_is_for_writers_as_for_files(s3):
+    s3.put("a.bin", b"abc")
+    with pytest.raises(InvalidArgumentError):
+        gdskit.open(s3.url("a.bin"), "r", atomic=True)
+    with gdskit.open(s3.url("a.bin")) as f:
+        assert f.atomic is False
+    with gdskit.open(s3.url("b.bin"), "w", atomic=True) as f:
+        assert f.atomic is True
+        f.write(b"whole")
+        assert "b.bin" not in s3.keys()  # published at close, as an atomic file is
+    assert s3.get("b.bin") == b"whole"

@@ -88,6 +88,9 @@ def coalesce(parts: list[_Part], max_span: int, max_gap: int) -> list[_Run]:
 class ObjectFile:
     """An object opened for reads (mode ``"r"``) or written whole (mode ``"w"``).
 
+    A writer is always atomic (a multipart upload completed at :meth:`close`, or one PUT):
+    ``atomic=True`` is taken with mode ``"w"`` and refused with ``"r"``, as for files.
+
     Use :func:`gdskit.open` with an ``s3://`` URL to make one. The read methods take the same
     arguments and destinations as :class:`gdskit.File`'s and return the same counts (short only
     at the end of the object).
@@ -97,12 +100,15 @@ class ObjectFile:
         self._closed = False
         if mode not in ("r", "w"):
             raise InvalidArgumentError(f"an object opens with mode 'r' or 'w' (written whole); got {mode!r}")
+        if atomic and mode != "w":
+            raise InvalidArgumentError("atomic=True needs mode 'w' (a whole new object)")
         self.url = parse_url(url)
         if self.url.is_prefix:
             raise InvalidArgumentError(f"{self.url} names a prefix, not an object")
         self.path = str(self.url)
         self.mode = mode
-        self.atomic = True  # an object appears whole or not at all, asked for or not
+        # A written object appears whole at close or not at all, atomic=True asked for or not.
+        self.atomic = mode == "w"
         self._lock = threading.Lock()
         self._calls = 0
         self._idle = threading.Condition(self._lock)
