@@ -143,6 +143,7 @@ class Faults:
     cut_mid_body: int = 0         # send half of this many GET bodies, then close the connection
     fail_part_uploads: int = 0    # answer this many part uploads (PUT ?partNumber=) with 500
     refuse_heads: int = 0         # answer this many HEADs with 403 AccessDenied
+    fail_aborts: int = 0          # answer this many upload aborts (DELETE ?uploadId=) with 500
     lose_complete_answers: int = 0  # complete this many multipart uploads, then close without an answer
     after_lost_complete: Callable[[], None] | None = None  # called once the server completed one of those
     before_get: Callable[[int], None] | None = None  # called with the GET's number before it is forwarded
@@ -199,6 +200,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._answer(503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
                                   b"</Message></Error>")
                 return
+        if self.command == "DELETE" and upload_id is not None and faults.take("fail_aborts"):
+            self._answer(500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>")
+            return
         if self.command == "PUT" and "partNumber=" in self.path and faults.take("fail_part_uploads"):
             self._answer(500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>")
             return

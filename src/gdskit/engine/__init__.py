@@ -130,6 +130,13 @@ def object_exists(url: str) -> bool:
     return True
 
 
+def sweep_uploads(prefix: str, older_than_s: float, abort: bool = False, **options: Any) -> Any:
+    """The multipart uploads under way under ``prefix``, those older than ``older_than_s``
+    aborted with ``abort``: an ``UploadSweep`` (``gdskit.engine.objects.uploads``)."""
+    from gdskit.engine.objects.uploads import sweep_uploads as sweep  # noqa: PLC0415 - import time
+    return sweep(prefix, older_than_s, abort, **options)
+
+
 def delete_object(url: str) -> None:
     """Remove the object at ``url`` (``s3://bucket/key``); nothing happens where there is none."""
     from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
@@ -355,7 +362,7 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 __all__ = [
     # files and jobs
     "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "list_objects_bounded",
-    "object_exists", "delete_object", "open_object_stream", "object_endpoint_name",
+    "object_exists", "delete_object", "sweep_uploads", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,

@@ -85,6 +85,16 @@ class ObjectMeta:
     etag: str | None
 
 
+@dataclass(frozen=True)
+class PendingUpload:
+    """A multipart upload under way: its key, id, and when the store says it started (None
+    where it did not say)."""
+
+    key: str
+    upload_id: str
+    initiated: Any = None  # a timezone-aware datetime
+
+
 class Bucket:
     """One bucket at one endpoint: HEAD, ranged GETs into memory the caller owns, listings,
     multipart uploads."""
@@ -229,6 +239,30 @@ class Bucket:
     def abort_upload(self, url: ObjectURL, upload_id: str, cfg: Settings) -> None:
         self._call(url, cfg, "write", lambda: self.client.abort_multipart_upload(
             Bucket=self.bucket, Key=url.key, UploadId=upload_id))
+
+    def list_uploads(self, prefix: str, cfg: Settings, limit: int) -> tuple[list[PendingUpload], bool]:
+        """The first ``limit`` multipart uploads under way (started, neither completed nor
+        aborted) whose keys start with ``prefix``, a page at a time; and whether more exist."""
+
+        def once() -> tuple[list[PendingUpload], bool]:
+            out: list[PendingUpload] = []
+            markers: dict[str, str] = {}
+            while True:
+                page = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix,
+                                                          MaxUploads=min(1000, limit - len(out)), **markers)
+                got = [PendingUpload(str(u["Key"]), str(u["UploadId"]), u.get("Initiated"))
+                       for u in page.get("Uploads", ()) if str(u.get("Key", "")).startswith(prefix)]
+                out.extend(got)
+                more = bool(page.get("IsTruncated"))
+                if len(out) >= limit:
+                    return out[:limit], more or len(out) > limit
+                key_marker, id_marker = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+                following = {"KeyMarker": str(key_marker), **({"UploadIdMarker": str(id_marker)} if id_marker else {})}
+                if not more or not got or not key_marker or following == markers:
+                    return out, False  # a page that brings nothing, or the same markers, ends it (hostile servers)
+                markers = following
+
+        return self._call(ObjectURL(self.bucket, prefix), cfg, "read", once)
 
     def put(self, url: ObjectURL, data: memoryview, cfg: Settings) -> None:
         """A whole small object in one PUT (atomic as every PUT is)."""
