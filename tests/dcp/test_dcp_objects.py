@@ -165,6 +165,26 @@ def test_overwrite_false_refuses_a_prefix_holding_a_checkpoint(s3: Any) -> None:
     assert torch.equal(_load({"w": torch.zeros(6)}, gdskit.dcp.StorageReader(s3.url("once/")))["w"], sd["w"])
 
 
+def test_overwrite_false_asks_for_the_metadata_object_alone(s3: Any, fault_proxy: Any) -> None:
+    for i in range(30):
+        s3.put(f"busy/other_{i}", b"not a checkpoint")
+    sd = {"w": torch.arange(6.0)}
+    dcp.save(sd, storage_writer=gdskit.dcp.StorageWriter(s3.url("busy/"), overwrite=False), no_dist=True)
+    assert not [p for m, p in fault_proxy.requests if m == "GET" and "list-type" in p]  # one HEAD, no listing
+    assert [p for m, p in fault_proxy.requests if m == "HEAD" and p.split("?")[0].endswith("/busy/.metadata")]
+    assert torch.equal(_load({"w": torch.zeros(6)}, gdskit.dcp.StorageReader(s3.url("busy/")))["w"], sd["w"])
+
+
+def test_overwrite_false_where_the_store_refuses_the_head_is_a_permission_error(s3: Any, fault_proxy: Any) -> None:
+    fault_proxy.refuse_heads = 1
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.arange(6.0)}, storage_writer=gdskit.dcp.StorageWriter(s3.url("shut/"), overwrite=False),
+                 no_dist=True)
+    assert any(isinstance(e, gdskit.errors.GdskitPermissionError) for e in _failures(info.value)) or isinstance(
+        info.value, gdskit.errors.GdskitPermissionError)
+    assert [k for k in s3.keys() if k.startswith("shut/")] == []
+
+
 class _Planted:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -116,3 +116,34 @@ def test_part_upload_retried_within_the_bound_completes(s3, fault_proxy):
         f.write(data)
     assert s3.get("v.bin") == data.tobytes()
     assert s3.pending_uploads() == []
+
+
+def test_a_complete_whose_answer_was_lost_is_accepted_when_the_object_is_whole(s3, fault_proxy):
+    # The server completes the upload, its answer never arrives; the retry is told NoSuchUpload.
+    fault_proxy.lose_complete_answers = 1
+    data = np.random.default_rng(6).integers(0, 256, 12 * MiB + 3, dtype=np.uint8)
+    with gdskit.open(s3.url("lost.bin"), "w") as f:
+        f.write(data)
+    assert fault_proxy.served_faults == 1
+    assert s3.get("lost.bin") == data.tobytes()
+    assert s3.pending_uploads() == []
+
+
+def test_a_lost_complete_is_a_failure_when_another_object_took_the_key(s3, fault_proxy):
+    fault_proxy.lose_complete_answers = 1
+    fault_proxy.after_lost_complete = lambda: s3.put("raced.bin", b"another writer's object")
+    data = np.random.default_rng(7).integers(0, 256, 11 * MiB, dtype=np.uint8)
+    with pytest.raises(ObjectStoreError):
+        with gdskit.open(s3.url("raced.bin"), "w") as f:
+            f.write(data)
+    assert fault_proxy.served_faults == 1
+    assert s3.get("raced.bin") == b"another writer's object"
+
+
+def test_a_lost_complete_is_a_failure_when_the_key_holds_nothing(s3, fault_proxy):
+    fault_proxy.lose_complete_answers = 1
+    fault_proxy.after_lost_complete = lambda: s3.client.delete_object(Bucket=s3.bucket, Key="gone.bin")
+    with pytest.raises(ObjectStoreError):
+        with gdskit.open(s3.url("gone.bin"), "w") as f:
+            f.write(np.ones(11 * MiB, np.uint8))
+    assert "gone.bin" not in s3.keys()

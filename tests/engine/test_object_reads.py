@@ -240,3 +240,44 @@ def test_the_object_executor_a_reader_holds_survives_a_change_of_concurrency():
     with gdskit.settings.set(s3_concurrency=4):
         pool.object_executor()
     assert held.submit(lambda: 42).result() == 42
+
+
+def test_a_small_write_holds_no_part_sized_buffer(s3):
+    import tracemalloc
+
+    with gdskit.settings.set(s3_part_size="256MiB"):
+        with gdskit.open(s3.url("warm"), "w") as f:  # the client is made before the measurement
+            f.write(b"w")
+        tracemalloc.start()
+        try:
+            with gdskit.open(s3.url("tiny"), "w") as f:
+                f.write(b"hello")
+                _current, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 16 * MiB  # not the 256 MiB of a part
+    assert s3.get("tiny") == b"hello" and s3.get("warm") == b"w"
+
+
+def test_writes_of_every_size_make_the_object_their_bytes(s3, small_parts):
+    data = np.random.default_rng(8).integers(0, 256, 16 * MiB + 11, dtype=np.uint8)
+    cuts = [0, 1, 3, 5 * MiB - 1, 5 * MiB + 2, 10 * MiB, 15 * MiB + 7, data.size]
+    with gdskit.open(s3.url("pieces"), "w") as f:
+        for a, b in zip(cuts, cuts[1:]):
+            assert f.write(data[a:b]) == b - a
+        assert f.size == data.size
+    assert s3.get("pieces") == data.tobytes()
+    assert s3.pending_uploads() == []
+
+
+def test_atomic_is_for_writers_as_for_files(s3):
+    s3.put("a.bin", b"abc")
+    with pytest.raises(InvalidArgumentError):
+        gdskit.open(s3.url("a.bin"), "r", atomic=True)
+    with gdskit.open(s3.url("a.bin")) as f:
+        assert f.atomic is False
+    with gdskit.open(s3.url("b.bin"), "w", atomic=True) as f:
+        assert f.atomic is True
+        f.write(b"whole")
+        assert "b.bin" not in s3.keys()  # published at close, as an atomic file is
+    assert s3.get("b.bin") == b"whole"

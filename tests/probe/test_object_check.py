@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from object_server import free_port, moto_endpoint, s3  # noqa: F401 - fixtures
+from object_server import fault_proxy, free_port, moto_endpoint, s3  # noqa: F401 - fixtures
 from repo_paths import child_pythonpath
 
 
@@ -56,3 +56,18 @@ def test_check_of_an_endpoint_that_does_not_answer(s3):
 def test_check_refuses_mixed_arguments(s3, tmp_path):
     rc, _out = _check(s3.url("p/"), str(tmp_path), env_changes={})
     assert rc == 2
+
+
+def test_check_lists_a_bounded_number_of_keys_and_says_more_exist(s3, fault_proxy):
+    from gdskit.probe.objects import check_object_store
+
+    for i in range(12):
+        s3.put(f"many/{i:02d}", b"y" * (i + 1))
+    r = check_object_store(s3.url("many/"), list_limit=5)
+    lists = [p for m, p in fault_proxy.requests if m == "GET" and "list-type" in p]
+    assert len(lists) == 1  # one page of five keys, never the whole prefix
+    assert (r.objects, r.more_objects, r.ok) == (5, True, True)
+    assert r.to_dict()["more_objects"] is True
+    assert r.probe_object == s3.url("many/04") and r.probe_bytes == 5  # the largest of the keys listed
+    whole = check_object_store(s3.url("many/"), list_limit=12)
+    assert (whole.objects, whole.more_objects) == (12, False)

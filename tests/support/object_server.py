@@ -1,6 +1,11 @@
 """A real S3 server for the object storage tests: moto's server in a subprocess on a free
 localhost port, and a small HTTP proxy in front of it that injects faults (503 SlowDown
-answers, connections closed mid-body, a hook run before a GET is forwarded).
+answers, connections closed mid-body, a hook run before a GET is forwarded, the answer of a
+completed multipart upload lost).
+
+Where moto answers differently from S3 the proxy answers as S3 does: a multipart upload once
+completed is gone (a second CompleteMultipartUpload of it is 404 NoSuchUpload), and a listing of
+pending uploads gives the time each upload was started (moto's says 2010-11-10 for all).
 
 Test modules import the fixtures: ``from object_server import moto_endpoint, s3  # noqa: F401``.
 """
@@ -10,6 +15,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import os
+import re
 import socket
 import socketserver
 import subprocess
@@ -136,9 +142,17 @@ class Faults:
     slow_down: int = 0            # answer this many GETs with 503 SlowDown
     cut_mid_body: int = 0         # send half of this many GET bodies, then close the connection
     fail_part_uploads: int = 0    # answer this many part uploads (PUT ?partNumber=) with 500
+    refuse_heads: int = 0         # answer this many HEADs with 403 AccessDenied
+    fail_aborts: int = 0          # answer this many upload aborts (DELETE ?uploadId=) with 500
+    lose_complete_answers: int = 0  # complete this many multipart uploads, then close without an answer
+    after_lost_complete: Callable[[], None] | None = None  # called once the server completed one of those
     before_get: Callable[[int], None] | None = None  # called with the GET's number before it is forwarded
     gets: int = 0
     served_faults: int = 0
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of every request
+    completed: set[str] = field(default_factory=set)  # upload ids the server completed
+    initiated: dict[str, float] = field(default_factory=dict)  # upload id -> when the proxy started it
+    endpoint: str = ""  # the proxy's own URL
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, name: str) -> bool:
@@ -162,6 +176,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         faults = self.server.faults
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        with faults.lock:
+            faults.requests.append((self.command, self.path))
+        upload_id = _query_value(self.path, "uploadId")
+        is_complete = self.command == "POST" and upload_id is not None
+        if is_complete and upload_id in faults.completed:
+            self._answer(404, b"<Error><Code>NoSuchUpload</Code><Message>The specified multipart upload does not "
+                              b"exist.</Message></Error>")
+            return
+        if self.command == "HEAD" and faults.take("refuse_heads"):
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         is_get = self.command == "GET" and "list-type" not in self.path and "uploads" not in self.path
         if is_get:
             with faults.lock:
@@ -173,6 +200,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._answer(503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
                                   b"</Message></Error>")
                 return
+        if self.command == "DELETE" and upload_id is not None and faults.take("fail_aborts"):
+            self._answer(500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>")
+            return
         if self.command == "PUT" and "partNumber=" in self.path and faults.take("fail_part_uploads"):
             self._answer(500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>")
             return
@@ -183,6 +213,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn.request(self.command, self.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+            data = self._as_s3(faults, resp.status, data)
+            if is_complete and resp.status == 200 and b"<Error>" not in data:
+                faults.completed.add(upload_id)
+                if faults.take("lose_complete_answers"):
+                    if faults.after_lost_complete is not None:
+                        faults.after_lost_complete()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
             self.send_response(resp.status, resp.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, with no body
             for k, v in resp.getheaders():
@@ -202,6 +241,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             conn.close()
 
+    def _as_s3(self, faults: Faults, status: int, data: bytes) -> bytes:
+        """Note when each upload starts; give a listing of uploads those times."""
+        if status != 200:
+            return data
+        if self.command == "POST" and re.search(r"[?&]uploads(=|&|$)", self.path):
+            started = re.search(rb"<UploadId>([^<]+)</UploadId>", data)
+            if started:
+                with faults.lock:
+                    faults.initiated[started.group(1).decode()] = time.time()
+        elif self.command == "GET" and re.search(r"[?&]uploads(=|&|$)", self.path):
+            def timed(block: re.Match[bytes]) -> bytes:
+                uid = re.search(rb"<UploadId>([^<]+)</UploadId>", block.group(0))
+                when = faults.initiated.get(uid.group(1).decode()) if uid else None
+                if when is None:
+                    return block.group(0)
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+                return re.sub(rb"<Initiated>[^<]*</Initiated>", b"<Initiated>" + stamp.encode() + b"</Initiated>",
+                              block.group(0))
+
+            data = re.sub(rb"<Upload>.*?</Upload>", timed, data, flags=re.S)
+        return data
+
     def _answer(self, status: int, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/xml")
@@ -210,6 +271,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+def _query_value(path: str, name: str) -> str | None:
+    from urllib.parse import parse_qs, urlsplit  # noqa: PLC0415 - import time
+
+    values = parse_qs(urlsplit(path).query, keep_blank_values=True).get(name)
+    return values[0] if values else None
 
 
 class _ProxyServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -230,7 +298,8 @@ def fault_proxy(s3: S3) -> Iterator[Faults]:
     server = _ProxyServer(s3.endpoint, faults)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    s3.point_at(f"http://127.0.0.1:{server.server_address[1]}")
+    faults.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    s3.point_at(faults.endpoint)
     try:
         yield faults
     finally:

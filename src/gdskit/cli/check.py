@@ -322,13 +322,19 @@ def _check_objects(urls: list[str], mixed: bool, as_json: bool) -> None:
             rate = r.rate_bytes_s
             typer.echo(f"{r.url}\n  endpoint     {r.endpoint} ({'reachable' if r.reachable else 'not reachable'})\n"
                        f"  credentials  {r.credentials}\n"
-                       f"  objects      {'unknown' if r.objects is None else r.objects}")
+                       f"  objects      {_objects_seen(r)}")
             if rate is not None:
                 typer.echo(f"  one GET      {format_size(r.probe_bytes)} of {r.probe_object} in "
                            f"{r.probe_seconds:.3f} s: {rate / 1e6:.0f} MB/s")
             if r.error:
                 typer.echo(f"  problem      {r.error}")
     raise typer.Exit(0 if all(r.ok for r in results) else 1)
+
+
+def _objects_seen(r: Any) -> str:
+    if r.objects is None:
+        return "unknown"
+    return f"{r.objects} listed, more exist (the check lists no further)" if r.more_objects else str(r.objects)
 
 
 def register(app: typer.Typer) -> None:

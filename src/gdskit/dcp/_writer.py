@@ -25,7 +25,7 @@ from gdskit.dcp._common import (DATA_SUFFIX, METADATA_NAME, CheckpointExistsErro
 from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
 from gdskit.errors import GdskitError, GdskitIOError, InvalidArgumentError, from_os_error
-from gdskit.engine import delete_object, is_object_url, list_objects, open_file
+from gdskit.engine import delete_object, is_object_url, object_exists, open_file
 from gdskit.formats.digest_scan import Span, digest_file
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
@@ -196,7 +196,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     def _exists(self, name: str) -> bool:
         where = member(self.path, name)
         if self._on_objects:
-            return any(url == where for url, _size in list_objects(member(self.path, "")))
+            return object_exists(where)
         return os.path.exists(where)
 
     def _retire_previous(self) -> None:

@@ -97,6 +97,46 @@ def list_objects(prefix: str) -> list[tuple[str, int]]:
     return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found]
 
 
+def list_objects_bounded(prefix: str, limit: int) -> tuple[list[tuple[str, int]], bool]:
+    """``(url, size)`` of the first ``limit`` objects under the URL ``prefix``, listed a page at a
+    time and no further; and whether more exist past them."""
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.engine.plan import nonnegative_int  # noqa: PLC0415 - import time
+    from gdskit.errors import InvalidArgumentError  # noqa: PLC0415 - import time
+
+    if nonnegative_int("limit", limit) < 1:
+        raise InvalidArgumentError(f"limit must be at least 1; got {limit}")
+    url = parse_url(prefix)
+    found, more = bucket_for(url).list_bounded(url.key, settings.snapshot(), limit)
+    return [(f"{url.scheme}://{url.bucket}/{key}", size) for key, size in found], more
+
+
+def object_exists(url: str) -> bool:
+    """Whether the object at ``url`` (``s3://bucket/key``) exists: one HEAD, a 404 is False; any
+    other failure raises as reads do (:class:`~gdskit.errors.GdskitPermissionError`,
+    :class:`~gdskit.errors.ObjectStoreError`...)."""
+    from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
+    from gdskit.engine.objects.url import parse_url  # noqa: PLC0415 - import time
+    from gdskit.errors import GdskitFileNotFoundError, InvalidArgumentError  # noqa: PLC0415 - import time
+
+    parsed = parse_url(url)
+    if parsed.is_prefix:
+        raise InvalidArgumentError(f"{parsed} names a prefix, not an object")
+    try:
+        bucket_for(parsed).head(parsed, settings.snapshot())
+    except GdskitFileNotFoundError:
+        return False
+    return True
+
+
+def sweep_uploads(prefix: str, older_than_s: float, abort: bool = False, **options: Any) -> Any:
+    """The multipart uploads under way under ``prefix``, those older than ``older_than_s``
+    aborted with ``abort``: an ``UploadSweep`` (``gdskit.engine.objects.uploads``)."""
+    from gdskit.engine.objects.uploads import sweep_uploads as sweep  # noqa: PLC0415 - import time
+    return sweep(prefix, older_than_s, abort, **options)
+
+
 def delete_object(url: str) -> None:
     """Remove the object at ``url`` (``s3://bucket/key``); nothing happens where there is none."""
     from gdskit.engine.objects.store import bucket_for  # noqa: PLC0415 - import time
@@ -321,7 +361,8 @@ def start_warm_up(device: int, nbytes: int, workers: int | None = None) -> Calla
 
 __all__ = [
     # files and jobs
-    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "delete_object", "open_object_stream", "object_endpoint_name",
+    "File", "open", "open_file", "read_files", "is_object_url", "list_objects", "list_objects_bounded",
+    "object_exists", "delete_object", "sweep_uploads", "open_object_stream", "object_endpoint_name",
     "forget_object_clients", "read_whole_files", "whole_file_limit", "start_warm_up", "no_wait",
     # destinations and reader processes
     *_BUFFERS, *_READERS,

@@ -85,6 +85,13 @@ def route_read(f: OpenFile, buf: BufferView, size: int, file_offset: int, buf_of
     return ReadRoute(route.pieces, decision) if decision is not None and decision.routed else route
 
 
+def refuse_device_memory_in_host_mode(cfg: Settings) -> None:
+    """:class:`InvalidArgumentError` for GPU memory under ``mode='host'`` (files and objects alike)."""
+    if cfg.mode is Mode.HOST:
+        raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
+                                   "(use mode='auto' or 'bounce')")
+
+
 def host_reason() -> Reason:
     return Reason.NO_GPU if cuda.device_count() == 0 else Reason.HOST_MEMORY
 
@@ -125,9 +132,7 @@ def choose_backends(f: OpenFile, buf: BufferView, size: int, file_offset: int, b
     whole = (file_offset, buf_offset, size)
     if not buf.on_device:
         return [BackendChoice(BackendKind.HOST, host_reason(), *whole)]
-    if cfg.mode is Mode.HOST:
-        raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
-                                   "(use mode='auto' or 'bounce')")
+    refuse_device_memory_in_host_mode(cfg)
     if buf.kind is MemoryKind.MANAGED:
         if cfg.mode is Mode.CUFILE:
             raise DirectPathUnavailable("managed memory cannot take the cuFile path", Reason.MANAGED_MEMORY)
@@ -178,9 +183,7 @@ def object_reason(buf: BufferView, cfg: Settings) -> Reason:
     memory, through a pinned lane). Raises where a forced mode cannot serve it."""
     if not buf.on_device:
         return host_reason()
-    if cfg.mode is Mode.HOST:
-        raise InvalidArgumentError("mode='host' serves host memory only; this buffer is in GPU memory "
-                                   "(use mode='auto' or 'bounce')")
+    refuse_device_memory_in_host_mode(cfg)
     if cfg.mode is Mode.CUFILE:
         raise DirectPathUnavailable("an object store's bytes cannot take the cuFile path", Reason.OBJECT_STORE)
     return Reason.OBJECT_STORE

@@ -1,5 +1,6 @@
 """``gdskit check s3://bucket/prefix``: whether an object store answers, whether the credentials
-work, and what one ranged GET of 64 MiB achieves, as a dataclass the CLI renders."""
+work, and what one ranged GET of 64 MiB achieves, as a dataclass the CLI renders. A prefix is
+listed up to :data:`LIST_LIMIT` keys, never whole (it may hold millions)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gdskit.engine import is_object_url, list_objects, object_endpoint_name, open_file
+from gdskit.engine import is_object_url, list_objects_bounded, object_endpoint_name, open_file
 from gdskit.errors import GdskitError, GdskitFileNotFoundError, InvalidArgumentError, NoCredentialsError, ObjectStoreError
 
 #: Bytes the check's GET reads (less where the largest object is smaller).
 PROBE_BYTES = 64 << 20
+
+#: Keys the check lists under a prefix at most (one page of S3's listing).
+LIST_LIMIT = 1000
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,8 @@ class ObjectStoreCheck:
     endpoint: str
     reachable: bool
     credentials: str
-    objects: int | None = None          # objects under the prefix (1 for an object URL)
+    objects: int | None = None          # objects listed under the prefix (1 for an object URL)
+    more_objects: bool = False          # the prefix holds more objects than the check listed
     probe_object: str | None = None     # the object the GET read
     probe_bytes: int = 0
     probe_seconds: float | None = None
@@ -42,24 +47,27 @@ class ObjectStoreCheck:
     def to_dict(self) -> dict[str, Any]:
         rate = self.rate_bytes_s
         return {"url": self.url, "endpoint": self.endpoint, "reachable": self.reachable,
-                "credentials": self.credentials, "objects": self.objects, "probe_object": self.probe_object,
+                "credentials": self.credentials, "objects": self.objects,
+                "more_objects": self.more_objects, "probe_object": self.probe_object,
                 "probe_bytes": self.probe_bytes,
                 "probe_seconds": None if self.probe_seconds is None else round(self.probe_seconds, 6),
                 "rate_bytes_s": None if rate is None else round(rate), "ok": self.ok, "error": self.error}
 
 
-def check_object_store(url: str) -> ObjectStoreCheck:
-    """List ``url`` (a prefix ending in ``/``, or one object) and GET up to 64 MiB of its largest
-    object into host memory; never raises for what the store answers (it is the finding)."""
+def check_object_store(url: str, list_limit: int = LIST_LIMIT) -> ObjectStoreCheck:
+    """List ``url`` (a prefix ending in ``/``: its first ``list_limit`` keys; or one object) and
+    GET up to 64 MiB of the largest object listed into host memory; never raises for what the
+    store answers (it is the finding)."""
     if not is_object_url(url):
         raise InvalidArgumentError(f"not an object URL: {url!r}")
     try:
         endpoint = object_endpoint_name()
     except GdskitError as exc:  # the extra is missing
         return ObjectStoreCheck(url, "unknown", False, "unknown", error=str(exc))
+    more = False
     try:
         if url.endswith("/"):
-            found = list_objects(url)
+            found, more = list_objects_bounded(url, list_limit)
         else:
             with open_file(url) as obj:
                 found = [(url, obj.size)]
@@ -82,5 +90,5 @@ def check_object_store(url: str) -> ObjectStoreCheck:
             got = obj.read(buf, n, 0)
             elapsed = time.perf_counter() - t0
     except GdskitError as exc:
-        return ObjectStoreCheck(url, endpoint, True, "ok", len(found), target, error=str(exc))
-    return ObjectStoreCheck(url, endpoint, True, "ok", len(found), target, got, elapsed)
+        return ObjectStoreCheck(url, endpoint, True, "ok", len(found), more, target, error=str(exc))
+    return ObjectStoreCheck(url, endpoint, True, "ok", len(found), more, target, got, elapsed)

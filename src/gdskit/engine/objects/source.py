@@ -88,6 +88,9 @@ def coalesce(parts: list[_Part], max_span: int, max_gap: int) -> list[_Run]:
 class ObjectFile:
     """An object opened for reads (mode ``"r"``) or written whole (mode ``"w"``).
 
+    A writer is always atomic (a multipart upload completed at :meth:`close`, or one PUT):
+    ``atomic=True`` is taken with mode ``"w"`` and refused with ``"r"``, as for files.
+
     Use :func:`gdskit.open` with an ``s3://`` URL to make one. The read methods take the same
     arguments and destinations as :class:`gdskit.File`'s and return the same counts (short only
     at the end of the object).
@@ -97,12 +100,15 @@ class ObjectFile:
         self._closed = False
         if mode not in ("r", "w"):
             raise InvalidArgumentError(f"an object opens with mode 'r' or 'w' (written whole); got {mode!r}")
+        if atomic and mode != "w":
+            raise InvalidArgumentError("atomic=True needs mode 'w' (a whole new object)")
         self.url = parse_url(url)
         if self.url.is_prefix:
             raise InvalidArgumentError(f"{self.url} names a prefix, not an object")
         self.path = str(self.url)
         self.mode = mode
-        self.atomic = True  # an object appears whole or not at all, asked for or not
+        # A written object appears whole at close or not at all, atomic=True asked for or not.
+        self.atomic = mode == "w"
         self._lock = threading.Lock()
         self._calls = 0
         self._idle = threading.Condition(self._lock)
@@ -586,8 +592,7 @@ class _Upload:
         self._bucket = bucket
         self._url = url
         self._cfg = settings.snapshot()  # one part size for the whole upload
-        self._part = bytearray(self._cfg.s3_part_size)
-        self._fill = 0
+        self._part = bytearray()  # grows as bytes arrive: a small object never holds a whole part
         self.written = 0
         self._upload_id: str | None = None
         self._etags: list[Future[str]] = []
@@ -616,20 +621,18 @@ class _Upload:
 
     def _take(self, view: BufferView, size: int, buf_offset: int) -> None:
         done = 0
+        part_size = self._cfg.s3_part_size
         while done < size:
-            n = min(size - done, len(self._part) - self._fill)
-            target = memoryview(self._part)[self._fill:self._fill + n]
+            n = min(size - done, part_size - len(self._part))
             if view.on_device:
-                _copy_from_device(view, buf_offset + done, target)
+                _append_from_device(view, buf_offset + done, n, self._part)
             else:
                 assert view.host_view is not None
-                target[:] = view.host_view[buf_offset + done:buf_offset + done + n]
-            self._fill += n
+                self._part += view.host_view[buf_offset + done:buf_offset + done + n]
             done += n
-            if self._fill == len(self._part):
+            if len(self._part) == part_size:
                 self._send(self._part)
-                self._part = bytearray(self._cfg.s3_part_size)
-                self._fill = 0
+                self._part = bytearray()
 
     def _send(self, data: bytearray) -> None:
         if self._upload_id is None:
@@ -653,10 +656,10 @@ class _Upload:
                 if self._failed is not None:
                     raise self._failed
                 if self._upload_id is None:  # it all fits one part: one PUT, atomic too
-                    self._bucket.put(self._url, memoryview(self._part)[:self._fill], self._cfg)
+                    self._bucket.put(self._url, memoryview(self._part), self._cfg)
                 else:
-                    if self._fill:
-                        self._send(self._part[:self._fill])
+                    if self._part:
+                        self._send(self._part)
                     etags = [f.result() for f in self._etags]
                     self._bucket.complete_upload(self._url, self._upload_id, etags, self._cfg)
                 self._record(max(1, len(self._etags)))
@@ -691,8 +694,8 @@ class _Upload:
                 pass
 
 
-def _copy_from_device(view: BufferView, offset: int, target: memoryview) -> None:
-    """Device bytes ``[offset, offset + len(target))`` of ``view`` into ``target`` through a pinned lane."""
+def _append_from_device(view: BufferView, offset: int, n: int, out: bytearray) -> None:
+    """Device bytes ``[offset, offset + n)`` of ``view`` appended to ``out`` through a pinned lane."""
     cfg = settings.snapshot()
     device = view.device if view.device is not None else cuda.current_device()
     n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
@@ -705,12 +708,12 @@ def _copy_from_device(view: BufferView, offset: int, target: memoryview) -> None
         stage, _event = lane.next_stage()
         assert lane.stream is not None
         pos = 0
-        while pos < target.nbytes:
-            n = min(chunk, target.nbytes - pos)
-            lane.stream.copy_d2h(stage.ptr, view.ptr + offset + pos, n)
+        while pos < n:
+            k = min(chunk, n - pos)
+            lane.stream.copy_d2h(stage.ptr, view.ptr + offset + pos, k)
             lane.stream.synchronize()
-            target[pos:pos + n] = stage.view[:n]
-            pos += n
+            out += stage.view[:k]
+            pos += k
         ok = True
     finally:
         lanes.release(lane) if ok else lanes.discard_after_failure(lane)

@@ -12,6 +12,7 @@ and credentials files, SSO, container and instance roles); the endpoint from
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import threading
@@ -84,6 +85,16 @@ class ObjectMeta:
     etag: str | None
 
 
+@dataclass(frozen=True)
+class PendingUpload:
+    """A multipart upload under way: its key, id, and when the store says it started (None
+    where it did not say)."""
+
+    key: str
+    upload_id: str
+    initiated: Any = None  # a timezone-aware datetime
+
+
 class Bucket:
     """One bucket at one endpoint: HEAD, ranged GETs into memory the caller owns, listings,
     multipart uploads."""
@@ -153,13 +164,29 @@ class Bucket:
 
     def list(self, prefix: str, cfg: Settings) -> list[tuple[str, int]]:
         """``(key, size)`` of every object under ``prefix``, sorted by key."""
+        return sorted(self.list_bounded(prefix, cfg, None)[0])
 
-        def once() -> list[tuple[str, int]]:
-            out = []
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-            for page in pages:
-                out.extend((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
-            return sorted(out)
+    def list_bounded(self, prefix: str, cfg: Settings, limit: int | None) -> tuple[list[tuple[str, int]], bool]:
+        """``(key, size)`` of the first ``limit`` objects under ``prefix`` (all where None), in
+        the store's order, a page at a time; and whether more exist past them."""
+
+        def once() -> tuple[list[tuple[str, int]], bool]:
+            out: list[tuple[str, int]] = []
+            token = None
+            while True:
+                want = 1000 if limit is None else min(1000, limit - len(out))
+                kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": want}
+                if token is not None:
+                    kwargs["ContinuationToken"] = token
+                page = self.client.list_objects_v2(**kwargs)
+                got = [(o["Key"], int(o["Size"])) for o in page.get("Contents", ())]
+                out.extend(got)
+                more = bool(page.get("IsTruncated"))
+                token = page.get("NextContinuationToken")
+                if limit is not None and len(out) >= limit:
+                    return out[:limit], more or len(out) > limit
+                if not more or not token or not got:  # a page that brings nothing ends it (hostile servers)
+                    return out, False
 
         return self._call(ObjectURL(self.bucket, prefix), cfg, "read", once)
 
@@ -177,13 +204,65 @@ class Bucket:
         return str(out["ETag"])
 
     def complete_upload(self, url: ObjectURL, upload_id: str, etags: list[str], cfg: Settings) -> None:
+        """Complete the upload of the parts ``etags`` (as the server answered each). A retry told
+        NoSuchUpload may follow a try that completed the upload and lost its answer: then the
+        object at the key must be this upload's (its multipart ETag), else
+        :class:`ObjectStoreError`."""
         parts = [{"PartNumber": i + 1, "ETag": tag} for i, tag in enumerate(etags)]
-        self._call(url, cfg, "write", lambda: self.client.complete_multipart_upload(
-            Bucket=self.bucket, Key=url.key, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+        tries = [0]
+
+        def once() -> bool:
+            tries[0] += 1
+            try:
+                self.client.complete_multipart_upload(Bucket=self.bucket, Key=url.key, UploadId=upload_id,
+                                                      MultipartUpload={"Parts": parts})
+            except self._errors.ClientError as exc:
+                if tries[0] > 1 and _status(exc)[1] == "NoSuchUpload":
+                    return False  # completed by an earlier try, or aborted by someone else: see below
+                raise
+            return True
+
+        if not self._call(url, cfg, "write", once):
+            self._confirm_completed(url, etags, cfg)
+
+    def _confirm_completed(self, url: ObjectURL, etags: list[str], cfg: Settings) -> None:
+        expected = multipart_etag(etags)
+        try:
+            found = self.head(url, cfg).etag
+        except GdskitFileNotFoundError:
+            found = None
+        if expected is None or found is None or found.strip('"') != expected:
+            raise ObjectStoreError(5, f"the multipart upload of {url} at {self.endpoint.name} vanished before its "
+                                      f"completion was confirmed, and the object there (ETag {found}) is not "
+                                      f"this upload's ({expected})", str(url))
 
     def abort_upload(self, url: ObjectURL, upload_id: str, cfg: Settings) -> None:
         self._call(url, cfg, "write", lambda: self.client.abort_multipart_upload(
             Bucket=self.bucket, Key=url.key, UploadId=upload_id))
+
+    def list_uploads(self, prefix: str, cfg: Settings, limit: int) -> tuple[list[PendingUpload], bool]:
+        """The first ``limit`` multipart uploads under way (started, neither completed nor
+        aborted) whose keys start with ``prefix``, a page at a time; and whether more exist."""
+
+        def once() -> tuple[list[PendingUpload], bool]:
+            out: list[PendingUpload] = []
+            markers: dict[str, str] = {}
+            while True:
+                page = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix,
+                                                          MaxUploads=min(1000, limit - len(out)), **markers)
+                got = [PendingUpload(str(u["Key"]), str(u["UploadId"]), u.get("Initiated"))
+                       for u in page.get("Uploads", ()) if str(u.get("Key", "")).startswith(prefix)]
+                out.extend(got)
+                more = bool(page.get("IsTruncated"))
+                if len(out) >= limit:
+                    return out[:limit], more or len(out) > limit
+                key_marker, id_marker = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+                following = {"KeyMarker": str(key_marker), **({"UploadIdMarker": str(id_marker)} if id_marker else {})}
+                if not more or not got or not key_marker or following == markers:
+                    return out, False  # a page that brings nothing, or the same markers, ends it (hostile servers)
+                markers = following
+
+        return self._call(ObjectURL(self.bucket, prefix), cfg, "read", once)
 
     def put(self, url: ObjectURL, data: memoryview, cfg: Settings) -> None:
         """A whole small object in one PUT (atomic as every PUT is)."""
@@ -260,6 +339,22 @@ def _fill(body: Any, view: memoryview) -> None:
         if not got:
             raise ConnectionResetError(f"the body ended {n - pos} bytes short")
         pos += got
+
+
+def multipart_etag(part_etags: list[str]) -> str | None:
+    """The ETag S3 gives an object completed from parts with these ETags (the MD5 of their
+    binary MD5s, then ``-<part count>``), unquoted; None where a part's ETag is not an MD5
+    (some encryption modes), so the object's cannot be known."""
+    digests = []
+    for tag in part_etags:
+        text = tag.strip('"')
+        if len(text) != 32:
+            return None
+        try:
+            digests.append(bytes.fromhex(text))
+        except ValueError:
+            return None
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(part_etags)}"
 
 
 def _first_line(exc: BaseException) -> str:
