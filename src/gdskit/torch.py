@@ -38,8 +38,8 @@ from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
-from gdskit.formats.verified import Sha256Check, check_loaded, expectations, verify_mode
-from gdskit.verify import Expectation
+from gdskit.formats.verified import Sha256Check, check_loaded, expectations
+from gdskit.verify import Expectation, verify_mode
 
 require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
 
@@ -334,7 +334,7 @@ def _verified_load(f: Any, mode: Any, map_location: MapLocation, weights_only: b
                    progress: ProgressArg, return_stats: bool) -> Any:
     """:func:`load` with ``verify``: each storage record checked once read, or the file's sha256."""
     path = os.fspath(f)
-    if mode.kind == "sha256":
+    if mode.whole_file:
         check = Sha256Check([path], mode)
         try:
             with collector_paused():

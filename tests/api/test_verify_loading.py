@@ -491,3 +491,19 @@ def test_a_manifest_outranks_the_digests_a_replaced_file_carries(tmp_path):
         gs.load_file(str(path), verify=True)
     with pytest.raises(gdskit.errors.GdskitFileNotFoundError):
         gs.load_file(str(path), verify=str(tmp_path / "no-such-manifest.json"))
+
+
+def test_a_short_read_of_a_file_shorter_than_its_manifest_is_a_truncation_not_a_mismatch(raw_file, tmp_path):
+    """The file behind an open descriptor shrinks while its name shows the size the manifest
+    records: the read comes back short, which is a truncated file, not bytes that differ."""
+    from gdskit.formats.safetensors_format import TruncatedFileError
+
+    intact = str(tmp_path / "intact.bin")
+    with gdskit.open(raw_file) as f:
+        shutil.copy2(raw_file, intact)
+        os.truncate(raw_file, 5000)  # the file the descriptor holds
+        os.replace(intact, raw_file)  # the name: the whole file again, its mtime kept
+        with pytest.raises(TruncatedFileError) as info:
+            f.read(bytearray(10_000), verify=True)
+    assert not isinstance(info.value, ChecksumMismatchError)
+    assert info.value.path == raw_file

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError, from_os_error
 from gdskit.threads import executor
-from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
-                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, write_manifest)
+                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, relative_name,
+                           write_manifest)
 
 #: How ``gdskit digest`` calls a file by its format.
 KINDS = ("safetensors", "torch", "npy", "raw")

@@ -34,8 +34,8 @@ from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import Sha256Check, expectations, tensor_digests, verify_mode
-from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch
+from gdskit.formats.verified import Sha256Check, expectations, tensor_digests
+from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch, verify_mode
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
@@ -486,7 +486,7 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
     file_sizes = {p: h.file_size for p, h in index.headers}
     expect = None
     sha256 = None
-    if mode.kind == "sha256":
+    if mode.whole_file:
         sha256 = Sha256Check([p for p, _h in index.headers], mode)
     elif mode.on:  # nothing to check against is refused before a byte is read
         devices = {t.device for _n, t in items if t.device.type == "cuda"}
@@ -606,7 +606,7 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Cal
     path = os.fspath(path)
     mode = verify_mode(verify)
     with collector_paused():  # the function's objects are gone when the collector comes back
-        if mode.kind != "sha256":
+        if not mode.whole_file:
             return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
                                     weights_only, mode)
         check = Sha256Check([path], mode)

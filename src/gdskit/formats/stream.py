@@ -33,7 +33,8 @@ from gdskit.formats import read_plan
 from gdskit.engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
-from gdskit.formats.verified import check_loaded, expectations, verify_mode
+from gdskit.formats.verified import check_loaded, expectations
+from gdskit.verify import verify_mode
 from gdskit.threads import executor
 
 #: The default budget is the larger of this and twice the largest tensor.
@@ -111,7 +112,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._shape = shape
 
         mode = verify_mode(verify)
-        if mode.kind == "sha256":
+        if mode.whole_file:
             raise InvalidArgumentError("iter_tensors yields each tensor before the whole file is read: it checks "
                                        "per-tensor digests (verify=True or a manifest), not a file's sha256")
         index = index_checkpoint(path_or_paths)

@@ -13,7 +13,7 @@ from typing import Any
 from gdskit.engine import digest_buffers, prepare_gpu_digests
 from gdskit.errors import InvalidArgumentError
 from gdskit.threads import executor, start_thread
-from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode
+from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation
 
 
 def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
@@ -31,7 +31,7 @@ def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
             stream = int(torch.cuda.current_stream(device).cuda_stream)
             gpu = device.index if device.index is not None else torch.cuda.current_device()
         buffers = [(t.data_ptr(), t.nbytes) for _n, t in items]
-        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu)):
+        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu), strict=True):
             out[name] = digest
     return out
 
@@ -141,5 +141,4 @@ class Sha256Check:
             raise self._outcome[0]
 
 
-__all__ = ["HostChecks", "Sha256Check", "VerifyMode", "batches", "check_loaded", "expectations", "tensor_digests",
-           "verify_mode"]
+__all__ = ["HostChecks", "Sha256Check", "batches", "check_loaded", "expectations", "tensor_digests"]
