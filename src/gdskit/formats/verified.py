@@ -128,8 +128,7 @@ class HostChecks:
         """``items`` (in file order) as the runs to read one after another onto ``device``:
         batches of about :data:`HOST_BATCH_BYTES` where the hashing overlaps the reads, else all
         of them at once."""
-        return batches(items, nbytes, self.batch_limit(HOST_BATCH_BYTES, device)) if self.overlaps(device) \
-            else [list(items)]
+        return batches(items, nbytes) if self.overlaps(device) else [list(items)]
 
     def batch_limit(self, limit: int, device: Any) -> int:
         """The most bytes of one run onto ``device`` for a reader that cuts its own runs (``limit``
