@@ -8,9 +8,14 @@ and on the GPU (``--device 0``).
     python benchmarks/verify_load.py --dir /tmp/vl --gib 4 --rounds 3 [--out result.json]
 
 ``--device cpu``: the same loads into host memory (128 x 8 MiB float32 tensors per GiB, hashed
-on the CPU), no kernel or ``gdskit digest`` figures; runs on a machine without a GPU.
+on the CPU), no kernel or ``gdskit digest`` figures; runs on a machine without a GPU. ``--reader``
+picks the readers (``load_file``, ``load_into``, ``iter_tensors`` of the safetensors file;
+``torch_load``, ``torch_load_into`` of a torch.save archive of the same tensors with its manifest),
+``--src name=path,...`` the gdskit source trees to compare (each reader, tree and verify setting in
+its own fresh process, interleaved round by round).
 
-    python benchmarks/verify_load.py --device cpu --gib 1 --rounds 5
+    python benchmarks/verify_load.py --device cpu --gib 1 --rounds 5 \
+        --reader load_file,load_into,iter_tensors,torch_load,torch_load_into --src before=/tmp/old/src,after=src
 """
 
 from __future__ import annotations
@@ -29,29 +34,64 @@ TENSOR_BYTES = 32 << 20
 CPU_TENSOR_BYTES = 8 << 20
 
 
-def make_cpu_file(path: str, gib: int) -> None:
+CPU_READERS = ("load_file", "load_into", "iter_tensors", "torch_load", "torch_load_into")
+
+
+def make_cpu_files(folder: str, gib: int) -> tuple[str, str]:
+    """The safetensors file (digests in its header) and the torch.save archive (a manifest beside
+    it) of the same tensors; made once."""
+    st_path = os.path.join(folder, f"model-cpu-{gib}g.safetensors")
+    pt_path = os.path.join(folder, f"model-cpu-{gib}g.pt")
+    if os.path.exists(st_path) and os.path.exists(pt_path + ".gdskit-digest.json"):
+        return st_path, pt_path
     import torch
 
     import gdskit.safetensors as gs
+    from gdskit.formats import digest_scan
 
     n = (gib << 30) // CPU_TENSOR_BYTES
     g = torch.Generator().manual_seed(0)
-    gs.save_file({f"layer.{i}.weight": torch.randn(CPU_TENSOR_BYTES // 4, generator=g) for i in range(n)}, path,
-                 digests=True)
+    tensors = {f"layer.{i}.weight": torch.randn(CPU_TENSOR_BYTES // 4, generator=g) for i in range(n)}
+    gs.save_file(tensors, st_path, digests=True)
+    torch.save(tensors, pt_path)
+    digest_scan.make_manifests([pt_path])
+    return st_path, pt_path
 
 
-def cpu_child(path: str, verify: bool) -> None:
+def _cpu_load(reader: str, st_path: str, pt_path: str, verify: bool, target: dict) -> None:
+    import gdskit.safetensors as gs
+    import gdskit.torch as gt
+
+    if reader == "load_file":
+        gs.load_file(st_path, device="cpu", verify=verify)
+    elif reader == "load_into":
+        gs.load_into(target, st_path, verify=verify)
+    elif reader == "iter_tensors":
+        for _name, t in gs.iter_tensors(st_path, device="cpu", verify=verify):
+            del t
+    elif reader == "torch_load":
+        gt.load(pt_path, map_location="cpu", verify=verify)
+    else:
+        gt.load_into(target, pt_path, verify=verify)
+
+
+def cpu_child(st_path: str, pt_path: str, reader: str, verify: bool) -> None:
+    import torch
+
     import gdskit
     import gdskit.safetensors as gs
 
-    size = os.path.getsize(path)
-    out: dict = {"verify": verify}
+    size = os.path.getsize(st_path if reader in ("load_file", "load_into", "iter_tensors") else pt_path)
+    target = {}
+    if reader.endswith("load_into"):  # the model's tensors exist before the load, as in a real one
+        with gs.safe_open(st_path, framework="pt") as f:
+            target = {n: torch.empty(CPU_TENSOR_BYTES // 4) for n in f.keys()}
+    out: dict = {"verify": verify, "reader": reader}
     for call in ("first", "second"):
         t0 = time.perf_counter()
-        tensors = gs.load_file(path, device="cpu", verify=verify)
+        _cpu_load(reader, st_path, pt_path, verify, target)
         out[f"{call}_s"] = time.perf_counter() - t0
         out[f"{call}_gbps"] = size / out[f"{call}_s"] / 1e9
-        del tensors
     out["verified"] = gdskit.stats().verified.to_dict()
     report(out)
 
@@ -111,28 +151,37 @@ def child(path: str, verify: bool) -> None:
 
 
 def cpu_main(args: argparse.Namespace) -> None:
-    """Host-memory loads, verify False and True interleaved, each in a fresh process."""
+    """Host-memory loads: every reader, source tree and verify setting in its own fresh process,
+    interleaved (the order turns round each round); medians per reader, tree and setting."""
+    from fresh_process import run_child_in_tree, source_trees
+
     os.makedirs(args.dir, exist_ok=True)
-    path = os.path.join(args.dir, f"model-cpu-{args.gib}g.safetensors")
-    if not os.path.exists(path):
-        make_cpu_file(path, args.gib)
-    warm(path)
+    st_path, pt_path = make_cpu_files(args.dir, args.gib)
+    readers = [r for r in args.reader.split(",") if r]
+    trees = source_trees(args.src)
+    cases = [(r, t, v) for r in readers for t in trees for v in (False, True)]
     runs: list[dict] = []
-    for r in range(args.rounds):
-        for verify in ((False, True) if r % 2 == 0 else (True, False)):
-            res = run_child(__file__, ["--device", "cpu", "--child", path, "1" if verify else "0"], timeout=300)
+    for rnd in range(args.rounds):
+        warm(st_path)
+        warm(pt_path)
+        for reader, tree, verify in (cases if rnd % 2 == 0 else cases[::-1]):
+            res = run_child_in_tree(__file__, ["--device", "cpu", "--child", st_path, pt_path, reader,
+                                               "1" if verify else "0"], trees[tree], timeout=300)
+            res.update(tree=tree, reader=reader, verify=verify)
             print(json.dumps(res), flush=True)
             runs.append(res)
-    summary: dict = {"device": "cpu", "file_bytes": os.path.getsize(path), "rounds": args.rounds,
-                     "cpus": os.cpu_count()}
-    for verify in (False, True):
-        mine = [r for r in runs if r.get("verify") is verify and "error" not in r]
+    summary: dict = {"device": "cpu", "file_bytes": {"safetensors": os.path.getsize(st_path),
+                                                     "torch": os.path.getsize(pt_path)},
+                     "rounds": args.rounds, "cpus": os.cpu_count(), "cases": {}}
+    for reader, tree, verify in cases:
+        mine = [r for r in runs if (r["reader"], r["tree"], r["verify"]) == (reader, tree, verify) and "error" not in r]
+        if not mine:
+            continue
+        case = summary["cases"][f"{reader} {tree} verify={verify}"] = {}
         for key in ("first_s", "second_s", "first_gbps", "second_gbps"):
-            if mine:
-                vals = [r[key] for r in mine]
-                name = f"{'verified' if verify else 'plain'}_{key}"
-                summary[name + "_median"] = round(statistics.median(vals), 3)
-                summary[name + "_range"] = [round(min(vals), 3), round(max(vals), 3)]
+            vals = [r[key] for r in mine]
+            case[key + "_median"] = round(statistics.median(vals), 3)
+            case[key + "_range"] = [round(min(vals), 3), round(max(vals), 3)]
     print("SUMMARY " + json.dumps(summary, indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
@@ -146,10 +195,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--child", nargs=2)
+    ap.add_argument("--reader", default="load_file", help=f"--device cpu: readers, of {', '.join(CPU_READERS)}")
+    ap.add_argument("--src", default="", help="--device cpu: name=path,... gdskit source trees to compare")
+    ap.add_argument("--child", nargs="+")
     args = ap.parse_args()
     if args.child:
-        (cpu_child if args.device == "cpu" else child)(args.child[0], args.child[1] == "1")
+        if args.device == "cpu":
+            cpu_child(args.child[0], args.child[1], args.child[2], args.child[3] == "1")
+        else:
+            child(args.child[0], args.child[1] == "1")
         return
     if args.device == "cpu":
         cpu_main(args)

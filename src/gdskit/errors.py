@@ -143,6 +143,11 @@ class FormatError(GdskitError, ValueError):
         return f"{self.path}: {text}" if self.path else text
 
 
+class TruncatedFileError(FormatError):
+    """The file is shorter than its header (or its digest manifest) says: truncated, or it
+    shrank while being read."""
+
+
 def with_path(exc: FormatError, path: str | _os.PathLike[str]) -> FormatError:
     """``exc`` naming ``path`` as the file at fault, unless it already names one."""
     if exc.path is None:

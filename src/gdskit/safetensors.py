@@ -30,9 +30,8 @@ from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.verified import (HostChecks, Sha256Check, batches, check_loaded, expectations, tensor_digests,
-                                    verify_mode)
-from gdskit.verify import HEADER_KEY, OFF, VerifyMode
+from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, tensor_digests
+from gdskit.verify import HEADER_KEY, OFF, VerifyMode, verify_mode
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
                                                UnknownDtypeError)
@@ -277,7 +276,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     names = fmt.select_names(where, keys)
     expect = {}
     sha256 = None
-    if mode.kind == "sha256":
+    if mode.whole_file:
         sha256 = Sha256Check([p for p, _h in headers], mode)
     elif mode.on:  # nothing to check against is refused before a byte is read
         expect = expectations([p for p, _h in headers], mode, {p: h.metadata for p, h in headers}, dev)
@@ -306,15 +305,14 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    with Progress(total, progress, "loading") as prog, HostChecks() as host_checks:
+    with Progress(total, progress, "loading") as prog, HostChecks(bool(expect)) as host_checks:
         for p, h in headers:
             entries = by_file.get(p)
             if not entries:
                 continue
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
-            overlap = p in expect and dev.type == "cpu"
-            runs = batches(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes) if overlap else [entries]
+            runs = host_checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)
             with open_file(p, "r") as f:
                 if f.size != h.file_size:
                     raise TruncatedFileError(f"changed size after its header was read "
@@ -326,11 +324,9 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                         landed = execute(f, plan, dev, alloc=alloc, progress=prog)
                     except fmt.FormatError as exc:
                         raise with_path(exc, p) from None
-                    if overlap:
-                        host_checks.submit(expect[p], [(e.name, landed[e.name]) for e in run], spans)
+                    if p in expect:
+                        host_checks.check(expect[p], [(e.name, landed[e.name]) for e in run], dev, spans)
                     raw.update(landed)
-            if p in expect and not overlap:
-                check_loaded(expect[p], [(e.name, raw[e.name]) for e in entries], spans)
         host_checks.finish()
     for n, t in empty.items():
         p = where[n][0]
@@ -750,7 +746,7 @@ class safe_open:  # noqa: N801 - the name safetensors gives it
         self._header: fmt.Header | None = fmt.read_header_file(self._path)
         self._by_name = {e.name: e for e in self._header.entries}
         self._verify = verify_mode(verify)
-        if self._verify.kind == "sha256":
+        if self._verify.whole_file:
             raise InvalidArgumentError("safe_open reads tensors one at a time, never the whole file at once: "
                                        "verify takes True or a manifest's path")
         self._expect = (expectations([self._path], self._verify, {self._path: self._header.metadata},

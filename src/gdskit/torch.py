@@ -16,6 +16,7 @@ TorchScript archives are handed to ``torch.load``. Needs torch
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import os
@@ -23,7 +24,7 @@ import pickle
 import re
 import stat
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from gdskit.durable import (OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps,
@@ -38,8 +39,9 @@ from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
-from gdskit.formats.verified import Sha256Check, check_loaded, expectations, verify_mode
-from gdskit.verify import Expectation
+from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, merged
+from gdskit.verify import check_tensors
+from gdskit.verify import Expectation, verify_mode
 
 require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
 
@@ -334,7 +336,7 @@ def _verified_load(f: Any, mode: Any, map_location: MapLocation, weights_only: b
                    progress: ProgressArg, return_stats: bool) -> Any:
     """:func:`load` with ``verify``: each storage record checked once read, or the file's sha256."""
     path = os.fspath(f)
-    if mode.kind == "sha256":
+    if mode.whole_file:
         check = Sha256Check([path], mode)
         try:
             with collector_paused():
@@ -509,6 +511,8 @@ class _ZipLoad:
         self.torch, self.archive, self.target, self.progress = torch, archive, target, progress
         self.expectation = expectation
         self.read_records: dict[str, tuple[StorageRecord, Any]] = {}  # with verify: each record's storage
+        self.checks = HostChecks(expectation is not None)
+        self.hashed: list[concurrent.futures.Future[dict[str, str]]] = []  # digests taken as the reads landed
         self.path, self.where = source.path, source.where
         # torch.load shares only storages with memory (not empty or meta ones)
         self.persistent_load = archive.persistent_loader(self._typed_storage, lambda _rec, typed: typed._data_ptr() != 0)
@@ -519,37 +523,48 @@ class _ZipLoad:
     def run(self, weights_only: bool, return_stats: bool) -> Any:
         torch = self.torch
         before = stats() if return_stats else None
-        try:
-            if self.target.single_device and self.path is not None:
-                self.ahead = _ReadAhead.start(torch, self.path, self.archive, self.target, self.progress)
-            data = self.archive.record("data.pkl")
-            result = _unpickle(torch, data, self.persistent_load, weights_only, self.target.map_location, self.where)
-            if self.ahead is not None:
-                self.ahead.complete()
-            elif self.path is not None:
-                _read_storages(torch, self.path, self.pending, self.progress)
-        except BaseException:
-            if self.ahead is not None:
-                self.ahead.abandon()  # no read may outlive the call or its destination
-            raise
-        finally:
-            if self._file is not None:
-                self._file.close()
-        if self.expectation is not None:
-            self._verify()
+        with self.checks:  # no hashing thread outlives the load
+            try:
+                if self.target.single_device and self.path is not None:
+                    self.ahead = _ReadAhead.start(torch, self.path, self.archive, self.target, self.progress,
+                                                  self._hashing(), self.hashed)
+                data = self.archive.record("data.pkl")
+                result = _unpickle(torch, data, self.persistent_load, weights_only, self.target.map_location,
+                                   self.where)
+                if self.ahead is not None:
+                    self.ahead.complete()
+                elif self.path is not None:
+                    _read_storages(torch, self.path, self.pending, self.progress, self._hashing(), self.hashed)
+            except BaseException:
+                if self.ahead is not None:
+                    self.ahead.abandon()  # no read may outlive the call or its destination
+                raise
+            finally:
+                if self._file is not None:
+                    self._file.close()
+            if self.expectation is not None:
+                self._verify()
         _validate_sparse(torch, self.where)
         if return_stats:
             return result, stats_delta(before, stats())
         return result
 
+    def _hashing(self) -> HostChecks | None:
+        """Where the reads hand each run of storages once it has landed (a verified load)."""
+        return self.checks if self.expectation is not None else None
+
     def _verify(self) -> None:
-        """Check every storage record read against the manifest (its bytes as stored)."""
+        """Check every storage record read against the manifest (its bytes as stored): the records
+        hashed as their reads landed, and the others (small, inflated, on a GPU) now."""
         assert self.expectation is not None
         torch = self.torch
+        early = merged(self.hashed)
         named = [(name, _bytes_of(torch, storage, rec.nbytes)) for name, (rec, storage) in self.read_records.items()
-                 if rec.nbytes]
-        check_loaded(self.expectation, named,
-                     {name: (rec.offset, rec.offset + rec.nbytes) for name, (rec, _s) in self.read_records.items()})
+                 if rec.nbytes and name not in early]
+        ranges = {name: (rec.offset, rec.offset + rec.nbytes) for name, (rec, _s) in self.read_records.items()}
+        if named:
+            check_loaded(self.expectation, named, ranges)
+        check_tensors(self.expectation, {name: early[name] for name in self.read_records if name in early}, ranges)
 
     def _typed_storage(self, rec: StorageRecord) -> Any:
         storage = self._storage(rec)
@@ -666,8 +681,11 @@ class _ReadAhead:
         self._job = self._pool.submit(read_large)
 
     @classmethod
-    def start(cls, torch: Any, path: str, records: StorageRecords, target: _Target,
-              progress: ProgressArg) -> _ReadAhead | None:
+    def start(cls, torch: Any, path: str, records: StorageRecords, target: _Target, progress: ProgressArg,
+              checks: HostChecks | None = None,
+              hashed: list[concurrent.futures.Future[dict[str, str]]] | None = None) -> _ReadAhead | None:
+        """``checks`` (a verified load): the large reads run in the runs it cuts, each hashed on
+        its threads once landed (its digests appended to ``hashed``, by record name)."""
         spans = records.spans()
         if not spans:
             return None  # nothing to read, or a record the lazy path will report by name
@@ -686,7 +704,10 @@ class _ReadAhead:
         def read_large() -> None:
             if large.direct or large.empty:
                 with open_file(path, "r") as f:
-                    execute(f, large, dev, dests=dests, progress=prog)
+                    for i, run in enumerate(_verified_runs(checks, large.direct, dev)):
+                        part = dataclasses.replace(large, direct=tuple(run), empty=large.empty if i == 0 else ())
+                        execute(f, part, dev, dests=dests, progress=prog)
+                        _hash_landed(checks, hashed, [(f"data/{e.key}", dests[e.key]) for e in run], dev)
 
         return cls(path, dev, storages, dests, dataclasses.replace(plan, direct=(), empty=()), prog, read_large)
 
@@ -776,8 +797,26 @@ class _FullUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord]], progress: ProgressArg) -> None:
-    """Read the storages the unpickle made, grouped by device."""
+def _verified_runs(checks: HostChecks | None, extents: Sequence[read_plan.Extent], device: Any) -> list[list[Any]]:
+    """``extents`` as the runs read one after another: cut where a verified load hashes each run
+    while the next is read (:class:`~gdskit.formats.verified.HostChecks`), else one run."""
+    if checks is None or not checks.overlaps(device):
+        return [list(extents)]
+    return checks.runs(sorted(extents, key=lambda e: e.file_offset), lambda e: e.nbytes, device) or [[]]
+
+
+def _hash_landed(checks: HostChecks | None, hashed: list[concurrent.futures.Future[dict[str, str]]] | None,
+                 named: list[tuple[str, Any]], device: Any) -> None:
+    """Hand a landed run's storages (by record name) to the hashing threads, where they overlap the reads."""
+    if checks is not None and hashed is not None and checks.overlaps(device):
+        hashed.append(checks.hash(named, device))
+
+
+def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord]], progress: ProgressArg,
+                   checks: HostChecks | None = None,
+                   hashed: list[concurrent.futures.Future[dict[str, str]]] | None = None) -> None:
+    """Read the storages the unpickle made, grouped by device (``checks``, ``hashed``: as for
+    :meth:`_ReadAhead.start`)."""
     from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
     by_device: dict[Any, list[tuple[int, Any, StorageRecord]]] = {}
     for i, (storage, rec) in enumerate(pending):
@@ -790,9 +829,12 @@ def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord
         for dev, items in by_device.items():
             extents = [read_plan.Extent(i, rec.offset, rec.nbytes) for i, _s, rec in items]
             dests = {i: _bytes_of(torch, storage, rec.nbytes) for i, storage, rec in items}
-            plan = read_plan.plan(extents, small=SMALL_STORAGE_BYTES, max_group=MAX_GROUP_BYTES,
-                                  max_gap=MAX_GAP_BYTES)
-            execute(f, plan, dev, dests=dests, progress=prog)
+            names = {i: rec.name for i, _s, rec in items}
+            for run in _verified_runs(checks, extents, dev):
+                plan = read_plan.plan(run, small=SMALL_STORAGE_BYTES, max_group=MAX_GROUP_BYTES,
+                                      max_gap=MAX_GAP_BYTES)
+                execute(f, plan, dev, dests=dests, progress=prog)
+                _hash_landed(checks, hashed, [(names[e.key], dests[e.key]) for e in run], dev)
 
 
 def _validate_sparse(torch: Any, where: str) -> None:

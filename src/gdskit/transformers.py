@@ -317,7 +317,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     from gdskit.formats.shard_index import index_checkpoint  # noqa: PLC0415 - import time
 
     chosen = _chosen_dtype(torch, dtype, torch_dtype)  # before anything is read
-    from gdskit.formats.verified import verify_mode  # noqa: PLC0415 - import time
+    from gdskit.verify import verify_mode  # noqa: PLC0415 - import time
 
     verify_mode(verify)  # a bad value is refused before the model is built
     path = os.fspath(path)

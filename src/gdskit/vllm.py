@@ -140,10 +140,10 @@ def _extra_settings(extra: Any) -> tuple[int | None, bool]:
 
 def _verify_setting(extra: Any) -> Any:
     """``verify`` from ``model_loader_extra_config`` (False: not given); refused here if invalid."""
-    from gdskit.formats.verified import verify_mode  # noqa: PLC0415 - import time
+    from gdskit.verify import verify_mode  # noqa: PLC0415 - import time
 
     value = extra.get("verify", False) if isinstance(extra, Mapping) else False
-    if verify_mode(value).kind == "sha256":
+    if verify_mode(value).whole_file:
         raise InvalidArgumentError("model_loader_extra_config: verify takes True or a manifest's path (the "
                                    "weights are streamed tensor by tensor, not checked as whole files)")
     return value

@@ -491,3 +491,103 @@ def test_a_manifest_outranks_the_digests_a_replaced_file_carries(tmp_path):
         gs.load_file(str(path), verify=True)
     with pytest.raises(gdskit.errors.GdskitFileNotFoundError):
         gs.load_file(str(path), verify=str(tmp_path / "no-such-manifest.json"))
+
+
+def test_a_short_read_of_a_file_shorter_than_its_manifest_is_a_truncation_not_a_mismatch(raw_file, tmp_path):
+    """The file behind an open descriptor shrinks while its name shows the size the manifest
+    records: the read comes back short, which is a truncated file, not bytes that differ."""
+    from gdskit.formats.safetensors_format import TruncatedFileError
+
+    intact = str(tmp_path / "intact.bin")
+    with gdskit.open(raw_file) as f:
+        shutil.copy2(raw_file, intact)
+        os.truncate(raw_file, 5000)  # the file the descriptor holds
+        os.replace(intact, raw_file)  # the name: the whole file again, its mtime kept
+        with pytest.raises(TruncatedFileError) as info:
+            f.read(bytearray(10_000), verify=True)
+    assert not isinstance(info.value, ChecksumMismatchError)
+    assert info.value.path == raw_file
+
+
+_BATCHED_READERS = {
+    "load_into": lambda p, t: gs.load_into({k: torch.zeros_like(v) for k, v in t.items()}, p, verify=True),
+    "iter_tensors": lambda p, t: dict(gs.iter_tensors(p, device="cpu", verify=True)),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_BATCHED_READERS))
+@pytest.mark.parametrize("which", ["t00", "middle", "last", "small"])
+def test_every_safetensors_reader_hashed_batch_by_batch_catches_a_flip_in_any_batch(several_batches, reader,
+                                                                                   which, tmp_path):
+    path, tensors = several_batches
+    names = sorted(n for n in tensors if n != "small")
+    name = {"middle": names[len(names) // 2], "last": names[-1]}.get(which, which)
+    before = gdskit.stats().verified.bytes
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    gs.load_into(target, path, verify=True)
+    assert _same(target, tensors)
+    assert _same(dict(gs.iter_tensors(path, device="cpu", verify=True)), tensors)
+    assert gdskit.stats().verified.bytes - before == 2 * sum(t.nbytes for t in tensors.values())
+    bad = str(tmp_path / "bad.safetensors")
+    _flipped_copy(path, bad, name, 12345, keep_mtime=False)
+    with pytest.raises(ChecksumMismatchError) as info:
+        _BATCHED_READERS[reader](bad, tensors)
+    assert info.value.tensor == name
+
+
+@pytest.fixture(scope="module")
+def several_batches_pt(tmp_path_factory):
+    """A torch.save archive whose host load is hashed in several batches, with its manifest."""
+    from gdskit.formats.verified import HOST_BATCH_BYTES
+    g = torch.Generator().manual_seed(6)
+    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
+    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}  # 8 MiB each
+    tensors["small"] = torch.arange(10)
+    path = tmp_path_factory.mktemp("batches_pt") / "model.pt"
+    torch.save(tensors, path)
+    digest_scan.make_manifests([str(path)])
+    return str(path), tensors
+
+
+@pytest.mark.parametrize("reader", ["load_cpu", "load_saved_place", "load_into"])
+@pytest.mark.parametrize("which", ["first", "middle", "last", "small"])
+def test_every_torch_reader_hashed_batch_by_batch_catches_a_flip_in_any_batch(several_batches_pt, reader, which,
+                                                                              tmp_path):
+    import gdskit.torch as gt
+
+    path, tensors = several_batches_pt
+    read = {"load_cpu": lambda p: gt.load(p, map_location="cpu", verify=True),  # read while unpickling
+            "load_saved_place": lambda p: gt.load(p, verify=True),  # read after unpickling
+            "load_into": lambda p: _filled(gt, p, tensors)}[reader]
+    assert _same(read(path), tensors)
+    spans = sorted((s for s in digest_scan.tensor_spans(path, "torch") if s.nbytes), key=lambda s: s.offset)
+    small = next(s for s in spans if s.nbytes == tensors["small"].nbytes)
+    large = [s for s in spans if s is not small]
+    span = {"first": large[0], "middle": large[len(large) // 2], "last": large[-1], "small": small}[which]
+    bad = str(tmp_path / "model.pt")
+    shutil.copyfile(path, bad)
+    shutil.copyfile(path + ".gdskit-digest.json", bad + ".gdskit-digest.json")
+    with open(bad, "r+b") as fh:
+        fh.seek(span.offset + 4321 % span.nbytes)
+        byte = fh.read(1)[0]
+        fh.seek(span.offset + 4321 % span.nbytes)
+        fh.write(bytes([byte ^ 0x04]))
+    st_ = os.stat(path)
+    os.utime(bad, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    with pytest.raises(ChecksumMismatchError) as info:
+        read(bad)
+    assert info.value.byte_range == (span.offset, span.offset + span.nbytes)
+
+
+def _filled(gt, path, tensors):
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    gt.load_into(target, path, verify=True)
+    return target
+
+
+def test_host_memory_alone_is_hashed_while_the_reads_run():
+    from gdskit.formats.verified import hashes_while_reading
+
+    assert hashes_while_reading(True, torch.device("cpu")) and hashes_while_reading(True, "cpu")
+    assert not hashes_while_reading(False, torch.device("cpu"))
+    assert not hashes_while_reading(True, torch.device("cuda", 0)) and not hashes_while_reading(True, "cuda:0")

@@ -207,3 +207,67 @@ def test_a_file_that_is_not_a_manifest_is_never_replaced(tmp_path: Path) -> None
     with pytest.raises(BaseException):
         _save(_state(), tmp_path / "c")
     assert (tmp_path / "c" / DIRECTORY_MANIFEST).read_text() == "mine"
+
+
+def _large_state() -> dict[str, Any]:
+    """More than one 64 MiB chunk of file: large items (aligned, with holes before them), small and
+    byte items packed, in host memory."""
+    g = torch.Generator().manual_seed(4)
+    sd = _state()
+    sd["big"] = torch.randn(9 << 20, generator=g)  # 36 MiB
+    sd["big2"] = torch.randn(9 << 20, generator=g).to(torch.float64)  # 72 MiB: across a chunk boundary
+    sd["odd"] = torch.randint(0, 255, (3 << 20 | 7,), generator=g, dtype=torch.uint8)  # unaligned length
+    return sd
+
+
+def test_the_written_manifest_is_what_gdskit_digest_computes(tmp_path: Path) -> None:
+    from gdskit.formats import digest_scan
+    from gdskit.verify import DEFAULT_CHUNK_BYTES
+
+    sd = _large_state()
+    _save(sd, tmp_path / "c")
+    data_file = tmp_path / "c" / "__0_0.distcp"
+    entry = read_manifest(tmp_path / "c" / DIRECTORY_MANIFEST).files["__0_0.distcp"]
+    assert len(entry.chunks) == 2
+    spans = [digest_scan.Span(n, t.offset, t.nbytes) for n, t in entry.tensors.items()]
+    assert digest_scan.digest_file(str(data_file), DEFAULT_CHUNK_BYTES, spans) == entry
+    _assert_same(_load(_zeros_like(sd), gdskit.dcp.StorageReader(tmp_path / "c", verify=True)), sd)
+    (result,) = digest_scan.make_manifests([str(data_file)])  # `gdskit digest __0_0.distcp`: raw bytes
+    raw = read_manifest(str(data_file) + ".gdskit-digest.json").files["__0_0.distcp"]
+    assert (raw.size, raw.mtime_ns, raw.digest, raw.chunks) == (entry.size, entry.mtime_ns, entry.digest, entry.chunks)
+    assert result.digest == blake3.blake3(data_file.read_bytes()).hexdigest()
+
+
+def _bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def test_the_writer_hashes_what_it_writes_and_never_reads_the_file_back(tmp_path: Path) -> None:
+    sd = _large_state()
+    size = sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor))
+    _save(sd, tmp_path / "warm-up")  # the first save's imports read files of their own
+    before = _bytes_read_by_this_process()
+    _save(sd, tmp_path / "c")
+    assert _bytes_read_by_this_process() - before < size // 4
+    assert read_manifest(tmp_path / "c" / DIRECTORY_MANIFEST).files["__0_0.distcp"].digest == \
+        blake3.blake3((tmp_path / "c" / "__0_0.distcp").read_bytes()).hexdigest()
+
+
+def test_a_save_whose_data_file_fails_records_no_digests(tmp_path: Path) -> None:
+    """The previous save's digests are retired, and the failed one's never written."""
+    class Boom(RuntimeError):
+        pass
+
+    class FailingData(gdskit.dcp.StorageWriter):
+        def _publish(self, owned: Any, name: str) -> None:
+            if name.endswith(".distcp"):
+                raise Boom("the data file could not be put in place")
+            super()._publish(owned, name)
+
+    _save(_state(), tmp_path / "c")
+    assert DIRECTORY_MANIFEST in os.listdir(tmp_path / "c")
+    with pytest.raises(BaseException):
+        dcp.save(_large_state(), storage_writer=FailingData(tmp_path / "c", digests=True), no_dist=True)
+    assert DIRECTORY_MANIFEST not in os.listdir(tmp_path / "c")
+    assert ".metadata" not in os.listdir(tmp_path / "c")

@@ -62,13 +62,17 @@ extern "C" void run_tree(u64 grid, int n_items, u64 block_base, u64 block_cvs, u
 """
 
 
-def _fake_cubin(*names: str) -> bytes:
-    """A minimal ELF64 image whose section table ends the image, holding the kernels' names."""
+def _fake_cubin(*names: str, arch: int = 90) -> bytes:
+    """A minimal cubin as the driver checks one: an ELF64 header for EM_CUDA naming ``arch`` (ELF
+    ABI version 8: the architecture in bits 8-15 of the flags), the kernels' names, and a section
+    table of the null section alone that ends the image."""
     body = b"\0".join(n.encode() for n in names) + b"\0"
     shoff = 64 + len(body)
     head = bytearray(64)
-    head[:5] = b"\x7fELF\x02"
+    head[:9] = b"\x7fELF\x02\x01\x01\x41\x08"
+    struct.pack_into("<HHI", head, 0x10, 2, 190, 1)
     struct.pack_into("<Q", head, 0x28, shoff)
+    struct.pack_into("<IH", head, 0x30, arch << 8, 64)
     struct.pack_into("<HH", head, 0x3A, 64, 1)
     return bytes(head) + body + bytes(64)
 
@@ -78,9 +82,8 @@ def kernels(tmp_path_factory):
     return build_with_harness(tmp_path_factory.mktemp("kernels"), _HARNESS)
 
 
-@pytest.fixture()
-def gpu(kernels, stand_in_gpus):
-    fake = stand_in_gpus(FakeDriver())
+def _with_kernels(fake: FakeDriver, kernels) -> FakeDriver:
+    """``fake`` running the kernels' C source for the two launches (what the GPU would do)."""
     u64, i32 = ctypes.c_uint64, ctypes.c_int32
 
     def blocks(grid, block, items, n, base, cvs, roots):
@@ -97,6 +100,12 @@ def gpu(kernels, stand_in_gpus):
 
     fake.register_kernel("blake3_blocks", [u64, i32, u64, u64, u64], blocks)
     fake.register_kernel("blake3_tree", [i32, u64, u64, u64], tree)
+    return fake
+
+
+@pytest.fixture()
+def gpu(kernels, stand_in_gpus):
+    fake = stand_in_gpus(_with_kernels(FakeDriver(), kernels))
     provide_image(fake.compute_capability, _fake_cubin("blake3_blocks", "blake3_tree"))
     return fake
 
@@ -258,3 +267,125 @@ def test_the_kernel_cache_writes_only_into_the_folder_it_found_private(tmp_path,
     gpu_hash._cache_image(str(kernels / "blake3.cubin"), b"\x7fELF another")  # the link itself: refused
     assert (victim / "blake3.cubin").read_bytes() == b"the victim's own file"
     assert gpu_hash._cached_image(str(kernels / "blake3.cubin")) is None
+
+
+def test_a_gpu_answer_short_of_a_digest_is_an_error_not_a_shorter_list(gpu, monkeypatch):
+    """Every buffer gets its digest or the call fails: a list one short would pair the names after
+    the gap with their neighbours' digests, and leave the last tensor unchecked."""
+    from gdskit.engine import digests
+
+    data = [os.urandom(3000), os.urandom(5000)]
+    arrays = [_device_copy(d) for d in data]
+    real = digests.cuda_digests
+    monkeypatch.setattr(digests, "cuda_digests", lambda items, device, stream: real(items, device, stream)[:-1])
+    try:
+        with pytest.raises(CudaError):
+            digest_buffers([(a.ptr, len(d)) for a, d in zip(arrays, data)])
+        with pytest.raises(CudaError):
+            digest_buffers([(a.ptr, len(d)) for a, d in zip(arrays, data)], 0, 0)
+    finally:
+        for a in arrays:
+            a.free()
+
+
+def _nvrtc_archs() -> list[int]:
+    from gdskit.engine.gpu_hash import supported_archs
+    from gdskit.errors import MissingDependencyError
+
+    try:
+        return supported_archs()
+    except MissingDependencyError:
+        pytest.skip("no NVRTC here: pip install nvidia-cuda-nvrtc")
+
+
+@pytest.fixture()
+def gpu_of(kernels, stand_in_gpus, tmp_path, monkeypatch):
+    """``gpu_of(major, minor)``: a stand-in GPU of that capability, for which no image is provided
+    (each test takes its own: a process keeps the images it compiled), and an empty kernel cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def make(major: int, minor: int) -> FakeDriver:
+        fake = _with_kernels(FakeDriver(), kernels)
+        fake.compute_capability = (major, minor)
+        return stand_in_gpus(fake)
+
+    return make
+
+
+def _checks_out(fake: FakeDriver) -> None:
+    data = os.urandom(300_000)
+    arr = _device_copy(data)
+    try:
+        assert digest_device([(arr.ptr, len(data))], 0) == [blake3.blake3(data).hexdigest()]
+    finally:
+        arr.free()
+
+
+def test_a_cached_image_the_driver_refuses_is_replaced_by_a_fresh_compile(gpu_of):
+    from gdskit.engine.gpu_hash import cache_path, compile_image
+
+    _nvrtc_archs()
+    fake = gpu_of(8, 6)
+    damaged = bytearray(compile_image(8, 6))
+    damaged[0x12] = 0  # e_machine: no longer a CUDA image
+    path = cache_path(8, 6)
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    with open(path, "wb") as fh:
+        fh.write(damaged)
+    os.chmod(path, 0o600)
+    before = fake.calls.get("cuModuleLoadData", 0)
+    _checks_out(fake)
+    assert fake.calls["cuModuleLoadData"] - before == 2  # the damaged image, then the fresh one
+    with open(path, "rb") as fh:
+        assert fh.read() == compile_image(8, 6)  # the cache holds the fresh image now
+
+
+def test_an_image_refused_again_after_a_fresh_compile_is_a_cuda_error(gpu_of):
+    from gdskit.engine.gpu_hash import cache_path
+
+    _nvrtc_archs()
+    fake = gpu_of(8, 9)
+    fake.fail["cuModuleLoadData"] = fake.CUresult.CUDA_ERROR_INVALID_IMAGE
+    data = os.urandom(5000)
+    arr = _device_copy(data)
+    try:
+        with pytest.raises(CudaError) as info:
+            digest_device([(arr.ptr, len(data))], 0)
+    finally:
+        arr.free()
+    assert info.value.code == "CUDA_ERROR_INVALID_IMAGE"
+    assert fake.calls["cuModuleLoadData"] == 2  # compiled once more, not again and again
+    assert os.path.exists(cache_path(8, 9))
+    assert fake.live_allocations() == 0
+
+
+def test_a_provided_image_the_driver_refuses_is_not_compiled_over(gpu_of):
+    fake = gpu_of(7, 7)
+    provide_image((7, 7), _fake_cubin("blake3_blocks", "blake3_tree", arch=80))  # a later architecture's
+    with pytest.raises(CudaError) as info:
+        _checks_out(fake)
+    assert info.value.code == "CUDA_ERROR_NO_BINARY_FOR_GPU"
+    assert fake.calls["cuModuleLoadData"] == 1
+
+
+def test_an_architecture_nvrtc_does_not_know_gets_ptx_of_the_newest_below_it():
+    from gdskit.engine.gpu_hash import build_target
+
+    archs = [75, 80, 86, 90, 100, 120]
+    assert build_target(9, 0, archs) == ("cubin", 90)
+    assert build_target(8, 9, archs) == ("ptx", 86)
+    assert build_target(13, 0, archs) == ("ptx", 120)  # PTX runs on later major versions too
+    with pytest.raises(CudaError):
+        build_target(7, 0, archs)  # older than anything this NVRTC builds for
+
+
+def test_a_gpu_newer_than_nvrtc_runs_the_ptx_it_builds(gpu_of):
+    from gdskit.engine.gpu_hash import compile_image, is_ptx
+
+    archs = _nvrtc_archs()
+    newest = max(archs)
+    major, minor = divmod(newest + 10, 10)  # a GPU of the next major version
+    fake = gpu_of(major, minor)
+    image = compile_image(major, minor)
+    assert is_ptx(image) and f".target sm_{newest}".encode() in image
+    _checks_out(fake)

@@ -60,6 +60,7 @@ import enum
 import functools
 import os
 import random
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209
+    CUDA_ERROR_INVALID_PTX = 218
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
@@ -616,17 +619,43 @@ class FakeDriver:
         return (OK, found) if found is not None else (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
 
     def cuModuleLoadData(self, image: int):  # noqa: N802
+        """A cubin (ELF64 for EM_CUDA, its section table ending with what it holds) for this GPU's
+        architecture or an earlier one of its major version, or PTX text (NUL-terminated) for this
+        architecture or an earlier one: refused otherwise, as the driver refuses it."""
         err = self._count("cuModuleLoadData")
         if err:
             return (err, 0)
         if self._context() is None:
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
         head = ctypes.string_at(int(image), 64)
-        if head[:5] != b"\x7fELF\x02":
-            return (CUresult.CUDA_ERROR_INVALID_IMAGE, 0)
+        if head[:4] != b"\x7fELF":
+            return self._load_ptx(int(image))
+        if head[4:7] != b"\x02\x01\x01" or struct.unpack_from("<HHI", head, 0x10)[1:] != (190, 1):
+            return (CUresult.CUDA_ERROR_INVALID_IMAGE, 0)  # not ELF64, little-endian, version 1, for EM_CUDA
         shoff, = struct.unpack_from("<Q", head, 0x28)
+        flags, ehsize = struct.unpack_from("<IH", head, 0x30)
         shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
-        body = ctypes.string_at(int(image), shoff + shentsize * shnum)
+        if ehsize != 64 or shentsize != 64 or not 1 <= shnum <= 4096 or not 64 <= shoff <= 16 << 20:
+            return (CUresult.CUDA_ERROR_INVALID_IMAGE, 0)
+        if ctypes.string_at(int(image) + shoff, 64) != bytes(64):  # section 0 is the null section
+            return (CUresult.CUDA_ERROR_INVALID_IMAGE, 0)
+        arch = (flags >> 8) & 0xFF if head[8] >= 8 else flags & 0xFF  # EF_CUDA_SM, by ELF ABI version
+        major, minor = self.compute_capability
+        if arch // 10 != major or arch % 10 > minor:
+            return (CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU, 0)
+        return self._new_module(ctypes.string_at(int(image), shoff + shentsize * shnum))
+
+    def _load_ptx(self, image: int):
+        text = ctypes.string_at(image)  # PTX is read up to its NUL
+        found = re.search(rb"^\s*\.target\s+sm_(\d+)", text, re.M)
+        if b".version" not in text or found is None:
+            return (CUresult.CUDA_ERROR_INVALID_PTX, 0)
+        major, minor = self.compute_capability
+        if int(found.group(1)) > 10 * major + minor:
+            return (CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU, 0)
+        return self._new_module(text)
+
+    def _new_module(self, body: bytes):
         handle = self._handle()
         with self._lock:
             self.modules[handle] = (body, self._context())

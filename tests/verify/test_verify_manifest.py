@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gdskit.errors import FormatError, InvalidArgumentError, NothingToVerifyError, StaleManifestError
-from gdskit.verify import (HEADER_KEY, FileDigests, Manifest, ManifestError, TensorDigest, find_expectation,
-                           header_digests, parse_manifest, read_manifest, verify_mode, write_manifest)
+from gdskit.verify import (HEADER_KEY, FileDigests, Manifest, ManifestError, TensorDigest, VerifyKind,
+                           find_expectation, header_digests, parse_manifest, read_manifest, verify_mode, write_manifest)
 from gdskit.verify.manifest import MAX_MANIFEST_BYTES
 
 H = "ab" * 32
@@ -143,9 +143,13 @@ def test_header_digests_are_checked_as_hostile_too():
 
 def test_verify_argument_forms():
     assert not verify_mode(False).on and not verify_mode(None).on
-    assert verify_mode(True).kind == "auto"
-    assert verify_mode("sha256:" + "0" * 64).sha256 == "0" * 64
-    assert verify_mode("some/manifest.json").manifest == "some/manifest.json"
+    assert verify_mode(True).kind is VerifyKind.AUTO and not verify_mode(True).whole_file
+    sha = verify_mode("sha256:" + "0" * 64)
+    assert sha.kind is VerifyKind.SHA256 and sha.whole_file and sha.sha256 == "0" * 64
+    named = verify_mode("some/manifest.json")
+    assert named.kind is VerifyKind.MANIFEST and named.manifest == "some/manifest.json"
+    for given in (False, True, "some/manifest.json", "sha256:" + "ab" * 32):  # handed on to another reader as it came
+        assert verify_mode(verify_mode(given).argument) == verify_mode(given)
     for bad in (1, b"x", "sha256:12", "", 0.5, ["x"]):
         with pytest.raises(InvalidArgumentError):
             verify_mode(bad)
@@ -163,3 +167,6 @@ def test_nothing_to_verify_and_stale_manifests(tmp_path):
     write_manifest(Manifest(1024, {"d.bin": FileDigests(10, os.stat(data).st_mtime_ns, H, (H,))}),
                    str(data) + ".gdskit-digest.json")
     assert find_expectation(str(data), verify_mode(True)).file.size == 10
+    for not_digests in (False, "sha256:" + "0" * 64):  # a file's sha256 is not looked up in a manifest
+        with pytest.raises(InvalidArgumentError):
+            find_expectation(str(data), verify_mode(not_digests))

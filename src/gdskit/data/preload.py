@@ -20,8 +20,8 @@ from gdskit.engine import (first_page_cached, is_object_url, no_wait, open_file,
                            stats_delta, whole_file_limit, worker_threads)
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import expectations, tensor_digests, verify_mode
-from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX, OFF, Expectation, VerifyMode, mismatch
+from gdskit.formats.verified import expectations, tensor_digests
+from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX, OFF, Expectation, VerifyMode, mismatch, verify_mode
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.engine.plan import spread
 from gdskit.threads import executor
@@ -260,7 +260,7 @@ def preload(files: Files, device: Any = "cuda:0", *, progress: ProgressArg = Non
         than its header says or than it was when listed. Nothing is returned.
     """
     mode = verify_mode(verify)
-    if mode.kind == "sha256":
+    if mode.whole_file:
         raise InvalidArgumentError("preload checks digest manifests (verify=True or a manifest's path), not a sha256")
     with collector_paused():
         return _preload(files, device, progress, return_stats, mode)

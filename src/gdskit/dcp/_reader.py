@@ -22,8 +22,8 @@ from gdskit.dcp._metadata_pickle import checked_metadata, load_metadata
 from gdskit.durable import read_whole_file
 from gdskit.errors import FormatError, InvalidArgumentError, NothingToVerifyError, from_os_error
 from gdskit.formats import read_plan
-from gdskit.formats.verified import check_loaded, expectations, verify_mode
-from gdskit.verify import Expectation
+from gdskit.formats.verified import check_loaded, expectations
+from gdskit.verify import Expectation, verify_mode
 from gdskit.engine import is_object_url, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError
 # Items are torch.save archives: grouped for reading the way gdskit.torch groups storages.
@@ -91,7 +91,7 @@ class StorageReader(dcp_storage.StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: Any = False) -> None:
         super().__init__()
         self.verify = verify_mode(verify)
-        if self.verify.kind == "sha256":
+        if self.verify.whole_file:
             raise InvalidArgumentError("a DCP checkpoint is many files: verify takes True or a manifest's path")
         self.path = os.fspath(path)
         if self.verify.on and is_object_url(self.path):

@@ -26,7 +26,8 @@ from gdskit.dcp._layout import ItemShape, Placement, place
 from gdskit.durable import OwnedTemp, create_locked_temp, fsync_dir, is_temp_name, remove_if_present
 from gdskit.errors import GdskitError, GdskitIOError, InvalidArgumentError, from_os_error
 from gdskit.engine import delete_object, is_object_url, object_exists, open_file
-from gdskit.formats.digest_scan import Span, digest_file
+from gdskit.formats.digest_scan import RunningDigests, Span
+from gdskit.formats.verified import tensor_digests
 from gdskit.formats.torch_io import flat_bytes, has_plain_bytes
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
                            ManifestError, read_manifest, write_manifest)
@@ -123,8 +124,10 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         ``.metadata`` (``gdskit-digest.json`` in the directory; ``__{rank}_0.distcp``'s
         own ``.gdskit-digest.json`` for a save without rank coordination), so that
         ``StorageReader(path, verify=True)`` can check every item it reads
-        (docs/verify.md). Each rank hashes its file once it is written, from the
-        page cache, on the CPU. Off by default.
+        (docs/verify.md). Each rank hashes its file's bytes as it writes them, from
+        the memory they are written from (a device tensor's own digest on its GPU),
+        never reading the file back; a save that fails records no digests. Off by
+        default.
 
     ``dcp.async_save`` first copies the state dict to host memory with the
     writer's own staging (the same as the stock ``FileSystemWriter``), then
@@ -266,16 +269,17 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         """The rank's file, written to a temporary and renamed into place; its digests where asked."""
         owned = self._new_temp(name)
         try:
+            running = self._running_digests(entries) if self.digests else None
             f = open_file(owned.fd_path, "w")  # the temporary itself, never whatever is at its name
             try:
-                self._write_entries(f, entries, planner)
+                self._write_entries(f, entries, planner, running)
                 if self.sync_files:
                     f.fsync()
                 f.close()
             except BaseException:
                 f.abort()
                 raise
-            digests = self._digest(owned, entries) if self.digests else None
+            digests = _written_digests(owned, running) if running is not None else None
             self._publish(owned, name)
         except BaseException:
             owned.discard()
@@ -284,12 +288,12 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         return digests
 
     @staticmethod
-    def _digest(owned: OwnedTemp, entries: list[_Entry]) -> FileDigests:
-        """The written file's digests (whole, chunks, and each item's bytes as stored: a tensor's
-        storage record, a byte item whole), read back once from the page cache."""
+    def _running_digests(entries: list[_Entry]) -> RunningDigests:
+        """The digests of the file about to be written (whole, chunks, and each item's bytes as
+        stored: a tensor's storage record, a byte item whole), fed as its bytes are written."""
         spans = [Span(item_name(e.item.index), e.where.payload_offset, e.shape.payload)
                  for e in entries if e.where is not None]
-        return digest_file(owned.fd_path, DEFAULT_CHUNK_BYTES, spans)
+        return RunningDigests(DEFAULT_CHUNK_BYTES, spans)
 
     def _layout(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[_Entry]:
         raw: list[_Entry] = []
@@ -320,30 +324,42 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             e.where = p
         return entries
 
-    def _write_entries(self, f: Any, entries: list[_Entry], planner: SavePlanner) -> None:
+    def _write_entries(self, f: Any, entries: list[_Entry], planner: SavePlanner,
+                       running: RunningDigests | None = None) -> None:
+        """Write every item; ``running``: fed each byte of the file in order, from the memory it is
+        written from, while the engine writes it (the holes before aligned items as zeros)."""
         futures: list[tuple[concurrent.futures.Future[int], int]] = []
         try:
             packed = [e for e in entries if e.where is not None and not e.where.aligned]
             for i, batch in enumerate(_batches(packed)):
                 if i >= _BATCHES_IN_FLIGHT:  # each batch is a host copy: bound how many exist at once
                     _check_written(f, *futures[i - _BATCHES_IN_FLIGHT])
-                futures.append(self._write_batch(f, batch, planner))
+                fut, buf, start = self._write_batch(f, batch, planner)
+                futures.append((fut, len(buf)))
+                if running is not None:
+                    running.feed_zeros(start - running.at)
+                    running.feed(buf)
             large = [e for e in entries if e.where is not None and e.where.aligned]
             resolved = [(e, _tensor_bytes(planner.resolve_data(e.item), e.item)) for e in large]
             for dev in {t.device for _e, t in resolved if t.device.type == "cuda"}:
                 torch.cuda.synchronize(dev)  # the engine reads device memory outside torch's streams
+            on_gpu = _device_digests(resolved) if running is not None else {}
             for e, t in resolved:
                 tpl, p = e.template, e.where
                 futures.append((f.pwrite(tpl.head, file_offset=p.offset), len(tpl.head)))
                 futures.append((f.pwrite(t, size=e.shape.payload, file_offset=p.payload_offset), e.shape.payload))
                 futures.append((f.pwrite(tpl.tail, file_offset=p.payload_offset + e.shape.payload), len(tpl.tail)))
+                if running is not None:
+                    _feed_item(running, e, t, on_gpu.get(item_name(e.item.index)))
             for fut, n in futures:
                 _check_written(f, fut, n)
         finally:
             concurrent.futures.wait([fut for fut, _n in futures])
 
-    def _write_batch(self, f: Any, batch: list[_Entry], planner: SavePlanner) -> tuple[concurrent.futures.Future[int], int]:
-        """Assemble a run of packed items in host memory and write it with one request."""
+    def _write_batch(self, f: Any, batch: list[_Entry],
+                     planner: SavePlanner) -> tuple[concurrent.futures.Future[int], bytearray, int]:
+        """Assemble a run of packed items in host memory and write it with one request: the
+        write, the bytes (alive until written) and their file offset."""
         start = batch[0].where.offset
         buf = bytearray(batch[-1].where.end - start)
         tensors = {id(e): _tensor_bytes(planner.resolve_data(e.item), e.item) for e in batch if e.raw is None}
@@ -362,7 +378,7 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
                 buf[pos:pos + e.shape.payload] = memoryview(host_of[id(e)].numpy())
             pos += e.shape.payload
             buf[pos:pos + len(tail)] = tail
-        return f.pwrite(buf, file_offset=start), len(buf)
+        return f.pwrite(buf, file_offset=start), buf, start
 
     # -- completion -----------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
@@ -443,6 +459,42 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
             raise
         except OSError as exc:
             raise from_os_error(exc, final) from exc
+
+
+#: Bytes of a device tensor copied to host memory at a time for the file's and chunks' digests.
+_DEVICE_PIECE_BYTES = 64 << 20
+
+
+def _device_digests(resolved: list[tuple[_Entry, torch.Tensor]]) -> dict[str, str]:
+    """The digests of the large items in device memory, hashed on their GPUs (one launch pair per
+    device), by item name: their bytes need not pass through the CPU's item hashing."""
+    on_device = [(item_name(e.item.index), t) for e, t in resolved if t.device.type != "cpu"]
+    return tensor_digests(on_device) if on_device else {}
+
+
+def _feed_item(running: RunningDigests, e: _Entry, t: torch.Tensor, item_digest: str | None) -> None:
+    """Feed one aligned item's bytes to ``running``: the hole before it, its head, its payload
+    (from the host tensor being written, or host copies of a device tensor's, piece by piece), its tail."""
+    tpl, p = e.template, e.where
+    running.feed_zeros(p.offset - running.at)
+    running.feed(tpl.head)
+    if t.device.type == "cpu":
+        running.feed(t.numpy())
+    else:
+        if item_digest is not None:
+            running.given(item_name(e.item.index), item_digest)
+        for start in range(0, e.shape.payload, _DEVICE_PIECE_BYTES):
+            running.feed(t[start:start + _DEVICE_PIECE_BYTES].cpu().numpy())
+    running.feed(tpl.tail)
+
+
+def _written_digests(owned: OwnedTemp, running: RunningDigests) -> FileDigests:
+    """The digests of the file just written, once every write has completed: its size must be
+    every byte fed, its modification time is the one it keeps when renamed into place."""
+    st = os.fstat(owned.fd)
+    if st.st_size != running.at:
+        raise GdskitError(f"{owned.fd_path}: the written file holds {st.st_size} bytes, not the {running.at} written")
+    return running.result(st.st_mtime_ns)
 
 
 def _remove_manifest(path: str) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import gdskit.engine.cuda as cuda
 from gdskit.engine.ledger import ledger
+from gdskit.errors import CudaError
 from gdskit.verify.digest import blake3_hex
 
 
@@ -42,12 +43,24 @@ def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: 
     gpu_bytes = 0
     for gpu, indices in on_device.items():
         items = [(int(buffers[i][0]), int(buffers[i][1])) for i in indices]
-        for i, digest in zip(indices, cuda_digests(items, gpu, stream)):
+        found = cuda_digests(items, gpu, stream)
+        if len(found) != len(items):  # never pair a buffer with another's digest, nor leave one unchecked
+            raise CudaError(f"GPU {gpu} gave {len(found)} digests for {len(items)} buffers")
+        for i, digest in zip(indices, found):
             out[i] = digest
         gpu_bytes += sum(n for _p, n in items)
     total = sum(int(n) for _p, n in buffers)
     ledger.record_verified(total, time.perf_counter() - start, gpu_bytes, checks=len(buffers))
-    return [d for d in out if d is not None]
+    return _every_digest(out)
+
+
+def _every_digest(found: list[str | None]) -> list[str]:
+    """``found`` with every slot filled: a slot left empty is refused, never dropped (dropping it
+    would shift every later digest onto the wrong buffer)."""
+    missing = [i for i, d in enumerate(found) if d is None]
+    if missing:
+        raise CudaError(f"no digest was computed for buffer {missing[0]} of {len(found)}")
+    return [d for d in found if d is not None]
 
 
 def cuda_digests(items: list[tuple[int, int]], device: int, stream: int) -> list[str]:

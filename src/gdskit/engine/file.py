@@ -20,8 +20,11 @@ from gdskit.errors import (
     BufferTooSmallError,
     ClosedFileError,
     InvalidArgumentError,
+    NothingToVerifyError,
     ReadOnlyBufferError,
+    TruncatedFileError,
     UnsupportedOperationError,
+    UnverifiableRangeError,
     from_os_error,
 )
 from gdskit.engine.plan import nonnegative_int
@@ -717,11 +720,10 @@ def _chunk_check(f: File, verify: Any, view: BufferView, size: int, file_offset:
     """What checks a read of ``size`` bytes at ``file_offset`` against the manifest's chunk
     digests once it has landed; refuses, before the read, a range no chunk digests cover."""
     from gdskit.engine.digests import digest_buffers  # noqa: PLC0415 - import time
-    from gdskit.errors import InvalidArgumentError, NothingToVerifyError, UnverifiableRangeError  # noqa: PLC0415 - import time
     from gdskit.verify import find_expectation, mismatch, verify_mode  # noqa: PLC0415 - import time
 
     mode = verify_mode(verify)
-    if mode.kind == "sha256":
+    if mode.whole_file:
         raise InvalidArgumentError("File.read checks chunk digests (verify=True or a manifest), not a sha256")
     expectation = find_expectation(f.path, mode)
     entry, chunk = expectation.file, expectation.chunk_bytes
@@ -738,8 +740,9 @@ def _chunk_check(f: File, verify: Any, view: BufferView, size: int, file_offset:
 
     def check(n: int) -> None:
         stop = file_offset + n
-        if stop != end:  # short: the file is shorter than its manifest says
-            raise mismatch(expectation, None, (file_offset, end), "0" * 64, "0" * 64)
+        if stop != end:  # short: the file is shorter than its manifest says (no digest was compared)
+            raise TruncatedFileError(f"read {n} bytes at {file_offset}, but {expectation.source} records "
+                                     f"{entry.size} bytes: the file shrank", path=f.path)
         pieces = [(start, min(start + chunk, stop)) for start in range(file_offset, stop, chunk)]
         base = view.ptr + buf_offset - file_offset
         got = digest_buffers([(base + a, b - a) for a, b in pieces])

@@ -24,6 +24,7 @@ from gdskit.threads import start_thread
 
 _BLOCK_BYTES = BLOCK_CHUNKS * CHUNK_BYTES
 _images: dict[tuple[int, int], bytes] = {}            # (major, minor) -> compiled image
+_provided: set[tuple[int, int]] = set()               # capabilities whose image the program gave
 _modules: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(driver), device) -> (blocks, tree) kernels
 _lock = threading.Lock()
 
@@ -57,9 +58,43 @@ def _nvrtc_check(nvrtc: Any, result: Any, what: str, prog: Any = None) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
+def supported_archs() -> list[int]:
+    """The architectures this NVRTC compiles for (``nvrtcGetSupportedArchs``: 90 for sm_90)."""
+    nvrtc = _nvrtc()
+    try:
+        return sorted(int(a) for a in _nvrtc_check(nvrtc, nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+    except RuntimeError as exc:  # the bindings found no libnvrtc
+        if isinstance(exc, CudaError):
+            raise
+        raise MissingDependencyError(f"GPU digests need NVRTC ({exc}): pip install nvidia-cuda-nvrtc") from None
+
+
+def build_target(major: int, minor: int, archs: Sequence[int]) -> tuple[str, int]:
+    """What to build for compute capability ``major.minor`` given the architectures NVRTC knows
+    (``archs``): ``("cubin", arch)`` where it knows this one, else ``("ptx", arch)`` for the newest
+    one below it; the driver finishes PTX for the GPU at load (PTX of an architecture runs on it
+    and every later one).
+
+    Raises
+    ------
+    CudaError
+        NVRTC knows no architecture at or below this one (a GPU older than any it builds for).
+    """
+    want = 10 * major + minor
+    if want in archs:
+        return "cubin", want
+    below = [a for a in archs if a < want]
+    if not below:
+        raise CudaError(f"this NVRTC builds for sm_{min(archs, default=0)} to sm_{max(archs, default=0)}, nothing "
+                        f"that runs on a GPU of compute capability {major}.{minor}", code="NVRTC_ERROR_INVALID_OPTION")
+    return "ptx", max(below)
+
+
 def compile_image(major: int, minor: int) -> bytes:
     """The kernels compiled for compute capability ``major.minor``: a cubin where this NVRTC
-    knows the architecture, else PTX for the nearest one it does (the driver finishes it)."""
+    knows the architecture, else PTX for the newest one below it (:func:`build_target`; the
+    driver finishes it at load)."""
+    kind, arch = build_target(major, minor, supported_archs())
     nvrtc = _nvrtc()
     try:
         prog = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"gdskit_blake3.cu", 0, [], []),
@@ -69,8 +104,14 @@ def compile_image(major: int, minor: int) -> bytes:
             raise
         raise MissingDependencyError(f"GPU digests need NVRTC ({exc}): pip install nvidia-cuda-nvrtc") from None
     try:
-        opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
+        target = f"sm_{arch}" if kind == "cubin" else f"compute_{arch}"
+        opts = [f"--gpu-architecture={target}".encode(), b"-default-device", b"--std=c++17"]
         _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
+        if kind == "ptx":
+            size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            image = b" " * size
+            _nvrtc_check(nvrtc, nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+            return image.rstrip(b"\0")  # load_module adds the NUL the driver reads PTX up to
         size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         image = b" " * size
         _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
@@ -79,15 +120,22 @@ def compile_image(major: int, minor: int) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def is_ptx(image: bytes) -> bool:
+    """Whether ``image`` is PTX text (NVRTC's output for an architecture it has no cubin for)."""
+    return b"\0" not in image[:4096] and b".version" in image[:4096] and b".target" in image[:4096]
+
+
 def provide_image(capability: tuple[int, int], image: bytes) -> None:
     """Use ``image`` (a compiled module holding ``blake3_blocks`` and ``blake3_tree``) for GPUs of
     compute ``capability`` instead of compiling the source: a program that ships or caches its
     build, or a test on the stand-in driver. Modules already loaded are kept."""
+    key = (int(capability[0]), int(capability[1]))
     with _lock:
-        _images[(int(capability[0]), int(capability[1]))] = bytes(image)
+        _images[key] = bytes(image)
+        _provided.add(key)
 
 
-_OPTIONS_VERSION = "1"  # bump with compile_image's options: they are part of the cache key
+_OPTIONS_VERSION = "2"  # bump with compile_image's options: they are part of the cache key
 _MAX_IMAGE_BYTES = 16 << 20
 
 
@@ -106,7 +154,7 @@ def cache_path(major: int, minor: int) -> str:
     except Exception:  # noqa: BLE001 - no NVRTC: only a cached image can serve
         version = "none"
     key = hashlib.sha256(f"{SOURCE}|{_OPTIONS_VERSION}|{version}|{major}.{minor}".encode()).hexdigest()[:32]
-    return os.path.join(cache_dir(), f"blake3-sm{major}{minor}-{key}.cubin")
+    return os.path.join(cache_dir(), f"blake3-sm{major}{minor}-{key}.image")
 
 
 def _private(st: os.stat_result) -> bool:
@@ -156,7 +204,7 @@ def _cached_image(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
-    return image if image[:4] == b"\x7fELF" else None
+    return image if image[:4] == b"\x7fELF" or is_ptx(image) else None
 
 
 def _cache_image(path: str, image: bytes) -> None:
@@ -194,10 +242,54 @@ def image_for(major: int, minor: int) -> bytes:
     path = cache_path(major, minor)
     image = _cached_image(path)
     if image is None:
-        image = compile_image(major, minor)
-        _cache_image(path, image)
+        return fresh_image(major, minor)
     _images[(major, minor)] = image
     return image
+
+
+def fresh_image(major: int, minor: int) -> bytes:
+    """The kernels compiled now for ``major.minor``, in place of any this process or the cache held."""
+    image = compile_image(major, minor)
+    _cache_image(cache_path(major, minor), image)
+    _images[(major, minor)] = image
+    return image
+
+
+def _evict(major: int, minor: int) -> None:
+    """Forget the image of ``major.minor`` that the driver refused: in this process and in the
+    cache (only a file in the private cache folder, by its name there)."""
+    _images.pop((major, minor), None)
+    path = cache_path(major, minor)
+    folder = _open_cache_folder(os.path.dirname(path), make=False)
+    if folder is None:
+        return
+    try:
+        os.unlink(os.path.basename(path), dir_fd=folder)
+    except OSError:
+        pass  # gone already, or never written
+    finally:
+        os.close(folder)
+
+
+def _load_kernels(device: int) -> Any:
+    """The kernels' module loaded into ``device``'s context. An image the driver refuses that came
+    from this process's or the cache's store is dropped and compiled once more (a damaged file,
+    or one built by another NVRTC for another driver); an image the program provided is its own."""
+    capability = cuda.compute_capability(device)
+    image = image_for(*capability)
+    try:
+        return cuda.load_module(image, device)
+    except CudaError as first:
+        if capability in _provided:
+            raise
+        _evict(*capability)
+        image = fresh_image(*capability)
+        try:
+            return cuda.load_module(image, device)
+        except CudaError as again:
+            raise CudaError(f"the driver refused the BLAKE3 kernels for GPU {device} (compute capability "
+                            f"{capability[0]}.{capability[1]}) as found ({first.code}) and as compiled now "
+                            f"({again.code})", code=again.code) from again
 
 
 def prepare(device: int) -> None:
@@ -220,8 +312,7 @@ def _kernels(device: int) -> tuple[Any, Any]:
         found = _modules.get(key)
         if found is not None:
             return found
-        image = image_for(*cuda.compute_capability(device))
-        module = cuda.load_module(image, device)
+        module = _load_kernels(device)
         found = _modules[key] = (cuda.module_function(module, "blake3_blocks"),
                                  cuda.module_function(module, "blake3_tree"))
         return found

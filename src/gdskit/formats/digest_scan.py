@@ -13,13 +13,14 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gdskit.durable import is_temp_name, open_file_fd
-from gdskit.errors import FormatError, from_os_error
+from gdskit.errors import FormatError, InvalidArgumentError, from_os_error
 from gdskit.threads import executor
-from gdskit.verify.expect import relative_name
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
-                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, write_manifest)
+                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, relative_name,
+                           write_manifest)
 
 #: How ``gdskit digest`` calls a file by its format.
 KINDS = ("safetensors", "torch", "npy", "raw")
@@ -116,44 +117,103 @@ def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterab
 READ_PIECE = 16 << 20
 
 
+class RunningDigests:
+    """The digests of one file's bytes fed in file order, in pieces of any size: of all of them,
+    of each ``chunk_bytes`` piece, and of each span; what ``gdskit digest`` records. A span whose
+    digest was taken elsewhere (a device tensor's, on its GPU) is :meth:`given` before its bytes
+    come, which then feed only the file's and chunks' digests."""
+
+    def __init__(self, chunk_bytes: int, spans: Iterable[Span]) -> None:
+        self._all = list(spans)
+        self._spans = sorted(self._all, key=lambda s: (s.offset, s.nbytes))
+        self._given: dict[str, str] = {}
+        self._chunk_bytes = chunk_bytes
+        self._whole = hasher(spread=True)
+        self._chunk = hasher(spread=True)
+        self._chunks: list[str] = []
+        self._span_digests = {s.name: hasher() for s in self._spans}
+        self._active: list[Span] = []
+        self._next_span = 0
+        self.at = 0  # bytes fed so far
+
+    def feed(self, data: Any) -> None:
+        """The next bytes of the file (any object exposing a contiguous buffer)."""
+        view = memoryview(data).cast("B")
+        while view:
+            room = self._chunk_bytes - self.at % self._chunk_bytes
+            piece, view = view[:room], view[room:]
+            self._feed_within_chunk(piece)
+
+    def given(self, name: str, digest: str) -> None:
+        """Span ``name``'s digest, taken elsewhere; before any of its bytes are fed."""
+        if any(s.name == name for s in self._active) or self._span_digests.pop(name, None) is None:
+            raise InvalidArgumentError(f"span {name!r} is unknown, or its bytes are being hashed already")
+        self._given[name] = digest
+
+    def feed_zeros(self, n: int) -> None:
+        """``n`` zero bytes (a hole the file was written around)."""
+        zeros = bytes(min(n, 1 << 20))
+        while n:
+            self.feed(memoryview(zeros)[:min(n, len(zeros))])
+            n -= min(n, len(zeros))
+
+    def _feed_within_chunk(self, piece: memoryview) -> None:
+        at, end = self.at, self.at + len(piece)
+        self._whole.update(piece)
+        self._chunk.update(piece)
+        spans = self._spans
+        while self._next_span < len(spans) and spans[self._next_span].offset < end:
+            if spans[self._next_span].name in self._span_digests:  # not given
+                self._active.append(spans[self._next_span])
+            self._next_span += 1
+        for s in self._active:
+            lo, hi = max(at, s.offset), min(end, s.offset + s.nbytes)
+            if lo < hi:
+                self._span_digests[s.name].update(piece[lo - at:hi - at])
+        self._active = [s for s in self._active if s.offset + s.nbytes > end]
+        self.at = end
+        if end % self._chunk_bytes == 0:
+            self._end_chunk()
+
+    def _end_chunk(self) -> None:
+        self._chunks.append(self._chunk.hexdigest())
+        self._chunk = hasher(spread=True)
+
+    def result(self, mtime_ns: int) -> FileDigests:
+        """The digests of the :attr:`at` bytes fed (the whole file; ``mtime_ns`` its modification time).
+
+        Raises
+        ------
+        FormatError
+            A span reaches past the bytes fed.
+        """
+        past = [s.name for s in self._all if s.offset + s.nbytes > self.at]
+        if past:
+            raise FormatError(f"span {past[0]!r} reaches past the {self.at} bytes digested")
+        if self.at % self._chunk_bytes:
+            self._end_chunk()
+        digests = {**{n: h.hexdigest() for n, h in self._span_digests.items()}, **self._given}
+        tensors = {s.name: TensorDigest(s.offset, s.nbytes, digests[s.name]) for s in self._all}
+        return FileDigests(self.at, mtime_ns, self._whole.hexdigest(), tuple(self._chunks), tensors)
+
+
 def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: list[Span],
                on_bytes: Callable[[int], None] | None) -> FileDigests:
     """One pass over the file: every piece read once (positional reads, never a memory map, which a
     file shrinking under it would turn into a crash) and fed to the running digests."""
     size = st.st_size
-    whole = hasher(spread=True)
-    span_digests = {s.name: hasher() for s in spans}
-    active: list[Span] = []
-    next_span = 0
-    chunks: list[str] = []
-    chunk = hasher(spread=True)
+    running = RunningDigests(chunk_bytes, spans)
     buf = bytearray(min(READ_PIECE, chunk_bytes, max(size, 1)))
     view = memoryview(buf)
-    at = 0
-    while at < size:
+    while running.at < size:
+        at = running.at
         want = min(len(buf), size - at, chunk_bytes - at % chunk_bytes)
         got = _read_fully(fd, view[:want], at, path)
-        piece = view[:got]
-        whole.update(piece)
-        chunk.update(piece)
-        end = at + got
-        while next_span < len(spans) and spans[next_span].offset < end:
-            active.append(spans[next_span])
-            next_span += 1
-        for s in active:
-            lo, hi = max(at, s.offset), min(end, s.offset + s.nbytes)
-            if lo < hi:
-                span_digests[s.name].update(piece[lo - at:hi - at])
-        active = [s for s in active if s.offset + s.nbytes > end]
-        if end % chunk_bytes == 0 or end == size:
-            chunks.append(chunk.hexdigest())
-            chunk = hasher(spread=True)
+        running.feed(view[:got])
         if on_bytes is not None:
             on_bytes(got)
-        at = end
     view.release()
-    tensors = {s.name: TensorDigest(s.offset, s.nbytes, span_digests[s.name].hexdigest()) for s in spans}
-    return FileDigests(size, st.st_mtime_ns, whole.hexdigest(), tuple(chunks), tensors)
+    return running.result(st.st_mtime_ns)
 
 
 def _read_fully(fd: int, into: memoryview, offset: int, path: str) -> int:

@@ -21,6 +21,7 @@ the tensors already filled.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from collections import OrderedDict
@@ -34,8 +35,8 @@ from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import Sha256Check, expectations, tensor_digests, verify_mode
-from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch
+from gdskit.formats.verified import HostChecks, Sha256Check, expectations, merged, tensor_digests
+from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch, verify_mode
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
 from gdskit.formats.progress import Progress, ProgressArg
@@ -240,21 +241,51 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
     return False
 
 
+class Digesting:
+    """``verify=``: the digests of the records' bytes as stored, by record name, gathered while the
+    fills run (on the hashing threads of :class:`~gdskit.formats.verified.HostChecks` for host
+    targets, as each run lands; where they lie for the others)."""
+
+    def __init__(self, checks: HostChecks) -> None:
+        self.checks = checks
+        self._found: list[concurrent.futures.Future[dict[str, str]]] = []
+
+    def landed(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """``named`` (records' bytes in contiguous tensors on ``device``) have landed: hash them."""
+        self._found.append(self.checks.hash(named, device))
+
+    def digests(self) -> dict[str, str]:
+        """Every digest so far (waits for the hashing threads)."""
+        return merged(self._found)
+
+
 def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
                  sources: Mapping[str, Source], shape: ReadShape, prog: Progress,
-                 digests: dict[str, str] | None = None) -> None:
+                 digesting: Digesting | None = None) -> None:
     extents = [read_plan.Extent(fl.target, sources[fl.source].file_offset, sources[fl.source].nbytes)
                for fl in fills]
     plan = read_plan.plan(extents, small=shape.small, max_group=shape.max_group, max_gap=shape.max_gap)
     staged = execute(f, plan, device, progress=prog)  # fresh uint8 buffers on the device
-    if digests is not None:  # the bytes as stored, before a copy converts or scatters them
-        digests.update(tensor_digests([(fl.source, staged[fl.target]) for fl in fills]))
+    if digesting is not None:  # the bytes as stored, before a copy converts or scatters them
+        digesting.landed([(fl.source, staged[fl.target]) for fl in fills], device)
     with torch.no_grad():
         for fl in fills:
             s = sources[fl.source]
             values = staged.pop(fl.target).view(s.dtype)
             values = values.view(s.shape) if s.stride is None else values.as_strided(s.shape, s.stride)
             tensors[fl.target].copy_(values)  # converts on the target's device where dtypes differ
+
+
+def _direct_runs(direct: Sequence[Fill], sources: Mapping[str, Source], device: torch.device,
+                 digesting: Digesting | None) -> list[Sequence[Fill]]:
+    """The direct fills of one file and device, as the runs read one after another: in file order,
+    cut where a verified load hashes each run while the next is read."""
+    if not direct:
+        return []
+    if digesting is None or not digesting.checks.overlaps(device):
+        return [direct]
+    in_order = sorted(direct, key=lambda fl: sources[fl.source].file_offset)
+    return digesting.checks.runs(in_order, lambda fl: sources[fl.source].nbytes, device)
 
 
 def _staged_batches(fills: Sequence[Fill], sources: Mapping[str, Source]) -> Iterable[list[Fill]]:
@@ -304,10 +335,12 @@ def _fill_from_memory(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor]
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
               file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
               device: torch.device | None = None, held: bool = False,
-              staged_digests: dict[str, str] | None = None) -> None:
+              digesting: Digesting | None = None) -> None:
     """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
     (``device``: the one device of every target, where the caller knows there is one).
     ``held``: whether some sources hold their bytes in memory (they are copied in first).
+    ``digesting``: with ``verify=``, where the records read are hashed (the direct fills into host
+    memory run by run as they land; staged records before their copy).
 
     Raises
     ------
@@ -357,13 +390,15 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                         raise TruncatedFileError(f"{path} changed size after its header was read "
                                                  f"({file_sizes[path]} -> {f.size} bytes)")
                     for dev, (direct, staged) in per_device.items():
-                        if direct:
-                            if _fill_direct(f, dev, direct, tensors, sources, shape, prog):
+                        for run in _direct_runs(direct, sources, dev, digesting):
+                            if _fill_direct(f, dev, run, tensors, sources, shape, prog):
                                 copying.add(dev)
-                                queued.update(fl.target for fl in direct)
-                            done.extend(direct)
+                                queued.update(fl.target for fl in run)
+                            done.extend(run)
+                            if digesting is not None and digesting.checks.overlaps(dev):
+                                digesting.landed([(fl.source, tensors[fl.target]) for fl in run], dev)
                         for batch in _staged_batches(staged, sources):
-                            _fill_staged(f, dev, batch, tensors, sources, shape, prog, staged_digests)
+                            _fill_staged(f, dev, batch, tensors, sources, shape, prog, digesting)
                             if dev.type == "cuda":
                                 copying.add(dev)
                                 queued.update(fl.target for fl in batch)
@@ -398,10 +433,12 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     before = stats() if return_stats else None
     devices = {t.device for t in infos}
     one_device = tensors[infos[0].name].device if len(devices) == 1 else None
-    digests: dict[str, str] | None = {} if expect else None
-    run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digests)
+    with HostChecks(bool(expect)) as checks:
+        digesting = Digesting(checks) if expect else None
+        run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digesting)
+        digests = digesting.digests() if digesting is not None else {}
     if expect:
-        _verify_fills(plan, tensors, sources, expect, digests or {})
+        _verify_fills(plan, tensors, sources, expect, digests)
     result = LoadResult(list(plan.missing_keys), unexpected)
     if return_stats:
         return result, stats_delta(before, stats())
@@ -410,8 +447,8 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
 
 def _verify_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
                   expect: Mapping[str, Expectation], digests: dict[str, str]) -> None:
-    """Check every fill's bytes against its file's digests: the targets filled straight from the
-    file are hashed where they lie, staged records were hashed before their copy (``digests``).
+    """Check every fill's bytes against its file's digests (``digests``: those hashed while the
+    fills ran; the other targets filled straight from the file are hashed where they lie now).
 
     Raises
     ------
@@ -419,8 +456,10 @@ def _verify_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: 
         Naming the first record that differs; ``filled`` the targets whose bytes match, ``unfilled``
         those that do not (their memory holds what was read).
     """
-    direct = [fl for fl in plan.fills if not fl.staged and sources[fl.source].held is None]
-    digests.update(tensor_digests([(fl.source, tensors[fl.target]) for fl in direct]))
+    direct = [fl for fl in plan.fills
+              if not fl.staged and sources[fl.source].held is None and fl.source not in digests]
+    if direct:
+        digests.update(tensor_digests([(fl.source, tensors[fl.target]) for fl in direct]))
     for fl in plan.fills:
         s = sources[fl.source]
         if fl.source not in digests and s.held is not None:
@@ -486,7 +525,7 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
     file_sizes = {p: h.file_size for p, h in index.headers}
     expect = None
     sha256 = None
-    if mode.kind == "sha256":
+    if mode.whole_file:
         sha256 = Sha256Check([p for p, _h in index.headers], mode)
     elif mode.on:  # nothing to check against is refused before a byte is read
         devices = {t.device for _n, t in items if t.device.type == "cuda"}
@@ -606,7 +645,7 @@ def load_torch_into(target: Any, path: str | os.PathLike[str], *, file_kind: Cal
     path = os.fspath(path)
     mode = verify_mode(verify)
     with collector_paused():  # the function's objects are gone when the collector comes back
-        if mode.kind != "sha256":
+        if not mode.whole_file:
             return _load_torch_into(target, path, file_kind, unpickle, shape, strict, cast, progress, return_stats,
                                     weights_only, mode)
         check = Sha256Check([path], mode)

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from gdskit.durable import open_file_fd, read_whole_file
 from gdskit.engine import is_object_url, list_objects, open_file
-from gdskit.errors import FormatError, GdskitError, from_os_error, with_path
+from gdskit.errors import FormatError, GdskitError, TruncatedFileError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
 
 #: Bits per element of every dtype the safetensors format defines.
@@ -91,10 +91,6 @@ class HeaderTypeError(HeaderError, TypeError):
 
 class LayoutError(FormatError):
     """Tensor offsets are out of range, overlap, leave holes, or disagree with shape and dtype."""
-
-
-class TruncatedFileError(FormatError):
-    """The file is shorter than its header says (truncated, or it shrank while being read)."""
 
 
 class MissingTensorError(GdskitError, KeyError):

@@ -33,7 +33,8 @@ from gdskit.formats import read_plan
 from gdskit.engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
-from gdskit.formats.verified import check_loaded, expectations, verify_mode
+from gdskit.formats.verified import HostChecks, check_loaded, expectations
+from gdskit.verify import check_tensors, verify_mode
 from gdskit.threads import executor
 
 #: The default budget is the larger of this and twice the largest tensor.
@@ -68,16 +69,19 @@ class _Reader:
     """The reads of one stream, run on its background thread; holds no reference to the
     stream, so a stream its caller drops is closed at once (by its ``__del__``)."""
 
-    def __init__(self, device: torch.device, sizes: dict[str, int]) -> None:
+    def __init__(self, device: torch.device, sizes: dict[str, int], checks: HostChecks) -> None:
         self.device = device
         self.sizes = sizes
+        self.checks = checks
         self.files: dict[str, Any] = {}
         self.thread: int | None = None
 
-    def read(self, path: str, plan: read_plan.ReadPlan, box: list[dict[str, torch.Tensor]]) -> None:
+    def read(self, path: str, plan: read_plan.ReadPlan, box: list[dict[str, torch.Tensor]],
+             hashed: list[tuple[str, torch.Tensor]] | None = None) -> concurrent.futures.Future[dict[str, str]] | None:
         """Read ``plan`` into the destinations in ``box``, which it empties: the executor keeps
         a job's arguments a moment after its result is out, and the tensors must not be
-        kept alive by that."""
+        kept alive by that. ``hashed`` (a verified load into host memory): the tensors whose
+        digests the result gives, hashed on the checks' threads once the read has landed."""
         from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
         dests = box.pop()
         self.thread = threading.get_ident()
@@ -89,6 +93,12 @@ class _Reader:
                 raise TruncatedFileError(f"{path} changed size after its header was read "
                                          f"({self.sizes[path]} -> {f.size} bytes)")
         execute(f, plan, self.device, dests=dests)
+        del dests
+        if hashed is None:
+            return None
+        named = list(hashed)
+        hashed.clear()  # as ``box``: only the hashing keeps the tensors now
+        return self.checks.hash(named, self.device)
 
     def close_files(self) -> None:
         for f in self.files.values():
@@ -111,7 +121,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._shape = shape
 
         mode = verify_mode(verify)
-        if mode.kind == "sha256":
+        if mode.whole_file:
             raise InvalidArgumentError("iter_tensors yields each tensor before the whole file is read: it checks "
                                        "per-tensor digests (verify=True or a manifest), not a file's sha256")
         index = index_checkpoint(path_or_paths)
@@ -138,11 +148,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._batch_bytes = max(budget // BATCH_SHARE, 1)
         self._device = device
         self._pending: deque[Located] = deque(chosen)
-        self._jobs: deque[tuple[concurrent.futures.Future[None], list[tuple[str, torch.Tensor]],
+        self._jobs: deque[tuple[concurrent.futures.Future[Any], list[tuple[str, torch.Tensor]],
                                 list[Located]]] = deque()
         self._ready: deque[tuple[str, torch.Tensor]] = deque()
         self._live = _Live()
-        self._reader = _Reader(device, {p: h.file_size for p, h in index.headers})
+        self._checks = HostChecks(self._expect is not None)
+        self._reader = _Reader(device, {p: h.file_size for p, h in index.headers}, self._checks)
         self._thread = executor(1, "gdskit-stream")
         self._closed = False
 
@@ -167,11 +178,14 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     self.close()
                     raise StopIteration
                 job, items, batch = self._jobs.popleft()
-                job.result()  # raises what the read raised
+                digests = job.result()  # raises what the read raised
                 if self._expect is not None:
-                    path = batch[0].path
-                    check_loaded(self._expect[path], items,
-                                 {loc.entry.name: (loc.file_offset, loc.file_offset + loc.entry.nbytes) for loc in batch})
+                    expect = self._expect[batch[0].path]
+                    ranges = {loc.entry.name: (loc.file_offset, loc.file_offset + loc.entry.nbytes) for loc in batch}
+                    if digests is not None:  # hashed once the read landed, while later reads ran
+                        check_tensors(expect, digests.result(), ranges)
+                    else:  # on the GPU, on this thread's stream
+                        check_loaded(expect, items, ranges)
                 self._ready.extend(items)
                 del items
             return self._ready.popleft()
@@ -189,7 +203,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             head = self._pending[0]
             if head.entry.nbytes > room and (self._jobs or self._ready):
                 return
-            limit = max(min(self._batch_bytes, room), head.entry.nbytes)
+            limit = max(self._checks.batch_limit(min(self._batch_bytes, room), self._device), head.entry.nbytes)
             batch = [self._pending.popleft()]
             held = head.entry.nbytes
             while (self._pending and self._pending[0].path == head.path
@@ -213,7 +227,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             extents.append(read_plan.Extent(name, loc.file_offset, loc.entry.nbytes))
         plan = read_plan.plan(extents, small=self._shape.small, max_group=self._shape.max_group,
                               max_gap=self._shape.max_gap)
-        self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests]), items, batch))
+        hashed = list(items) if self._expect is not None and self._checks.overlaps(self._device) else None
+        self._jobs.append((self._thread.submit(self._reader.read, batch[0].path, plan, [dests], hashed), items, batch))
 
     def close(self) -> None:
         """Stop: reads not yet started are dropped, the one under way is waited for, files closed."""
@@ -226,6 +241,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         # interpreter shutdown.)
         in_reader = self._reader.thread == threading.get_ident()
         self._thread.shutdown(wait=not in_reader)
+        self._checks.close(wait=not in_reader)  # no hashing outlives the stream
         self._reader.close_files()
         self._jobs.clear()
         self._ready.clear()

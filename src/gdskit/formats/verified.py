@@ -4,6 +4,7 @@ CPU for host tensors; both through the engine's door, which counts them in the l
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Iterable, Mapping, Sequence
 import threading
@@ -13,7 +14,7 @@ from typing import Any
 from gdskit.engine import digest_buffers, prepare_gpu_digests
 from gdskit.errors import InvalidArgumentError
 from gdskit.threads import executor, start_thread
-from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation, verify_mode
+from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation
 
 
 def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
@@ -31,7 +32,7 @@ def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
             stream = int(torch.cuda.current_stream(device).cuda_stream)
             gpu = device.index if device.index is not None else torch.cuda.current_device()
         buffers = [(t.data_ptr(), t.nbytes) for _n, t in items]
-        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu)):
+        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu), strict=True):
             out[name] = digest
     return out
 
@@ -65,6 +66,14 @@ HOST_BATCH_BYTES = 64 << 20
 HOST_HASH_WORKERS = 2
 
 
+def hashes_while_reading(verifying: bool, device: Any) -> bool:
+    """Whether a verified load reads in batches and hashes each batch on worker threads as soon as
+    it has landed, while the next one is read: for host memory (the CPU's hashing is the cost to
+    hide). Device memory is hashed by the GPU kernel, all of a device's tensors in one launch pair
+    after the reads. Every reader asks this, and only this."""
+    return verifying and getattr(device, "type", device) == "cpu"
+
+
 def batches(items: Sequence[Any], nbytes: Any, limit: int = HOST_BATCH_BYTES) -> list[list[Any]]:
     """``items`` (in file order) cut into consecutive runs of about ``limit`` bytes (``nbytes(item)``)."""
     out: list[list[Any]] = []
@@ -78,32 +87,85 @@ def batches(items: Sequence[Any], nbytes: Any, limit: int = HOST_BATCH_BYTES) ->
     return out
 
 
-class HostChecks:
-    """``verify=`` for tensors in host memory, overlapped with the reads: each batch is hashed on
-    a worker thread as soon as it has landed (the blake3 package lets go of the GIL), while the
-    next batch is read; :meth:`finish` compares every digest, in the order submitted. Use as a
-    context manager: the threads end with it, whatever happened."""
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
 
-    def __init__(self, workers: int = HOST_HASH_WORKERS) -> None:
-        self._pool = executor(workers, "gdskit-verify")
-        self._pending: list[tuple[Expectation, Any, Mapping[str, tuple[int, int]] | None]] = []
+
+class HostChecks:
+    """``verify=`` overlapped with the reads where :func:`hashes_while_reading` says so (host
+    memory): the reader reads the :meth:`runs` it is given one after another and hands each run's
+    tensors to :meth:`hash` (or :meth:`check`) once they have landed; a worker thread hashes them
+    (the blake3 package lets go of the GIL) while the next run is read. Elsewhere there is one run,
+    hashed where it lies when handed in. Use as a context manager: the threads end with it,
+    whatever happened, so no thread outlives the load or reads a freed tensor."""
+
+    def __init__(self, verifying: bool, workers: int = HOST_HASH_WORKERS) -> None:
+        self.verifying = verifying
+        self._workers = workers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[tuple[Expectation, concurrent.futures.Future[dict[str, str]],
+                                  Mapping[str, tuple[int, int]] | None]] = []
 
     def __enter__(self) -> HostChecks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)  # no thread outlives the load, nor reads a freed tensor
+        self.close()
 
-    def submit(self, expectation: Expectation, named: Sequence[tuple[str, Any]],
-               ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
-        """Hash ``named`` (contiguous host tensors, kept alive until hashed) in the background."""
-        self._pending.append((expectation, self._pool.submit(tensor_digests, list(named)), ranges))
+    def close(self, wait: bool = True) -> None:
+        """End the hashing threads (``wait``: once the hashing under way has ended; what was not
+        started is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def overlaps(self, device: Any) -> bool:
+        """Whether tensors landing on ``device`` are hashed while later runs are read."""
+        return hashes_while_reading(self.verifying, device)
+
+    def runs(self, items: Sequence[Any], nbytes: Any, device: Any) -> list[list[Any]]:
+        """``items`` (in file order) as the runs to read one after another onto ``device``:
+        batches of about :data:`HOST_BATCH_BYTES` where the hashing overlaps the reads, else all
+        of them at once."""
+        return batches(items, nbytes) if self.overlaps(device) else [list(items)]
+
+    def batch_limit(self, limit: int, device: Any) -> int:
+        """The most bytes of one run onto ``device`` for a reader that cuts its own runs (``limit``
+        its own most): :data:`HOST_BATCH_BYTES` at most where the hashing overlaps the reads."""
+        return min(limit, HOST_BATCH_BYTES) if self.overlaps(device) else limit
+
+    def hash(self, named: Sequence[tuple[str, Any]], device: Any) -> concurrent.futures.Future[dict[str, str]]:
+        """The digests of ``named`` (contiguous tensors on ``device``, kept alive until hashed), by
+        name: on a worker thread where the hashing overlaps the reads, else now."""
+        if not self.overlaps(device):
+            return _done(tensor_digests(named))
+        if self._pool is None:
+            self._pool = executor(self._workers, "gdskit-verify")
+        return self._pool.submit(tensor_digests, list(named))
+
+    def check(self, expectation: Expectation, named: Sequence[tuple[str, Any]], device: Any,
+              ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Hash ``named`` (:meth:`hash`) and compare the digests with ``expectation``: at
+        :meth:`finish` where the hashing overlaps the reads, else now."""
+        if not self.overlaps(device):
+            check_tensors(expectation, tensor_digests(named), ranges)
+            return
+        self._pending.append((expectation, self.hash(named, device), ranges))
 
     def finish(self) -> None:
         """Wait for every digest; raise for the first batch with a tensor that differs."""
         for expectation, fut, ranges in self._pending:
             check_tensors(expectation, fut.result(), ranges)
         self._pending.clear()
+
+
+def merged(found: Iterable[concurrent.futures.Future[dict[str, str]]]) -> dict[str, str]:
+    """The digests of several :meth:`HostChecks.hash` calls, by name (waits for each)."""
+    out: dict[str, str] = {}
+    for fut in found:
+        out.update(fut.result())
+    return out
 
 
 class Sha256Check:
@@ -141,5 +203,5 @@ class Sha256Check:
             raise self._outcome[0]
 
 
-__all__ = ["HostChecks", "Sha256Check", "VerifyMode", "batches", "check_loaded", "expectations", "tensor_digests",
-           "verify_mode"]
+__all__ = ["HostChecks", "Sha256Check", "batches", "check_loaded", "expectations", "hashes_while_reading", "merged",
+           "tensor_digests"]

@@ -87,7 +87,7 @@ def load_file(path_or_paths: Any, device: Any, *, process_group: Any, keys: Iter
     empty: dict[str, Any] = {}  # tensors of no bytes, made as the one-rank loader makes them
 
     def prepare() -> LoadJob:
-        if verify.kind == "sha256":  # refused here, so that every rank hears of it
+        if verify.whole_file:  # refused here, so that every rank hears of it
             raise InvalidArgumentError("verify='sha256:...' hashes the whole file where a group load shares its "
                                        "bytes out: give a manifest (gdskit digest) or verify=True")
         dev = st.device(torch, device)

@@ -68,7 +68,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         else:
             try:
                 out = pt.load(path, map_location, weights_only, progress=progress,
-                              verify=verify.manifest if verify.kind == "manifest" else True)
+                              verify=verify.argument)
             except (ChecksumMismatchError, StaleManifestError) as exc:
                 out, found = None, exc
 
@@ -80,7 +80,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         return LoadJob([path], [None], [], ["torch.load on every rank"], [], {}, set(), out, check=check)
 
     def prepare() -> LoadJob:
-        if verify.kind == "sha256":  # refused here, so that every rank hears of it
+        if verify.whole_file:  # refused here, so that every rank hears of it
             raise InvalidArgumentError("verify='sha256:...' hashes the whole file where a group load shares its "
                                        "bytes out: give a manifest (gdskit digest) or verify=True")
         if verify.on:  # nothing to check against is refused (on every rank) before a byte is read

@@ -4,6 +4,7 @@ named, or a sha256 given)."""
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -25,21 +26,47 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHA256 = re.compile(r"sha256:([0-9a-f]{64})")
 
 
+class VerifyKind(enum.Enum):
+    """What ``verify=`` asks for."""
+
+    OFF = "off"            # nothing is checked
+    AUTO = "auto"          # the file's own digests, or a manifest found beside it or above it
+    MANIFEST = "manifest"  # the manifest named
+    SHA256 = "sha256"      # the whole file's sha256, given
+
+
 @dataclass(frozen=True)
 class VerifyMode:
-    """``verify=`` read: ``kind`` is ``"off"``, ``"auto"`` (the file's own digests or a manifest
-    found beside it), ``"manifest"`` (the one at ``manifest``) or ``"sha256"`` (``sha256``: hex)."""
+    """``verify=`` read: ``kind`` says what is checked; ``manifest`` is the manifest named
+    (``MANIFEST``), ``sha256`` the whole file's sha256 in hex (``SHA256``)."""
 
-    kind: str
+    kind: VerifyKind
     manifest: str | None = None
     sha256: str | None = None
 
     @property
     def on(self) -> bool:
-        return self.kind != "off"
+        """Whether anything is checked."""
+        return self.kind is not VerifyKind.OFF
+
+    @property
+    def whole_file(self) -> bool:
+        """Whether the check is of the whole file's bytes (a sha256), not per-tensor or per-chunk
+        digests: a reader that hands out bytes before the file is read to its end cannot make it."""
+        return self.kind is VerifyKind.SHA256
+
+    @property
+    def argument(self) -> Any:
+        """The ``verify=`` value this mode was read from (False, True, a manifest's path or
+        ``"sha256:<hex>"``), to hand on to another reader."""
+        if self.kind is VerifyKind.MANIFEST:
+            return self.manifest
+        if self.kind is VerifyKind.SHA256:
+            return f"sha256:{self.sha256}"
+        return self.on
 
 
-OFF = VerifyMode("off")
+OFF = VerifyMode(VerifyKind.OFF)
 
 
 def verify_mode(verify: Any) -> VerifyMode:
@@ -53,7 +80,7 @@ def verify_mode(verify: Any) -> VerifyMode:
     if verify is None or verify is False:
         return OFF
     if verify is True:
-        return VerifyMode("auto")
+        return VerifyMode(VerifyKind.AUTO)
     if isinstance(verify, (str, os.PathLike)) and not isinstance(verify, bytes):
         text = os.fspath(verify)
         if isinstance(text, str) and text:
@@ -61,8 +88,8 @@ def verify_mode(verify: Any) -> VerifyMode:
             if text.lower().startswith("sha256:"):
                 if match is None:
                     raise InvalidArgumentError("verify='sha256:...' takes 64 hex digits after 'sha256:'")
-                return VerifyMode("sha256", sha256=match.group(1))
-            return VerifyMode("manifest", manifest=text)
+                return VerifyMode(VerifyKind.SHA256, sha256=match.group(1))
+            return VerifyMode(VerifyKind.MANIFEST, manifest=text)
     raise InvalidArgumentError(f"verify takes False, True, 'sha256:<hex>' or a manifest's path, not {verify!r}"[:200])
 
 
@@ -172,7 +199,7 @@ def _candidates(path: str) -> list[str]:
 
 def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
                      metadata: Mapping[str, str] | None = None) -> Expectation:
-    """What ``path`` is checked against under ``mode`` (``"auto"`` or ``"manifest"``).
+    """What ``path`` is checked against under ``mode`` (``AUTO`` or ``MANIFEST``).
 
     ``metadata``: the file's safetensors ``__metadata__`` where it has one. A manifest that lists
     the file comes first: it was made apart from the file, so a file replaced by another that
@@ -189,7 +216,9 @@ def find_expectation(path: str | os.PathLike[str], mode: VerifyMode,
         A manifest (or the header's digests) is malformed.
     """
     path = os.fspath(path)
-    if mode.kind == "manifest":
+    if mode.whole_file or not mode.on:
+        raise InvalidArgumentError(f"{mode.kind.value}: a file's digests are looked up for verify=True or a manifest")
+    if mode.kind is VerifyKind.MANIFEST:
         assert mode.manifest is not None
         if "://" in path:
             raise NothingToVerifyError(f"{path}: a manifest lists local files, not objects", path=path)
