@@ -36,13 +36,14 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from object_client import free_port, start_moto  # benchmarks/ is on sys.path when run as a script
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -52,26 +53,6 @@ LOADERS = ("gdskit", "boto3", "runai", "ceiling")
 
 
 # -- the server and the checkpoint ------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto's S3 server did not start")
-
 
 def environment(endpoint: str) -> dict[str, str]:
     """The variables every loader reads its endpoint and credentials from (nothing of the
