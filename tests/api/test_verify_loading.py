@@ -452,14 +452,20 @@ def test_an_object_is_checked_against_its_header_digests(s3, tmp_path):
         gs.load_file(s3.url("plain.safetensors"), verify="sha256:" + "0" * 64)
 
 
+def _several_batches_of_tensors(seed: int) -> dict:
+    """8 MiB tensors filling more than two of a host load's hash batches, and one small tensor."""
+    from gdskit.formats.verified import HOST_BATCH_BYTES
+    g = torch.Generator().manual_seed(seed)
+    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
+    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}
+    tensors["small"] = torch.arange(10)
+    return tensors
+
+
 @pytest.fixture(scope="module")
 def several_batches(tmp_path_factory):
     """A file whose host load is hashed in several batches (more than HOST_BATCH_BYTES of tensors)."""
-    from gdskit.formats.verified import HOST_BATCH_BYTES
-    g = torch.Generator().manual_seed(5)
-    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
-    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}  # 8 MiB each
-    tensors["small"] = torch.arange(10)
+    tensors = _several_batches_of_tensors(seed=5)
     path = tmp_path_factory.mktemp("batches") / "model.safetensors"
     gs.save_file(tensors, path, digests=True)
     return str(path), tensors
@@ -538,11 +544,7 @@ def test_every_safetensors_reader_hashed_batch_by_batch_catches_a_flip_in_any_ba
 @pytest.fixture(scope="module")
 def several_batches_pt(tmp_path_factory):
     """A torch.save archive whose host load is hashed in several batches, with its manifest."""
-    from gdskit.formats.verified import HOST_BATCH_BYTES
-    g = torch.Generator().manual_seed(6)
-    n = 2 * HOST_BATCH_BYTES // (8 << 20) + 2
-    tensors = {f"t{i:02d}": torch.randn(2 << 20, generator=g) for i in range(n)}  # 8 MiB each
-    tensors["small"] = torch.arange(10)
+    tensors = _several_batches_of_tensors(seed=6)
     path = tmp_path_factory.mktemp("batches_pt") / "model.pt"
     torch.save(tensors, path)
     digest_scan.make_manifests([str(path)])
