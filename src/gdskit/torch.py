@@ -25,7 +25,7 @@ import re
 import stat
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gdskit.durable import (OwnedTemp, create_locked_temp, fsync_dir, open_file_fd, remove_stale_temps,
                             replacement_target)
@@ -40,8 +40,10 @@ from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
 from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, merged
-from gdskit.verify import check_tensors
-from gdskit.verify import Expectation, verify_mode
+from gdskit.verify import verify_mode
+
+if TYPE_CHECKING:
+    from gdskit.verify import Expectation
 
 require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
 
@@ -556,6 +558,8 @@ class _ZipLoad:
     def _verify(self) -> None:
         """Check every storage record read against the manifest (its bytes as stored): the records
         hashed as their reads landed, and the others (small, inflated, on a GPU) now."""
+        from gdskit.verify import check_tensors  # noqa: PLC0415 - import time
+
         assert self.expectation is not None
         torch = self.torch
         early = merged(self.hashed)

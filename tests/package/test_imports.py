@@ -258,3 +258,24 @@ def test_the_driver_bindings_are_imported_and_initialised_once_by_concurrent_fir
         "assert cuda.device_count() == 1\n"
         "print(json.dumps(calls))\n")
     assert json.loads(_run(code, _env_without_stats())) == {"imports": 1, "cuInit": 1}
+
+
+def test_unverified_loads_leave_the_manifests_and_checks_unimported(tmp_path):
+    torch = pytest.importorskip("torch")
+    ckpt = tmp_path / "m.safetensors"
+    pt = tmp_path / "m.pt"
+    ref = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    code = ("import sys, torch, gdskit.safetensors as gs, gdskit.torch as gt\n"
+            "heavy = ('gdskit.verify.manifest', 'gdskit.verify.expect', 'gdskit.verify.check')\n"
+            f"ref = {{'a': torch.arange(1000, dtype=torch.float32), 'b': torch.ones(3, 5, dtype=torch.bfloat16)}}\n"
+            f"gs.save_file(ref, {str(ckpt)!r})\n"
+            f"gt.save(ref, {str(pt)!r})\n"
+            f"assert all(torch.equal(gs.load_file({str(ckpt)!r})[k], ref[k]) for k in ref)\n"
+            f"assert all(torch.equal(gt.load({str(pt)!r})[k], ref[k]) for k in ref)\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            f"gs.save_file(ref, {str(tmp_path / 'd.safetensors')!r}, digests=True)\n"
+            f"assert all(torch.equal(gs.load_file({str(tmp_path / 'd.safetensors')!r}, verify=True)[k], ref[k]) "
+            "for k in ref)\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    before, after = _run(code, _env_without_stats()).splitlines()
+    assert before == "[]" and after == repr(["gdskit.verify.check", "gdskit.verify.expect", "gdskit.verify.manifest"])

@@ -9,12 +9,15 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gdskit.engine import digest_buffers, prepare_gpu_digests
 from gdskit.errors import InvalidArgumentError
 from gdskit.threads import executor, start_thread
-from gdskit.verify import Expectation, VerifyMode, check_sha256, check_tensors, find_expectation
+from gdskit.verify import VerifyMode
+
+if TYPE_CHECKING:
+    from gdskit.verify import Expectation
 
 
 def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
@@ -43,6 +46,8 @@ def expectations(paths: Iterable[str], mode: VerifyMode,
     """What each file is checked against (``mode`` auto or manifest), found before anything is read:
     a file with nothing to check against is refused before its bytes move. ``device``: where the
     bytes will land; for a GPU, its kernels are made ready in the background meanwhile."""
+    from gdskit.verify import find_expectation  # noqa: PLC0415 - import time
+
     metadata = metadata or {}
     found = {p: find_expectation(p, mode, metadata.get(p)) for p in paths}
     if device is not None and getattr(device, "type", None) == "cuda":
@@ -56,6 +61,8 @@ def check_loaded(expectation: Expectation, named: Sequence[tuple[str, Any]],
                  ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
     """Raise :class:`~gdskit.errors.ChecksumMismatchError` for the first of ``named`` (contiguous
     tensors holding a file's bytes as stored) whose digest differs from the expected one."""
+    from gdskit.verify import check_tensors  # noqa: PLC0415 - import time
+
     check_tensors(expectation, tensor_digests(named), ranges)
 
 
@@ -149,12 +156,16 @@ class HostChecks:
         """Hash ``named`` (:meth:`hash`) and compare the digests with ``expectation``: at
         :meth:`finish` where the hashing overlaps the reads, else now."""
         if not self.overlaps(device):
-            check_tensors(expectation, tensor_digests(named), ranges)
+            check_loaded(expectation, named, ranges)
             return
         self._pending.append((expectation, self.hash(named, device), ranges))
 
     def finish(self) -> None:
         """Wait for every digest; raise for the first batch with a tensor that differs."""
+        if not self._pending:
+            return
+        from gdskit.verify import check_tensors  # noqa: PLC0415 - import time
+
         for expectation, fut, ranges in self._pending:
             check_tensors(expectation, fut.result(), ranges)
         self._pending.clear()
@@ -177,6 +188,8 @@ class Sha256Check:
         if len(paths) != 1:
             raise InvalidArgumentError(f"verify='sha256:...' checks one file; this checkpoint has {len(paths)}: "
                                        "give a manifest (gdskit digest) or verify=True")
+        from gdskit.verify import check_sha256  # noqa: PLC0415 - import time
+
         assert mode.sha256 is not None
         path, want = os.fspath(paths[0]), mode.sha256
         if "://" in path:
