@@ -38,12 +38,12 @@ from gdskit.engine import is_object_url, open_file, open_object_stream, stats, s
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
-from gdskit.formats.torch_zip import RecordSizes, StorageRecord, StorageRecords
+from gdskit.formats.torch_zip import StorageRecord, StorageRecords
 from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, merged
 from gdskit.verify import verify_mode
 
 if TYPE_CHECKING:
-    from gdskit.verify import Expectation
+    from gdskit.verify import Expectation, FileDigests
 
 require_torch("gdskit.torch")  # without torch, fail here with the install hint, as every torch-facing module
 
@@ -101,8 +101,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
     """Save ``obj`` like ``torch.save``, with 4 KiB-aligned storages written through the engine.
 
     ``digests=True`` also writes the file's digest manifest beside it (``PATH.gdskit-digest.json``,
-    as ``gdskit digest`` makes it: the file, its chunks, each storage record), hashed on the CPU
-    from the page cache once the file is in place; ``load(..., verify=True)`` checks against it.
+    what ``gdskit digest`` computes from it: the file, its chunks, each storage record), hashed
+    as the file is written, from the memory each byte is written from (a device storage's record
+    digest on its GPU), never read back; written once the file is in place, never for a save
+    that fails. ``load(..., verify=True)`` checks against it.
 
     The result is an ordinary torch.save archive: ``torch.load`` reads it. The write
     is atomic (a temporary file beside ``path``, locked while it is written, fsynced,
@@ -123,8 +125,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
         raise from_os_error(exc, path) from None
     try:
         captured: dict[str, Any] = {}
-        _write_archive(torch, obj, tmp, captured)
-        _fill_storages(torch, tmp.path, captured, progress)
+        pieces = _write_archive(torch, obj, tmp, captured, keep=digests)
+        written = _fill_storages(torch, tmp, captured, progress, pieces)
         os.replace(tmp.path, path)
         fsync_dir(directory)
     except BaseException as exc:
@@ -134,9 +136,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, progress: ProgressArg = Fals
             raise
         raise from_os_error(io_error, path) from exc
     tmp.close()
-    if digests:
-        from gdskit.formats.digest_scan import make_manifests  # noqa: PLC0415 - import time
-        make_manifests([path])
+    if written is not None:
+        from gdskit.formats.archive_digests import write_manifest_beside  # noqa: PLC0415 - import time
+        write_manifest_beside(path, written)
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:
@@ -154,8 +156,10 @@ def _os_error_in(exc: BaseException) -> OSError | None:
     return None
 
 
-def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any]) -> None:
-    """torch.save ``obj`` into ``tmp`` with space reserved for every storage at a 4 KiB boundary.
+def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any],
+                   keep: bool = False) -> list[tuple[int, bytes]] | None:
+    """torch.save ``obj`` into ``tmp`` with space reserved for every storage at a 4 KiB boundary;
+    with ``keep``, the archive's own bytes as written, ``(offset, bytes)`` in order, for its digests.
 
     torch writes through a file object over a second descriptor of ``tmp``, closed here
     on every path: a writer torch opened itself would stay open, with the file's blocks,
@@ -165,12 +169,17 @@ def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any
     from torch.utils.serialization import config  # noqa: PLC0415 - optional dependency (torch)
 
     fh = os.fdopen(os.dup(tmp.fd), "wb", buffering=1 << 20)
+    kept = None
+    if keep:
+        from gdskit.formats.archive_digests import KeptWrites  # noqa: PLC0415 - import time
+        kept = KeptWrites(fh)
     old_alignment = config.save.storage_alignment
     try:
         config.save.storage_alignment = STORAGE_ALIGNMENT
         with ser.skip_data():
-            torch.save(obj, fh, pickle_module=_recording_pickle_module(torch, captured))
+            torch.save(obj, kept or fh, pickle_module=_recording_pickle_module(torch, captured))
         fh.close()
+        return kept.pieces if kept is not None else None
     except BaseException:
         try:
             fh.close()  # closes the descriptor even when the flush fails
@@ -181,45 +190,62 @@ def _write_archive(torch: Any, obj: Any, tmp: OwnedTemp, captured: dict[str, Any
         config.save.storage_alignment = old_alignment
 
 
-def _storage_places(torch: Any, tmp: str, captured: dict[str, Any]) -> list[tuple[int, int, Any]]:
-    """``(offset, nbytes, storage)`` of every storage with bytes to write, as the archive places them.
-    torch's reader is let go of before returning or raising: it holds the file open."""
-    reader = torch._C.PyTorchFileReader(tmp)
-    sizes = RecordSizes(reader, tmp)
+def _storage_places(torch: Any, tmp: OwnedTemp,
+                    captured: dict[str, Any]) -> tuple[list[tuple[int, int, Any, str]], list[tuple[str, int, int]]]:
+    """``(offset, nbytes, storage, record name)`` of every storage with bytes to write, and
+    ``(key, offset, nbytes)`` of every storage record (as ``gdskit digest`` places them), as the
+    archive places them. torch's reader is let go of before returning or raising: it holds the
+    file open."""
+    records = StorageRecords.open(torch, tmp.path, os.fstat(tmp.fd).st_size, tmp.path)
     try:
-        jobs = []
-        for key, storage in captured.items():
-            name = f"data/{key}"
-            nbytes = storage.nbytes()
-            if sizes(name) != nbytes:
-                raise FormatError(f"record {name} has {sizes(name)} bytes, its storage {nbytes}")
-            if nbytes and storage.device.type != "meta":
-                jobs.append((reader.get_record_offset(name), nbytes, storage))
-        return jobs
+        placed = records.spans()
     finally:
-        sizes.close()
-        del reader
+        records.close()
+    if placed is None:
+        raise FormatError(f"{tmp.path}: a storage record of the archive just written cannot be placed")
+    where = {key: (offset, nbytes) for key, offset, nbytes in placed}
+    jobs = []
+    for key, storage in captured.items():
+        offset, size = where.get(key, (0, -1))
+        nbytes = storage.nbytes()
+        if size != nbytes:
+            raise FormatError(f"record data/{key} has {size} bytes, its storage {nbytes}")
+        if nbytes and storage.device.type != "meta":
+            jobs.append((offset, nbytes, storage, "data/" + key))
+    return jobs, placed
 
 
-def _fill_storages(torch: Any, tmp: str, captured: dict[str, Any], progress: ProgressArg) -> None:
+def _fill_storages(torch: Any, tmp: OwnedTemp, captured: dict[str, Any], progress: ProgressArg,
+                   pieces: list[tuple[int, bytes]] | None = None) -> FileDigests | None:
+    """Write every storage's bytes into its hole; with ``pieces`` (the archive's own bytes as
+    written), the digests of the whole file, fed in file order while the engine writes."""
     from gdskit.formats.torch_io import wait_for_all  # noqa: PLC0415 - import time
-    jobs = _storage_places(torch, tmp, captured)
-    for d in {s.device for _o, _n, s in jobs if s.device.type == "cuda"}:
+    jobs, placed = _storage_places(torch, tmp, captured)
+    jobs.sort(key=lambda j: j[0])
+    for d in {s.device for _o, _n, s, _k in jobs if s.device.type == "cuda"}:
         torch.cuda.synchronize(d)  # the engine reads device memory outside torch's streams
+    sources = [(off, nbytes, _bytes_of(torch, storage, nbytes)) for off, nbytes, storage, _k in jobs]
+    running = None
+    if pieces is not None:
+        from gdskit.formats.archive_digests import ArchiveDigests  # noqa: PLC0415 - import time
+        running = ArchiveDigests(pieces, placed)
+        running.give_device_digests([(name, src) for (_o, _n, _s, name), (_o2, _n2, src) in zip(jobs, sources)])
     futures: list[tuple[Any, int]] = []
-    with open_file(tmp, "r+") as f, Progress(sum(n for _o, n, _s in jobs), progress, "saving") as prog:
+    with open_file(tmp.path, "r+") as f, Progress(sum(n for _o, n, _s, _k in jobs), progress, "saving") as prog:
         try:
-            for off, nbytes, storage in sorted(jobs, key=lambda j: j[0]):
-                src = _bytes_of(torch, storage, nbytes)
+            for off, nbytes, src in sources:
                 fut = f.pwrite(src, size=nbytes, file_offset=off)
                 fut.add_done_callback(lambda _f, n=nbytes: prog.advance(n))
                 futures.append((fut, nbytes))
+                if running is not None:
+                    running.feed_storage(off, src)  # hashed while the engine writes it
             for fut, nbytes in futures:
                 if fut.result() != nbytes:
-                    raise GdskitError(f"short write to {tmp}: {fut.result()} of {nbytes} bytes")
+                    raise GdskitError(f"short write to {tmp.path}: {fut.result()} of {nbytes} bytes")
         finally:
             wait_for_all([fut for fut, _n in futures])
         f.fsync()
+    return running.result(tmp.fd) if running is not None else None
 
 
 # -- load -----------------------------------------------------------------------

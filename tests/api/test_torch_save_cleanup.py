@@ -79,13 +79,15 @@ def many_small() -> dict:
     return {f"layer.{i}.a_rather_long_parameter_name": torch.ones(1) for i in range(6000)}  # a 400 KB pickle
 
 
+@pytest.mark.parametrize("digests", [False, True])
 @pytest.mark.parametrize("what", ["storage bytes", "archive"])
-def test_no_space_frees_the_space_at_once(small_tmpfs, what) -> None:
-    """Full while the engine writes a storage's bytes, or while torch.save writes the archive."""
+def test_no_space_frees_the_space_at_once(small_tmpfs, what, digests) -> None:
+    """Full while the engine writes a storage's bytes, or while torch.save writes the archive;
+    with ``digests=True``, no manifest is written either."""
     obj = {"big": torch.ones(1 << 17)} if what == "storage bytes" else many_small()
     before = free_bytes(small_tmpfs)
     try:
-        gt.save(obj, small_tmpfs / "ckpt.pt")
+        gt.save(obj, small_tmpfs / "ckpt.pt", digests=digests)
     except NoSpaceError as exc:
         kept = exc  # the exception, its traceback and every frame of the save are still alive
         assert isinstance(kept, OSError)
