@@ -139,3 +139,22 @@ def test_a_failed_save_keeps_the_previous_file_and_its_manifest(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["x.pt", "x.pt" + MANIFEST_SUFFIX]
     assert read_manifest(str(path) + MANIFEST_SUFFIX) == before
     assert _same(gt.load(str(path), verify=True), old)
+
+
+@pytest.mark.gpu
+def test_device_storages_are_digested_on_their_gpu_as_gdskit_digest_computes(tmp_path):
+    """Device storages (their record digests from the GPU kernel, their bytes fed through host
+    copies, one across a chunk boundary and over one 64 MiB piece), beside host ones."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(5000, generator=g).cuda()
+    obj = {"big": torch.randn(9 << 20, generator=g).to(torch.float64).cuda(),  # 72 MiB
+           "head": base[:10], "tail": base[4000:], "empty": torch.empty(0, device="cuda"),
+           "host": torch.arange(1000), "half": torch.randn(33, 7, generator=g).half().cuda()}
+    path = str(tmp_path / "gpu.pt")
+    gt.save(obj, path, digests=True)
+    written = read_manifest(path + MANIFEST_SUFFIX)
+    digest_scan.make_manifests([path])
+    assert written == read_manifest(path + MANIFEST_SUFFIX)
+    assert len(written.files["gpu.pt"].chunks) >= 2
+    assert _same(torch.load(path, weights_only=True), obj)
+    assert _same(gt.load(path, verify=True), obj)
