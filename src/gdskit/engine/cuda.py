@@ -269,10 +269,10 @@ def pointer_info(ptr: int) -> PointerInfo:
 
 
 class _FreedWhenCollected:
-    """The last resort for memory whose owner forgot ``free()``: pools and callers free explicitly."""
+    """The last resort for memory whose owner forgot ``free()`` (each subclass's own, freeing
+    exactly once): pools and callers free explicitly."""
 
-    def free(self) -> None:
-        raise NotImplementedError
+    free: Callable[[], None]
 
     def __del__(self) -> None:
         if exiting():

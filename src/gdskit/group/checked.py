@@ -62,14 +62,8 @@ def check_on_every_rank(info: exchange.GroupInfo, check: Callable[[], None]) -> 
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
         error = exc
     what = "checking the loaded bytes against their digests"
-    try:
-        everyone = exchange.all_gather_blobs(info, _told(error), failure.Deadline(info.timeout_s), what)
-    except GroupError:
-        if error is not None:
-            raise error from None  # its own failure says more than the group's
-        raise
-    if error is not None:
-        raise error
+    everyone = failure.told(error, lambda: exchange.all_gather_blobs(info, _told(error),
+                                                                   failure.Deadline(info.timeout_s), what))
     told = [(rank, json.loads(blob.decode())) for rank, blob in enumerate(everyone) if blob]
     told.sort(key=lambda item: item[1]["kind"] == "error")  # a mismatch anywhere outranks other failures
     if told:

@@ -56,20 +56,27 @@ def wait(work: Any, deadline: Deadline, what: str) -> None:
             raise GroupError(f"{what}: no answer from every rank within {deadline.timeout_s:g} s")
 
 
+def told(error: BaseException | None, tell: Callable[[], Any]) -> Any:
+    """Run the collective ``tell`` (which tells the group of ``error``); then raise ``error`` on
+    the rank that had it, its own failure saying more than the group's; else ``tell``'s answer."""
+    try:
+        answer = tell()
+    except GroupError:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:
+        raise error
+    return answer
+
+
 def agree(failed_ranks: Callable[[bool], tuple[int, ...]], error: BaseException | None, what: str) -> None:
     """Tell the group whether this rank failed (``error``) and learn who did.
 
     Raises ``error`` on the rank that had it; :class:`GroupError` on the others when any rank
     failed. ``failed_ranks(flag)`` is the collective (:func:`gdskit.group.exchange.failed_ranks`).
     """
-    try:
-        failed = failed_ranks(error is not None)
-    except GroupError:
-        if error is not None:
-            raise error from None  # its own failure says more than the group's
-        raise
-    if error is not None:
-        raise error
+    failed = told(error, lambda: failed_ranks(error is not None))
     if failed:
         raise GroupError(f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the process group "
                          f"failed {what}", failed)
