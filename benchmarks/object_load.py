@@ -1,18 +1,21 @@
-"""A safetensors checkpoint from an S3 server into host memory: gdskit against the usual ways.
+"""A safetensors checkpoint from an S3 server into host or GPU memory: gdskit against the usual ways.
 
 Starts moto's S3 server in a subprocess on a free localhost port, puts one safetensors
 checkpoint of ``--size-gib`` GiB (tensors of ``--tensor-mib`` MiB, float32, bfloat16 and int64,
 made from a seed), then, in a fresh process each, round after round with the loaders
 interleaved (A B C D A B C D ...), times:
 
-- ``gdskit``: ``gdskit.safetensors.load_file("s3://...", device="cpu")``;
+- ``gdskit``: ``gdskit.safetensors.load_file("s3://...", device=DEVICE)``;
 - ``boto3``: boto3's ``download_file`` to a temporary file, then
-  ``safetensors.torch.load_file(..., device="cpu")`` (the time of both; the file is removed after);
+  ``safetensors.torch.load_file(..., device=DEVICE)`` (the time of both; the file is removed after);
 - ``runai``: Run:ai's streamer (``runai-model-streamer`` with ``runai-model-streamer-s3``),
-  ``SafetensorsStreamer().stream_file(url)``, every tensor kept (``owned=True``);
+  ``SafetensorsStreamer().stream_file(url, device=DEVICE)``, every tensor kept (``owned=True``);
 - ``ceiling``: the server's own ceiling: ranged GETs of ``--ceiling-part-mib`` MiB,
   ``--ceiling-threads`` at once, each read (botocore ``readinto``) into one preallocated host
-  buffer; no parsing, no tensors.
+  buffer; no parsing, no tensors, host memory whatever ``--device`` says.
+
+DEVICE is ``--device`` (``cpu``, the default, or ``cuda``); into GPU memory the clock stops after
+``torch.cuda.synchronize()``, and the digests are taken of the tensors' bytes copied back afterwards.
 
 Each process reports the seconds of the load alone (after its imports), its peak resident size
 (``VmHWM``; and the part of it the load added over the imports) and a BLAKE3 digest of every tensor's bytes (the ceiling: of all the bytes); the
@@ -116,13 +119,13 @@ def upload(endpoint: str, path: str) -> None:
 
 # -- one load, in a fresh process ---------------------------------------------------------------
 
-def load_gdskit(url: str, _args: argparse.Namespace) -> dict[str, Any]:
+def load_gdskit(url: str, args: argparse.Namespace) -> dict[str, Any]:
     import gdskit.safetensors
 
-    return gdskit.safetensors.load_file(url, device="cpu")
+    return gdskit.safetensors.load_file(url, device=args.device)
 
 
-def load_boto3(url: str, _args: argparse.Namespace) -> dict[str, Any]:
+def load_boto3(url: str, args: argparse.Namespace) -> dict[str, Any]:
     import boto3
     import safetensors.torch
 
@@ -130,14 +133,14 @@ def load_boto3(url: str, _args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="object-load-") as tmp:
         local = os.path.join(tmp, "model.safetensors")
         client.download_file(BUCKET, KEY, local)
-        return safetensors.torch.load_file(local, device="cpu")
+        return safetensors.torch.load_file(local, device=args.device)
 
 
-def load_runai(url: str, _args: argparse.Namespace) -> dict[str, Any]:
+def load_runai(url: str, args: argparse.Namespace) -> dict[str, Any]:
     from runai_model_streamer import SafetensorsStreamer
 
     with SafetensorsStreamer() as streamer:
-        streamer.stream_file(url, device="cpu")
+        streamer.stream_file(url, device=args.device)
         return dict(streamer.get_tensors())
 
 
@@ -183,7 +186,7 @@ def peak_rss() -> int:
 def child(args: argparse.Namespace) -> None:
     """One load, timed after the imports; prints one JSON line."""
     import blake3
-    import torch  # noqa: F401 - imported before the clock starts, for every loader alike
+    import torch  # imported before the clock starts, for every loader alike
 
     load = {"gdskit": load_gdskit, "boto3": load_boto3, "runai": load_runai, "ceiling": load_ceiling}[args.child]
     if args.child == "gdskit":
@@ -193,16 +196,22 @@ def child(args: argparse.Namespace) -> None:
     else:
         import boto3  # noqa: F401
     url = f"s3://{BUCKET}/{KEY}"
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu:
+        torch.empty(1, device=args.device)  # the CUDA context, outside the clock
+        torch.cuda.synchronize()
     before = peak_rss()  # the imports' share of the peak
     t0 = time.perf_counter()
     got = load(url, args)
+    if on_gpu:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = peak_rss()
     if args.child == "ceiling":
         digests = {"*": blake3.blake3(got).hexdigest()}
         nbytes = int(got.nbytes)
     else:
-        digests = tensor_digests(got)
+        digests = tensor_digests({name: t.cpu() for name, t in got.items()})
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
     print(json.dumps({"loader": args.child, "seconds": seconds, "bytes": nbytes, "peak_rss_bytes": peak,
                       "imports_rss_bytes": before, "digests": digests}))
@@ -219,7 +228,7 @@ def available(loader: str) -> str | None:
 
 
 def run_child(loader: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", loader,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", loader, "--device", args.device,
            "--ceiling-part-mib", str(args.ceiling_part_mib), "--ceiling-threads", str(args.ceiling_threads)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -277,6 +286,7 @@ def main() -> None:
     ap.add_argument("--ceiling-part-mib", type=int, default=64, help="ranged GET size of the ceiling (default 64)")
     ap.add_argument("--ceiling-threads", type=int, default=16, help="GETs in flight for the ceiling (default 16)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one load may take")
+    ap.add_argument("--device", default="cpu", help="where the tensors go: cpu (default) or cuda[:N]")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -323,11 +333,11 @@ def main() -> None:
             server.kill()
             server.wait()
     rows = [summarise(n, runs[n], want, whole) for n in loaders]
-    print(f"{file_bytes / GIB:.2f} GiB safetensors checkpoint ({len(want)} tensors), {args.rounds} rounds, "
+    print(f"{file_bytes / GIB:.2f} GiB safetensors checkpoint ({len(want)} tensors) into {args.device}, {args.rounds} rounds, "
           f"{platform.node()}, {os.cpu_count()} CPUs")
     print(table(rows, absent))
     if args.json:
-        doc = {"file_bytes": file_bytes, "tensors": len(want), "rounds": args.rounds, "cpus": os.cpu_count(),
+        doc = {"device": args.device, "file_bytes": file_bytes, "tensors": len(want), "rounds": args.rounds, "cpus": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d"), "absent": absent, "loaders": rows,
                "runs": {n: [{k: v for k, v in r.items() if k != "digests"} for r in rs] for n, rs in runs.items()},
                "versions": versions()}
