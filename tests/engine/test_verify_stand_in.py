@@ -389,3 +389,25 @@ def test_a_gpu_newer_than_nvrtc_runs_the_ptx_it_builds(gpu_of):
     image = compile_image(major, minor)
     assert is_ptx(image) and f".target sm_{newest}".encode() in image
     _checks_out(fake)
+
+
+def test_a_cached_image_is_found_without_loading_nvrtc(tmp_path):
+    """A verified load's first digest finds the cached kernels without importing or loading NVRTC
+    (tens of milliseconds of a first call, on a thread that shares the interpreter with the reads);
+    only a compile needs it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from gdskit.engine.gpu_hash import cache_path, image_for\n"
+        "path = cache_path(9, 0)\n"
+        "os.makedirs(os.path.dirname(path), mode=0o700)\n"
+        "fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
+        "os.write(fd, b'\\x7fELF' + bytes(60)); os.close(fd)\n"
+        "assert image_for(9, 0) == b'\\x7fELF' + bytes(60)\n"
+        "print(sorted(m for m in sys.modules if 'nvrtc' in m))\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -135,7 +135,7 @@ def provide_image(capability: tuple[int, int], image: bytes) -> None:
         _provided.add(key)
 
 
-_OPTIONS_VERSION = "2"  # bump with compile_image's options: they are part of the cache key
+_OPTIONS_VERSION = "3"  # bump with compile_image's options or the cache's naming: part of the key
 _MAX_IMAGE_BYTES = 16 << 20
 
 
@@ -147,13 +147,10 @@ def cache_dir() -> str:
 
 def cache_path(major: int, minor: int) -> str:
     """The cached image's path for compute capability ``major.minor``: named by a hash of the
-    source, the compile options, the NVRTC version and the capability."""
-    try:
-        nvrtc = _nvrtc()
-        version = "%d.%d" % tuple(_nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion"))
-    except Exception:  # noqa: BLE001 - no NVRTC: only a cached image can serve
-        version = "none"
-    key = hashlib.sha256(f"{SOURCE}|{_OPTIONS_VERSION}|{version}|{major}.{minor}".encode()).hexdigest()[:32]
+    source, the compile options and the capability. Not of the NVRTC that built it: finding the
+    image must not load NVRTC (its import and library take tens of milliseconds of a first
+    verified load), and an image this driver refuses is compiled again anyway (:func:`_load_kernels`)."""
+    key = hashlib.sha256(f"{SOURCE}|{_OPTIONS_VERSION}|{major}.{minor}".encode()).hexdigest()[:32]
     return os.path.join(cache_dir(), f"blake3-sm{major}{minor}-{key}.image")
 
 
