@@ -18,7 +18,7 @@ from typing import Any
 from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError, InvalidArgumentError, from_os_error
 from gdskit.threads import executor
-from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, FileDigests, Manifest,
+from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, SPREAD_BYTES, FileDigests, Manifest,
                            TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, relative_name,
                            write_manifest)
 
@@ -131,7 +131,7 @@ class RunningDigests:
         self._whole = hasher(spread=True)
         self._chunk = hasher(spread=True)
         self._chunks: list[str] = []
-        self._span_digests = {s.name: hasher() for s in self._spans}
+        self._span_digests = {s.name: hasher(spread=s.nbytes >= SPREAD_BYTES) for s in self._spans}
         self._active: list[Span] = []
         self._next_span = 0
         self.at = 0  # bytes fed so far
@@ -200,19 +200,27 @@ class RunningDigests:
 def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: list[Span],
                on_bytes: Callable[[int], None] | None) -> FileDigests:
     """One pass over the file: every piece read once (positional reads, never a memory map, which a
-    file shrinking under it would turn into a crash) and fed to the running digests."""
+    file shrinking under it would turn into a crash) and fed to the running digests. The next
+    piece is read on another thread while this one is hashed (two buffers, one read in flight)."""
     size = st.st_size
     running = RunningDigests(chunk_bytes, spans)
-    buf = bytearray(min(READ_PIECE, chunk_bytes, max(size, 1)))
-    view = memoryview(buf)
-    while running.at < size:
-        at = running.at
-        want = min(len(buf), size - at, chunk_bytes - at % chunk_bytes)
-        got = _read_fully(fd, view[:want], at, path)
-        running.feed(view[:got])
-        if on_bytes is not None:
-            on_bytes(got)
-    view.release()
+    piece = min(READ_PIECE, chunk_bytes, max(size, 1))
+    buffers = (memoryview(bytearray(piece)), memoryview(bytearray(piece)))
+
+    def read(into: memoryview, at: int) -> int:
+        return _read_fully(fd, into[:min(piece, size - at, chunk_bytes - at % chunk_bytes)], at, path)
+
+    with executor(1, "gdskit-digest-read") as reader:  # leaving waits for a read still in flight
+        pending = reader.submit(read, buffers[0], 0) if size else None
+        turn = 0
+        while pending is not None:
+            got = pending.result()
+            after = running.at + got
+            pending = reader.submit(read, buffers[1 - turn], after) if after < size else None
+            running.feed(buffers[turn][:got])
+            if on_bytes is not None:
+                on_bytes(got)
+            turn = 1 - turn
     return running.result(st.st_mtime_ns)
 
 

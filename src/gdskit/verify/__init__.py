@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gdskit.verify.digest import (ALGORITHM, DEFAULT_CHUNK_BYTES, DIGEST_BYTES, blake3_hex, chunk_ranges, hasher,
-                                  tagged)
+from gdskit.verify.digest import (ALGORITHM, DEFAULT_CHUNK_BYTES, DIGEST_BYTES, SPREAD_BYTES, blake3_hex, chunk_ranges,
+                                  hasher, tagged)
 from gdskit.verify.mode import HEADER_KEY, OFF, VerifyKind, VerifyMode, verify_mode
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ _LAZY = {**dict.fromkeys(("check_sha256", "check_tensors", "mismatch", "sha256_o
                          "manifest")}
 
 __all__ = ["ALGORITHM", "DEFAULT_CHUNK_BYTES", "DIGEST_BYTES", "DIRECTORY_MANIFEST", "HEADER_KEY", "MANIFEST_SUFFIX",
-           "OFF", "Expectation", "FileDigests", "Manifest", "ManifestError", "TensorDigest", "VerifyKind", "VerifyMode",
+           "SPREAD_BYTES", "OFF", "Expectation", "FileDigests", "Manifest", "ManifestError", "TensorDigest", "VerifyKind", "VerifyMode",
            "blake3_hex", "check_sha256", "check_tensors", "chunk_ranges", "find_expectation", "hasher", "header_digests",
            "manifest_path_for", "mismatch", "parse_manifest", "read_manifest", "relative_name", "sha256_of_file", "tagged",
            "verify_mode", "write_manifest"]

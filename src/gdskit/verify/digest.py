@@ -20,7 +20,7 @@ DIGEST_BYTES = 32
 #: size it used), so that a ranged read can be checked against the pieces it covers.
 DEFAULT_CHUNK_BYTES = 64 << 20
 #: Below this, one input is hashed by one thread: spreading it costs more than it saves.
-_SPREAD_BYTES = 1 << 20
+SPREAD_BYTES = 1 << 20
 
 
 def _blake3() -> Any:
@@ -35,7 +35,7 @@ def blake3_hex(data: Any) -> str:
     """The BLAKE3 digest (hex) of ``data``, any object exposing a contiguous buffer."""
     b3 = _blake3()
     view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
-    threads = b3.blake3.AUTO if len(view) >= _SPREAD_BYTES else 1
+    threads = b3.blake3.AUTO if len(view) >= SPREAD_BYTES else 1
     return b3.blake3(view, max_threads=threads).hexdigest()
 
 
