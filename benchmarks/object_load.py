@@ -230,7 +230,10 @@ def available(loader: str) -> str | None:
 def run_child(loader: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader, "--device", args.device,
            "--ceiling-part-mib", str(args.ceiling_part_mib), "--ceiling-threads", str(args.ceiling_threads)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"loader": loader, "error": f"took longer than --timeout {args.timeout:g} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -333,7 +336,8 @@ def main() -> None:
             server.kill()
             server.wait()
     rows = [summarise(n, runs[n], want, whole) for n in loaders]
-    print(f"{file_bytes / GIB:.2f} GiB safetensors checkpoint ({len(want)} tensors) into {args.device}, {args.rounds} rounds, "
+    print(f"{file_bytes / GIB:.2f} GiB safetensors checkpoint ({len(want)} tensors) into {args.device}, "
+          f"{args.rounds} rounds, "
           f"{platform.node()}, {os.cpu_count()} CPUs")
     print(table(rows, absent))
     if args.json:

@@ -7,6 +7,10 @@ and on the GPU (``--device 0``).
 
     python benchmarks/verify_load.py --dir /tmp/vl --gib 4 --rounds 3 [--out result.json]
 
+``--cold``: the page cache is dropped before each process, so its first load reads from the
+disk (its second is then hot); the summary adds each round's verified-to-plain ratio of the
+first loads (the two of a round run back to back, so the disk's drift falls on both alike).
+
 ``--device cpu``: the same loads into host memory (128 x 8 MiB float32 tensors per GiB, hashed
 on the CPU), no kernel or ``gdskit digest`` figures; runs on a machine without a GPU. ``--reader``
 picks the readers (``load_file``, ``load_into``, ``iter_tensors`` of the safetensors file;
@@ -29,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fresh_process import report, run_child  # noqa: E402
+from page_cache import drop_caches  # noqa: E402
 
 TENSOR_BYTES = 32 << 20
 CPU_TENSOR_BYTES = 8 << 20
@@ -188,6 +193,16 @@ def cpu_main(args: argparse.Namespace) -> None:
             json.dump({"summary": summary, "runs": runs}, fh, indent=1)
 
 
+def _pair_ratios(runs: list[dict]) -> list[float]:
+    """Each round's verified first load's seconds over its plain one's."""
+    out = []
+    for r in sorted({run["round"] for run in runs}):
+        got = {run["verify"]: run["first_s"] for run in runs if run["round"] == r and "error" not in run}
+        if len(got) == 2:
+            out.append(round(got[True] / got[False], 3))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/gdskit-verify-bench")
@@ -195,6 +210,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each process (GPU loads)")
     ap.add_argument("--reader", default="load_file", help=f"--device cpu: readers, of {', '.join(CPU_READERS)}")
     ap.add_argument("--src", default="", help="--device cpu: name=path,... gdskit source trees to compare")
     ap.add_argument("--child", nargs="+")
@@ -214,11 +230,15 @@ def main() -> None:
         t0 = time.perf_counter()
         make_file(path, args.gib)
         print(f"made {path} in {time.perf_counter() - t0:.1f} s", flush=True)
-    warm(path)
+    if not args.cold:
+        warm(path)
     runs: list[dict] = []
     for r in range(args.rounds):
         for verify in ((False, True) if r % 2 == 0 else (True, False)):
+            if args.cold:
+                drop_caches([path])
             res = run_child(__file__, ["--child", path, "1" if verify else "0"], timeout=300)
+            res["round"] = r
             print(json.dumps(res), flush=True)
             runs.append(res)
     from gdskit.formats import digest_scan
@@ -230,6 +250,8 @@ def main() -> None:
     digest_scan.make_manifests([path], device=0)
     gpu_s = time.perf_counter() - t0
     summary: dict = {"file_bytes": os.path.getsize(path), "rounds": args.rounds, "cpus": os.cpu_count(),
+                     "cold": args.cold,
+                     "first_s_verified_over_plain_by_round": _pair_ratios(runs),
                      "gdskit_digest_cpu_gbps": os.path.getsize(path) / cpu_s / 1e9,
                      "gdskit_digest_gpu_gbps": os.path.getsize(path) / gpu_s / 1e9}
     for verify in (False, True):

@@ -352,9 +352,9 @@ def leaves(x) -> list:
 
 @pytest.mark.gpu
 def test_gpu_load_to_one_device_takes_one_segment(tmp_path) -> None:
-    sd, out, segments = load_from_one_segment(tmp_path, gt.save, lambda p: gt.load(p, map_location="cuda:0"),
-                                              "many.pt")
-    assert segments == 1
+    sd, out, made, held = load_from_one_segment(tmp_path, gt.save, lambda p: gt.load(p, map_location="cuda:0"),
+                                                "many.pt")
+    assert made <= 1 and held == 1, (made, held, torch.cuda.memory_allocated())
     assert same(out, {k: v.cuda() for k, v in sd.items()})
 
 
