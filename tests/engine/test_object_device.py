@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import gdskit
 from gdskit.engine import cuda, pool
@@ -59,6 +60,49 @@ def test_many_reads_into_device_and_host_at_once(s3):
     assert np.array_equal(dev.to_numpy(), data[:6 * MiB]) and np.array_equal(host, data[6 * MiB:])
     assert np.array_equal(batch.to_numpy()[:20], np.concatenate([data[3:13], data[-10:]]))
     assert set((gdskit.stats() - before).reasons) == {"object_store", "host_memory"}  # the stand-in is a GPU machine
+
+
+def _gets(before) -> int:
+    return sum(o.ops for o in (gdskit.stats() - before).objects if o.op == "read")
+
+
+def test_reads_into_device_memory_near_each_other_share_a_get(s3):
+    """Tensors of a checkpoint each into their own GPU memory: neighbours in the object share one
+    ranged GET of at most ``s3_part_size`` (5 MiB here), as host reads do; each buffer gets its bytes."""
+    data = _object(s3, "n.bin", 8 * MiB)
+    bufs = [cuda.DeviceArray(MiB) for _ in range(8)]
+    before = gdskit.stats()
+    with gdskit.settings.set(s3_coalesce_gap=0), gdskit.open(s3.url("n.bin")) as f:
+        assert f.read_many([(b, MiB, i * MiB) for i, b in enumerate(bufs)]) == [MiB] * 8
+    for i, b in enumerate(bufs):
+        assert np.array_equal(b.to_numpy(), data[i * MiB:(i + 1) * MiB]), i
+    assert _gets(before) == 2  # 5 MiB, then 3
+
+
+@hsettings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reads=st.lists(st.tuples(st.integers(0, 9 * MiB), st.integers(0, 3 * MiB)), min_size=1, max_size=8),
+       gap=st.sampled_from([0, 4096, MiB]), host=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_any_reads_into_device_and_host_memory_give_the_objects_bytes(s3, reads, gap, host):
+    """Reads of any offsets and sizes (overlapping, touching, past the end), each into device or
+    host memory: every buffer holds the object's bytes, and nothing else changes."""
+    key = "any.bin"
+    if key not in s3.keys():
+        _object(s3, key, 8 * MiB + 77, seed=3)
+    data = s3.get(key)
+    size = len(data)
+    bufs = [np.full(n + 16, 7, np.uint8) if on_host else cuda.DeviceArray(n + 16)
+            for (_off, n), on_host in zip(reads, host)]
+    for b in bufs:
+        if not isinstance(b, np.ndarray):
+            b.copy_from_host(np.full(b.nbytes, 7, np.uint8))
+    with gdskit.settings.set(s3_coalesce_gap=gap), gdskit.open(s3.url(key)) as f:
+        counts = f.read_many([(b, n, off, 8) for b, (off, n) in zip(bufs, reads)])
+    for b, (off, n), got in zip(bufs, reads, counts):
+        want = max(0, min(n, size - off))
+        assert got == want
+        out = b if isinstance(b, np.ndarray) else b.to_numpy()
+        assert out[8:8 + got].tobytes() == data[off:off + got]
+        assert (out[:8] == 7).all() and (out[8 + got:] == 7).all()
 
 
 def test_cut_bodies_into_device_memory_are_retried(s3, fault_proxy):

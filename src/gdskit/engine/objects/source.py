@@ -57,8 +57,9 @@ class _Part:
 
 @dataclass(frozen=True)
 class _Run:
-    """One ranged GET serving several host-memory parts: object bytes ``[start, end)``, the
-    parts (by offset) within it; the bytes between them are read and dropped."""
+    """One ranged GET serving several parts (all into host memory, or all into one GPU's):
+    object bytes ``[start, end)``, the parts (by offset) within it; the bytes between them are
+    read and dropped."""
 
     start: int
     end: int
@@ -389,16 +390,23 @@ class ObjectFile:
                  for i, ((_v, _s, off, bo), n) in enumerate(zip(items, counts)) for k in range(0, n, cfg.s3_part_size)]
         if not parts:
             return counts
-        # Parts into host memory that lie near each other share a GET (a batch's windows); a
-        # part into GPU memory is its own GET, through a pinned lane.
-        runs = coalesce([p for p in parts if not items[p.item][0].on_device], cfg.s3_part_size, cfg.s3_coalesce_gap)
-        jobs: list[_Run | _Part] = [*runs, *(p for p in parts if items[p.item][0].on_device)]
+        # Parts that lie near each other share a GET (a batch's windows, a checkpoint's
+        # neighbouring tensors): into host memory straight, into one GPU's memory through a
+        # pinned lane. Fewer, larger GETs: each costs a store a round trip and a request.
+        by_device: dict[int | None, list[_Part]] = {}
+        for p in parts:
+            view = items[p.item][0]
+            by_device.setdefault(_device_of(view) if view.on_device else None, []).append(p)
+        jobs = [(device, run) for device, mine in by_device.items()
+                for run in coalesce(mine, cfg.s3_part_size, cfg.s3_coalesce_gap)]
 
-        def work(job: _Run | _Part) -> None:
-            if isinstance(job, _Run):
-                self._read_run(items, job, cfg, on_bytes)
+        def work(job: tuple[int | None, _Run]) -> None:
+            device, run = job
+            if device is None:
+                self._read_run(items, run, cfg, on_bytes)
             else:
-                self._read_part(items[job.item][0], job, cfg, on_bytes)
+                etag = self._meta.etag if self._meta is not None else None
+                _read_run_to_device(self._bucket, self.url, etag, items, run, device, cfg, on_bytes)
 
         t0 = time.perf_counter()
         _run_parts(jobs, work, cfg.s3_concurrency)
@@ -407,16 +415,11 @@ class ObjectFile:
         for reason in set(r for r in reasons if r is not None):
             chosen = [i for i, r in enumerate(reasons) if r is reason]
             nbytes = sum(counts[i] for i in chosen)
-            n_parts = sum(1 for job in jobs
-                          if any(reasons[p.item] is reason for p in (job.parts if isinstance(job, _Run) else (job,))))
+            n_parts = sum(1 for _device, run in jobs if any(reasons[p.item] is reason for p in run.parts))
             devices = {items[i][0].device for i in chosen}
             ledger.record(Path.OBJECT, reason, "read", nbytes, n_parts, elapsed * nbytes / total,
                           device=devices.pop() if len(devices) == 1 else None, requests=len(chosen))
         return counts
-
-    def _read_part(self, view: BufferView, part: _Part, cfg: Settings, on_bytes: Callable[[int], None] | None) -> None:
-        etag = self._meta.etag if self._meta is not None else None
-        _read_part_to_device(self._bucket, self.url, etag, view, part, cfg, on_bytes)
 
     def _read_run(self, items: list[tuple[BufferView, int, int, int]], run: _Run, cfg: Settings,
                   on_bytes: Callable[[int], None] | None) -> None:
@@ -489,11 +492,16 @@ def _copy_landed(segments: list[_Segment], hosts: dict[int, Any], pos: int, n: i
         dest[dest_offset + lo - pos:dest_offset + hi - pos] = src
 
 
-def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view: BufferView, part: _Part,
-                         cfg: Settings, on_bytes: Callable[[int], None] | None) -> None:
-    """One part into GPU memory: the GET's body a piece at a time into a pinned lane of the bounce
-    ring's shape, each piece copied to the GPU on the lane's stream while the next arrives."""
-    device = view.device if view.device is not None else cuda.current_device()
+def _device_of(view: BufferView) -> int:
+    return view.device if view.device is not None else cuda.current_device()
+
+
+def _read_run_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, items: list[tuple[BufferView, int, int, int]],
+                        run: _Run, device: int, cfg: Settings, on_bytes: Callable[[int], None] | None) -> None:
+    """One GET of ``run`` into its parts' memory on GPU ``device``: the body a piece at a time into
+    a pinned lane of the bounce ring's shape, each piece copied on the lane's stream to every part
+    it holds bytes of (parts may overlap; the bytes between parts are dropped) while the next
+    piece arrives."""
     n_lanes, chunk = lanes.stage_layout(device, cfg.threads, cfg.chunk_size, cfg.pinned_budget, cfg.alignment)
     stage_bytes = chunk + 2 * cfg.alignment  # the bounce ring's lanes: the same pool serves both
     max_lanes = max(1, min(cfg.s3_concurrency, cfg.pinned_budget // stage_bytes))
@@ -510,18 +518,28 @@ def _read_part_to_device(bucket: Bucket, url: ObjectURL, etag: str | None, view:
     def landed(pos: int, n: int) -> None:
         ln, (stage, event) = held[0], current
         assert ln.stream is not None and event is not None
-        dst = part.buf_offset + pos
-        if view.scatter is None:
-            ln.stream.copy_h2d(view.ptr + dst, stage.ptr, n)
-        else:
-            ln.stream.copy_h2d_many([(d, stage.ptr + skip, k) for d, skip, k in view.scatter.pieces(dst, n)])
+        lo_piece, hi_piece = run.start + pos, run.start + pos + n  # object offsets of this piece
+        copies: list[tuple[int, int, int]] = []
+        for part in run.parts:
+            lo, hi = max(lo_piece, part.offset), min(hi_piece, part.end)
+            if lo >= hi:
+                continue
+            view, dst, src = items[part.item][0], part.buf_offset + lo - part.offset, stage.ptr + lo - lo_piece
+            if view.scatter is None:
+                copies.append((view.ptr + dst, src, hi - lo))
+            else:
+                copies.extend((d, src + skip, k) for d, skip, k in view.scatter.pieces(dst, hi - lo))
+        if len(copies) == 1:
+            ln.stream.copy_h2d(*copies[0])
+        elif copies:
+            ln.stream.copy_h2d_many(copies)
         event.record(ln.stream)
         if on_bytes is not None:
-            on_bytes(n)
+            on_bytes(sum(k for _d, _s, k in copies))
 
     try:
         before = cuda.make_current(device)
-        bucket.read_range(url, part.offset, part.size, etag, cfg, chunk, land, landed)
+        bucket.read_range(url, run.start, run.end - run.start, etag, cfg, chunk, land, landed)
         if held:
             held[0].drain()
     except BaseException:
