@@ -281,3 +281,26 @@ def test_atomic_is_for_writers_as_for_files(s3):
         f.write(b"whole")
         assert "b.bin" not in s3.keys()  # published at close, as an atomic file is
     assert s3.get("b.bin") == b"whole"
+
+
+def test_a_get_body_is_read_a_mebibyte_at_a_time(s3, monkeypatch):
+    """botocore's body copies what it is asked for through a bytes object of that size (urllib3's
+    ``readinto`` reads, then copies): asked for a whole piece (8 MiB), each of ``s3_concurrency``
+    GETs would hold that much again in host memory while it reads."""
+    from botocore.response import StreamingBody
+
+    asked: list[int] = []
+    real = StreamingBody.readinto
+
+    def recording(self, b):
+        asked.append(len(b))
+        return real(self, b)
+
+    monkeypatch.setattr(StreamingBody, "readinto", recording)
+    data = np.random.default_rng(8).integers(0, 256, 20 << 20, dtype=np.uint8).tobytes()
+    s3.put("big.bin", data)
+    out = bytearray(len(data))
+    with gdskit.open(s3.url("big.bin")) as f:
+        assert f.read(out) == len(data)
+    assert bytes(out) == data
+    assert asked and max(asked) <= 1 << 20

@@ -331,11 +331,17 @@ def _status(exc: Any) -> tuple[int, str]:
     return status, str(response.get("Error", {}).get("Code", ""))
 
 
+#: Bytes a response body is asked for at a time. botocore's body (urllib3's) reads what it is asked
+#: for into a bytes object and copies it out: asked for a whole piece, every GET in flight would
+#: hold a piece's worth of host memory again (16 GETs of 8 MiB: 128 MiB).
+BODY_READ_BYTES = 1 << 20
+
+
 def _fill(body: Any, view: memoryview) -> None:
     """Fill ``view`` from a response body; a body that ends first is a connection cut mid-body."""
     pos, n = 0, view.nbytes
     while pos < n:
-        got = body.readinto(view[pos:])
+        got = body.readinto(view[pos:pos + BODY_READ_BYTES])
         if not got:
             raise ConnectionResetError(f"the body ended {n - pos} bytes short")
         pos += got
