@@ -182,8 +182,8 @@ class Settings:
         64 times this (``GDSKIT_S3_BACKOFF``).
     s3_coalesce_gap : int
         Reads of one request (``read_many``, ``read_batch``), into host memory or into one GPU's,
-        whose bytes lie at most this far apart in an object are served by one ranged GET, the bytes between them
-        read and dropped (``GDSKIT_S3_COALESCE_GAP``); 0 to 64 MiB, 0 merges only reads that touch.
+        whose bytes lie at most this far apart in an object are served by one ranged GET, the
+        bytes between them read and dropped (``GDSKIT_S3_COALESCE_GAP``); 0 to 64 MiB, 0 merges only reads that touch.
     """
 
     mode: Mode = Mode.AUTO

@@ -18,9 +18,9 @@ from typing import Any
 from gdskit.durable import is_temp_name, open_file_fd
 from gdskit.errors import FormatError, InvalidArgumentError, from_os_error
 from gdskit.threads import executor
-from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, SPREAD_BYTES, FileDigests, Manifest,
-                           TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest, relative_name,
-                           write_manifest)
+from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, SPREAD_BYTES, FileDigests,
+                           Manifest, TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest,
+                           relative_name, write_manifest)
 
 #: How ``gdskit digest`` calls a file by its format.
 KINDS = ("safetensors", "torch", "npy", "raw")

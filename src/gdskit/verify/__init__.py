@@ -31,10 +31,10 @@ _LAZY = {**dict.fromkeys(("check_sha256", "check_tensors", "mismatch", "sha256_o
                          "manifest")}
 
 __all__ = ["ALGORITHM", "DEFAULT_CHUNK_BYTES", "DIGEST_BYTES", "DIRECTORY_MANIFEST", "HEADER_KEY", "MANIFEST_SUFFIX",
-           "SPREAD_BYTES", "OFF", "Expectation", "FileDigests", "Manifest", "ManifestError", "TensorDigest", "VerifyKind", "VerifyMode",
-           "blake3_hex", "check_sha256", "check_tensors", "chunk_ranges", "find_expectation", "hasher", "header_digests",
-           "manifest_path_for", "mismatch", "parse_manifest", "read_manifest", "relative_name", "sha256_of_file", "tagged",
-           "verify_mode", "write_manifest"]
+           "OFF", "SPREAD_BYTES", "Expectation", "FileDigests", "Manifest", "ManifestError", "TensorDigest",
+           "VerifyKind", "VerifyMode", "blake3_hex", "check_sha256", "check_tensors", "chunk_ranges",
+           "find_expectation", "hasher", "header_digests", "manifest_path_for", "mismatch", "parse_manifest",
+           "read_manifest", "relative_name", "sha256_of_file", "tagged", "verify_mode", "write_manifest"]
 
 
 def __getattr__(name: str) -> Any:
