@@ -90,6 +90,18 @@ def test_mistral_format_goes_through_load_weights(gdskit_vllm, tmp_path, tp) -> 
 
 # -- vLLM's own model classes, on the CPU, where vLLM is installed ------------------------------
 
+def _write_model(tmp_path: Path, family: str, cfg, tensors: dict, tied: bool = False) -> Path:
+    """The checkpoint ``tensors`` and a config.json of ``family`` with ``cfg``'s widths: a model
+    directory vLLM loads."""
+    import vllm_models
+
+    root = write_checkpoint(tmp_path / "model", tensors)
+    vllm_models.write_config(root, family, tied=tied, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                             vocab=cfg.vocab, layers=cfg.layers)
+    return root
+
+
 def _reference(tmp_path: Path, family: str, tied: bool, tp: int, *, head_in_checkpoint: bool = False) -> None:
     import vllm_models
 
@@ -97,10 +109,7 @@ def _reference(tmp_path: Path, family: str, tied: bool, tp: int, *, head_in_chec
     full = checkpoint(cfg)
     if head_in_checkpoint:  # a tied model's checkpoint that holds its LM head too: vLLM unties it
         full["lm_head.weight"] = full["model.embed_tokens.weight"].flip(0).contiguous()
-    root = write_checkpoint(tmp_path / "model", full)
-    vllm_models.write_config(root, family, tied=tied, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                             vocab=cfg.vocab, layers=cfg.layers)
+    root = _write_model(tmp_path, family, cfg, full, tied)
     untied = dataclasses.replace(cfg, tied=tied and not head_in_checkpoint)
     for rank in range(tp):
         _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
@@ -144,10 +153,7 @@ def test_vllm_mistral_format_goes_through_load_weights(tmp_path, tp) -> None:
     cfg = family_cfg("mistral", False)
     hf = checkpoint(cfg)
     full = mistral_format(hf, cfg)
-    root = write_checkpoint(tmp_path / "model", full)
-    vllm_models.write_config(root, "mistral", tied=False, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                             vocab=cfg.vocab, layers=cfg.layers)
+    root = _write_model(tmp_path, "mistral", cfg, full)
     for rank in range(tp):
         _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
         assert theirs == {n: raw(t) for n, t in expected(hf, cfg, rank, tp).items()}  # the stand-in's permutation
@@ -168,10 +174,7 @@ def test_vllm_tensors_of_another_dtype_go_through_load_weights(tmp_path, tp) -> 
     f32 = ("model.norm.weight", "model.layers.0.self_attn.k_norm.weight", "model.layers.1.self_attn.v_proj.weight")
     for name in f32:
         full[name] = full[name].float()
-    root = write_checkpoint(tmp_path / "model", full)
-    vllm_models.write_config(root, "qwen3", tied=False, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             head_size=cfg.head_size, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                             vocab=cfg.vocab, layers=cfg.layers)
+    root = _write_model(tmp_path, "qwen3", cfg, full)
     for rank in range(tp):
         _, theirs = vllm_models.vllm_loaded(root, full.items(), rank, tp, torch.bfloat16)
         _, ours, report = vllm_models.gdskit_loaded(root, str(root), rank, tp, torch.bfloat16, {"placement": True})
