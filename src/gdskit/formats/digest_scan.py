@@ -205,21 +205,28 @@ def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: 
     size = st.st_size
     running = RunningDigests(chunk_bytes, spans)
     piece = min(READ_PIECE, chunk_bytes, max(size, 1))
-    buffers = (memoryview(bytearray(piece)), memoryview(bytearray(piece)))
+    first = memoryview(bytearray(piece))
 
     def read(into: memoryview, at: int) -> int:
         return _read_fully(fd, into[:min(piece, size - at, chunk_bytes - at % chunk_bytes)], at, path)
 
+    def feed(view: memoryview) -> None:
+        running.feed(view)
+        if on_bytes is not None:
+            on_bytes(len(view))
+
+    if size <= piece:  # one read: nothing to overlap, no thread to start (directories of small files)
+        feed(first[:read(first, 0)])
+        return running.result(st.st_mtime_ns)
+    buffers = (first, memoryview(bytearray(piece)))
     with executor(1, "gdskit-digest-read") as reader:  # leaving waits for a read still in flight
-        pending = reader.submit(read, buffers[0], 0) if size else None
+        pending = reader.submit(read, buffers[0], 0)
         turn = 0
         while pending is not None:
             got = pending.result()
             after = running.at + got
             pending = reader.submit(read, buffers[1 - turn], after) if after < size else None
-            running.feed(buffers[turn][:got])
-            if on_bytes is not None:
-                on_bytes(got)
+            feed(buffers[turn][:got])
             turn = 1 - turn
     return running.result(st.st_mtime_ns)
 
