@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from blake3_vectors import VECTORS, vector_input
 from cpu_kernel import build_with_harness
+from gdskit.errors import FormatError
 from gdskit.verify import blake3_hex, chunk_ranges, tagged
 
 
@@ -154,3 +155,36 @@ def test_pieces_smaller_than_a_chunk_add_up(tmp_path):
     got = digest_file(str(path), 4 * READ_PIECE, spans)  # one chunk, read in three pieces
     assert got.chunks == (blake3.blake3(data).hexdigest(),) and got.digest == got.chunks[0]
     assert got.tensors["across"].digest == blake3.blake3(data[READ_PIECE - 100:2 * READ_PIECE + 100]).hexdigest()
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3, 7])
+def test_pieces_read_ahead_on_several_threads_are_hashed_in_file_order(tmp_path, readers):
+    # 37 pieces of 1 KiB (chunk_bytes sets the piece) read by up to 7 threads into readers + 1
+    # buffers: a buffer reused before its piece was hashed, or pieces fed out of order, changes
+    # the file's, the chunks' and the span's digests.
+    data = os.urandom(37 * 1024 - 5)
+    path = tmp_path / "pieces.bin"
+    path.write_bytes(data)
+    spans = [Span("middle", 3000, 20000), Span("tail", len(data) - 1500, 1500)]
+    got = digest_file(str(path), 1024, spans, readers=readers)
+    assert got.digest == blake3.blake3(data).hexdigest()
+    assert list(got.chunks) == [blake3.blake3(data[i:i + 1024]).hexdigest() for i in range(0, len(data), 1024)]
+    assert got.tensors["middle"].digest == blake3.blake3(data[3000:23000]).hexdigest()
+    assert got.tensors["tail"].digest == blake3.blake3(data[-1500:]).hexdigest()
+
+
+def test_a_file_that_shrinks_while_pieces_are_read_ahead_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "shrinking.bin"
+    path.write_bytes(os.urandom(64 * 1024))
+    real_preadv = os.preadv
+    calls = []
+
+    def preadv_then_truncate(fd, buffers, offset):  # the file loses its second half after the first read
+        calls.append(offset)
+        if len(calls) == 1:
+            os.truncate(path, 32 * 1024)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv_then_truncate)
+    with pytest.raises(FormatError, match="shrank"):
+        digest_file(str(path), 4096, [], readers=4)

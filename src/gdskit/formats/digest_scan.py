@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,17 +100,26 @@ def _torch_spans(path: str) -> list[Span]:
     return [Span("data/" + key, offset, nbytes) for key, offset, nbytes in spans]
 
 
+def readers_for(files_at_once: int) -> int:
+    """Reading threads for each of ``files_at_once`` files digested together on the CPU: a few per
+    file where one file has the machine to itself, one where many files already read in parallel."""
+    return max(1, min(4, (os.cpu_count() or 1) // (4 * max(1, files_at_once))))
+
+
 def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterable[Span] = (),
-                on_bytes: Callable[[int], None] | None = None, device: int | None = None) -> FileDigests:
+                on_bytes: Callable[[int], None] | None = None, device: int | None = None,
+                readers: int | None = None) -> FileDigests:
     """The digests of the file at ``path``: of all its bytes, of each ``chunk_bytes`` piece, and of
     each span. ``on_bytes(n)`` is called as pieces are done (a progress bar). ``device``: read the
     file into that GPU's memory through the engine and hash it there (one launch pair for the
-    file, its chunks and its spans) instead of on the CPU."""
+    file, its chunks and its spans) instead of on the CPU. ``readers``: threads reading ahead on
+    the CPU (default: as for one file alone, :func:`readers_for`)."""
     if device is not None:
         return _digest_on_gpu(path, chunk_bytes, list(spans), on_bytes, device)
     fd, st = open_file_fd(path, os.O_RDONLY)
     try:
-        return _digest_fd(fd, st, path, chunk_bytes, sorted(spans, key=lambda s: (s.offset, s.nbytes)), on_bytes)
+        return _digest_fd(fd, st, path, chunk_bytes, sorted(spans, key=lambda s: (s.offset, s.nbytes)), on_bytes,
+                          readers_for(1) if readers is None else readers)
     finally:
         os.close(fd)
 
@@ -198,17 +209,19 @@ class RunningDigests:
 
 
 def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: list[Span],
-               on_bytes: Callable[[int], None] | None) -> FileDigests:
+               on_bytes: Callable[[int], None] | None, readers: int = 1) -> FileDigests:
     """One pass over the file: every piece read once (positional reads, never a memory map, which a
-    file shrinking under it would turn into a crash) and fed to the running digests. The next
-    piece is read on another thread while this one is hashed (two buffers, one read in flight)."""
+    file shrinking under it would turn into a crash) and fed to the running digests in file order.
+    ``readers`` threads read the next pieces while this one is hashed, each into its own buffer
+    (``readers + 1`` buffers): one reading thread copies from the page cache at a few GB/s, a
+    fraction of what the hashing threads of a many-core machine take in."""
     size = st.st_size
     running = RunningDigests(chunk_bytes, spans)
     piece = min(READ_PIECE, chunk_bytes, max(size, 1))
-    first = memoryview(bytearray(piece))
+    buffers = [memoryview(bytearray(piece))]
 
     def read(into: memoryview, at: int) -> int:
-        return _read_fully(fd, into[:min(piece, size - at, chunk_bytes - at % chunk_bytes)], at, path)
+        return _read_fully(fd, into[:min(piece, size - at)], at, path)
 
     def feed(view: memoryview) -> None:
         running.feed(view)
@@ -216,18 +229,20 @@ def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: 
             on_bytes(len(view))
 
     if size <= piece:  # one read: nothing to overlap, no thread to start (directories of small files)
-        feed(first[:read(first, 0)])
+        feed(buffers[0][:read(buffers[0], 0)])
         return running.result(st.st_mtime_ns)
-    buffers = (first, memoryview(bytearray(piece)))
-    with executor(1, "gdskit-digest-read") as reader:  # leaving waits for a read still in flight
-        pending = reader.submit(read, buffers[0], 0)
-        turn = 0
-        while pending is not None:
-            got = pending.result()
-            after = running.at + got
-            pending = reader.submit(read, buffers[1 - turn], after) if after < size else None
-            feed(buffers[turn][:got])
-            turn = 1 - turn
+    depth = min(max(1, readers) + 1, -(-size // piece))
+    buffers += [memoryview(bytearray(piece)) for _ in range(depth - 1)]
+    with executor(depth - 1, "gdskit-digest-read") as pool:  # leaving waits for the reads in flight
+        # Piece k lands in buffer k % depth: that buffer's last piece was hashed before k is asked for.
+        pending: deque[Future[int]] = deque()
+        asked = done = 0
+        while done * piece < size:
+            while asked * piece < size and len(pending) < depth:
+                pending.append(pool.submit(read, buffers[asked % depth], asked * piece))
+                asked += 1
+            feed(buffers[done % depth][:pending.popleft().result()])
+            done += 1
     return running.result(st.st_mtime_ns)
 
 
@@ -327,11 +342,11 @@ class FileResult:
 
 
 def _digest_one(full: str, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
-                device: int | None = None) -> tuple[str, FileDigests, float]:
+                device: int | None, readers: int) -> tuple[str, FileDigests, float]:
     start = time.perf_counter()
     kind = file_kind(full)
     spans = tensor_spans(full, kind)
-    digests = digest_file(full, chunk_bytes, spans, on_bytes, device)
+    digests = digest_file(full, chunk_bytes, spans, on_bytes, device, readers)
     return kind, digests, time.perf_counter() - start
 
 
@@ -343,9 +358,10 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
     targets = [target_of(p) for p in paths]
     work = [(t, rel) for t in targets for rel in t.files]
     workers = 1 if device is not None else jobs or min(8, os.cpu_count() or 1)
+    readers = readers_for(min(workers, len(work)))
     with executor(workers, "gdskit-digest") as pool:
         done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes,
-                                                    device), work))
+                                                    device, readers), work))
     results = []
     by_target: dict[str, dict[str, FileDigests]] = {t.manifest: {} for t in targets}
     for (t, rel), (kind, digests, seconds) in zip(work, done):
@@ -357,14 +373,14 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
     return results
 
 
-def _compare(full: str, want: FileDigests, chunk_bytes: int,
-             on_bytes: Callable[[int], None] | None) -> tuple[str, FileDigests, float, str, tuple[str, ...]]:
+def _compare(full: str, want: FileDigests, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
+             readers: int) -> tuple[str, FileDigests, float, str, tuple[str, ...]]:
     start = time.perf_counter()
     st = os.stat(full)
     if st.st_size != want.size:
         return "raw", want, 0.0, "stale", ("size",)
     spans = [Span(n, t.offset, t.nbytes) for n, t in want.tensors.items()]
-    got = digest_file(full, chunk_bytes, spans, on_bytes)
+    got = digest_file(full, chunk_bytes, spans, on_bytes, readers=readers)
     bad = [f"tensor {n}" for n, t in want.tensors.items() if got.tensors[n].digest != t.digest]
     bad += [f"chunk {i}" for i, (a, b) in enumerate(zip(got.chunks, want.chunks)) if a != b]
     if got.digest != want.digest:
@@ -399,10 +415,12 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         full, want, chunk_bytes = item
         if not os.path.isfile(full):
             return FileResult(full, "raw", want.size, len(want.tensors), "", 0.0, "missing", ("file",))
-        kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes)
+        kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes, readers)
         return FileResult(full, kind, want.size, len(want.tensors), got.digest, seconds, status, bad)
 
-    with executor(jobs or min(8, os.cpu_count() or 1), "gdskit-digest") as pool:
+    workers = jobs or min(8, os.cpu_count() or 1)
+    readers = readers_for(min(workers, len(work)))
+    with executor(workers, "gdskit-digest") as pool:
         return unlisted + list(pool.map(one, work))
 
 
