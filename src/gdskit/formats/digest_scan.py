@@ -101,9 +101,11 @@ def _torch_spans(path: str) -> list[Span]:
 
 
 def readers_for(files_at_once: int) -> int:
-    """Reading threads for each of ``files_at_once`` files digested together on the CPU: a few per
-    file where one file has the machine to itself, one where many files already read in parallel."""
-    return max(1, min(4, (os.cpu_count() or 1) // (4 * max(1, files_at_once))))
+    """Reading threads for each of ``files_at_once`` files digested together on the CPU: two where
+    one file has a machine of 8 cores or more to itself, else one. On 16 cores two readers took
+    an 8 GiB file from 5.2–6.2 to 8.4–9.8 GB/s; four or eight were slower than two, their copies
+    competing with the hashing threads (``benchmarks/digest_rate.py``, benchmarks/RESULTS.md)."""
+    return max(1, min(2, (os.cpu_count() or 1) // (4 * max(1, files_at_once))))
 
 
 def digest_file(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, spans: Iterable[Span] = (),
