@@ -5,6 +5,7 @@ for the CPU) doing the stand-in GPU's work on its "device" memory."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import random
 import struct
@@ -195,6 +196,26 @@ def test_gdskit_digest_on_a_gpu_writes_the_cpu_digests(gpu, tmp_path):
     assert read_manifest(tmp_path / "gdskit-digest.json") == gpu_manifest
     assert on_gpu["r.bin"].digest == blake3.blake3((tmp_path / "r.bin").read_bytes()).hexdigest()
     assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0  # the engine's pinned lanes stay
+
+
+def test_gdskit_digest_check_on_a_gpu_finds_what_the_cpu_finds(gpu, tmp_path):
+    from gdskit.formats import digest_scan
+
+    good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
+    for p in (good, bad):
+        p.write_bytes(os.urandom(200_000))
+    digest_scan.make_manifests([str(tmp_path)], 64 << 10)
+    data = bytearray(bad.read_bytes())
+    st = os.stat(bad)
+    data[150_000] ^= 1  # chunk 2 of 64 KiB; the size and time the manifest records kept
+    bad.write_bytes(data)
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))
+    on_gpu = {os.path.basename(r.path): r for r in digest_scan.check_manifests([str(tmp_path)], device=0)}
+    on_cpu = {os.path.basename(r.path): r for r in digest_scan.check_manifests([str(tmp_path)])}
+    assert on_gpu == {name: dataclasses.replace(r, seconds=on_gpu[name].seconds) for name, r in on_cpu.items()}
+    assert on_gpu["good.bin"].status == "ok"
+    assert (on_gpu["bad.bin"].status, on_gpu["bad.bin"].bad) == ("mismatch", ("chunk 2", "file"))
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0
 
 
 def _image_or_none(major: int, minor: int) -> bytes | None:

@@ -37,7 +37,7 @@ def digest(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (schema gdskit.digest/1)."),
     chunk: str = typer.Option("64M", "--chunk", help="Chunk size of the per-chunk digests (a power of two, 1K to 1G)."),
     jobs: Optional[int] = typer.Option(None, "-j", "--jobs", min=1, max=256, help="Files digested at once (default: up to 8)."),  # noqa: UP007
-    device: Optional[int] = typer.Option(None, "-d", "--device", min=0, help="Hash on this GPU: each file read into its memory whole, one at a time (default: the CPU)."),  # noqa: UP007
+    device: Optional[int] = typer.Option(None, "-d", "--device", min=0, help="Hash on this GPU, also with --check: each file read into its memory whole, one at a time (default: the CPU)."),  # noqa: UP007
 ) -> None:
     from gdskit.errors import GdskitError  # noqa: PLC0415 - import time
     from gdskit.formats import digest_scan  # noqa: PLC0415 - import time
@@ -48,7 +48,7 @@ def digest(
         prog = Progress(digest_scan.total_bytes(paths), None if not as_json else False, "checking" if check else "digest")
         with prog:
             if check:
-                results = digest_scan.check_manifests(paths, jobs, prog.advance)
+                results = digest_scan.check_manifests(paths, jobs, prog.advance, device)
             else:
                 results = digest_scan.make_manifests(paths, chunk_bytes, jobs, prog.advance, device)
     except GdskitError as exc:

@@ -352,6 +352,12 @@ def _digest_one(full: str, chunk_bytes: int, on_bytes: Callable[[int], None] | N
     return kind, digests, time.perf_counter() - start
 
 
+def _workers(jobs: int | None, device: int | None) -> int:
+    """Files digested at once: ``jobs`` (default up to 8) on the CPU, one on a GPU (each file is
+    read into its memory whole)."""
+    return 1 if device is not None else jobs or min(8, os.cpu_count() or 1)
+
+
 def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, jobs: int | None = None,
                    on_bytes: Callable[[int], None] | None = None, device: int | None = None) -> list[FileResult]:
     """Digest every file of ``paths`` (files and directories), files in parallel, and write each
@@ -359,7 +365,7 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
     one at a time). Returns one result per file."""
     targets = [target_of(p) for p in paths]
     work = [(t, rel) for t in targets for rel in t.files]
-    workers = 1 if device is not None else jobs or min(8, os.cpu_count() or 1)
+    workers = _workers(jobs, device)
     readers = readers_for(min(workers, len(work)))
     with executor(workers, "gdskit-digest") as pool:
         done = list(pool.map(lambda tr: _digest_one(os.path.join(tr[0].folder, tr[1]), chunk_bytes, on_bytes,
@@ -376,13 +382,13 @@ def make_manifests(paths: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES, job
 
 
 def _compare(full: str, want: FileDigests, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
-             readers: int) -> tuple[str, FileDigests, float, str, tuple[str, ...]]:
+             readers: int, device: int | None) -> tuple[str, FileDigests, float, str, tuple[str, ...]]:
     start = time.perf_counter()
     st = os.stat(full)
     if st.st_size != want.size:
         return "raw", want, 0.0, "stale", ("size",)
     spans = [Span(n, t.offset, t.nbytes) for n, t in want.tensors.items()]
-    got = digest_file(full, chunk_bytes, spans, on_bytes, readers=readers)
+    got = digest_file(full, chunk_bytes, spans, on_bytes, device, readers)
     bad = [f"tensor {n}" for n, t in want.tensors.items() if got.tensors[n].digest != t.digest]
     bad += [f"chunk {i}" for i, (a, b) in enumerate(zip(got.chunks, want.chunks)) if a != b]
     if got.digest != want.digest:
@@ -391,10 +397,11 @@ def _compare(full: str, want: FileDigests, chunk_bytes: int, on_bytes: Callable[
     return file_kind(full), got, time.perf_counter() - start, status, tuple(bad)
 
 
-def check_manifests(paths: list[str], jobs: int | None = None,
-                    on_bytes: Callable[[int], None] | None = None) -> list[FileResult]:
+def check_manifests(paths: list[str], jobs: int | None = None, on_bytes: Callable[[int], None] | None = None,
+                    device: int | None = None) -> list[FileResult]:
     """Check every file each PATH's manifest lists against it (a file PATH: its own manifest, or the
-    directory manifest above it that lists it). Returns one result per file."""
+    directory manifest above it that lists it). ``device``: hash on that GPU, as
+    :func:`make_manifests` does. Returns one result per file."""
     work = []
     unlisted: list[FileResult] = []
     for p in paths:
@@ -417,10 +424,10 @@ def check_manifests(paths: list[str], jobs: int | None = None,
         full, want, chunk_bytes = item
         if not os.path.isfile(full):
             return FileResult(full, "raw", want.size, len(want.tensors), "", 0.0, "missing", ("file",))
-        kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes, readers)
+        kind, got, seconds, status, bad = _compare(full, want, chunk_bytes, on_bytes, readers, device)
         return FileResult(full, kind, want.size, len(want.tensors), got.digest, seconds, status, bad)
 
-    workers = jobs or min(8, os.cpu_count() or 1)
+    workers = _workers(jobs, device)
     readers = readers_for(min(workers, len(work)))
     with executor(workers, "gdskit-digest") as pool:
         return unlisted + list(pool.map(one, work))
