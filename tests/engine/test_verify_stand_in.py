@@ -218,6 +218,22 @@ def test_gdskit_digest_check_on_a_gpu_finds_what_the_cpu_finds(gpu, tmp_path):
     assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0
 
 
+def test_a_file_the_gpu_cannot_hold_is_refused_by_name_with_the_cpu_as_the_way_out(gpu, tmp_path):
+    from gdskit.formats import digest_scan
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(100_000))
+    gpu.fail["cuMemAlloc"] = gpu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    try:
+        with pytest.raises(CudaError, match=r"big\.bin \(100000 bytes\) does not fit in GPU 0's memory.*CPU") as info:
+            digest_scan.make_manifests([str(path)], device=0)
+    finally:
+        gpu.fail.pop("cuMemAlloc")
+    assert info.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert not os.path.exists(str(path) + ".gdskit-digest.json")
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0
+
+
 def _image_or_none(major: int, minor: int) -> bytes | None:
     from gdskit.engine.gpu_hash import image_for
     from gdskit.errors import MissingDependencyError

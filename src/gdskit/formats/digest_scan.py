@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gdskit.durable import is_temp_name, open_file_fd
-from gdskit.errors import FormatError, InvalidArgumentError, from_os_error
+from gdskit.errors import CudaError, FormatError, InvalidArgumentError, from_os_error
 from gdskit.threads import executor
 from gdskit.verify import (DEFAULT_CHUNK_BYTES, DIRECTORY_MANIFEST, MANIFEST_SUFFIX, SPREAD_BYTES, FileDigests,
                            Manifest, TensorDigest, chunk_ranges, hasher, manifest_path_for, read_manifest,
@@ -268,7 +268,13 @@ def _digest_on_gpu(path: str, chunk_bytes: int, spans: list[Span], on_bytes: Cal
     st = os.stat(path)
     if st.st_size == 0:
         return digest_file(path, chunk_bytes, spans, on_bytes)
-    buffer = cuda_layer().DeviceArray(st.st_size, device)
+    try:
+        buffer = cuda_layer().DeviceArray(st.st_size, device)
+    except CudaError as exc:
+        if exc.code != "CUDA_ERROR_OUT_OF_MEMORY":
+            raise
+        raise CudaError(f"{path} ({st.st_size} bytes) does not fit in GPU {device}'s memory, which holds the "
+                        "whole file to hash it: digest it on the CPU (without --device)", code=exc.code) from None
     try:
         with open_file(path, "r") as f:
             got = f.read(buffer, st.st_size, 0)
