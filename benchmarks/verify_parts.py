@@ -1,0 +1,119 @@
+"""Where a verified load's extra time goes: ``gdskit.safetensors.load_file`` of one safetensors
+file (digests in its header), plain and verified alternating, in one process after a first load
+of each (so every row is a second call: the kernels are ready, the header remembered), each load
+timed whole and in parts:
+
+- finding the expected digests (``gdskit.formats.verified.expectations``),
+- the reads (``gdskit.formats.torch_io.execute``, every run of the file),
+- hashing the landed tensors (``digest_buffers``: the kernel for GPU memory),
+- comparing the digests (``gdskit.verify.check_tensors``).
+
+Each part is timed by wrapping the function the loader calls, with a device synchronize at its
+end (so a part's time includes the GPU work it queued). Medians of ``--loads`` loads of each.
+
+    python benchmarks/verify_parts.py --dir /tmp/vp --gib 8 --loads 6 [--device cuda:0] [--json parts.json]
+
+With ``--device cpu`` the hashing overlaps the reads on worker threads (host memory), so the
+parts there add up to more than the whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+TENSOR_BYTES = 32 << 20
+PARTS = {  # label: (module, attribute), wrapped where the loader finds it at call time
+    "expected digests": ("gdskit.safetensors", "expectations"),
+    "reads": ("gdskit.formats.torch_io", "execute"),
+    "hashing": ("gdskit.formats.verified", "digest_buffers"),
+    "comparing": ("gdskit.verify", "check_tensors"),
+}
+
+
+def make_file(path: str, gib: int) -> None:
+    """``gib`` GiB of 32 MiB bf16 tensors with their digests in the header (made on the CPU)."""
+    import torch
+
+    import gdskit.safetensors as gs
+
+    n = max(1, (gib << 30) // TENSOR_BYTES)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.weight": torch.randn(TENSOR_BYTES // 2, generator=gen).to(torch.bfloat16)
+               for i in range(n)}
+    gs.save_file(tensors, path, digests=True)
+
+
+def _wrap_parts(times: dict[str, float], sync) -> None:
+    import importlib
+
+    for label, (module_name, attr) in PARTS.items():
+        module = importlib.import_module(module_name)
+        inner = getattr(module, attr)
+
+        def timed(*args, _inner=inner, _label=label, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                sync()
+                times[_label] = times.get(_label, 0.0) + time.perf_counter() - t0
+
+        setattr(module, attr, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/gdskit-verify-parts")
+    ap.add_argument("--gib", type=int, default=2)
+    ap.add_argument("--loads", type=int, default=6, help="timed loads of each (plain, verified), alternating")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--json", help="write every load's parts here")
+    args = ap.parse_args()
+    import torch
+
+    import gdskit.safetensors as gs
+
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, f"parts-{args.gib}g.safetensors")
+    if not os.path.exists(path):
+        make_file(path, args.gib)
+    on_gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    if on_gpu:
+        torch.zeros(1, device=args.device)  # the CUDA context, outside the timings
+    times: dict[str, float] = {}
+    _wrap_parts(times, sync)
+    rows: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for i in range(args.loads + 1):
+        for verify in ((False, True) if i % 2 == 0 else (True, False)):
+            times.clear()
+            sync()
+            t0 = time.perf_counter()
+            out = gs.load_file(path, device=args.device, verify=verify)
+            sync()
+            row = {"whole": time.perf_counter() - t0, **times}
+            del out
+            if i:  # the first of each readies kernels and caches: not a second call
+                rows[verify].append(row)
+    size = os.path.getsize(path)
+    print(f"{size / 1e9:.2f} GB into {args.device}, {args.loads} loads of each, ms (median)")
+    labels = ["whole", *PARTS]
+    print("| | " + " | ".join(labels) + " |")
+    for verify, mine in rows.items():
+        cells = [f"{1e3 * statistics.median(r.get(k, 0.0) for r in mine):.1f}" for k in labels]
+        print(f"| {'verified' if verify else 'plain'} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"bytes": size, "device": args.device, "loads": {str(k): v for k, v in rows.items()}}, fh,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
