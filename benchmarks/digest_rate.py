@@ -22,6 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from made_once import file_made_once  # noqa: E402
 
 
 def make_file(path: str, gib: int) -> None:
@@ -105,10 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     from gdskit.formats.digest_scan import readers_for
 
-    os.makedirs(args.dir, exist_ok=True)
-    path = os.path.join(args.dir, f"digest-{args.gib}g.safetensors")
-    if not os.path.exists(path):
-        make_file(path, args.gib)
+    path = file_made_once(args.dir, f"digest-{args.gib}g.safetensors", lambda p: make_file(p, args.gib))
     size = os.path.getsize(path)
     warm(path)
     with open(path, "rb") as fh:

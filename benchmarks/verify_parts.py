@@ -27,6 +27,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from made_once import file_made_once  # noqa: E402
 
 TENSOR_BYTES = 32 << 20
 PARTS = {  # label: (module, attribute), wrapped where the loader finds it at call time
@@ -80,10 +82,7 @@ def main() -> None:
 
     import gdskit.safetensors as gs
 
-    os.makedirs(args.dir, exist_ok=True)
-    path = os.path.join(args.dir, f"parts-{args.gib}g.safetensors")
-    if not os.path.exists(path):
-        make_file(path, args.gib)
+    path = file_made_once(args.dir, f"parts-{args.gib}g.safetensors", lambda p: make_file(p, args.gib))
     on_gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     if on_gpu:
