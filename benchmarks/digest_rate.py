@@ -5,11 +5,13 @@ every core (``update_mmap`` with ``max_threads=AUTO``: the library's own way of 
 the same bytes already in memory (one pass, every core). gdskit hashes each byte three times (the
 file's digest, its chunk's and its tensor's), reading the file with positional reads on
 ``--readers`` threads (``auto``: what ``gdskit digest`` picks for one file), in pieces of
-``READ_PIECE`` (``--pieces``: other sizes too). Rows are interleaved,
-``--rounds`` times, in one process (``gdskit digest`` is one process too). ``--gpu`` adds the GPU
-digest (``device=0``).
+``READ_PIECE`` (``--pieces``: other sizes too). ``--in-memory-pieces``: the package's threads over
+the bytes in memory, three digests fed in pieces as gdskit feeds them (what bounds gdskit there).
+Rows are interleaved, ``--rounds`` times, in one process (``gdskit digest`` is one process too).
+``--gpu`` adds the GPU digest (``device=0``).
 
-    python benchmarks/digest_rate.py --dir /tmp/dr --gib 8 --rounds 3 --readers auto,1,2,4,8 [--pieces 64] [--gpu]
+    python benchmarks/digest_rate.py --dir /tmp/dr --gib 8 --rounds 3 --readers auto,1,2,4,8 \
+        [--pieces 64] [--in-memory-pieces 16,64] [--gpu]
 """
 
 from __future__ import annotations
@@ -95,6 +97,21 @@ def library_memory(data: bytes) -> float:
     return time.perf_counter() - t0
 
 
+def library_pieces(data: bytes, piece: int, digests: int) -> float:
+    """``digests`` running digests (every core each) fed the bytes in memory ``piece`` bytes at a
+    time, taking turns as ``gdskit digest``'s file, chunk and tensor digests do; seconds per pass
+    over the bytes (rates are of file bytes)."""
+    import blake3
+
+    view = memoryview(data)
+    hashers = [blake3.blake3(max_threads=blake3.blake3.AUTO) for _ in range(digests)]
+    t0 = time.perf_counter()
+    for at in range(0, len(view), piece):
+        for h in hashers:
+            h.update(view[at:at + piece])
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/gdskit-digest-rate")
@@ -102,6 +119,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--readers", default="auto,1,4", help="comma-separated reading threads (auto: gdskit's pick)")
     ap.add_argument("--pieces", default="", help="comma-separated read sizes in MiB to try beside the default")
+    ap.add_argument("--in-memory-pieces", default="",
+                    help="comma-separated MiB: also the bytes in memory fed to three digests in pieces of that size")
     ap.add_argument("--gpu", action="store_true", help="also the GPU digest (device 0)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
@@ -123,6 +142,9 @@ def main() -> None:
             for mib in filter(None, args.pieces.split(",")):
                 runs.append((f"{label}, {mib} MiB reads",
                              lambda readers=readers, mib=int(mib): gdskit_cpu(path, readers, mib)))
+        for mib in filter(None, args.in_memory_pieces.split(",")):
+            runs.append((f"blake3 in memory, three digests in {mib} MiB pieces",
+                         lambda mib=int(mib): library_pieces(data, mib << 20, 3)))
         if args.gpu:
             runs.append(("gdskit digest on the GPU", lambda: gdskit_gpu(path)))
         for label, fn in (runs if r % 2 == 0 else runs[::-1]):
