@@ -26,31 +26,25 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from made_once import file_made_once  # noqa: E402
+from page_cache import warm  # noqa: E402
 
 
 def make_file(path: str, gib: int) -> None:
     """A safetensors file of 32 MiB uint8 tensors (random bytes), ``gib`` GiB of data."""
     import numpy as np
 
+    from gdskit.formats import safetensors_format as fmt
+
     n, nbytes = gib * 32, 32 << 20
     block = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    entries = {f"t{i:04d}": {"dtype": "U8", "shape": [nbytes], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
-               for i in range(n)}
-    text = json.dumps(entries).encode()
-    text += b" " * (-len(text) % 8)
+    layout = fmt.packed_layout(fmt.TensorSpec(f"t{i:04d}", "U8", (nbytes,)) for i in range(n))
     tmp = path + ".part"
     with open(tmp, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text)
-        for i in range(n):
+        fh.write(layout.header)
+        for i in range(n):  # packed in name order, as the layout places them
             block[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)  # no two tensors alike
             fh.write(block.tobytes())
     os.replace(tmp, path)
-
-
-def warm(path: str) -> None:
-    with open(path, "rb") as fh:
-        while fh.read(64 << 20):
-            pass
 
 
 def gdskit_cpu(path: str, readers: int | None, piece_mib: int | None = None) -> float:
@@ -128,7 +122,7 @@ def main() -> None:
 
     path = file_made_once(args.dir, f"digest-{args.gib}g.safetensors", lambda p: make_file(p, args.gib))
     size = os.path.getsize(path)
-    warm(path)
+    warm([path])
     with open(path, "rb") as fh:
         data = fh.read()
     rows: dict[str, list[float]] = {}

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fresh_process import report, run_child  # noqa: E402
-from page_cache import drop_caches  # noqa: E402
+from page_cache import drop_caches, warm  # noqa: E402
 
 TENSOR_BYTES = 32 << 20
 CPU_TENSOR_BYTES = 8 << 20
@@ -101,21 +101,16 @@ def cpu_child(st_path: str, pt_path: str, reader: str, verify: bool) -> None:
     report(out)
 
 
-def make_file(path: str, gib: int) -> None:
+def make_file(path: str, gib: int, device: str = "cuda:0") -> None:
+    """``gib`` GiB of 32 MiB bf16 tensors with their digests in the header, made on ``device``."""
     import torch
 
     import gdskit.safetensors as gs
 
-    n = (gib << 30) // TENSOR_BYTES
-    tensors = {f"layer.{i}.weight": torch.randn(TENSOR_BYTES // 2, device="cuda:0").to(torch.bfloat16)
+    n = max(1, (gib << 30) // TENSOR_BYTES)
+    tensors = {f"layer.{i}.weight": torch.randn(TENSOR_BYTES // 2, device=device).to(torch.bfloat16)
                for i in range(n)}
     gs.save_file(tensors, path, digests=True)
-
-
-def warm(path: str) -> None:
-    with open(path, "rb") as fh:
-        while fh.read(64 << 20):
-            pass
 
 
 def child(path: str, verify: bool) -> None:
@@ -167,8 +162,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     cases = [(r, t, v) for r in readers for t in trees for v in (False, True)]
     runs: list[dict] = []
     for rnd in range(args.rounds):
-        warm(st_path)
-        warm(pt_path)
+        warm([st_path, pt_path])
         for reader, tree, verify in (cases if rnd % 2 == 0 else cases[::-1]):
             res = run_child_in_tree(__file__, ["--device", "cpu", "--child", st_path, pt_path, reader,
                                                "1" if verify else "0"], trees[tree], timeout=300)
@@ -244,7 +238,7 @@ def main() -> None:
         make_file(path, args.gib)
         print(f"made {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     if not args.cold:
-        warm(path)
+        warm([path])
     runs: list[dict] = []
     for r in range(args.rounds):
         for verify in ((False, True) if r % 2 == 0 else (True, False)):

@@ -29,27 +29,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from made_once import file_made_once  # noqa: E402
+from verify_load import make_file  # noqa: E402
 
-TENSOR_BYTES = 32 << 20
 PARTS = {  # label: (module, attribute), wrapped where the loader finds it at call time
     "expected digests": ("gdskit.safetensors", "expectations"),
     "reads": ("gdskit.formats.torch_io", "execute"),
     "hashing": ("gdskit.formats.verified", "digest_buffers"),
     "comparing": ("gdskit.verify", "check_tensors"),
 }
-
-
-def make_file(path: str, gib: int) -> None:
-    """``gib`` GiB of 32 MiB bf16 tensors with their digests in the header (made on the CPU)."""
-    import torch
-
-    import gdskit.safetensors as gs
-
-    n = max(1, (gib << 30) // TENSOR_BYTES)
-    gen = torch.Generator().manual_seed(0)
-    tensors = {f"layer.{i}.weight": torch.randn(TENSOR_BYTES // 2, generator=gen).to(torch.bfloat16)
-               for i in range(n)}
-    gs.save_file(tensors, path, digests=True)
 
 
 def _wrap_parts(times: dict[str, float], sync) -> None:
@@ -82,7 +69,7 @@ def main() -> None:
 
     import gdskit.safetensors as gs
 
-    path = file_made_once(args.dir, f"parts-{args.gib}g.safetensors", lambda p: make_file(p, args.gib))
+    path = file_made_once(args.dir, f"parts-{args.gib}g.safetensors", lambda p: make_file(p, args.gib, args.device))
     on_gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     if on_gpu:

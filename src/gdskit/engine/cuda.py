@@ -582,9 +582,10 @@ class DeviceArray(_FreedWhenCollected):
             self.managed = managed
             if managed:
                 attach = int(drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
-                self.ptr = int(check(drv.cuMemAllocManaged(max(nbytes, 1), attach), "cuMemAllocManaged"))
+                self.ptr = int(check(drv.cuMemAllocManaged(max(nbytes, 1), attach),
+                                     f"cuMemAllocManaged of {nbytes} bytes on GPU {self.device}"))
             else:
-                self.ptr = int(check(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
+                self.ptr = int(check(drv.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc of {nbytes} bytes on GPU {self.device}"))
         # "stream": None: the memory has no producer work pending (we synchronise after our own writes).
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3, "strides": None, "stream": None}

@@ -220,7 +220,8 @@ def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: 
     size = st.st_size
     running = RunningDigests(chunk_bytes, spans)
     piece = min(READ_PIECE, chunk_bytes, max(size, 1))
-    buffers = [memoryview(bytearray(piece))]
+    depth = max(1, min(max(readers, 1) + 1, -(-size // piece)))  # pieces read or being hashed at once
+    buffers = [memoryview(bytearray(piece)) for _ in range(depth)]
 
     def read(into: memoryview, at: int) -> int:
         return _read_fully(fd, into[:min(piece, size - at)], at, path)
@@ -233,8 +234,6 @@ def _digest_fd(fd: int, st: os.stat_result, path: str, chunk_bytes: int, spans: 
     if size <= piece:  # one read: nothing to overlap, no thread to start (directories of small files)
         feed(buffers[0][:read(buffers[0], 0)])
         return running.result(st.st_mtime_ns)
-    depth = min(max(1, readers) + 1, -(-size // piece))
-    buffers += [memoryview(bytearray(piece)) for _ in range(depth - 1)]
     with executor(depth - 1, "gdskit-digest-read") as pool:  # leaving waits for the reads in flight
         # Piece k lands in buffer k % depth: that buffer's last piece was hashed before k is asked for.
         pending: deque[Future[int]] = deque()
