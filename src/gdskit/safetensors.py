@@ -30,7 +30,7 @@ from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
-from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, tensor_digests
+from gdskit.formats.verified import LoadChecks, Sha256Check, check_loaded, expectations, tensor_digests
 from gdskit.verify import HEADER_KEY, OFF, VerifyMode, verify_mode
 from gdskit.formats.safetensors_format import (DuplicateNameError, HeaderError, HeaderTypeError, LayoutError,
                                                MissingTensorError, TruncatedFileError, UnencodableNameError,
@@ -305,14 +305,14 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    with Progress(total, progress, "loading") as prog, HostChecks(bool(expect)) as host_checks:
+    with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
         for p, h in headers:
             entries = by_file.get(p)
             if not entries:
                 continue
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
-            runs = host_checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)
+            runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)
             with open_file(p, "r") as f:
                 if f.size != h.file_size:
                     raise TruncatedFileError(f"changed size after its header was read "
@@ -320,14 +320,17 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                 for run in runs:
                     plan = read_plan.plan(fmt.extents(h, run), small=SMALL_TENSOR_BYTES,
                                           max_group=MAX_GROUP_BYTES, max_gap=0)
+                    started: set[str] = set()
+                    early = _hash_when_landed(checks, expect[p], dev, spans, started) if p in expect else None
                     try:
-                        landed = execute(f, plan, dev, alloc=alloc, progress=prog)
+                        landed = execute(f, plan, dev, alloc=alloc, progress=prog, landed=early)
                     except fmt.FormatError as exc:
                         raise with_path(exc, p) from None
                     if p in expect:
-                        host_checks.check(expect[p], [(e.name, landed[e.name]) for e in run], dev, spans)
+                        checks.start(expect[p], [(e.name, landed[e.name]) for e in run if e.name not in started],
+                                     dev, spans)
                     raw.update(landed)
-        host_checks.finish()
+        checks.finish()
     for n, t in empty.items():
         p = where[n][0]
         if p in expect:
@@ -346,6 +349,20 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+
+
+def _hash_when_landed(checks: LoadChecks, expectation: Any, device: Any, spans: dict[str, tuple[int, int]],
+                      started: set[str]) -> Any:
+    """For ``execute(landed=...)`` on a GPU: tensors landed while the last ones are still read
+    have their digests started at once (the kernels run meanwhile); their names go to ``started``."""
+    if device.type != "cuda":
+        return None
+
+    def landed(tensors: dict[Any, Any]) -> None:
+        checks.start(expectation, list(tensors.items()), device, spans)
+        started.update(tensors)
+
+    return landed
 
 
 def _savable(torch: Any, tensors: Any) -> list[fmt.TensorSpec]:

@@ -39,7 +39,7 @@ from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.safetensors_format import TruncatedFileError
 from gdskit.threads import executor
 from gdskit.formats.torch_zip import StorageRecord, StorageRecords
-from gdskit.formats.verified import HostChecks, Sha256Check, check_loaded, expectations, merged
+from gdskit.formats.verified import LoadChecks, Sha256Check, check_loaded, expectations, merged
 from gdskit.verify import verify_mode
 
 if TYPE_CHECKING:
@@ -539,7 +539,7 @@ class _ZipLoad:
         self.torch, self.archive, self.target, self.progress = torch, archive, target, progress
         self.expectation = expectation
         self.read_records: dict[str, tuple[StorageRecord, Any]] = {}  # with verify: each record's storage
-        self.checks = HostChecks(expectation is not None)
+        self.checks = LoadChecks(expectation is not None)
         self.hashed: list[concurrent.futures.Future[dict[str, str]]] = []  # digests taken as the reads landed
         self.path, self.where = source.path, source.where
         # torch.load shares only storages with memory (not empty or meta ones)
@@ -577,7 +577,7 @@ class _ZipLoad:
             return result, stats_delta(before, stats())
         return result
 
-    def _hashing(self) -> HostChecks | None:
+    def _hashing(self) -> LoadChecks | None:
         """Where the reads hand each run of storages once it has landed (a verified load)."""
         return self.checks if self.expectation is not None else None
 
@@ -712,7 +712,7 @@ class _ReadAhead:
 
     @classmethod
     def start(cls, torch: Any, path: str, records: StorageRecords, target: _Target, progress: ProgressArg,
-              checks: HostChecks | None = None,
+              checks: LoadChecks | None = None,
               hashed: list[concurrent.futures.Future[dict[str, str]]] | None = None) -> _ReadAhead | None:
         """``checks`` (a verified load): the large reads run in the runs it cuts, each hashed on
         its threads once landed (its digests appended to ``hashed``, by record name)."""
@@ -827,15 +827,15 @@ class _FullUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _verified_runs(checks: HostChecks | None, extents: Sequence[read_plan.Extent], device: Any) -> list[list[Any]]:
+def _verified_runs(checks: LoadChecks | None, extents: Sequence[read_plan.Extent], device: Any) -> list[list[Any]]:
     """``extents`` as the runs read one after another: cut where a verified load hashes each run
-    while the next is read (:class:`~gdskit.formats.verified.HostChecks`), else one run."""
+    while the next is read (:class:`~gdskit.formats.verified.LoadChecks`), else one run."""
     if checks is None or not checks.overlaps(device):
         return [list(extents)]
     return checks.runs(sorted(extents, key=lambda e: e.file_offset), lambda e: e.nbytes, device) or [[]]
 
 
-def _hash_landed(checks: HostChecks | None, hashed: list[concurrent.futures.Future[dict[str, str]]] | None,
+def _hash_landed(checks: LoadChecks | None, hashed: list[concurrent.futures.Future[dict[str, str]]] | None,
                  named: list[tuple[str, Any]], device: Any) -> None:
     """Hand a landed run's storages (by record name) to the hashing threads, where they overlap the reads."""
     if checks is not None and hashed is not None and checks.overlaps(device):
@@ -843,7 +843,7 @@ def _hash_landed(checks: HostChecks | None, hashed: list[concurrent.futures.Futu
 
 
 def _read_storages(torch: Any, path: str, pending: list[tuple[Any, StorageRecord]], progress: ProgressArg,
-                   checks: HostChecks | None = None,
+                   checks: LoadChecks | None = None,
                    hashed: list[concurrent.futures.Future[dict[str, str]]] | None = None) -> None:
     """Read the storages the unpickle made, grouped by device (``checks``, ``hashed``: as for
     :meth:`_ReadAhead.start`)."""

@@ -140,6 +140,52 @@ def test_a_flipped_byte_is_caught_on_the_gpu(signed, tmp_path, name, reader):
     assert info.value.tensor == name
 
 
+@pytest.fixture(scope="module")
+def split_signed(tmp_path_factory):
+    """Twelve 8 MiB tensors and a small one: a verified GPU load hands the first over while the
+    last are read (torch_io.landed_split)."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"w{i:02d}": torch.randn(2 << 20, generator=g) for i in range(12)}
+    tensors["bias"] = torch.randn(100, generator=g)
+    path = tmp_path_factory.mktemp("split") / "m.safetensors"
+    gs.save_file(tensors, path, digests=True)
+    return str(path), tensors
+
+
+@pytest.mark.parametrize("name", ["w00", "w05", "w10", "w11", "bias"])
+def test_a_load_hashed_while_its_last_tensors_are_read_catches_a_flip_anywhere(split_signed, tmp_path,
+                                                                              monkeypatch, name):
+    from gdskit.formats import torch_io, verified
+
+    monkeypatch.setattr(torch_io, "LANDED_MIN_BYTES", 1 << 20)
+    path, tensors = split_signed
+    started: list[list[str]] = []
+    real = verified.start_tensor_digests
+    monkeypatch.setattr(verified, "start_tensor_digests",
+                        lambda named: started.append([n for n, _t in named]) or real(named))
+    out = gs.load_file(path, device=DEV, verify=True)
+    assert all(torch.equal(out[k].cpu(), v) for k, v in tensors.items())
+    assert started[0] == [f"w{i:02d}" for i in range(10)]  # the first 10 of 12 while the last 2 were read
+    assert sorted(sum(started, [])) == sorted(tensors)
+    bad = str(tmp_path / "bad.safetensors")
+    shutil.copyfile(path, bad)
+    header = fmt.read_header_file(bad)
+    entry = next(e for e in header.entries if e.name == name)
+    with open(bad, "r+b") as fh:
+        fh.seek(header.data_start + entry.start + entry.nbytes // 2)
+        b = fh.read(1)[0]
+        fh.seek(-1, 1)
+        fh.write(bytes([b ^ 16]))
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    with pytest.raises(ChecksumMismatchError) as info:
+        gs.load_file(bad, device=DEV, verify=True)
+    assert info.value.tensor == name
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (2 << 20)  # no digest scratch left behind
+
+
 def test_file_read_into_device_memory_checks_chunks(tmp_path):
     path = tmp_path / "raw.bin"
     data = os.urandom(5 << 20)

@@ -313,8 +313,19 @@ def test_a_gpu_answer_short_of_a_digest_is_an_error_not_a_shorter_list(gpu, monk
 
     data = [os.urandom(3000), os.urandom(5000)]
     arrays = [_device_copy(d) for d in data]
-    real = digests.cuda_digests
-    monkeypatch.setattr(digests, "cuda_digests", lambda items, device, stream: real(items, device, stream)[:-1])
+    real = digests.launch_cuda_digests
+
+    class OneShort:
+        def __init__(self, pending):
+            self.pending = pending
+
+        def wait(self):
+            return self.pending.wait()[:-1]
+
+        def abandon(self):
+            self.pending.abandon()
+
+    monkeypatch.setattr(digests, "launch_cuda_digests", lambda items, device, stream: OneShort(real(items, device, stream)))
     try:
         with pytest.raises(CudaError):
             digest_buffers([(a.ptr, len(d)) for a, d in zip(arrays, data)])
@@ -323,6 +334,7 @@ def test_a_gpu_answer_short_of_a_digest_is_an_error_not_a_shorter_list(gpu, monk
     finally:
         for a in arrays:
             a.free()
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0  # no scratch left behind
 
 
 def _nvrtc_archs() -> list[int]:
@@ -448,3 +460,54 @@ def test_a_cached_image_is_found_without_loading_nvrtc(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_started_digests_run_on_the_stream_while_the_caller_goes_on(gpu):
+    """The kernels are queued, not waited for: the caller's thread is back before the stream has
+    run them; the result reads them back in order, and counts the check once."""
+    from gdskit.engine import start_digest_buffers
+
+    data = [os.urandom(70_000), os.urandom(3), os.urandom(1 << 20)]
+    arrays = [_device_copy(d) for d in data]
+    try:
+        before = gdskit.stats()
+        started = start_digest_buffers([(a.ptr, len(d)) for a, d in zip(arrays, data)], 0, 0)
+        assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == len(arrays) + 1  # the scratch
+        assert (gdskit.stats() - before).verified.checks == 0
+        assert started.result() == [blake3.blake3(d).hexdigest() for d in data]
+        assert (gdskit.stats() - before).verified.checks == len(data)
+    finally:
+        for a in arrays:
+            a.free()
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0
+
+
+def test_abandoned_digests_free_their_scratch_and_give_no_answer(gpu):
+    from gdskit.engine import start_digest_buffers
+
+    data = os.urandom(50_000)
+    arr = _device_copy(data)
+    try:
+        started = start_digest_buffers([(arr.ptr, len(data))], 0, 0)
+        started.abandon()
+        assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 1  # the buffer alone
+        with pytest.raises(CudaError):
+            started.result()  # never a digest of memory that was freed
+    finally:
+        arr.free()
+
+
+def test_a_failed_read_back_frees_the_scratch(gpu):
+    from gdskit.engine import start_digest_buffers
+
+    data = os.urandom(20_000)
+    arr = _device_copy(data)
+    started = start_digest_buffers([(arr.ptr, len(data))], 0, 0)
+    gpu.fail["cuMemcpyDtoHAsync"] = gpu.CUresult.CUDA_ERROR_LAUNCH_FAILED
+    try:
+        with pytest.raises(CudaError):
+            started.result()
+    finally:
+        gpu.fail.pop("cuMemcpyDtoHAsync")
+        arr.free()
+    assert gpu.live_allocations(gpu.CUmemorytype.CU_MEMORYTYPE_DEVICE) == 0

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import sys
+from typing import Any
 
 import pytest
 
@@ -468,3 +469,100 @@ def test_whether_the_groups_are_cached_is_asked_of_a_sample(uncached):
     else:
         assert held is ((uncached * 1000, 1000) not in asked)
     assert torch_io._held_in_page_cache(File(), ()) is False
+
+
+# -- tensors handed over while the last ones are read (execute(landed=...)) -------------------
+
+
+def test_landed_split_leaves_a_tail_of_an_eighth_or_more() -> None:
+    from gdskit.formats.torch_io import LANDED_MIN_BYTES, landed_split
+
+    mib = 1 << 20
+    assert landed_split(()) == 0
+    assert landed_split((read_plan.Extent("one", 0, 1 << 30),)) == 0  # one tensor: nothing to overlap
+    small = tuple(read_plan.Extent(f"s{i}", i * mib, mib) for i in range(LANDED_MIN_BYTES // mib - 1))
+    assert landed_split(small) == 0  # too few bytes to be worth a second job
+    even = tuple(read_plan.Extent(f"e{i}", i * 32 * mib, 32 * mib) for i in range(256))
+    assert landed_split(even) == 224  # the last 32 of 256 equal tensors: exactly an eighth
+    uneven = (read_plan.Extent("big", 0, 900 * mib), read_plan.Extent("a", 900 * mib, 60 * mib),
+              read_plan.Extent("b", 960 * mib, 64 * mib))
+    assert landed_split(uneven) == 1  # 124 of 1024 MiB is short of an eighth, but the first stays first
+    two = (read_plan.Extent("x", 0, 100 * mib), read_plan.Extent("y", 100 * mib, 900 * mib))
+    assert landed_split(two) == 1
+
+
+def _landed_file(tmp_path, n: int = 24, size: int = 4 << 20) -> tuple[Any, list[read_plan.Extent], bytes]:
+    data = os.urandom(n * size + 123)
+    path = tmp_path / "landed.bin"
+    path.write_bytes(data)
+    return path, [read_plan.Extent(f"t{i}", 123 + i * size, size) for i in range(n)], data
+
+
+def test_execute_hands_over_the_first_tensors_whole_before_the_last(tmp_path, monkeypatch) -> None:
+    from gdskit.formats import torch_io
+
+    monkeypatch.setattr(torch_io, "LANDED_MIN_BYTES", 1 << 20)
+    path, extents, data = _landed_file(tmp_path)
+    p = read_plan.plan(extents, small=1 << 20, max_group=1 << 20, max_gap=0)
+    cut = torch_io.landed_split(p.direct)
+    assert 0 < cut < len(extents)
+    seen: list[tuple[list[str], bool]] = []
+
+    def landed(tensors) -> None:
+        # Each handed-over tensor holds its bytes already, whatever the rest are doing.
+        whole = all(bytes(t.numpy()) == data[e.file_offset:e.end] for e, t in zip(extents, tensors.values()))
+        seen.append((list(tensors), whole))
+
+    with gdskit.open(path) as f:
+        out = torch_io.execute(f, p, torch.device("cpu"), landed=landed)
+    assert seen == [([e.key for e in extents[:cut]], True)]
+    for e in extents:
+        assert bytes(out[e.key].numpy()) == data[e.file_offset:e.end], e.key
+
+
+def test_execute_without_a_split_hands_nothing_over(tmp_path) -> None:
+    from gdskit.formats import torch_io
+
+    path, extents, data = _landed_file(tmp_path, n=3, size=1 << 20)  # under LANDED_MIN_BYTES
+    p = read_plan.plan(extents, small=1 << 10, max_group=1 << 20, max_gap=0)
+    calls: list[Any] = []
+    with gdskit.open(path) as f:
+        out = torch_io.execute(f, p, torch.device("cpu"), landed=calls.append)
+    assert calls == [] and all(bytes(out[e.key].numpy()) == data[e.file_offset:e.end] for e in extents)
+
+
+def test_a_failing_hand_over_ends_the_load_after_the_last_reads(tmp_path, monkeypatch) -> None:
+    from gdskit.formats import torch_io
+
+    monkeypatch.setattr(torch_io, "LANDED_MIN_BYTES", 1 << 20)
+    path, extents, _data = _landed_file(tmp_path)
+    p = read_plan.plan(extents, small=1 << 20, max_group=1 << 20, max_gap=0)
+    jobs: list[Any] = []
+    with gdskit.open(path) as f:
+        real = f.pread_many
+
+        def counted(*args, **kwargs):
+            jobs.append(real(*args, **kwargs))
+            return jobs[-1]
+
+        monkeypatch.setattr(f, "pread_many", counted)
+
+        def landed(tensors) -> None:
+            raise ValueError("the caller's own failure")
+
+        with pytest.raises(ValueError, match="the caller's own failure"):
+            torch_io.execute(f, p, torch.device("cpu"), landed=landed)
+        assert len(jobs) == 2 and all(j.done() for j in jobs)  # nothing still reading into freed tensors
+
+
+def test_a_short_first_job_is_a_truncation_and_hands_nothing_over(tmp_path, monkeypatch) -> None:
+    from gdskit.formats import torch_io
+
+    monkeypatch.setattr(torch_io, "LANDED_MIN_BYTES", 1 << 20)
+    path, extents, data = _landed_file(tmp_path)
+    p = read_plan.plan(extents, small=1 << 20, max_group=1 << 20, max_gap=0)
+    path.write_bytes(data[:extents[3].file_offset + 100])  # shrank after the plan was made
+    calls: list[Any] = []
+    with gdskit.open(path) as f, pytest.raises(fmt.TruncatedFileError):
+        torch_io.execute(f, p, torch.device("cpu"), landed=calls.append)
+    assert calls == []

@@ -243,6 +243,15 @@ def digest_buffers(buffers: list[tuple[int, int]], stream: int = 0, device: int 
     return engine_digest_buffers(buffers, stream, device)
 
 
+def start_digest_buffers(buffers: list[tuple[int, int]], stream: int = 0, device: int | None = None) -> Any:
+    """:func:`digest_buffers` started, not waited for: host buffers are hashed now, device
+    buffers' kernels are queued on ``stream`` and run while the caller goes on. Returns an
+    object whose ``result()`` gives the digests (and counts them in the ledger) and whose
+    ``abandon()`` drops them; the buffers must stay alive until one of the two has returned."""
+    from gdskit.engine.digests import start_digests  # noqa: PLC0415 - import time
+    return start_digests(buffers, stream, device)
+
+
 def prepare_gpu_digests(device: int) -> None:
     """Compile (or find in the cache) and load the BLAKE3 kernels for GPU ``device`` in the
     background: a verified load calls it before its reads, so its first digest does not wait."""
@@ -369,7 +378,7 @@ __all__ = [
     # the ledger
     "stats", "stats_delta", "add_ledger_rows", "record_peer", "cufile_counters",
     # digests of bytes where they landed (verified loading)
-    "digest_buffers", "prepare_gpu_digests",
+    "digest_buffers", "start_digest_buffers", "prepare_gpu_digests",
     # figures a loader plans with
     "settings_values", "pinned_budget", "worker_threads", "first_page_cached", "can_scatter", "scattered_hot_workers",
     "spread", "io_uring_availability",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import gdskit.engine.cuda as cuda
 from gdskit.engine.ledger import ledger
@@ -20,11 +21,50 @@ def _host_digest(ptr: int, nbytes: int) -> str:
     return blake3_hex((ctypes.c_char * nbytes).from_address(ptr))
 
 
-def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: int | None = None) -> list[str]:
-    """The BLAKE3 digests (hex) of ``buffers``, ``(address, nbytes)`` pairs of host or device
-    memory, each hashed where it lies; device buffers on ``stream`` (a raw handle: the stream
-    their bytes landed on). ``device``: every buffer is memory of that GPU (the caller knows:
-    CUDA is not asked pointer by pointer). Waits for the GPU's digests."""
+class StartedDigests:
+    """Digests of buffers under way (:func:`start_digests`): host buffers hashed already, device
+    buffers' kernels queued. :meth:`result` waits for them and counts the check in the ledger;
+    :meth:`abandon` drops them (the GPU's work is let finish before its memory is freed)."""
+
+    def __init__(self, found: list[str | None], launched: list[tuple[list[int], Any]], total: int,
+                 gpu_bytes: int, seconds: float) -> None:
+        self._found, self._launched = found, launched
+        self._total, self._gpu_bytes, self._seconds = total, gpu_bytes, seconds
+
+    def result(self) -> list[str]:
+        """The digests (hex), one per buffer in the order given."""
+        start = time.perf_counter()
+        try:
+            while self._launched:
+                indices, pending = self._launched[0]
+                found = pending.wait()
+                self._launched.pop(0)
+                if len(found) != len(indices):  # never pair a buffer with another's digest, nor leave one unchecked
+                    raise CudaError(f"a GPU gave {len(found)} digests for {len(indices)} buffers")
+                for i, digest in zip(indices, found):
+                    self._found[i] = digest
+        except BaseException:
+            self.abandon()
+            raise
+        # The time the caller spent on the check: starting it and waiting for it here.
+        ledger.record_verified(self._total, self._seconds + time.perf_counter() - start, self._gpu_bytes,
+                               checks=len(self._found))
+        return _every_digest(self._found)
+
+    def abandon(self) -> None:
+        """Drop the digests not yet read back."""
+        launched, self._launched = self._launched, []
+        for _indices, pending in launched:
+            pending.abandon()
+
+
+def start_digests(buffers: Sequence[tuple[int, int]], stream: int = 0, device: int | None = None) -> StartedDigests:
+    """Start the BLAKE3 digests of ``buffers``, ``(address, nbytes)`` pairs of host or device
+    memory, each hashed where it lies: host buffers now, on this thread; device buffers by
+    kernels queued on ``stream`` (a raw handle: the stream their bytes landed on), which run
+    while the caller goes on. ``device``: every buffer is memory of that GPU (the caller knows:
+    CUDA is not asked pointer by pointer). The buffers must stay alive until
+    :meth:`StartedDigests.result` (or ``abandon``) returns."""
     start = time.perf_counter()
     out: list[str | None] = [None] * len(buffers)
     on_device: dict[int, list[int]] = {}
@@ -41,17 +81,25 @@ def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: 
         else:
             out[i] = _host_digest(int(ptr), int(nbytes))
     gpu_bytes = 0
-    for gpu, indices in on_device.items():
-        items = [(int(buffers[i][0]), int(buffers[i][1])) for i in indices]
-        found = cuda_digests(items, gpu, stream)
-        if len(found) != len(items):  # never pair a buffer with another's digest, nor leave one unchecked
-            raise CudaError(f"GPU {gpu} gave {len(found)} digests for {len(items)} buffers")
-        for i, digest in zip(indices, found):
-            out[i] = digest
-        gpu_bytes += sum(n for _p, n in items)
+    launched: list[tuple[list[int], Any]] = []
+    try:
+        for gpu, indices in on_device.items():
+            if not indices:
+                continue
+            items = [(int(buffers[i][0]), int(buffers[i][1])) for i in indices]
+            launched.append((indices, launch_cuda_digests(items, gpu, stream)))
+            gpu_bytes += sum(n for _p, n in items)
+    except BaseException:
+        for _indices, pending in launched:
+            pending.abandon()
+        raise
     total = sum(int(n) for _p, n in buffers)
-    ledger.record_verified(total, time.perf_counter() - start, gpu_bytes, checks=len(buffers))
-    return _every_digest(out)
+    return StartedDigests(out, launched, total, gpu_bytes, time.perf_counter() - start)
+
+
+def digest_buffers(buffers: Sequence[tuple[int, int]], stream: int = 0, device: int | None = None) -> list[str]:
+    """The BLAKE3 digests (hex) of ``buffers`` (:func:`start_digests`), waiting for the GPU's."""
+    return start_digests(buffers, stream, device).result()
 
 
 def _every_digest(found: list[str | None]) -> list[str]:
@@ -63,7 +111,7 @@ def _every_digest(found: list[str | None]) -> list[str]:
     return [d for d in found if d is not None]
 
 
-def cuda_digests(items: list[tuple[int, int]], device: int, stream: int) -> list[str]:
-    """The GPU's digests of ``items`` on ``device`` (compiled and loaded at first use)."""
-    from gdskit.engine.gpu_hash import digest_device  # noqa: PLC0415 - import time
-    return digest_device(items, device, stream)
+def launch_cuda_digests(items: list[tuple[int, int]], device: int, stream: int) -> Any:
+    """The GPU's digests of ``items`` on ``device``, queued (compiled and loaded at first use)."""
+    from gdskit.engine.gpu_hash import launch_digests  # noqa: PLC0415 - import time
+    return launch_digests(items, device, stream)

@@ -321,13 +321,55 @@ def _blocks_of(nbytes: int) -> int:
     return -(-chunks // BLOCK_CHUNKS)
 
 
-def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0) -> list[str]:
-    """The BLAKE3 digests (hex) of ``items``, ``(device pointer, nbytes)`` pairs in GPU ``device``'s
-    memory, computed by two kernel launches on ``stream`` (a raw handle: the stream the bytes
-    landed on, so the hash follows the copies queued there); waits for them."""
+class DeviceDigests:
+    """BLAKE3 digests launched on a GPU and not yet read back (:func:`launch_digests`): the work
+    runs on its stream while the caller goes on; :meth:`wait` reads the digests back. Holds the
+    scratch memory until then; :meth:`abandon` (or a failed :meth:`wait`) lets the queued work
+    finish before freeing it."""
+
+    def __init__(self, scratch: Any, roots_at: int, n: int, device: int, stream: int, table: Any) -> None:
+        self._scratch, self._roots_at, self._n = scratch, roots_at, n
+        self._device, self._stream = device, stream
+        self._table = table  # the launch's table, until its copy has surely run
+
+    def wait(self) -> list[str]:
+        """The digests (hex), in the order of the items launched; frees the scratch memory."""
+        if self._scratch is None:
+            raise CudaError("these GPU digests were already read back or abandoned")
+        n, scratch = self._n, self._scratch
+        roots = (ctypes.c_uint32 * (8 * n))()
+        try:
+            with cuda.on_device(self._device):
+                cuda.copy_d2h_on(self._stream, ctypes.addressof(roots), scratch.ptr + self._roots_at, 32 * n)
+                cuda.stream_synchronize(self._stream)
+        except BaseException:
+            self.abandon()
+            raise
+        self._scratch = self._table = None
+        scratch.free()
+        raw = bytes(roots)
+        return [raw[32 * i:32 * i + 32].hex() for i in range(n)]
+
+    def abandon(self) -> None:
+        """Drop the digests: wait for the queued work (it uses the scratch memory), then free it."""
+        scratch, self._scratch = self._scratch, None
+        if scratch is None:
+            return
+        try:
+            with cuda.on_device(self._device):
+                cuda.stream_synchronize(self._stream)
+        except Exception:  # noqa: BLE001 - the first error is the one the caller raises
+            pass
+        finally:
+            scratch.free()
+            self._table = None
+
+
+def launch_digests(items: Sequence[tuple[int, int]], device: int, stream: int = 0) -> DeviceDigests:
+    """Queue the BLAKE3 digests of ``items``, ``(device pointer, nbytes)`` pairs in GPU ``device``'s
+    memory (at least one), as two kernel launches on ``stream`` (a raw handle: the stream their
+    bytes landed on, so the hash follows the copies queued there); returns at once."""
     n = len(items)
-    if n == 0:
-        return []
     table = (ctypes.c_uint64 * (3 * n + 1))()  # n (ptr, len) items, then n + 1 block bases
     base = 0
     for i, (ptr, nbytes) in enumerate(items):
@@ -340,7 +382,7 @@ def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0
     roots_at = cvs_at + 32 * base
     blocks, tree = _kernels(device)
     scratch = cuda.DeviceArray(roots_at + 32 * n, device)
-    roots = (ctypes.c_uint32 * (8 * n))()
+    pending = DeviceDigests(scratch, roots_at, n, device, stream, table)
     try:
         with cuda.on_device(device):
             cuda.copy_h2d_on(stream, scratch.ptr, ctypes.addressof(table), table_bytes)
@@ -349,16 +391,15 @@ def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0
             count = ctypes.c_int32(n)
             cuda.launch_kernel(blocks, base, BLOCK_CHUNKS, stream, [items_p, count, base_p, cvs_p, roots_p])
             cuda.launch_kernel(tree, n, BLOCK_CHUNKS, stream, [count, base_p, cvs_p, roots_p])
-            cuda.copy_d2h_on(stream, ctypes.addressof(roots), scratch.ptr + roots_at, 32 * n)
-            cuda.stream_synchronize(stream)
     except BaseException:
-        try:  # work already queued may still use the scratch memory: let it finish first
-            with cuda.on_device(device):
-                cuda.stream_synchronize(stream)
-        except Exception:  # noqa: BLE001 - the first error is the one raised
-            pass
+        pending.abandon()
         raise
-    finally:
-        scratch.free()
-    raw = bytes(roots)
-    return [raw[32 * i:32 * i + 32].hex() for i in range(n)]
+    return pending
+
+
+def digest_device(items: Sequence[tuple[int, int]], device: int, stream: int = 0) -> list[str]:
+    """The BLAKE3 digests (hex) of ``items``, ``(device pointer, nbytes)`` pairs in GPU ``device``'s
+    memory, computed by two kernel launches on ``stream`` (:func:`launch_digests`); waits for them."""
+    if not items:
+        return []
+    return launch_digests(items, device, stream).wait()

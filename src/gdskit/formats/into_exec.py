@@ -35,7 +35,7 @@ from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import HostChecks, Sha256Check, expectations, merged, tensor_digests
+from gdskit.formats.verified import LoadChecks, Sha256Check, expectations, merged, tensor_digests
 from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch, verify_mode
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
@@ -243,10 +243,10 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
 
 class Digesting:
     """``verify=``: the digests of the records' bytes as stored, by record name, gathered while the
-    fills run (on the hashing threads of :class:`~gdskit.formats.verified.HostChecks` for host
+    fills run (on the hashing threads of :class:`~gdskit.formats.verified.LoadChecks` for host
     targets, as each run lands; where they lie for the others)."""
 
-    def __init__(self, checks: HostChecks) -> None:
+    def __init__(self, checks: LoadChecks) -> None:
         self.checks = checks
         self._found: list[concurrent.futures.Future[dict[str, str]]] = []
 
@@ -433,7 +433,7 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     before = stats() if return_stats else None
     devices = {t.device for t in infos}
     one_device = tensors[infos[0].name].device if len(devices) == 1 else None
-    with HostChecks(bool(expect)) as checks:
+    with LoadChecks(bool(expect)) as checks:
         digesting = Digesting(checks) if expect else None
         run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digesting)
         digests = digesting.digests() if digesting is not None else {}

@@ -33,7 +33,7 @@ from gdskit.formats import read_plan
 from gdskit.engine import can_scatter, open_file
 from gdskit.formats.safetensors_format import TruncatedFileError, select_names
 from gdskit.formats.shard_index import Located, index_checkpoint
-from gdskit.formats.verified import HostChecks, check_loaded, expectations
+from gdskit.formats.verified import LoadChecks, check_loaded, expectations
 from gdskit.verify import check_tensors, verify_mode
 from gdskit.threads import executor
 
@@ -69,7 +69,7 @@ class _Reader:
     """The reads of one stream, run on its background thread; holds no reference to the
     stream, so a stream its caller drops is closed at once (by its ``__del__``)."""
 
-    def __init__(self, device: torch.device, sizes: dict[str, int], checks: HostChecks) -> None:
+    def __init__(self, device: torch.device, sizes: dict[str, int], checks: LoadChecks) -> None:
         self.device = device
         self.sizes = sizes
         self.checks = checks
@@ -152,7 +152,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                                 list[Located]]] = deque()
         self._ready: deque[tuple[str, torch.Tensor]] = deque()
         self._live = _Live()
-        self._checks = HostChecks(self._expect is not None)
+        self._checks = LoadChecks(self._expect is not None)
         self._reader = _Reader(device, {p: h.file_size for p, h in index.headers}, self._checks)
         self._thread = executor(1, "gdskit-stream")
         self._closed = False

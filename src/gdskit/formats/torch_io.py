@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -184,6 +185,29 @@ SCATTER_BATCH_BYTES = 128 << 20
 #: every job is submitted as soon as its tensors exist, to keep the disk busy.
 SCATTER_JOBS_HOT = 1
 
+#: Where a caller asks to hear of tensors landed early (``execute(landed=...)``), the last
+#: direct extents holding at least this share of the direct bytes are read as a second job,
+#: submitted once the first has started: the first job's tensors are handed over while the
+#: second's reads run (a verified load hashes them on the GPU meanwhile). A worker moves from
+#: one job to the next as it runs out of chunks, so the reads do not drain between them.
+LANDED_TAIL_SHARE = 1 / 8
+#: Direct bytes below which nothing is handed over early (the work it would hide is too small).
+LANDED_MIN_BYTES = 64 << 20
+
+
+def landed_split(direct: tuple[Extent, ...]) -> int:
+    """How many of ``direct`` (in file order) are read, and handed over, before the rest: the
+    tail holds at least :data:`LANDED_TAIL_SHARE` of their bytes; 0 where nothing is split
+    (fewer than two extents, or fewer than :data:`LANDED_MIN_BYTES`)."""
+    total = sum(e.nbytes for e in direct)
+    if len(direct) < 2 or total < LANDED_MIN_BYTES:
+        return 0
+    tail, cut = 0, len(direct)
+    while cut > 1 and tail < total * LANDED_TAIL_SHARE:
+        cut -= 1
+        tail += direct[cut].nbytes
+    return cut
+
 
 def _uint8_alloc(device: torch.device) -> Callable[[Extent], torch.Tensor]:
     return lambda e: torch.empty(e.nbytes, dtype=torch.uint8, device=device)
@@ -193,7 +217,8 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             dests: Mapping[Hashable, torch.Tensor] | None = None,
             alloc: Callable[[Extent], torch.Tensor] | None = None,
             progress: Progress | None = None, depth: int = 4,
-            scatter: bool | None = None) -> dict[Hashable, torch.Tensor]:
+            scatter: bool | None = None,
+            landed: Callable[[dict[Hashable, torch.Tensor]], None] | None = None) -> dict[Hashable, torch.Tensor]:
     """Read every extent of ``plan`` from the open engine file ``f``.
 
     Parameters
@@ -212,6 +237,12 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         On a GPU, whether groups are scattered by the engine straight into their members
         (default: wherever the engine can) or read through the staging ring and split on the
         device (False).
+    landed : callable, optional
+        ``landed(tensors)`` (key -> tensor) is called on this thread with the first direct
+        extents' tensors once their bytes are in place, while the last ones
+        (:func:`landed_split`) are still being read, so that the caller can queue work on them
+        (a verified load on a GPU queues their hash); not called where nothing is split. An
+        error it raises ends the load.
 
     Returns
     -------
@@ -275,6 +306,12 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
         # at every boundary. The small-tensor groups are read meanwhile.
         job: concurrent.futures.Future[list[int]] | None = None
         on_bytes = progress.advance if progress is not None else None
+        cut = landed_split(plan.direct) if landed is not None else 0
+        early: concurrent.futures.Future[list[int]] | None = None
+        if cut:
+            early = _first_job(f, reads[:cut], on_bytes)
+            futures.append(early)
+            reads = reads[cut:]
         if reads:
             job = f.pread_many(reads, on_bytes=on_bytes)
             futures.append(job)
@@ -284,8 +321,12 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
                             source_cached=groups_hot, caller_busy=not groups_given)
         else:
             _run_groups(f, plan.groups, ring, out, dests, device, progress, futures)
+        if early is not None and landed is not None:
+            for e, n in zip(plan.direct[:cut], early.result()):
+                _check(n, e.nbytes, f"{e.key!r} of {f.path}")
+            landed({e.key: out[e.key] for e in plan.direct[:cut]})
         if job is not None:
-            for e, n in zip(plan.direct, job.result()):
+            for e, n in zip(plan.direct[cut:], job.result()):
                 _check(n, e.nbytes, f"{e.key!r} of {f.path}")
     except BaseException:
         wait_for_all(futures)
@@ -293,6 +334,23 @@ def execute(f: Any, plan: ReadPlan, device: torch.device, *,
             torch.cuda.current_stream(device).synchronize()
         raise
     return out
+
+
+def _first_job(f: Any, reads: list[tuple[Any, int, int]],
+               on_bytes: Callable[[int], None] | None) -> concurrent.futures.Future[list[int]]:
+    """``reads`` submitted as one engine job, returned once its first bytes have landed (or it has
+    ended): a job submitted after it then queues behind its workers, not ahead of them."""
+    begun = threading.Event()
+
+    def counted(n: int) -> None:
+        begun.set()
+        if on_bytes is not None:
+            on_bytes(n)
+
+    job = f.pread_many(reads, on_bytes=counted)
+    job.add_done_callback(lambda _job: begun.set())
+    begun.wait()
+    return job
 
 
 #: Groups, spread over a plan, whose page-cache residency says whether the page cache holds them

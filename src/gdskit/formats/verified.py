@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from gdskit.engine import digest_buffers, prepare_gpu_digests
+from gdskit.engine import prepare_gpu_digests, start_digest_buffers
 from gdskit.errors import InvalidArgumentError
 from gdskit.threads import executor, start_thread
 from gdskit.verify import VerifyMode
@@ -20,24 +20,63 @@ if TYPE_CHECKING:
     from gdskit.verify import Expectation
 
 
-def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
-    """The BLAKE3 digests of the bytes of contiguous torch tensors, by name, each hashed where it
-    lies (all of one GPU's tensors in one launch, on torch's current stream of that GPU)."""
+class StartedTensorDigests:
+    """Digests of tensors under way (:func:`start_tensor_digests`); holds the tensors until
+    :meth:`result` or :meth:`abandon` has returned, so none is freed while a kernel reads it."""
+
+    def __init__(self, names: list[list[str]], started: list[Any], tensors: list[Any]) -> None:
+        self._names, self._started, self._tensors = names, started, tensors
+
+    def result(self) -> dict[str, str]:
+        """The digests by name (waits for the GPU's)."""
+        out: dict[str, str] = {}
+        try:
+            for names, started in zip(self._names, self._started):
+                for name, digest in zip(names, started.result(), strict=True):
+                    out[name] = digest
+        except BaseException:
+            self.abandon()
+            raise
+        self._tensors = []
+        return out
+
+    def abandon(self) -> None:
+        """Drop the digests not yet read back (the GPU's work is let finish first)."""
+        for started in self._started:
+            started.abandon()
+        self._tensors = []
+
+
+def start_tensor_digests(named: Sequence[tuple[str, Any]]) -> StartedTensorDigests:
+    """Start the BLAKE3 digests of the bytes of contiguous torch tensors, each hashed where it
+    lies: host tensors now; all of one GPU's tensors in one launch pair queued on torch's current
+    stream of that GPU (after the work queued there), which runs while the caller goes on."""
     by_device: dict[Any, list[tuple[str, Any]]] = {}
     for name, t in named:
         by_device.setdefault(t.device, []).append((name, t))
-    out: dict[str, str] = {}
-    for device, items in by_device.items():
-        stream, gpu = 0, None
-        if device.type == "cuda":
-            import torch  # noqa: PLC0415 - optional dependency (torch)
+    names: list[list[str]] = []
+    started: list[Any] = []
+    try:
+        for device, items in by_device.items():
+            stream, gpu = 0, None
+            if device.type == "cuda":
+                import torch  # noqa: PLC0415 - optional dependency (torch)
 
-            stream = int(torch.cuda.current_stream(device).cuda_stream)
-            gpu = device.index if device.index is not None else torch.cuda.current_device()
-        buffers = [(t.data_ptr(), t.nbytes) for _n, t in items]
-        for (name, _t), digest in zip(items, digest_buffers(buffers, stream, gpu), strict=True):
-            out[name] = digest
-    return out
+                stream = int(torch.cuda.current_stream(device).cuda_stream)
+                gpu = device.index if device.index is not None else torch.cuda.current_device()
+            started.append(start_digest_buffers([(t.data_ptr(), t.nbytes) for _n, t in items], stream, gpu))
+            names.append([n for n, _t in items])
+    except BaseException:
+        for s in started:
+            s.abandon()
+        raise
+    return StartedTensorDigests(names, started, [t for _n, t in named])
+
+
+def tensor_digests(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
+    """The BLAKE3 digests of the bytes of contiguous torch tensors, by name, each hashed where it
+    lies (:func:`start_tensor_digests`), waiting for them."""
+    return start_tensor_digests(named).result()
 
 
 def expectations(paths: Iterable[str], mode: VerifyMode,
@@ -76,8 +115,8 @@ HOST_HASH_WORKERS = 2
 def hashes_while_reading(verifying: bool, device: Any) -> bool:
     """Whether a verified load reads in batches and hashes each batch on worker threads as soon as
     it has landed, while the next one is read: for host memory (the CPU's hashing is the cost to
-    hide). Device memory is hashed by the GPU kernel, all of a device's tensors in one launch pair
-    after the reads. Every reader asks this, and only this."""
+    hide). Device memory is hashed by the GPU kernel, at most a few launch pairs a load, without
+    cutting the reads into runs (:meth:`LoadChecks.start`). Every reader asks this, and only this."""
     return verifying and getattr(device, "type", device) == "cpu"
 
 
@@ -100,22 +139,25 @@ def _done(value: Any) -> concurrent.futures.Future[Any]:
     return fut
 
 
-class HostChecks:
-    """``verify=`` overlapped with the reads where :func:`hashes_while_reading` says so (host
-    memory): the reader reads the :meth:`runs` it is given one after another and hands each run's
-    tensors to :meth:`hash` (or :meth:`check`) once they have landed; a worker thread hashes them
-    (the blake3 package lets go of the GIL) while the next run is read. Elsewhere there is one run,
-    hashed where it lies when handed in. Use as a context manager: the threads end with it,
-    whatever happened, so no thread outlives the load or reads a freed tensor."""
+class LoadChecks:
+    """``verify=`` of one load, overlapped with its reads where it can be.
+
+    Host memory (:func:`hashes_while_reading`): the reader reads the :meth:`runs` it is given
+    one after another and hands each run's tensors to :meth:`hash` (or :meth:`check`) once they
+    have landed; a worker thread hashes them (the blake3 package lets go of the GIL) while the
+    next run is read. Device memory: a reader that learns of tensors landed while later reads
+    are in flight hands them to :meth:`start`, whose kernels run on the GPU meanwhile; everything
+    else is hashed where it lies when handed in. Use as a context manager: the threads end
+    with it and digests not read back are dropped, whatever happened, so no thread or kernel
+    outlives the load or reads a freed tensor."""
 
     def __init__(self, verifying: bool, workers: int = HOST_HASH_WORKERS) -> None:
         self.verifying = verifying
         self._workers = workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: list[tuple[Expectation, concurrent.futures.Future[dict[str, str]],
-                                  Mapping[str, tuple[int, int]] | None]] = []
+        self._pending: list[tuple[Expectation, Any, Mapping[str, tuple[int, int]] | None]] = []
 
-    def __enter__(self) -> HostChecks:
+    def __enter__(self) -> LoadChecks:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -123,7 +165,11 @@ class HostChecks:
 
     def close(self, wait: bool = True) -> None:
         """End the hashing threads (``wait``: once the hashing under way has ended; what was not
-        started is dropped)."""
+        started is dropped) and drop the GPU digests not read back."""
+        for _expectation, found, _ranges in self._pending:
+            if isinstance(found, StartedTensorDigests):
+                found.abandon()
+        self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=wait, cancel_futures=True)
 
@@ -160,19 +206,31 @@ class HostChecks:
             return
         self._pending.append((expectation, self.hash(named, device), ranges))
 
+    def start(self, expectation: Expectation, named: Sequence[tuple[str, Any]], device: Any,
+              ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Start hashing ``named`` (landed while later reads are in flight) and compare the
+        digests with ``expectation`` at :meth:`finish`: on the GPU, kernels queued now on
+        torch's current stream; in host memory, as :meth:`check`."""
+        if getattr(device, "type", device) != "cuda":
+            self.check(expectation, named, device, ranges)
+            return
+        self._pending.append((expectation, start_tensor_digests(named), ranges))
+
     def finish(self) -> None:
         """Wait for every digest; raise for the first batch with a tensor that differs."""
         if not self._pending:
             return
         from gdskit.verify import check_tensors  # noqa: PLC0415 - import time
 
-        for expectation, fut, ranges in self._pending:
-            check_tensors(expectation, fut.result(), ranges)
-        self._pending.clear()
+        while self._pending:
+            expectation, found, ranges = self._pending[0]
+            digests = found.result()
+            self._pending.pop(0)
+            check_tensors(expectation, digests, ranges)
 
 
 def merged(found: Iterable[concurrent.futures.Future[dict[str, str]]]) -> dict[str, str]:
-    """The digests of several :meth:`HostChecks.hash` calls, by name (waits for each)."""
+    """The digests of several :meth:`LoadChecks.hash` calls, by name (waits for each)."""
     out: dict[str, str] = {}
     for fut in found:
         out.update(fut.result())
@@ -216,5 +274,5 @@ class Sha256Check:
             raise self._outcome[0]
 
 
-__all__ = ["HostChecks", "Sha256Check", "batches", "check_loaded", "expectations", "hashes_while_reading", "merged",
-           "tensor_digests"]
+__all__ = ["LoadChecks", "Sha256Check", "StartedTensorDigests", "batches", "check_loaded", "expectations",
+           "hashes_while_reading", "merged", "start_tensor_digests", "tensor_digests"]
