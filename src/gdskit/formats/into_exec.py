@@ -35,7 +35,8 @@ from gdskit.formats import read_plan
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import LoadChecks, Sha256Check, expectations, merged, tensor_digests
+from gdskit.formats.verified import (LoadChecks, Sha256Check, StartedTensorDigests, expectations, merged,
+                                    tensor_digests)
 from gdskit.verify import OFF, Expectation, VerifyMode, blake3_hex, mismatch, verify_mode
 from gdskit.formats.into_plan import (DtypeMismatchError, Fill, IntoPlan, PartialLoadError,
                                       TargetInfo, UnsupportedTargetError, key_mismatch, plan_into)
@@ -219,7 +220,8 @@ def _check_conversions(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sour
 # -- execution ------------------------------------------------------------------
 
 def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor],
-                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress) -> bool:
+                 sources: Mapping[str, Source], shape: ReadShape, prog: Progress,
+                 digesting: Digesting | None = None) -> bool:
     """Whether copies into the targets were queued on torch's stream (out of a staging ring on
     a GPU): the caller waits for them at the end."""
     # The targets themselves are the destinations (the engine, or the copies out of the
@@ -237,7 +239,14 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
         depth = max(1, min(8, SMALL_RING_BYTES // max(plan.staging_bytes, 1)))
         execute(f, plan, device, dests=dests, progress=prog, scatter=False, depth=depth)
         return True
-    execute(f, plan, device, dests=dests, progress=prog)
+    landed = None
+    if digesting is not None and device.type == "cuda":
+        source_of = {fl.target: fl.source for fl in fills}
+
+        def landed(filled: dict[Any, torch.Tensor]) -> None:  # hashed on the GPU while the last reads run
+            digesting.landed_early([(source_of[name], t) for name, t in filled.items()], device)
+
+    execute(f, plan, device, dests=dests, progress=prog, landed=landed)
     return False
 
 
@@ -248,11 +257,15 @@ class Digesting:
 
     def __init__(self, checks: LoadChecks) -> None:
         self.checks = checks
-        self._found: list[concurrent.futures.Future[dict[str, str]]] = []
+        self._found: list[concurrent.futures.Future[dict[str, str]] | StartedTensorDigests] = []
 
     def landed(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
         """``named`` (records' bytes in contiguous tensors on ``device``) have landed: hash them."""
         self._found.append(self.checks.hash(named, device))
+
+    def landed_early(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """``named`` landed on a GPU while later reads are in flight: their kernels are queued now."""
+        self._found.append(self.checks.begin(named, device))
 
     def digests(self) -> dict[str, str]:
         """Every digest so far (waits for the hashing threads)."""
@@ -391,7 +404,7 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                                                  f"({file_sizes[path]} -> {f.size} bytes)")
                     for dev, (direct, staged) in per_device.items():
                         for run in _direct_runs(direct, sources, dev, digesting):
-                            if _fill_direct(f, dev, run, tensors, sources, shape, prog):
+                            if _fill_direct(f, dev, run, tensors, sources, shape, prog, digesting):
                                 copying.add(dev)
                                 queued.update(fl.target for fl in run)
                             done.extend(run)

@@ -156,6 +156,7 @@ class LoadChecks:
         self._workers = workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[tuple[Expectation, Any, Mapping[str, tuple[int, int]] | None]] = []
+        self._begun: list[StartedTensorDigests] = []
 
     def __enter__(self) -> LoadChecks:
         return self
@@ -166,9 +167,9 @@ class LoadChecks:
     def close(self, wait: bool = True) -> None:
         """End the hashing threads (``wait``: once the hashing under way has ended; what was not
         started is dropped) and drop the GPU digests not read back."""
-        for _expectation, found, _ranges in self._pending:
-            if isinstance(found, StartedTensorDigests):
-                found.abandon()
+        for started in self._begun:  # read back already, or dropped here
+            started.abandon()
+        self._begun.clear()
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=wait, cancel_futures=True)
@@ -206,15 +207,23 @@ class LoadChecks:
             return
         self._pending.append((expectation, self.hash(named, device), ranges))
 
+    def begin(self, named: Sequence[tuple[str, Any]], device: Any) -> StartedTensorDigests:
+        """The digests of ``named`` (contiguous tensors on GPU ``device``, landed while later reads
+        are in flight), started: kernels queued now on torch's current stream. Dropped at
+        :meth:`close` if not read back by then."""
+        started = start_tensor_digests(named)
+        self._begun.append(started)
+        return started
+
     def start(self, expectation: Expectation, named: Sequence[tuple[str, Any]], device: Any,
               ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
         """Start hashing ``named`` (landed while later reads are in flight) and compare the
         digests with ``expectation`` at :meth:`finish`: on the GPU, kernels queued now on
-        torch's current stream; in host memory, as :meth:`check`."""
+        torch's current stream (:meth:`begin`); in host memory, as :meth:`check`."""
         if getattr(device, "type", device) != "cuda":
             self.check(expectation, named, device, ranges)
             return
-        self._pending.append((expectation, start_tensor_digests(named), ranges))
+        self._pending.append((expectation, self.begin(named, device), ranges))
 
     def finish(self) -> None:
         """Wait for every digest; raise for the first batch with a tensor that differs."""
@@ -229,8 +238,9 @@ class LoadChecks:
             check_tensors(expectation, digests, ranges)
 
 
-def merged(found: Iterable[concurrent.futures.Future[dict[str, str]]]) -> dict[str, str]:
-    """The digests of several :meth:`LoadChecks.hash` calls, by name (waits for each)."""
+def merged(found: Iterable[concurrent.futures.Future[dict[str, str]] | StartedTensorDigests]) -> dict[str, str]:
+    """The digests of several :meth:`LoadChecks.hash` or :meth:`LoadChecks.begin` calls, by name
+    (waits for each)."""
     out: dict[str, str] = {}
     for fut in found:
         out.update(fut.result())
