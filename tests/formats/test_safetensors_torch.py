@@ -506,16 +506,19 @@ def test_execute_hands_over_the_first_tensors_whole_before_the_last(tmp_path, mo
     p = read_plan.plan(extents, small=1 << 20, max_group=1 << 20, max_gap=0)
     cut = torch_io.landed_split(p.direct)
     assert 0 < cut < len(extents)
-    seen: list[tuple[list[str], bool]] = []
+    seen: list[tuple[list[str], bool, bool]] = []
+    jobs: list[Any] = []
 
     def landed(tensors) -> None:
         # Each handed-over tensor holds its bytes already, whatever the rest are doing.
         whole = all(bytes(t.numpy()) == data[e.file_offset:e.end] for e, t in zip(extents, tensors.values()))
-        seen.append((list(tensors), whole))
+        seen.append((list(tensors), whole, jobs[0].done()))
 
     with gdskit.open(path) as f:
+        real = f.pread_many
+        monkeypatch.setattr(f, "pread_many", lambda *a, **k: jobs.append(real(*a, **k)) or jobs[-1])
         out = torch_io.execute(f, p, torch.device("cpu"), landed=landed)
-    assert seen == [([e.key for e in extents[:cut]], True)]
+    assert seen == [([e.key for e in extents[:cut]], True, True)] and len(jobs) == 2
     for e in extents:
         assert bytes(out[e.key].numpy()) == data[e.file_offset:e.end], e.key
 
