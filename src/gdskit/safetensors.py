@@ -353,9 +353,10 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
 def _hash_when_landed(checks: LoadChecks, expectation: Any, device: Any, spans: dict[str, tuple[int, int]],
                       started: set[str]) -> Any:
-    """For ``execute(landed=...)`` on a GPU: tensors landed while the last ones are still read
-    have their digests started at once (the kernels run meanwhile); their names go to ``started``."""
-    if device.type != "cuda":
+    """For ``execute(landed=...)`` where the load starts digests early (a GPU): tensors landed while
+    the last ones are still read have their digests started at once (the kernels run meanwhile);
+    their names go to ``started``."""
+    if not checks.hashes_when_landed(device):
         return None
 
     def landed(tensors: dict[Any, Any]) -> None:

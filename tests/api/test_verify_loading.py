@@ -593,3 +593,12 @@ def test_host_memory_alone_is_hashed_while_the_reads_run():
     assert hashes_while_reading(True, torch.device("cpu")) and hashes_while_reading(True, "cpu")
     assert not hashes_while_reading(False, torch.device("cpu"))
     assert not hashes_while_reading(True, torch.device("cuda", 0)) and not hashes_while_reading(True, "cuda:0")
+
+
+def test_gpu_memory_alone_has_its_digests_started_as_tensors_land():
+    from gdskit.formats.verified import hashes_when_landed
+
+    assert hashes_when_landed(True, torch.device("cuda", 0)) and hashes_when_landed(True, "cuda:0")
+    assert hashes_when_landed(True, "cuda")
+    assert not hashes_when_landed(False, torch.device("cuda", 0))
+    assert not hashes_when_landed(True, torch.device("cpu")) and not hashes_when_landed(True, "cpu")

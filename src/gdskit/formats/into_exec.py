@@ -240,7 +240,7 @@ def _fill_direct(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
         execute(f, plan, device, dests=dests, progress=prog, scatter=False, depth=depth)
         return True
     landed = None
-    if digesting is not None and device.type == "cuda":
+    if digesting is not None and digesting.checks.hashes_when_landed(device):
         source_of = {fl.target: fl.source for fl in fills}
 
         def landed(filled: dict[Any, torch.Tensor]) -> None:  # hashed on the GPU while the last reads run

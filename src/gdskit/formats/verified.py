@@ -120,6 +120,13 @@ def hashes_while_reading(verifying: bool, device: Any) -> bool:
     return verifying and getattr(device, "type", device) == "cpu"
 
 
+def hashes_when_landed(verifying: bool, device: Any) -> bool:
+    """Whether a verified load starts the digests of tensors that have landed while its later reads
+    are still in flight (``execute(landed=...)``, :meth:`LoadChecks.start`): for GPU memory, where
+    the kernels run beside those reads. Every reader asks this, and only this."""
+    return verifying and str(getattr(device, "type", device)).partition(":")[0] == "cuda"
+
+
 def batches(items: Sequence[Any], nbytes: Any, limit: int = HOST_BATCH_BYTES) -> list[list[Any]]:
     """``items`` (in file order) cut into consecutive runs of about ``limit`` bytes (``nbytes(item)``)."""
     out: list[list[Any]] = []
@@ -178,6 +185,10 @@ class LoadChecks:
         """Whether tensors landing on ``device`` are hashed while later runs are read."""
         return hashes_while_reading(self.verifying, device)
 
+    def hashes_when_landed(self, device: Any) -> bool:
+        """Whether tensors landing on ``device`` have their digests started while later reads run."""
+        return hashes_when_landed(self.verifying, device)
+
     def runs(self, items: Sequence[Any], nbytes: Any, device: Any) -> list[list[Any]]:
         """``items`` (in file order) as the runs to read one after another onto ``device``:
         batches of about :data:`HOST_BATCH_BYTES` where the hashing overlaps the reads, else all
@@ -220,7 +231,7 @@ class LoadChecks:
         """Start hashing ``named`` (landed while later reads are in flight) and compare the
         digests with ``expectation`` at :meth:`finish`: on the GPU, kernels queued now on
         torch's current stream (:meth:`begin`); in host memory, as :meth:`check`."""
-        if getattr(device, "type", device) != "cuda":
+        if not self.hashes_when_landed(device):
             self.check(expectation, named, device, ranges)
             return
         self._pending.append((expectation, self.begin(named, device), ranges))
@@ -285,4 +296,4 @@ class Sha256Check:
 
 
 __all__ = ["LoadChecks", "Sha256Check", "StartedTensorDigests", "batches", "check_loaded", "expectations",
-           "hashes_while_reading", "merged", "start_tensor_digests", "tensor_digests"]
+           "hashes_when_landed", "hashes_while_reading", "merged", "start_tensor_digests", "tensor_digests"]
