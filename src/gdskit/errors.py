@@ -272,6 +272,16 @@ class ReaderProcessError(GdskitError, RuntimeError):
     died (killed, out of memory), or answered something that is not an answer."""
 
 
+class ResidentLoaderError(GdskitError, RuntimeError):
+    """The resident loader (``gdskit serve``) could not serve a load that had to go through it
+    (``GDSKIT_RESIDENT=require``), failed after writing began, stopped answering, or is not
+    this user's; ``.reason`` says which in a few words."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
 class GroupError(GdskitError, RuntimeError):
     """A load over a process group (``process_group=``) failed on another rank, timed out waiting
     for one, or lost one; ``ranks`` names the ranks known to have failed (empty when unknown).

@@ -28,7 +28,7 @@ from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError,
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
 from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.engine import open_file, stats, stats_delta
+from gdskit.engine import open_file, read_through_resident, resident_worth_asking, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.verified import LoadChecks, Sha256Check, check_loaded, expectations, tensor_digests
 from gdskit.verify import HEADER_KEY, OFF, VerifyMode, verify_mode
@@ -305,11 +305,18 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
+    resident = None if mode.on else _resident_device(torch, dev)  # verified loads read here
     with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
         for p, h in headers:
             entries = by_file.get(p)
             if not entries:
                 continue
+            if resident is not None:
+                served = _through_resident(torch, p, h, entries, types, dev, prog)
+                if served is not None:
+                    raw.update(served)
+                    continue
+                resident = None  # not served (why: GDSKIT_RESIDENT=require raises it): the rest here too
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
             runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)
@@ -349,6 +356,32 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+
+
+def _resident_device(torch: Any, dev: Any) -> int | None:
+    """The GPU number whose resident loader (``gdskit serve``) a load onto ``dev`` asks first;
+    None where there is none to ask (a host load, none listening, ``GDSKIT_RESIDENT=off``)."""
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return index if resident_worth_asking(index) else None
+
+
+def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],
+                      types: dict[str, Any], dev: Any, prog: Progress) -> dict[str, Any] | None:
+    """``entries`` of ``path`` read by the resident loader into tensors made here; None where it
+    did not serve (nothing was written: the caller reads them itself)."""
+    made = {}
+    for e in entries:
+        dt, shape = types[e.name]
+        made[e.name] = torch.empty(shape, dtype=dt, device=dev)
+    torch.cuda.synchronize(dev)  # blocks the allocator hands out may still be in use by queued work
+    targets = [(made[e.name].data_ptr(), e.nbytes, header.data_start + e.start) for e in entries]
+    try:
+        why_not = read_through_resident(path, header.file_size, targets, on_bytes=prog.advance)
+    except fmt.FormatError as exc:
+        raise with_path(exc, path) from None
+    return made if why_not is None else None
 
 
 def _hash_when_landed(checks: LoadChecks, expectation: Any, device: Any, spans: dict[str, tuple[int, int]],

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdskit.errors import ConfigError, EnvironmentVariableError
-from gdskit.vocabulary import CufileBatch, IoUring, Mode, ODirectPolicy, PinnedAlloc, Routing
+from gdskit.vocabulary import CufileBatch, IoUring, Mode, ODirectPolicy, PinnedAlloc, Resident, Routing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -82,7 +82,8 @@ def _one_of(values: Any) -> str:
 
 #: The settings that take one of an enum's values (a name, in any case).
 _CHOICES: dict[str, type[enum.Enum]] = {"mode": Mode, "pinned_alloc": PinnedAlloc, "odirect": ODirectPolicy,
-                                        "routing": Routing, "cufile_batch": CufileBatch, "io_uring": IoUring}
+                                        "routing": Routing, "cufile_batch": CufileBatch, "io_uring": IoUring,
+                                        "resident": Resident}
 
 #: What each setting's variable takes, in words, for the error an invalid value raises.
 _ACCEPTS = {
@@ -184,6 +185,10 @@ class Settings:
         Reads of one request (``read_many``, ``read_batch``), into host memory or into one GPU's,
         whose bytes lie at most this far apart in an object are served by one ranged GET, the
         bytes between them read and dropped (``GDSKIT_S3_COALESCE_GAP``); 0 to 64 MiB, 0 merges only reads that touch.
+    resident : Resident
+        Whether a checkpoint's load onto a GPU goes through this user's resident loader
+        (``gdskit serve``, docs/resident.md; ``GDSKIT_RESIDENT``): ``auto`` where one is
+        listening for that GPU, ``off`` never, ``require`` always (or an error saying why not).
     """
 
     mode: Mode = Mode.AUTO
@@ -205,6 +210,7 @@ class Settings:
     s3_max_retries: int = 5
     s3_backoff: float = 0.1
     s3_coalesce_gap: int = 1 * MiB
+    resident: Resident = Resident.AUTO
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()

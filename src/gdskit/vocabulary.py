@@ -124,6 +124,17 @@ class CufileBatch(str, enum.Enum):
         return self.value
 
 
+class Resident(str, enum.Enum):
+    """Whether GPU loads go through this user's resident loader (``settings.resident``)."""
+
+    AUTO = "auto"        # where ``gdskit serve`` is listening for the load's GPU; otherwise in this process
+    OFF = "off"          # always in this process
+    REQUIRE = "require"  # through it, or a ResidentLoaderError saying why not
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class IoUring(str, enum.Enum):
     """Whether batches of small host reads go through io_uring (``settings.io_uring``)."""
 

@@ -36,7 +36,7 @@ def _root(
 
 
 # Sub-command modules, in the order `gdskit --help` lists them.
-_COMMAND_MODULES = ("check", "bench", "accept", "stats", "run", "digest", "uploads")
+_COMMAND_MODULES = ("check", "bench", "accept", "stats", "run", "digest", "uploads", "serve")
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"gdskit.cli.{_name}").register(app)

@@ -200,6 +200,22 @@ def spread(n: int, k: int) -> list[int]:
     return engine_spread(n, k)
 
 
+def resident_worth_asking(device: int) -> bool:
+    """Whether a load onto GPU ``device`` should go to the resident loader (``gdskit serve``):
+    one is listening for it, or ``settings.resident`` requires it (docs/resident.md)."""
+    from gdskit.engine.resident.client import worth_asking  # noqa: PLC0415 - import time
+    return worth_asking(device)
+
+
+def read_through_resident(path: str, file_size: int, targets: Any,
+                          on_bytes: Callable[[int], None] | None = None) -> str | None:
+    """Read ``(pointer, bytes, file offset)`` of GPU memory each from ``path`` through the resident
+    loader; None once all landed, else why it did not serve (nothing written: read here).
+    :func:`gdskit.engine.resident.client.read_to_gpu` says what it raises."""
+    from gdskit.engine.resident.client import read_to_gpu  # noqa: PLC0415 - import time
+    return read_to_gpu(path, file_size, targets, on_bytes=on_bytes)
+
+
 def stats() -> Any:
     """A snapshot of the engine's ledger."""
     from gdskit.engine.ledger import stats as ledger_stats  # noqa: PLC0415 - import time

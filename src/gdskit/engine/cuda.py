@@ -479,6 +479,39 @@ def device_pci_bus_id(device: int) -> str:
         return text
 
 
+def device_uuid(device: int) -> str:
+    """The device's UUID as ``nvidia-smi -L`` writes it, without ``GPU-`` (the same whatever
+    ``CUDA_VISIBLE_DEVICES`` numbers it as)."""
+    drv = _driver()
+    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+    get = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
+    raw = check(get(dev), "cuDeviceGetUuid")
+    h = bytes(getattr(raw, "bytes", raw))[:16].hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def open_ipc_memory(device: int, handle: bytes) -> tuple[int, int]:
+    """Map another process's allocation (its CUDA IPC handle, 64 bytes) into ``device``'s primary
+    context: ``(pointer, bytes)``. Undo with :func:`close_ipc_memory`."""
+    drv = _driver()
+    h = drv.CUipcMemHandle()
+    h.reserved = bytes(handle)
+    with on_device(device):
+        ptr = int(check(drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                        "cuIpcOpenMemHandle"))
+        try:
+            _base, size = check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        except BaseException:
+            drv.cuIpcCloseMemHandle(ptr)
+            raise
+    return ptr, int(size)
+
+
+def close_ipc_memory(device: int, ptr: int) -> None:
+    with on_device(device):
+        check(_driver().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+
 def can_access_peer(device: int, peer: int) -> bool:
     """Whether ``device`` can reach ``peer``'s memory directly (NVLink or PCIe peer to peer),
     as the driver says (``cuDeviceCanAccessPeer``); False for a device and itself."""

@@ -41,13 +41,14 @@ from typing import Any
 
 import numpy as np
 
+from gdskit.engine import framing
+from gdskit.engine.framing import send_message
 from gdskit.errors import ReaderProcessError, call_each, from_os_error
 from gdskit.shutdown import STOP_WORK, ClosedAtExit
 
-__all__ = ["ReaderProcessError", "ReaderProcesses", "SharedSlot"]
+__all__ = ["ReaderProcessError", "ReaderProcesses", "SharedSlot", "recv_message", "send_message"]
 
 KIND_INIT, KIND_READ, KIND_DONE, KIND_ERROR = b"I", b"R", b"D", b"E"
-_FRAME = struct.Struct("<IB")
 _READ_HEAD = struct.Struct("<QI")
 _GROUP_HEAD = struct.Struct("<III")
 _U32 = struct.Struct("<I")
@@ -58,29 +59,10 @@ CLOSE_WAIT_S = 5.0
 _GRAIN = 64 << 10
 
 
-# -- framing (both sides) -------------------------------------------------------------------------
-def send_message(sock: socket.socket, kind: bytes, payload: bytes) -> None:
-    sock.sendall(_FRAME.pack(len(payload), kind[0]) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise EOFError("the other side closed the connection")
-        got += k
-    return buf
-
-
+# -- framing (both sides): gdskit.engine.framing -----------------------------------------------
 def recv_message(sock: socket.socket) -> tuple[bytes, bytearray]:
     """The next message's kind and payload; EOFError where the other side has closed."""
-    length, kind = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if length > MAX_MESSAGE:
-        raise ValueError(f"a message of {length} bytes (at most {MAX_MESSAGE})")
-    return bytes((kind,)), _recv_exact(sock, length) if length else bytearray()
+    return framing.recv_message(sock, MAX_MESSAGE)
 
 
 def pack_read(base: int, groups: Sequence[tuple[int, int, Sequence[int], Sequence[int]]]) -> bytes:

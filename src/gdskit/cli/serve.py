@@ -1,0 +1,76 @@
+"""``gdskit serve``: the resident loader of one GPU, in the foreground (docs/resident.md).
+
+Exit status: 0 stopped by Ctrl-C or SIGTERM; 2 it could not start (no such GPU, a loader
+already listening, a socket directory that is not this user's alone).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+import typer
+
+from gdskit.cli import cli_errors
+
+_HELP = (
+    "Keep gdskit's engine warm for one GPU (modules imported, pinned lanes registered, worker "
+    "threads started) and read checkpoints into other processes' memory on this GPU: a fresh "
+    "program's first load then runs at a warm one's rate. Loads of this user use it where it "
+    "listens (GDSKIT_RESIDENT=auto, the default; off: never; require: always or an error).\n\n"
+    "The socket is $XDG_RUNTIME_DIR/gdskit/resident-<GPU UUID>.sock (else /tmp/gdskit-<uid>/), in a "
+    "directory only this user can enter; other users' connections are refused. One line is "
+    "printed per load (--json: one JSON object per line). Ctrl-C or SIGTERM stops it."
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help=_HELP)(serve)
+
+
+def serve(
+    device: int = typer.Option(0, "--device", "-d", min=0, help="The GPU to serve (as CUDA numbers it here)."),
+    host: bool = typer.Option(False, "--host", help="Serve host memory only (a machine without a GPU; tests)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line, for programs."),
+) -> None:
+    from gdskit.engine.resident.server import ResidentLoader  # noqa: PLC0415 - import time
+
+    def say(kind: str, detail: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps({"event": kind, **detail}), flush=True)
+        elif kind == "served":
+            print(f"served {detail['path']}: {detail['bytes'] / 1e9:.2f} GB in {detail['seconds'] * 1e3:.0f} ms "
+                  f"({detail['bytes'] / max(detail['seconds'], 1e-9) / 1e9:.1f} GB/s)", flush=True)
+        elif kind == "listening":
+            print(f"gdskit serve: {detail['serves']} at {detail['socket']}; Ctrl-C to stop", flush=True)
+        elif kind == "stopped":
+            t = detail["totals"]
+            print(f"gdskit serve: stopped after {t['requests']} loads ({t['bytes'] / 1e9:.2f} GB), "
+                  f"{t['refused']} refused, {t['failed']} failed", flush=True)
+        else:
+            print(f"{kind}: {detail.get('why') or detail.get('error')}", flush=True)
+
+    loader = ResidentLoader(None if host else device, on_event=say)
+    with cli_errors("serve"):
+        path = loader.start()
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        stop.set()
+        loader.close()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        say("listening", {"socket": path, "serves": "host memory" if host else f"GPU {device} ({loader.gpu})",
+                          "gpu": loader.gpu})
+        with cli_errors("serve"):
+            loader.serve_forever()
+    finally:
+        loader.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    say("stopped", {"totals": loader.totals.as_dict()})
+    sys.stdout.flush()

@@ -1,0 +1,195 @@
+"""A load's side of the resident loader: hand it the open file and the destinations, take back
+progress, the ledger rows, or why it did not serve.
+
+Light on purpose (the standard library and ctypes): a fresh process that loads through the
+resident loader never imports the engine's reading modules or the driver's bindings.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gdskit.engine.framing import recv_message, send_with_fds
+from gdskit.engine.resident import ipc
+from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REPLY,
+                                         STALL_S, pack_request, peer_uid, private_dir_problem, socket_dir,
+                                         socket_path, unpack_json, unpack_progress)
+from gdskit.errors import GdskitError, ResidentLoaderError, TruncatedFileError, from_os_error
+from gdskit.settings import settings
+from gdskit.vocabulary import Resident
+
+OnBytes = Callable[[int], None]
+
+
+def worth_asking(device: int) -> bool:
+    """Whether a load onto GPU ``device`` should make its destinations for the resident loader
+    before reading: a socket is there for that GPU (one stat), or the setting requires it.
+    Costs a few driver calls, never an import of the bindings."""
+    mode = settings.resident
+    if mode is Resident.OFF:
+        return False
+    if mode is Resident.REQUIRE:
+        return True
+    try:
+        where = socket_path(ipc.ordinal_uuid(device))
+    except ipc.IpcUnavailable:
+        return False
+    try:
+        return stat.S_ISSOCK(os.lstat(where).st_mode)
+    except OSError:
+        return False
+
+
+def read_to_gpu(path: str, file_size: int, targets: Sequence[tuple[int, int, int]], *,
+                on_bytes: OnBytes | None = None) -> str | None:
+    """Read each ``(pointer, bytes, file offset)`` of ``path`` (``file_size`` bytes, as its header
+    said) into this process's GPU memory through the resident loader of that GPU.
+
+    Returns None once every byte has landed (the loader's ledger rows are added to this
+    process's ledger), else why it was not served: nothing was written then, and the caller
+    reads itself. With ``settings.resident`` ``require`` that reason is raised instead, as
+    :class:`~gdskit.errors.ResidentLoaderError`. Raises the file's own errors
+    (``TruncatedFileError``, ``GdskitFileNotFoundError``...) as a read in this process would,
+    and ResidentLoaderError where the loader failed after writing began or stopped answering.
+    The caller has waited for any work queued on the destinations.
+    """
+    mode = settings.resident
+    if mode is Resident.OFF:
+        return "off (GDSKIT_RESIDENT=off)"
+    if not targets:
+        return _not_served(mode, "nothing to read")
+    try:
+        gpu = ipc.device_uuid(targets[0][0])
+        segments = ipc.Segments()
+        reads = []
+        for ptr, nbytes, offset in targets:
+            seg, at = segments.place(ptr, nbytes)
+            reads.append((seg, at, offset, nbytes))
+    except ipc.IpcUnavailable as exc:
+        return _not_served(mode, f"the destinations cannot be shared with another process: {exc}")
+    total = sum(n for _p, n, _o in targets)
+    return _exchange(socket_path(gpu), path, file_size, total, gpu, segments.handles, reads, [], on_bytes, mode)
+
+
+def read_to_shared(path: str, file_size: int, memfd: int, reads: Sequence[tuple[int, int, int]], *,
+                   on_bytes: OnBytes | None = None) -> str | None:
+    """As :func:`read_to_gpu`, into the shared mapping ``memfd`` (host memory, ``(place in it,
+    bytes, file offset)`` each), through the loader that serves no GPU (``gdskit serve --host``)."""
+    mode = settings.resident
+    if mode is Resident.OFF:
+        return "off (GDSKIT_RESIDENT=off)"
+    quads = [(0, place, offset, nbytes) for place, nbytes, offset in reads]
+    total = sum(n for _p, n, _o in reads)
+    return _exchange(socket_path(HOST), path, file_size, total, None, ["memfd"], quads, [memfd], on_bytes, mode)
+
+
+def _not_served(mode: Resident, reason: str) -> str:
+    if mode is Resident.REQUIRE:
+        raise ResidentLoaderError(f"the load could not go through the resident loader (GDSKIT_RESIDENT=require): "
+                                  f"{reason}", reason)
+    return reason
+
+
+def _exchange(where: str, path: str, file_size: int, total: int, gpu: str | None, segments: list[str],
+              reads: list[tuple[int, int, int, int]], fds: list[int], on_bytes: OnBytes | None,
+              mode: Resident) -> str | None:
+    problem = private_dir_problem(socket_dir())
+    if problem is not None:
+        return _not_served(mode, f"no resident loader ({problem})")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(STALL_S)
+        try:
+            sock.connect(where)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return _not_served(mode, f"no resident loader is listening at {where}")
+        except OSError as exc:
+            return _not_served(mode, f"cannot reach the resident loader at {where}: {exc.strerror or exc}")
+        if peer_uid(sock) != os.getuid():
+            return _not_served(mode, f"the resident loader at {where} runs as another user")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != file_size:
+                raise TruncatedFileError(f"changed size after its header was read ({file_size} -> {size} bytes)",
+                                         path=path)
+            payload = pack_request(os.path.abspath(path), file_size, gpu, segments, reads)
+            try:
+                send_with_fds(sock, KIND_REQUEST, payload, [fd, *fds])
+            except OSError as exc:  # it went away between connect and request: nothing was written
+                return _not_served(mode, f"the resident loader at {where} closed the connection ({exc})")
+        finally:
+            os.close(fd)
+        return _answer(sock, where, path, total, on_bytes, mode)
+    finally:
+        sock.close()
+
+
+def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: OnBytes | None,
+            mode: Resident) -> str | None:
+    landed = 0
+    while True:
+        try:
+            kind, payload = recv_message(sock, MAX_REPLY)
+        except TimeoutError:
+            raise ResidentLoaderError(f"the resident loader at {where} stopped answering for {STALL_S:.0f} s "
+                                      f"during a load of {path}", "stopped answering") from None
+        except (EOFError, ConnectionResetError):
+            # The loader ends a connection only once its reads for it have stopped (or it died,
+            # and its copies with it): reading everything again here is safe.
+            return _not_served(mode, "the resident loader went away mid-load")
+        except ValueError as exc:
+            raise ResidentLoaderError(f"the resident loader at {where} answered something that is not an "
+                                      f"answer ({exc})", "bad answer") from None
+        try:
+            if kind == KIND_PROGRESS:
+                now = unpack_progress(payload)
+                if on_bytes is not None and landed < now <= total:
+                    on_bytes(now - landed)
+                    landed = now
+                continue
+            if kind == KIND_DONE:
+                reply = unpack_json(payload, ("bytes", "rows"))
+                if reply["bytes"] != total:
+                    raise ResidentLoaderError(f"the resident loader landed {reply['bytes']} of {total} bytes "
+                                              f"of {path}", "short")
+                _add_rows(reply["rows"])
+                if on_bytes is not None and landed < total:
+                    on_bytes(total - landed)
+                return None
+            if kind == KIND_ERROR:
+                err = unpack_json(payload, ("type", "message", "refused"))
+                if err["refused"]:
+                    return _not_served(mode, f"the resident loader refused: {err['message']}")
+                raise _remote_error(err, path)
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, GdskitError):
+                raise
+            raise ResidentLoaderError(f"the resident loader at {where} answered something that is not an "
+                                      f"answer ({exc})", "bad answer") from None
+        raise ResidentLoaderError(f"the resident loader at {where} sent a message of kind {kind!r}", "bad answer")
+
+
+def _add_rows(rows: Any) -> None:
+    from gdskit.engine import add_ledger_rows  # noqa: PLC0415 - the ledger, once bytes have landed
+
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 8 for r in rows):
+        raise ValueError("ledger rows of the wrong shape")
+    add_ledger_rows(rows)
+
+
+def _remote_error(err: dict[str, Any], path: str) -> Exception:
+    """The loader's error as the read in this process would have raised it."""
+    kind, message, code = str(err["type"]), str(err["message"]), err.get("errno")
+    if kind == "TruncatedFileError":
+        return TruncatedFileError(message, path=path)
+    if isinstance(code, int) and not isinstance(code, bool) and code > 0:
+        return from_os_error(OSError(code, message), path)
+    return ResidentLoaderError(f"the resident loader failed reading {path}: {kind}: {message}", "failed")

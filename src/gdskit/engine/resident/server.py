@@ -1,0 +1,365 @@
+"""``gdskit serve``'s side of the resident loader: keep the engine warm for one GPU and read
+checkpoints into other processes' memory on request (docs/resident.md).
+
+Each connection is one request, handled on its own thread; requests run one at a time (the
+ledger rows of each are its own). The loader never lets go of a client's memory while its
+copies are in flight: a client that goes away mid-load is answered by nobody, but the reads run
+to their end before the mappings are closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gdskit.engine.framing import recv_with_fds, send_message
+from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
+                                         MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
+                                         pack_progress, peer_uid, socket_dir, socket_path, unpack_request)
+from gdskit.threads import start_thread
+from gdskit.errors import GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
+
+#: Requests waiting for the one under way, beyond which clients are refused at connect.
+BACKLOG = 64
+
+
+class Refused(Exception):
+    """A request turned down before anything was written (the client reads itself)."""
+
+
+class ServedTotals:
+    """What a loader has done since it started (``gdskit serve`` prints it)."""
+
+    __slots__ = ("requests", "bytes", "refused", "failed", "seconds")
+
+    def __init__(self) -> None:
+        self.requests = self.bytes = self.refused = self.failed = 0
+        self.seconds = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class ResidentLoader:
+    """The resident loader of GPU ``device`` (None: host memory only, for a machine without one).
+
+    ``start()`` warms the engine and listens; ``serve_forever()`` answers until ``close()``
+    (from another thread or a signal handler). ``on_event(kind, detail)`` hears of each
+    request's end (``"served"``, ``"refused"``, ``"failed"``)."""
+
+    def __init__(self, device: int | None, *, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise InvalidArgumentError(f"device must be a GPU number, got {device!r}")
+        self.device = device
+        self.gpu = HOST
+        self.path = ""
+        self.totals = ServedTotals()
+        self._on_event = on_event or (lambda _kind, _detail: None)
+        self._listener: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._one_at_a_time = threading.Lock()
+        self._closed = threading.Event()
+
+    # -- life -------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Warm the engine (pinned lanes, streams, worker threads, direct-route facts), then listen;
+        the socket's path. ResidentLoaderError where a loader already listens there."""
+        import gdskit.engine.pool as pool  # noqa: PLC0415 - the loader's own start-up
+        import gdskit.engine.file  # noqa: F401,PLC0415 - every reading module, now rather than on a request
+
+        if self.device is not None:
+            import gdskit.engine.cuda as cuda  # noqa: PLC0415
+
+            if not cuda.available() or self.device >= cuda.device_count():
+                raise ResidentLoaderError(f"GPU {self.device} is not available here "
+                                          f"({cuda.device_count()} GPU(s) seen)", "no such GPU")
+            self.gpu = cuda.device_uuid(self.device)
+        pool.set_up(self.device, None)
+        make_private_dir(socket_dir())
+        self.path = socket_path(self.gpu)
+        if len(self.path.encode()) > MAX_SOCKET_PATH:
+            raise InvalidArgumentError(f"the socket path {self.path} is longer than a Unix socket's "
+                                       f"{MAX_SOCKET_PATH} bytes (set XDG_RUNTIME_DIR to a shorter directory)")
+        self._listener = self._listen(self.path)
+        return self.path
+
+    def _listen(self, path: str) -> socket.socket:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+                raise GdskitPermissionError(f"{path} exists and is not this user's socket; not replaced")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)  # a loader that ended without cleaning up
+            else:
+                raise ResidentLoaderError(f"a resident loader already listens at {path}", "already serving")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            old = os.umask(0o077)
+            try:
+                sock.bind(path)
+            finally:
+                os.umask(old)
+            sock.listen(BACKLOG)
+            st = os.stat(path)
+            self._inode = (st.st_dev, st.st_ino)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def serve_forever(self) -> None:
+        listener = self._listener
+        if listener is None:
+            raise ResidentLoaderError("start() the loader before serving", "not started")
+        listener.settimeout(0.2)  # so that close() from another thread is seen
+        while not self._closed.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                raise
+            start_thread(functools.partial(self._connection, conn), "gdskit-resident")
+
+    def close(self) -> None:
+        """Stop listening and remove the socket (if it is still the one this loader made); a request
+        under way runs to its end."""
+        self._closed.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        if self._inode is not None and self.path:
+            try:
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            self._inode = None
+        with self._one_at_a_time:  # the request under way, if any, has ended
+            pass
+
+    def __enter__(self) -> ResidentLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one request -----------------------------------------------------------------------------
+    def _connection(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            if peer_uid(conn) != os.getuid():
+                self._event("refused", {"why": "a client of another user"})
+                return
+            conn.settimeout(30)  # a request arrives at once after connect
+            try:
+                kind, payload, fds = recv_with_fds(conn, MAX_REQUEST, max_fds=2)
+            except (EOFError, ValueError, OSError) as exc:
+                self._event("refused", {"why": f"no request ({exc})"})
+                return
+            conn.settimeout(None)
+            with self._one_at_a_time:
+                self._request(conn, kind, payload, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    def _request(self, conn: socket.socket, kind: bytes, payload: bytearray, fds: list[int]) -> None:
+        t0 = time.monotonic()
+        dest: _Destinations | None = None
+        try:
+            dest = self._answer(conn, kind, payload, fds, t0)
+        finally:
+            # After the answer: the client goes on while the mappings are closed (its copies
+            # have all completed by then).
+            if dest is not None:
+                dest.close()
+
+    def _answer(self, conn: socket.socket, kind: bytes, payload: bytearray, fds: list[int],
+                t0: float) -> _Destinations | None:
+        dest: _Destinations | None = None
+        try:
+            if kind != KIND_REQUEST:
+                raise Refused(f"a message of kind {kind!r}, not a request")
+            try:
+                req = unpack_request(payload)
+            except ValueError as exc:
+                raise Refused(str(exc)) from None
+            dest = self._destinations(req, fds)
+            nbytes, rows = self._read(conn, req, fds[0], dest)
+        except Refused as exc:
+            self.totals.refused += 1
+            self._event("refused", {"why": str(exc)})
+            _reply(conn, KIND_ERROR, {"type": "Refused", "message": str(exc), "refused": True, "errno": None})
+            return dest
+        except Exception as exc:  # noqa: BLE001 - the client raises it in its own place
+            self.totals.failed += 1
+            code = getattr(exc, "errno", None)
+            self._event("failed", {"error": f"{type(exc).__name__}: {exc}"})
+            _reply(conn, KIND_ERROR, {"type": type(exc).__name__, "refused": False,
+                                      "errno": code if isinstance(code, int) else None,
+                                      "message": (getattr(exc, "strerror", None) or str(exc))
+                                      if isinstance(code, int) else str(exc)})
+            return dest
+        seconds = time.monotonic() - t0
+        self.totals.requests += 1
+        self.totals.bytes += nbytes
+        self.totals.seconds += seconds
+        self._event("served", {"path": req.path, "bytes": nbytes, "seconds": seconds})
+        _reply(conn, KIND_DONE, {"bytes": nbytes, "rows": rows})
+        return dest
+
+    def _destinations(self, req: Request, fds: list[int]) -> _Destinations:
+        """The request checked against the file and this loader; its memory, mapped."""
+        host = self.device is None
+        if (req.device or HOST) != self.gpu:
+            raise Refused(f"this loader serves {'host memory' if host else 'GPU ' + self.gpu}, "
+                          f"not {req.device or 'host memory'}")
+        if len(fds) != (2 if host else 1) or not req.segments:
+            raise Refused("a request without its file (and, for host memory, its shared mapping)")
+        st = os.fstat(fds[0])
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused("the descriptor sent is not a regular file")
+        if st.st_size != req.file_size:
+            raise Refused(f"the file has {st.st_size} bytes, not the {req.file_size} its header said")
+        for seg, at, offset, n in req.reads:
+            if not (0 <= seg < len(req.segments) and at >= 0 and n > 0 and offset >= 0
+                    and offset + n <= req.file_size):
+                raise Refused(f"a read ({seg}, {at}, {offset}, {n}) outside the file or its segments")
+        return _Destinations(self.device, req, fds)
+
+    def _read(self, conn: socket.socket, req: Request, fd: int, dest: _Destinations) -> tuple[int, list[list[Any]]]:
+        from gdskit.engine.file import open as open_file  # noqa: PLC0415 - imported at start()
+        from gdskit.engine.ledger import ledger  # noqa: PLC0415
+
+        ledger.reset()
+        views = dest.views(req.reads)
+        landed = [0]
+
+        def count(n: int) -> None:
+            landed[0] += n
+
+        with open_file(f"/proc/self/fd/{fd}", "r") as f:
+            if f.size != req.file_size:
+                raise Refused(f"the file has {f.size} bytes, not the {req.file_size} its header said")
+            job = f.pread_many([(v, n, offset) for v, (_s, _a, offset, n) in zip(views, req.reads)],
+                               on_bytes=count)
+            talking = True
+            while True:
+                try:
+                    counts = job.result(timeout=PROGRESS_S)
+                    break
+                except TimeoutError:
+                    if talking:
+                        try:
+                            send_message(conn, KIND_PROGRESS, pack_progress(landed[0]))
+                        except OSError:
+                            talking = False  # the client went away: the reads still run to their end
+        for (_s, _a, offset, n), got in zip(req.reads, counts):
+            if got != n:
+                raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)")
+        rows = [[e.path, e.reason, e.op, e.bytes, e.ops, e.busy_s, e.requests, list(e.size_hist)]
+                for e in ledger.snapshot().entries]
+        return sum(n for _s, _a, _o, n in req.reads), rows
+
+    def _event(self, kind: str, detail: dict[str, Any]) -> None:
+        try:
+            self._on_event(kind, detail)
+        except Exception:  # noqa: BLE001 - a printer's failure is not the client's
+            pass
+
+
+class _Destinations:
+    """A request's memory, mapped for the time of the request: the client's GPU allocations (CUDA
+    IPC), or its shared host mapping. Every byte a read may touch is checked to lie inside."""
+
+    def __init__(self, device: int | None, req: Request, fds: list[int]) -> None:
+        self.device = device
+        self._opened: list[int] = []
+        self._map: mmap.mmap | None = None
+        self.bases: list[int] = []
+        self.sizes: list[int] = []
+        if device is None:
+            if req.segments != ["memfd"]:
+                raise Refused("host memory comes as one shared mapping")
+            size = os.fstat(fds[1]).st_size
+            if size <= 0:
+                raise Refused("an empty shared mapping")
+            self._map = mmap.mmap(fds[1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.sizes = [size]
+            return
+        import gdskit.engine.cuda as cuda  # noqa: PLC0415
+        from gdskit.errors import CudaError  # noqa: PLC0415
+
+        try:
+            for hx in req.segments:
+                try:
+                    handle = bytes.fromhex(hx)
+                except ValueError:
+                    raise Refused("a segment that is not an IPC handle") from None
+                if len(handle) != 64:
+                    raise Refused("a segment that is not an IPC handle")
+                try:
+                    ptr, size = cuda.open_ipc_memory(device, handle)
+                except CudaError as exc:
+                    raise Refused(f"a client allocation could not be opened here ({exc})") from None
+                self._opened.append(ptr)
+                self.bases.append(ptr)
+                self.sizes.append(size)
+        except BaseException:
+            self.close()
+            raise
+
+    def views(self, reads: list[tuple[int, int, int, int]]) -> list[Any]:
+        for seg, at, _offset, n in reads:
+            if at + n > self.sizes[seg]:
+                raise Refused(f"a read of {n} bytes at {at} past the end of segment {seg} ({self.sizes[seg]} bytes)")
+        if self._map is not None:
+            from gdskit.engine.buffers import adapt  # noqa: PLC0415
+
+            whole = memoryview(self._map)
+            return [adapt(whole[at:at + n]) for _seg, at, _o, n in reads]
+        from gdskit.engine.buffers import synchronized_device_views  # noqa: PLC0415
+
+        return synchronized_device_views([(self.bases[seg] + at, n, self) for seg, at, _o, n in reads])
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still held: it goes with the collector
+                pass
+            self._map = None
+        if self.device is not None:
+            import gdskit.engine.cuda as cuda  # noqa: PLC0415
+
+            for ptr in self._opened:
+                cuda.close_ipc_memory(self.device, ptr)
+            self._opened = []
+
+
+
+def _reply(conn: socket.socket, kind: bytes, value: dict[str, Any]) -> None:
+    try:
+        send_message(conn, kind, pack_json(value))
+    except OSError:
+        pass  # the client went away; nothing waits for this answer

@@ -1,0 +1,286 @@
+"""The resident loader (``gdskit serve``) and its client, end to end on real processes: a server
+that serves host memory (the same requests, checks and answers as for a GPU's; the GPU's own
+sharing is tested in test_resident_gpu.py), real files, a shared mapping compared with a plain read."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from hypothesis import given, settings as hyp_settings, strategies as st
+
+from gdskit.engine import framing
+from gdskit.engine.resident import client, wire
+from gdskit.errors import ResidentLoaderError, TruncatedFileError
+from gdskit.settings import settings
+from resident_server import ServerProcess
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    # A short directory: a Unix socket's path must fit 107 bytes.
+    d = tempfile.mkdtemp(prefix="gr")
+    os.chmod(d, 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture
+def server(runtime_dir):
+    s = ServerProcess(runtime_dir, "--host").wait_listening()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def data_file(runtime_dir):
+    data = os.urandom(3_000_017)
+    path = os.path.join(runtime_dir, "data.bin")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path, data
+
+
+def _mapping(nbytes):
+    fd = os.memfd_create("dst", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    return fd, mmap.mmap(fd, nbytes)
+
+
+def test_bytes_land_where_asked_as_a_plain_read_gives_them(server, data_file):
+    path, data = data_file
+    fd, view = _mapping(8 << 20)
+    reads = [(0, 1, 0), (7, 4093, 1), (8192, 2_000_000, 999_999), (3 << 20, len(data) - 5, 5)]
+    got = []
+    from gdskit.engine import stats, stats_delta
+
+    before = stats()
+    assert client.read_to_shared(path, len(data), fd, reads, on_bytes=got.append) is None
+    delta = stats_delta(before, stats())
+    for place, n, offset in reads:
+        assert view[place:place + n] == data[offset:offset + n]
+    assert sum(got) == sum(n for _p, n, _o in reads)
+    # The loader's ledger rows are this process's now: every byte, on the host path.
+    assert sum(e.bytes for e in delta.entries) == sum(n for _p, n, _o in reads)
+    os.close(fd)
+    server.stop()
+    assert [e for e in server.events if e["event"] == "served"][0]["bytes"] == sum(n for _p, n, _o in reads)
+
+
+@pytest.mark.parametrize("reads, why", [
+    ([(0, 10, 3_000_010)], "outside the file"),
+    ([(0, 0, 0)], "outside the file"),
+    ([((4 << 20) - 5, 10, 0)], "past the end of segment"),
+])
+def test_a_read_outside_the_file_or_the_memory_is_refused_and_nothing_is_written(server, data_file, reads, why):
+    path, data = data_file
+    fd, view = _mapping(4 << 20)
+    reason = client.read_to_shared(path, len(data), fd, reads)
+    assert reason is not None and why in reason
+    assert view[:] == bytes(4 << 20)
+    with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match=why):
+        client.read_to_shared(path, len(data), fd, reads)
+    os.close(fd)
+
+
+def test_a_file_not_the_size_its_header_said_is_truncated_here(server, data_file):
+    path, data = data_file
+    fd, _view = _mapping(1 << 20)
+    with pytest.raises(TruncatedFileError):
+        client.read_to_shared(path, len(data) + 1, fd, [(0, 10, 0)])
+    os.close(fd)
+
+
+def test_a_missing_file_raises_as_a_read_here_would(server, runtime_dir):
+    from gdskit.errors import GdskitFileNotFoundError
+
+    fd, _view = _mapping(1 << 20)
+    with pytest.raises(GdskitFileNotFoundError):
+        client.read_to_shared(os.path.join(runtime_dir, "nope"), 10, fd, [(0, 10, 0)])
+    os.close(fd)
+
+
+def test_no_loader_off_and_require(runtime_dir, data_file):
+    path, data = data_file
+    fd, _view = _mapping(1 << 20)
+    assert "no resident loader" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    with settings.set(resident="off"):
+        assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]).startswith("off")
+    with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="no resident loader"):
+        client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    os.close(fd)
+
+
+def test_a_directory_others_can_enter_is_refused_on_both_sides(runtime_dir, data_file):
+    path, data = data_file
+    os.makedirs(os.path.join(runtime_dir, "gdskit"), mode=0o755)
+    os.chmod(os.path.join(runtime_dir, "gdskit"), 0o755)
+    fd, _view = _mapping(1 << 20)
+    assert "other users" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    s = ServerProcess(runtime_dir, "--host")
+    assert s.proc.wait(timeout=60) == 2
+    assert "other users" in s.proc.stderr.read()
+    assert stat.S_IMODE(os.stat(os.path.join(runtime_dir, "gdskit")).st_mode) == 0o755  # not changed
+    os.close(fd)
+
+
+def test_a_second_loader_is_refused_and_a_dead_ones_socket_is_replaced(runtime_dir, data_file):
+    path, data = data_file
+    first = ServerProcess(runtime_dir, "--host").wait_listening()
+    second = ServerProcess(runtime_dir, "--host")
+    assert second.proc.wait(timeout=60) == 2
+    assert "already listens" in second.proc.stderr.read()
+    first.proc.kill()  # no clean-up: its socket stays behind
+    first.proc.wait()
+    assert os.path.exists(first.socket)
+    fd, view = _mapping(1 << 20)
+    assert "no resident loader is listening" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    third = ServerProcess(runtime_dir, "--host").wait_listening()
+    assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]) is None
+    assert view[:10] == data[:10]
+    assert third.stop() == 0
+    assert not os.path.exists(third.socket)  # SIGTERM: stopped, socket removed
+    assert third.kinds()[-1] == "stopped"
+    os.close(fd)
+
+
+def test_a_file_in_the_way_of_the_socket_is_never_replaced(runtime_dir):
+    os.makedirs(os.path.join(runtime_dir, "gdskit"), mode=0o700)
+    blocker = wire.socket_path(wire.HOST)
+    with open(blocker, "w") as fh:
+        fh.write("mine")
+    s = ServerProcess(runtime_dir, "--host")
+    assert s.proc.wait(timeout=60) == 2
+    assert open(blocker).read() == "mine"
+
+
+def _raw(sock_path: str, payload: bytes, fds=()) -> tuple[bytes, bytes]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(sock_path)
+        if fds:
+            framing.send_with_fds(s, b"Q", payload, list(fds))
+        else:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+        try:
+            kind, body = framing.recv_message(s)
+        except (EOFError, ConnectionResetError):  # closed on it, unanswered
+            return b"", b""
+        return kind, bytes(body)
+
+
+def test_hostile_requests_are_refused_and_the_loader_goes_on(server, data_file):
+    path, data = data_file
+    fd, view = _mapping(1 << 20)
+    file_fd = os.open(path, os.O_RDONLY)
+    good = wire.pack_request(path, len(data), None, ["memfd"], [(0, 0, 0, 10)])
+    cases = [
+        b"\xff\xff\xff\xff" + b"Q",                                      # a length past the limit
+        b"\x05\x00\x00\x00Qabc",                                          # cut short
+        b"garbage that is not a frame at all",
+    ]
+    for payload in cases:
+        kind, _ = _raw(server.socket, payload)
+        assert kind in (b"", b"E")
+    bad_requests = [
+        wire.pack_request(path, len(data), None, ["memfd"], [(0, 0, 0, 10)])[:-3],      # not whole reads
+        b"\x10\x00\x00\x00" + b"{not json at all}",
+        wire.pack_request(path, len(data), None, ["memfd"], [(1, 0, 0, 10)]),             # no such segment
+        wire.pack_request(path, len(data), None, ["memfd"], [(0, -1, 0, 10)]),            # before the memory
+        wire.pack_request(path, len(data), "0" * 8 + "-0000-0000-0000-" + "0" * 12, ["memfd"], [(0, 0, 0, 10)]),
+        wire.pack_request(path, len(data) - 1, None, ["memfd"], [(0, 0, 0, 10)]),         # not the file's size
+    ]
+    for payload in bad_requests:
+        kind, body = _raw(server.socket, payload, [file_fd, fd])
+        assert kind == b"E" and b'"refused":true' in body
+    kind, body = _raw(server.socket, good, [file_fd])  # no shared mapping sent
+    assert kind == b"E" and b'"refused":true' in body
+    dev_null = os.open("/dev/null", os.O_RDONLY)
+    kind, body = _raw(server.socket, good, [dev_null, fd])  # not a regular file
+    assert kind == b"E" and b"not a regular file" in body
+    assert view[:] == bytes(1 << 20)
+    assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]) is None  # still serving
+    assert view[:10] == data[:10]
+    for f in (file_fd, fd, dev_null):
+        os.close(f)
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_any_bytes_unpack_to_a_request_or_a_value_error(payload):
+    try:
+        req = wire.unpack_request(payload)
+    except ValueError:
+        return
+    assert all(len(r) == 4 for r in req.reads)
+
+
+def test_extra_descriptors_are_closed_on_receipt():
+    a, b = socket.socketpair()
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
+    framing.send_with_fds(a, b"Q", b"x", fds)
+    kind, payload, got = framing.recv_with_fds(b, max_fds=1)
+    assert (kind, bytes(payload), len(got)) == (b"Q", b"x", 1)
+    assert os.get_inheritable(got[0]) is False
+    os.close(got[0])
+    for f in fds:
+        os.close(f)
+    a.close()
+    b.close()
+
+
+def test_a_gpu_uuid_names_the_socket_and_nothing_else_does(runtime_dir):
+    assert wire.socket_path("01234567-89ab-cdef-0123-456789abcdef").endswith(
+        "/gdskit/resident-01234567-89ab-cdef-0123-456789abcdef.sock")
+    from gdskit.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        wire.socket_path("../../etc/passwd")
+
+
+def test_without_a_cuda_driver_a_gpu_load_is_not_worth_asking_unless_required(monkeypatch):
+    from gdskit.engine.resident import ipc
+
+    def none(_ordinal):
+        raise ipc.IpcUnavailable("no CUDA driver library (libcuda.so.1)")
+
+    monkeypatch.setattr(ipc, "ordinal_uuid", none)
+    assert client.worth_asking(0) is False
+    with settings.set(resident="require"):
+        assert client.worth_asking(0) is True
+    with settings.set(resident="off"):
+        assert client.worth_asking(0) is False
+
+
+def test_serve_help_and_a_bad_device(runtime_dir):
+    out = subprocess.run([sys.executable, "-m", "gdskit", "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "GDSKIT_RESIDENT" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "gdskit", "serve", "--device", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_a_client_of_another_user_is_refused(server, data_file):
+    path, data = data_file
+    for d in (os.path.dirname(os.path.dirname(server.socket)), os.path.dirname(server.socket)):
+        os.chmod(d, 0o711)  # let the other user reach the socket, for this test
+    os.chmod(server.socket, 0o777)
+    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "try:\n s.sendall(b'x'*5); print(repr(s.recv(10)))\nexcept ConnectionResetError:\n print(repr(b''))")
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python for another user")
+    out = subprocess.run([python, "-c", code, server.socket], capture_output=True, text=True,
+                         user=65534, timeout=30, cwd="/")
+    assert out.stdout.strip() == "b''", out.stderr  # closed without an answer
+    server.stop()
+    assert any(e.get("why") == "a client of another user" for e in server.events)
