@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""A fresh process's first load, in the process and through the resident loader (``gdskit serve``).
+
+One ``gdskit serve --device N`` is started (and warmed by one load of each set, as a loader
+that has been running a while is); then each round runs, per set, fresh processes of each kind,
+in alternating order, page cache warmed before each: ``here`` (``GDSKIT_RESIDENT=off``, the load
+made in the process) and ``resident`` (``GDSKIT_RESIDENT=require``). Each process imports torch
+and makes its CUDA context before the clock (as any program that loads a checkpoint), then times
+``import gdskit.safetensors``, the first ``load_file`` and a second one
+(``first_load_budget.py``'s ``natural`` child).
+
+    python benchmarks/resident_load.py --dir /data/flb --rounds 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import fresh_process  # benchmarks/ is on sys.path when run as a script
+from first_load_budget import make_many
+from first_load import make_large
+from page_cache import warm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUDGET = os.path.join(HERE, "first_load_budget.py")
+
+
+def _sets(args: argparse.Namespace) -> dict[str, str]:
+    os.makedirs(args.dir, exist_ok=True)
+    out = {}
+    for name in args.sets.split(","):
+        if name == "large":
+            path = os.path.join(args.dir, f"large-{args.size:g}.safetensors")
+            if not os.path.exists(path):
+                make_large(path, args.size)
+        elif name == "many":
+            path = os.path.join(args.dir, f"many-{args.count}.safetensors")
+            if not os.path.exists(path):
+                make_many(path, args.count)
+        else:
+            raise SystemExit(f"unknown set {name!r}")
+        out[name] = path
+    return out
+
+
+def _child(path: str, kind: str, device: str, timeout: float) -> dict:
+    os.environ["GDSKIT_RESIDENT"] = "off" if kind == "here" else "require"
+    return fresh_process.run_child(BUDGET, ["--child", "natural", "--child-kind", "large", "--child-paths", path,
+                                            "--device", device], timeout)
+
+
+def _span(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/gdskit-resident-load")
+    ap.add_argument("--sets", default="large,many")
+    ap.add_argument("--size", type=float, default=8, help="GiB of the large set")
+    ap.add_argument("--count", type=int, default=20_000, help="tensors of the many set")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--timeout", type=float, default=180)
+    ap.add_argument("--json", dest="json_out")
+    args = ap.parse_args()
+    data = _sets(args)
+    index = args.device.partition(":")[2] or "0"
+    server = subprocess.Popen([sys.executable, "-m", "gdskit", "serve", "--device", index, "--json"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        if not line or json.loads(line)["event"] != "listening":
+            raise SystemExit(f"gdskit serve did not start: {line!r}")
+        for path in data.values():  # a loader that has served before
+            warm([path])
+            _child(path, "resident", args.device, args.timeout)
+        runs: dict[str, dict[str, list[dict]]] = {n: {"here": [], "resident": []} for n in data}
+        for rnd in range(args.rounds):
+            order = ("here", "resident") if rnd % 2 == 0 else ("resident", "here")
+            for name, path in data.items():
+                for kind in order:
+                    warm([path])
+                    r = _child(path, kind, args.device, args.timeout)
+                    runs[name][kind].append(r)
+                    print(f"round {rnd} {name} {kind}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    finally:
+        server.terminate()
+        tail, _ = server.communicate(timeout=60)
+    served = [json.loads(x) for x in tail.splitlines() if x.startswith("{")]
+    print(f"the resident loader served {sum(1 for e in served if e['event'] == 'served')} loads in the rounds "
+          f"and the warm-up")
+    print("| set | kind | import ms | first load ms | first call incl. import, GB/s | second load, GB/s | first/second |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, path in data.items():
+        nbytes = os.path.getsize(path)
+        for kind in ("here", "resident"):
+            ok = [r for r in runs[name][kind] if "error" not in r]
+            bad = len(runs[name][kind]) - len(ok)
+            print(f"| {name} | {kind}{f' ({bad} failed)' if bad else ''} | {_span([r['import_ms'] for r in ok])} | "
+                  f"{_span([r['first_ms'] for r in ok])} | "
+                  f"{_span([nbytes / r['first_with_import_ms'] / 1e6 for r in ok])} | "
+                  f"{_span([nbytes / r['second_ms'] / 1e6 for r in ok])} | "
+                  f"{_span([r['second_ms'] / r['first_ms'] for r in ok])} |")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"command": sys.argv, "runs": runs}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

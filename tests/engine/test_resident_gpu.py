@@ -1,0 +1,125 @@
+"""The resident loader on a real GPU: ``gdskit serve --device 0`` in its own process reads into
+this process's tensors through CUDA IPC; every tensor compared with the reference library's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from gdskit.errors import ResidentLoaderError
+from gdskit.settings import settings
+from resident_server import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    d = tempfile.mkdtemp(prefix="gr")
+    os.chmod(d, 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture
+def server(runtime_dir):
+    s = ServerProcess(runtime_dir, "--device", "0").wait_listening(timeout=120)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def checkpoint(runtime_dir):
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"big.{i}": torch.randn(5_000_000 + 7 * i, generator=g).to(torch.bfloat16) for i in range(3)}
+    tensors.update({f"small.{i}": torch.randint(-100, 100, (1 + 97 * i,), generator=g, dtype=torch.int32)
+                    for i in range(300)})
+    tensors["odd"] = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+    tensors["empty"] = torch.empty(0, 4)
+    path = os.path.join(runtime_dir, "model.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _same(got, path, keys=None):
+    import torch
+    from safetensors.torch import load_file as reference
+
+    want = reference(path)
+    names = sorted(keys if keys is not None else want)
+    assert sorted(got) == names
+    for n in names:
+        assert got[n].device.type == "cuda"
+        assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape
+        assert torch.equal(got[n].cpu().view(torch.uint8) if got[n].numel() else got[n].cpu(),
+                           want[n].view(torch.uint8) if want[n].numel() else want[n]), n
+
+
+def test_a_load_through_the_resident_loader_gives_the_reference_tensors(server, checkpoint):
+    import gdskit.safetensors as gst
+    from safetensors import safe_open
+
+    with settings.set(resident="require"):
+        got, stats = gst.load_file(checkpoint, device="cuda:0", return_stats=True)
+        _same(got, checkpoint)
+        keys = ["big.1", "small.5", "odd"]
+        _same(gst.load_file(checkpoint, device="cuda:0", keys=keys), checkpoint, keys)
+    with safe_open(checkpoint, "pt") as f:
+        nbytes = sum(f.get_tensor(n).nbytes for n in f.keys())
+    assert sum(e.bytes for e in stats.entries) == nbytes  # the loader's ledger rows came back
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    assert [e["bytes"] for e in served][0] == nbytes and len(served) == 2
+
+
+def test_a_verified_load_reads_in_this_process(server, checkpoint):
+    import gdskit.safetensors as gst
+
+    subprocess.run([sys.executable, "-m", "gdskit", "digest", checkpoint], check=True, capture_output=True)
+    got = gst.load_file(checkpoint, device="cuda:0", verify=True)
+    _same(got, checkpoint)
+    server.stop()
+    assert "served" not in server.kinds()
+
+
+_EXPANDABLE = """
+import os, sys, torch
+torch.empty(1, device="cuda")
+import gdskit.safetensors as gst
+from gdskit.errors import ResidentLoaderError
+try:
+    got = gst.load_file(sys.argv[1], device="cuda:0")
+except ResidentLoaderError as exc:
+    print("ERROR", exc.reason)
+else:
+    print("LOADED", sum(t.nbytes for t in got.values()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_memory_that_cannot_be_shared_is_read_here_or_refused_by_name(server, checkpoint, mode):
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "GDSKIT_RESIDENT": mode}
+    out = subprocess.run([sys.executable, "-c", _EXPANDABLE, checkpoint], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if mode == "auto":
+        assert out.stdout.startswith("LOADED")
+    else:
+        assert out.stdout.startswith("ERROR"), out.stdout
+    server.stop()
+    assert "served" not in server.kinds()
+
+
+def test_require_without_a_loader_says_why(runtime_dir, checkpoint):
+    import gdskit.safetensors as gst
+
+    with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="no resident loader"):
+        gst.load_file(checkpoint, device="cuda:0")
