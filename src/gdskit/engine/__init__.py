@@ -236,10 +236,8 @@ def settings_values() -> dict[str, Any]:
 def add_ledger_rows(rows: list[list[Any]]) -> None:
     """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
     bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each."""
-    from gdskit.engine.ledger import LedgerEntry, ledger  # noqa: PLC0415 - import time
-    ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
-                                    tuple((int(k), int(c)) for k, c in hist))
-                        for p, r, op, b, n, busy, req, hist in rows])
+    from gdskit.engine.ledger import add_rows  # noqa: PLC0415 - import time
+    add_rows(rows)
 
 
 def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0.0,

@@ -676,3 +676,11 @@ def stats_reset() -> None:
 def stats_delta(before: Stats, after: Stats) -> Stats:
     return after - before
 
+
+def add_rows(rows: list[list[Any]]) -> None:
+    """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
+    bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each; ValueError or TypeError for a
+    row that is not one."""
+    ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
+                                    tuple((int(k), int(c)) for k, c in hist))
+                        for p, r, op, b, n, busy, req, hist in rows])

@@ -38,7 +38,10 @@ def _lib() -> ctypes.CDLL:
             except OSError:
                 lib = None
             if lib is not None:
-                _declare(lib)
+                try:
+                    _declare(lib)
+                except AttributeError:  # a driver without one of them
+                    lib = None
             _driver.append(lib)
     if _driver[0] is None:
         raise IpcUnavailable("no CUDA driver library (libcuda.so.1)")
@@ -48,14 +51,14 @@ def _lib() -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, size = ctypes.c_uint64, ctypes.c_size_t
     uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
-    table = {
-        lib.cuPointerGetAttribute: [ctypes.c_void_p, ctypes.c_int, ptr],
-        lib.cuDeviceGet: [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
-        uuid_fn: [ctypes.POINTER(_Uuid), ctypes.c_int],
-        lib.cuMemGetAddressRange_v2: [ctypes.POINTER(ptr), ctypes.POINTER(size), ptr],
-        lib.cuIpcGetMemHandle: [ctypes.POINTER(_Handle), ptr],
-    }
-    for fn, args in table.items():
+    table = [
+        (lib.cuPointerGetAttribute, [ctypes.c_void_p, ctypes.c_int, ptr]),
+        (lib.cuDeviceGet, [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        (uuid_fn, [ctypes.POINTER(_Uuid), ctypes.c_int]),
+        (lib.cuMemGetAddressRange_v2, [ctypes.POINTER(ptr), ctypes.POINTER(size), ptr]),
+        (lib.cuIpcGetMemHandle, [ctypes.POINTER(_Handle), ptr]),
+    ]
+    for fn, args in table:
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.gdskit_uuid = uuid_fn  # type: ignore[attr-defined]
 

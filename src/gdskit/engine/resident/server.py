@@ -19,15 +19,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import gdskit.engine.cuda as cuda
+import gdskit.engine.pool as pool
+from gdskit.engine.buffers import ScatterList, adapt, scattered_device_view, synchronized_device_views
+from gdskit.engine.file import open as open_file
 from gdskit.engine.framing import recv_with_fds, send_message
+from gdskit.engine.ledger import ledger
 from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
                                          MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
                                          pack_progress, peer_uid, socket_dir, socket_path, unpack_request)
 from gdskit.threads import start_thread
-from gdskit.errors import GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
+from gdskit.errors import CudaError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
 
 #: Requests waiting for the one under way, beyond which clients are refused at connect.
 BACKLOG = 64
+#: Reads below this that touch in the file are read as one, scattered on the GPU (as a load
+#: in the process groups small tensors), at most GROUP_BYTES at a time.
+SMALL_READ = 1 << 20
+GROUP_BYTES = 16 << 20
 
 
 class Refused(Exception):
@@ -71,12 +80,7 @@ class ResidentLoader:
     def start(self) -> str:
         """Warm the engine (pinned lanes, streams, worker threads, direct-route facts), then listen;
         the socket's path. ResidentLoaderError where a loader already listens there."""
-        import gdskit.engine.pool as pool  # noqa: PLC0415 - the loader's own start-up
-        import gdskit.engine.file  # noqa: F401,PLC0415 - every reading module, now rather than on a request
-
         if self.device is not None:
-            import gdskit.engine.cuda as cuda  # noqa: PLC0415
-
             if not cuda.available() or self.device >= cuda.device_count():
                 raise ResidentLoaderError(f"GPU {self.device} is not available here "
                                           f"({cuda.device_count()} GPU(s) seen)", "no such GPU")
@@ -248,11 +252,8 @@ class ResidentLoader:
         return _Destinations(self.device, req, fds)
 
     def _read(self, conn: socket.socket, req: Request, fd: int, dest: _Destinations) -> tuple[int, list[list[Any]]]:
-        from gdskit.engine.file import open as open_file  # noqa: PLC0415 - imported at start()
-        from gdskit.engine.ledger import ledger  # noqa: PLC0415
-
         ledger.reset()
-        views = dest.views(req.reads)
+        items = dest.items(req.reads)
         landed = [0]
 
         def count(n: int) -> None:
@@ -261,8 +262,7 @@ class ResidentLoader:
         with open_file(f"/proc/self/fd/{fd}", "r") as f:
             if f.size != req.file_size:
                 raise Refused(f"the file has {f.size} bytes, not the {req.file_size} its header said")
-            job = f.pread_many([(v, n, offset) for v, (_s, _a, offset, n) in zip(views, req.reads)],
-                               on_bytes=count)
+            job = f.pread_many(items, on_bytes=count)
             talking = True
             while True:
                 try:
@@ -274,7 +274,7 @@ class ResidentLoader:
                             send_message(conn, KIND_PROGRESS, pack_progress(landed[0]))
                         except OSError:
                             talking = False  # the client went away: the reads still run to their end
-        for (_s, _a, offset, n), got in zip(req.reads, counts):
+        for (_v, n, offset), got in zip(items, counts):
             if got != n:
                 raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)")
         rows = [[e.path, e.reason, e.op, e.bytes, e.ops, e.busy_s, e.requests, list(e.size_hist)]
@@ -307,9 +307,6 @@ class _Destinations:
             self._map = mmap.mmap(fds[1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self.sizes = [size]
             return
-        import gdskit.engine.cuda as cuda  # noqa: PLC0415
-        from gdskit.errors import CudaError  # noqa: PLC0415
-
         try:
             for hx in req.segments:
                 try:
@@ -329,18 +326,45 @@ class _Destinations:
             self.close()
             raise
 
-    def views(self, reads: list[tuple[int, int, int, int]]) -> list[Any]:
+    def items(self, reads: list[tuple[int, int, int, int]]) -> list[tuple[Any, int, int]]:
+        """The engine's ``(destination, bytes, file offset)`` of each read. On a GPU, small reads
+        that follow one another in the file go as one read whose bytes the engine scatters into
+        their tensors (as a load in the process groups them): one bounce copy, not one each."""
         for seg, at, _offset, n in reads:
             if at + n > self.sizes[seg]:
                 raise Refused(f"a read of {n} bytes at {at} past the end of segment {seg} ({self.sizes[seg]} bytes)")
         if self._map is not None:
-            from gdskit.engine.buffers import adapt  # noqa: PLC0415
-
             whole = memoryview(self._map)
-            return [adapt(whole[at:at + n]) for _seg, at, _o, n in reads]
-        from gdskit.engine.buffers import synchronized_device_views  # noqa: PLC0415
+            return [(adapt(whole[at:at + n]), n, offset) for _seg, at, offset, n in reads]
+        out: list[tuple[Any, int, int]] = []
+        direct: list[tuple[int, int, Any]] = []
+        direct_at: list[int] = []
+        group: list[tuple[int, int, int]] = []  # (place in the group's bytes, pointer, bytes)
+        start = end = 0
 
-        return synchronized_device_views([(self.bases[seg] + at, n, self) for seg, at, _o, n in reads])
+        def close_group() -> None:
+            if group:
+                out.append((scattered_device_view(ScatterList(group), end - start, self.device, self,
+                                                  caller_busy=False), end - start, start))
+                group.clear()
+
+        for seg, at, offset, n in sorted(reads, key=lambda r: r[2]):
+            ptr = self.bases[seg] + at
+            if n >= SMALL_READ:
+                close_group()
+                direct_at.append(len(out))
+                out.append((None, n, offset))
+                direct.append((ptr, n, self))
+                continue
+            if not group or offset != end or end - start + n > GROUP_BYTES:
+                close_group()
+                start = end = offset
+            group.append((offset - start, ptr, n))
+            end = offset + n
+        close_group()
+        for i, view in zip(direct_at, synchronized_device_views(direct) if direct else []):
+            out[i] = (view, out[i][1], out[i][2])
+        return out
 
     def close(self) -> None:
         if self._map is not None:
@@ -350,8 +374,6 @@ class _Destinations:
                 pass
             self._map = None
         if self.device is not None:
-            import gdskit.engine.cuda as cuda  # noqa: PLC0415
-
             for ptr in self._opened:
                 cuda.close_ipc_memory(self.device, ptr)
             self._opened = []
