@@ -178,7 +178,7 @@ def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: On
 
 
 def _add_rows(rows: Any) -> None:
-    from gdskit.engine.ledger import add_rows  # noqa: PLC0415 - import time (the ledger, once bytes have landed)
+    from gdskit.engine.ledger import add_rows  # noqa: PLC0415 - import time
 
     if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 8 for r in rows):
         raise ValueError("ledger rows of the wrong shape")
