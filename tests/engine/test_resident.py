@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
@@ -20,17 +19,7 @@ from gdskit.engine import framing
 from gdskit.engine.resident import client, wire
 from gdskit.errors import ResidentLoaderError, TruncatedFileError
 from gdskit.settings import settings
-from resident_server import ServerProcess
-
-
-@pytest.fixture
-def runtime_dir(monkeypatch):
-    # A short directory: a Unix socket's path must fit 107 bytes.
-    d = tempfile.mkdtemp(prefix="gr")
-    os.chmod(d, 0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
-    yield d
-    subprocess.run(["rm", "-rf", d], check=False)
+from resident_server import ServerProcess, runtime_dir  # noqa: F401 - the fixture
 
 
 @pytest.fixture

@@ -6,24 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from gdskit.errors import ResidentLoaderError
 from gdskit.settings import settings
-from resident_server import ServerProcess
+from resident_server import ServerProcess, runtime_dir  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
-
-
-@pytest.fixture
-def runtime_dir(monkeypatch):
-    d = tempfile.mkdtemp(prefix="gr")
-    os.chmod(d, 0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
-    yield d
-    subprocess.run(["rm", "-rf", d], check=False)
 
 
 @pytest.fixture

@@ -8,7 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+
+import pytest
 
 
 class ServerProcess:
@@ -41,3 +44,13 @@ class ServerProcess:
 
     def kinds(self) -> list[str]:
         return [e["event"] for e in self.events]
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    """A fresh ``XDG_RUNTIME_DIR`` for the test (short: a Unix socket's path must fit 107 bytes)."""
+    d = tempfile.mkdtemp(prefix="gr")
+    os.chmod(d, 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
