@@ -273,3 +273,45 @@ def test_a_client_of_another_user_is_refused(server, data_file):
     assert out.stdout.strip() == "b''", out.stderr  # closed without an answer
     server.stop()
     assert any(e.get("why") == "a client of another user" for e in server.events)
+
+
+def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_staging(runtime_dir, monkeypatch):
+    import gdskit.engine.pool as pool
+    from gdskit.engine.resident import ipc
+
+    uuid = "01234567-89ab-cdef-0123-456789abcdef"
+    monkeypatch.setattr(ipc, "ordinal_uuid", lambda _ordinal: uuid)
+    assert client.worth_asking(0) is False  # no socket
+    wire.make_private_dir(wire.socket_dir())
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(wire.socket_path(uuid))
+    try:
+        assert client.worth_asking(0) is True
+        monkeypatch.setattr(pool.lanes, "holds", lambda device: device == 0)
+        assert client.worth_asking(0) is False  # warm here: read here
+        assert client.worth_asking(1) is True
+        with settings.set(resident="require"):
+            assert client.worth_asking(0) is True
+    finally:
+        listener.close()
+
+
+def test_ledger_rows_that_arrive_before_the_ledger_is_imported_are_not_lost():
+    code = """
+import sys
+from gdskit.engine import ledger_inbox
+ledger_inbox.add(ledger_inbox.checked([["bounce-cached", "no_gpu", "read", 4096, 1, 0.5, 1, [[12, 1]]]]))
+assert "gdskit.engine.ledger" not in sys.modules
+from gdskit.engine import stats
+print(sum(e.bytes for e in stats().entries))
+ledger_inbox.add(ledger_inbox.checked([["bounce-cached", "no_gpu", "read", 100, 1, 0.1, 1, []]]))
+print(sum(e.bytes for e in stats().entries))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["4096", "4196"], out.stderr
+    from gdskit.engine import ledger_inbox
+
+    for bad in ("rows", [["too", "short"]], [["host", "no_gpu", "read", "many", 1, 0.1, 1, []]],
+                [["nowhere", "no_gpu", "read", 1, 1, 0.1, 1, []]], [["host", "no_gpu", "read", -1, 1, 0.1, 1, []]]):
+        with pytest.raises((ValueError, TypeError)):
+            ledger_inbox.checked(bad)

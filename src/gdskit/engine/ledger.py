@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gdskit.engine import ledger_inbox
 from gdskit.vocabulary import Path, Reason, is_direct_path, is_peer_path
 
 #: A size histogram: (k, count) pairs, sorted by k; bucket k counts records of at most 2**k bytes
@@ -513,8 +514,7 @@ class Ledger:
         exactly: bytes, ops, busy time, requests and size histogram."""
         checked = []
         for e in entries:  # every row checked before any is added (ValueError names the first bad one)
-            if e.op not in ("read", "write") or min(e.bytes, e.ops, e.requests, e.busy_s) < 0 \
-                    or any(b < 0 or c < 0 for b, c in e.size_hist):
+            if not ledger_inbox.is_row((e.path, e.reason, e.op, e.bytes, e.ops, e.busy_s, e.requests, e.size_hist)):
                 raise ValueError(f"not a ledger row: {e!r:.200}")
             checked.append(((Path(e.path).value, Reason(e.reason).value, e.op), e))
         try:
@@ -677,10 +677,16 @@ def stats_delta(before: Stats, after: Stats) -> Stats:
     return after - before
 
 
+
 def add_rows(rows: list[list[Any]]) -> None:
     """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
     bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each; ValueError or TypeError for a
     row that is not one."""
-    ledger.add_entries([LedgerEntry(str(p), str(r), str(op), int(b), int(n), float(busy), int(req),
-                                    tuple((int(k), int(c)) for k, c in hist))
-                        for p, r, op, b, n, busy, req, hist in rows])
+    _add_checked(ledger_inbox.checked(rows))
+
+
+def _add_checked(rows: list[ledger_inbox.Row]) -> None:
+    ledger.add_entries([LedgerEntry(*r) for r in rows])
+
+
+ledger_inbox.connect(_add_checked)
