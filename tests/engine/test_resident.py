@@ -315,3 +315,32 @@ print(sum(e.bytes for e in stats().entries))
                 [["nowhere", "no_gpu", "read", 1, 1, 0.1, 1, []]], [["host", "no_gpu", "read", -1, 1, 0.1, 1, []]]):
         with pytest.raises((ValueError, TypeError)):
             ledger_inbox.checked(bad)
+
+
+@pytest.mark.stand_in_gpu
+def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path_factory):
+    """The loader's plan of a request's reads into GPU memory (small reads that touch in the file
+    grouped into one scattered read), run by the engine: each read's bytes where it asked."""
+    from data_files import random_file
+    from devbuf import DeviceBuffer
+    from gdskit.engine.file import open as open_file
+    from gdskit.engine.resident.server import SMALL_READ, _Destinations
+
+    path, data = random_file(tmp_path_factory, "resident", 6 << 20, seed=5)
+    segments = [DeviceBuffer(4 << 20), DeviceBuffer(4 << 20)]
+    for s in segments:
+        s.poison()
+    dest = _Destinations.__new__(_Destinations)  # the memory as if mapped from a client
+    dest.device, dest._opened, dest._map = 0, [], None
+    dest.bases, dest.sizes = [s.ptr for s in segments], [s.nbytes for s in segments]
+    # (segment, offset in it, file offset, bytes): touching small reads across both segments,
+    # a gap, one large read, out of file order.
+    reads = [(1, 100, 5000, 3000), (0, 0, 0, 5000), (1, 8192, 8000, 4096), (0, 13_000, 20_001, 777),
+             (1, 1 << 20, 1 << 20, SMALL_READ + 4096), (0, 5000, 12_096, 7904)]
+    items = dest.items(reads)
+    assert len(items) == 3  # [0, 20000) touching: one; [20001, 20778) after a gap: another; the large one
+    with open_file(path, "r") as f:
+        counts = f.pread_many(items).result()
+    assert counts == [n for _v, n, _o in items]
+    for seg, at, offset, n in reads:
+        assert segments[seg].to_bytes()[at:at + n] == data[offset:offset + n], (seg, at, offset)
