@@ -344,3 +344,17 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
     assert counts == [n for _v, n, _o in items]
     for seg, at, offset, n in reads:
         assert segments[seg].to_bytes()[at:at + n] == data[offset:offset + n], (seg, at, offset)
+
+
+def test_a_bad_gdskit_resident_is_an_environment_error():
+    code = """
+from gdskit.engine.resident import client
+from gdskit.errors import EnvironmentVariableError
+try:
+    client.worth_asking(0)
+except EnvironmentVariableError as exc:
+    print("refused", exc.variable)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GDSKIT_RESIDENT": "sometimes"})
+    assert out.stdout.strip() == "refused GDSKIT_RESIDENT", out.stderr

@@ -32,7 +32,7 @@ def worth_asking(device: int) -> bool:
     before reading: the setting requires it, or a socket is there for that GPU (one stat) and
     this process has no staging of its own for it yet. Costs a few driver calls, never an
     import of the bindings."""
-    mode = settings.resident
+    mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return False
     if mode is Resident.REQUIRE:
@@ -66,7 +66,7 @@ def read_to_gpu(path: str, file_size: int, targets: Sequence[tuple[int, int, int
     and ResidentLoaderError where the loader failed after writing began or stopped answering.
     The caller has waited for any work queued on the destinations.
     """
-    mode = settings.resident
+    mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
     if not targets:
@@ -88,7 +88,7 @@ def read_to_shared(path: str, file_size: int, memfd: int, reads: Sequence[tuple[
                    on_bytes: OnBytes | None = None) -> str | None:
     """As :func:`read_to_gpu`, into the shared mapping ``memfd`` (host memory, ``(place in it,
     bytes, file offset)`` each), through the loader that serves no GPU (``gdskit serve --host``)."""
-    mode = settings.resident
+    mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
     quads = [(0, place, offset, nbytes) for place, nbytes, offset in reads]
