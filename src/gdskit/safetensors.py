@@ -305,7 +305,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    resident = None if mode.on else _resident_device(torch, dev)  # verified loads read here
+    resident = None if mode.on else _resident_device(torch, dev, [where[n][2].nbytes for n in names])
     with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
         for p, h in headers:
             entries = by_file.get(p)
@@ -358,13 +358,15 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     return out
 
 
-def _resident_device(torch: Any, dev: Any) -> int | None:
-    """The GPU number whose resident loader (``gdskit serve``) a load onto ``dev`` asks first;
-    None where there is none to ask (a host load, none listening, ``GDSKIT_RESIDENT=off``)."""
+def _resident_device(torch: Any, dev: Any, sizes: list[int]) -> int | None:
+    """The GPU number whose resident loader (``gdskit serve``) a load of tensors of ``sizes``
+    bytes onto ``dev`` asks first; None where there is none to ask (a host load, none
+    listening, ``GDSKIT_RESIDENT=off``). Verified loads are read here: their digests are
+    computed where the bytes land."""
     if dev.type != "cuda":
         return None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return index if resident_worth_asking(index) else None
+    return index if resident_worth_asking(index, [n for n in sizes if n]) else None
 
 
 def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],

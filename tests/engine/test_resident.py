@@ -287,11 +287,17 @@ def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_stagin
     listener.bind(wire.socket_path(uuid))
     try:
         assert client.worth_asking(0) is True
+        assert client.worth_asking(0, small_share=0.9) is False  # mostly small tensors: read here
+        from gdskit.engine import resident_worth_asking
+
+        assert resident_worth_asking(0, [64 << 20, 4096]) is True
+        assert resident_worth_asking(0, [4096] * 1000 + [1 << 20]) is False
         monkeypatch.setattr(pool.lanes, "holds", lambda device: device == 0)
         assert client.worth_asking(0) is False  # warm here: read here
         assert client.worth_asking(1) is True
         with settings.set(resident="require"):
             assert client.worth_asking(0) is True
+            assert client.worth_asking(0, small_share=1.0) is True
     finally:
         listener.close()
 
@@ -324,7 +330,8 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
     from data_files import random_file
     from devbuf import DeviceBuffer
     from gdskit.engine.file import open as open_file
-    from gdskit.engine.resident.server import SMALL_READ, _Destinations
+    from gdskit.engine.resident.server import _Destinations
+    from gdskit.engine.resident.wire import SMALL_READ
 
     path, data = random_file(tmp_path_factory, "resident", 6 << 20, seed=5)
     segments = [DeviceBuffer(4 << 20), DeviceBuffer(4 << 20)]

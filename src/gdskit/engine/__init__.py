@@ -200,11 +200,15 @@ def spread(n: int, k: int) -> list[int]:
     return engine_spread(n, k)
 
 
-def resident_worth_asking(device: int) -> bool:
-    """Whether a load onto GPU ``device`` should go to the resident loader (``gdskit serve``):
-    one is listening for it, or ``settings.resident`` requires it (docs/resident.md)."""
+def resident_worth_asking(device: int, sizes: Any = ()) -> bool:
+    """Whether a load onto GPU ``device`` of reads of ``sizes`` bytes should go to the resident
+    loader (``gdskit serve``): ``settings.resident`` requires it, or one is listening for it and
+    the load is of large tensors (docs/resident.md)."""
     from gdskit.engine.resident.client import worth_asking  # noqa: PLC0415 - import time
-    return worth_asking(device)
+    from gdskit.engine.resident.wire import SMALL_READ  # noqa: PLC0415 - import time
+
+    total = sum(sizes)
+    return worth_asking(device, sum(n for n in sizes if n < SMALL_READ) / total if total else 0.0)
 
 
 def read_through_resident(path: str, file_size: int, targets: Any,

@@ -27,16 +27,19 @@ from gdskit.vocabulary import Resident
 OnBytes = Callable[[int], None]
 
 
-def worth_asking(device: int) -> bool:
+def worth_asking(device: int, small_share: float = 0.0) -> bool:
     """Whether a load onto GPU ``device`` should make its destinations for the resident loader
-    before reading: the setting requires it, or a socket is there for that GPU (one stat) and
-    this process has no staging of its own for it yet. Costs a few driver calls, never an
-    import of the bindings."""
+    before reading: the setting requires it, or a socket is there for that GPU (one stat), this
+    process has no staging of its own for it yet, and at most half the load's bytes
+    (``small_share``) are in reads below :data:`~gdskit.engine.resident.wire.SMALL_READ`. Costs
+    a few driver calls, never an import of the bindings."""
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return False
     if mode is Resident.REQUIRE:
         return True
+    if small_share > 0.5:
+        return False
     # A process whose own engine has staging for this GPU already loads at the warm rate, and a
     # little faster than through the loader (no mapping of its allocations): it reads itself.
     # Looked up, never imported: importing the engine is what a first load avoids here.

@@ -45,6 +45,11 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _UCRED = struct.Struct("3i")
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+#: Reads below this that touch in the file are read by the loader as one, scattered on the GPU
+#: (as a load in the process groups small tensors). Under ``auto``, a load whose bytes are mostly
+#: in such reads stays in the process: only loads of large tensors were measured faster through
+#: the loader (docs/resident.md).
+SMALL_READ = 1 << 20
 #: Where no GPU is served (host memory only: tests, machines without one).
 HOST = "host"
 #: A Unix socket's path must fit ``sockaddr_un``.
