@@ -316,7 +316,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                 if served is not None:
                     raw.update(served)
                     continue
-                resident = None  # not served (why: GDSKIT_RESIDENT=require raises it): the rest here too
+                resident = None  # it did not serve this file: the rest are read here too
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
             runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)

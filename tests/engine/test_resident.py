@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from gdskit.engine import framing
+from gdskit.engine import resident
 from gdskit.engine.resident import client, wire
 from gdskit.errors import ResidentLoaderError, TruncatedFileError
 from gdskit.settings import settings
@@ -243,11 +243,11 @@ def test_without_a_cuda_driver_a_gpu_load_is_not_worth_asking_unless_required(mo
         raise ipc.IpcUnavailable("no CUDA driver library (libcuda.so.1)")
 
     monkeypatch.setattr(ipc, "ordinal_uuid", none)
-    assert client.worth_asking(0) is False
+    assert resident.worth_asking(0) is False
     with settings.set(resident="require"):
-        assert client.worth_asking(0) is True
+        assert resident.worth_asking(0) is True
     with settings.set(resident="off"):
-        assert client.worth_asking(0) is False
+        assert resident.worth_asking(0) is False
 
 
 def test_serve_help_and_a_bad_device(runtime_dir):
@@ -281,23 +281,23 @@ def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_stagin
 
     uuid = "01234567-89ab-cdef-0123-456789abcdef"
     monkeypatch.setattr(ipc, "ordinal_uuid", lambda _ordinal: uuid)
-    assert client.worth_asking(0) is False  # no socket
+    assert resident.worth_asking(0) is False  # no socket
     wire.make_private_dir(wire.socket_dir())
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(wire.socket_path(uuid))
     try:
-        assert client.worth_asking(0) is True
-        assert client.worth_asking(0, small_share=0.9) is False  # mostly small tensors: read here
+        assert resident.worth_asking(0) is True
+        assert resident.worth_asking(0, small_share=0.9) is False  # mostly small tensors: read here
         from gdskit.engine import resident_worth_asking
 
         assert resident_worth_asking(0, [64 << 20, 4096]) is True
         assert resident_worth_asking(0, [4096] * 1000 + [1 << 20]) is False
         monkeypatch.setattr(pool.lanes, "holds", lambda device: device == 0)
-        assert client.worth_asking(0) is False  # warm here: read here
-        assert client.worth_asking(1) is True
+        assert resident.worth_asking(0) is False  # warm here: read here
+        assert resident.worth_asking(1) is True
         with settings.set(resident="require"):
-            assert client.worth_asking(0) is True
-            assert client.worth_asking(0, small_share=1.0) is True
+            assert resident.worth_asking(0) is True
+            assert resident.worth_asking(0, small_share=1.0) is True
     finally:
         listener.close()
 
@@ -331,7 +331,7 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
     from devbuf import DeviceBuffer
     from gdskit.engine.file import open as open_file
     from gdskit.engine.resident.server import _Destinations
-    from gdskit.engine.resident.wire import SMALL_READ
+    from gdskit.engine.resident import SMALL_READ
 
     path, data = random_file(tmp_path_factory, "resident", 6 << 20, seed=5)
     segments = [DeviceBuffer(4 << 20), DeviceBuffer(4 << 20)]
@@ -355,10 +355,10 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
 
 def test_a_bad_gdskit_resident_is_an_environment_error():
     code = """
-from gdskit.engine.resident import client
+from gdskit.engine import resident
 from gdskit.errors import EnvironmentVariableError
 try:
-    client.worth_asking(0)
+    resident.worth_asking(0)
 except EnvironmentVariableError as exc:
     print("refused", exc.variable)
 """

@@ -6,4 +6,81 @@ that a fresh program's first load runs at a warm one's rate (docs/resident.md).
 - :mod:`~gdskit.engine.resident.ipc`: the few driver calls a client needs to share its memory;
 - :mod:`~gdskit.engine.resident.client`: a load's side (light: no engine, no bindings);
 - :mod:`~gdskit.engine.resident.server`: ``gdskit serve``'s side.
+
+Here: where the sockets live, and whether a load asks at all, answered without importing the
+rest where no loader's socket exists (the common case, paid by every first GPU load).
 """
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+import tempfile
+
+from gdskit.errors import InvalidArgumentError
+from gdskit.settings import settings
+from gdskit.vocabulary import Resident
+
+#: Reads below this that touch in the file are read by the loader as one, scattered on the GPU
+#: (as a load in the process groups small tensors). Under ``auto``, a load whose bytes are mostly
+#: in such reads stays in the process: only loads of large tensors were measured faster through
+#: the loader (docs/resident.md).
+SMALL_READ = 1 << 20
+#: A GPU's UUID as sockets are named by it (``nvidia-smi -L``'s, without ``GPU-``).
+GPU_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+#: Where no GPU is served (host memory only: tests, machines without one).
+HOST = "host"
+
+
+def socket_dir() -> str:
+    """The directory of this user's loaders' sockets: ``$XDG_RUNTIME_DIR/gdskit``, else
+    ``<tmp>/gdskit-<uid>``."""
+    run = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(run):
+        return os.path.join(run, "gdskit")
+    return os.path.join(tempfile.gettempdir(), f"gdskit-{os.getuid()}")
+
+
+def socket_path(gpu: str) -> str:
+    """The socket of the loader of GPU ``gpu`` (its UUID, or :data:`HOST`)."""
+    if gpu != HOST and not GPU_UUID.match(gpu):
+        raise InvalidArgumentError(f"not a GPU UUID: {gpu!r}")
+    return os.path.join(socket_dir(), f"resident-{gpu}.sock")
+
+
+def worth_asking(device: int, small_share: float = 0.0) -> bool:
+    """Whether a load onto GPU ``device`` should make its destinations for the resident loader
+    before reading: the setting requires it, or a socket is there for that GPU (one stat), this
+    process has no staging of its own for it yet, and at most half the load's bytes
+    (``small_share``) are in reads below :data:`SMALL_READ`. Costs one directory listing where
+    no loader's socket exists, a few driver calls where one does, never the bindings' import."""
+    mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
+    if mode is Resident.OFF:
+        return False
+    if mode is Resident.REQUIRE:
+        return True
+    if small_share > 0.5:
+        return False
+    # A process whose own engine has staging for this GPU already loads at the warm rate, and a
+    # little faster than through the loader (no mapping of its allocations): it reads itself.
+    # Looked up, never imported: importing the engine is what a first load avoids here.
+    pool = sys.modules.get("gdskit.engine.pool")
+    if pool is not None and pool.lanes.holds(device):
+        return False
+    try:  # no loader's socket at all (the common case): no driver call
+        if not any(name.startswith("resident-") for name in os.listdir(socket_dir())):
+            return False
+    except OSError:
+        return False
+    from gdskit.engine.resident import ipc  # noqa: PLC0415 - import time
+
+    try:
+        where = socket_path(ipc.ordinal_uuid(device))
+    except ipc.IpcUnavailable:
+        return False
+    try:
+        return stat.S_ISSOCK(os.lstat(where).st_mode)
+    except OSError:
+        return False

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,35 +23,6 @@ from gdskit.settings import settings
 from gdskit.vocabulary import Resident
 
 OnBytes = Callable[[int], None]
-
-
-def worth_asking(device: int, small_share: float = 0.0) -> bool:
-    """Whether a load onto GPU ``device`` should make its destinations for the resident loader
-    before reading: the setting requires it, or a socket is there for that GPU (one stat), this
-    process has no staging of its own for it yet, and at most half the load's bytes
-    (``small_share``) are in reads below :data:`~gdskit.engine.resident.wire.SMALL_READ`. Costs
-    a few driver calls, never an import of the bindings."""
-    mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
-    if mode is Resident.OFF:
-        return False
-    if mode is Resident.REQUIRE:
-        return True
-    if small_share > 0.5:
-        return False
-    # A process whose own engine has staging for this GPU already loads at the warm rate, and a
-    # little faster than through the loader (no mapping of its allocations): it reads itself.
-    # Looked up, never imported: importing the engine is what a first load avoids here.
-    pool = sys.modules.get("gdskit.engine.pool")
-    if pool is not None and pool.lanes.holds(device):
-        return False
-    try:
-        where = socket_path(ipc.ordinal_uuid(device))
-    except ipc.IpcUnavailable:
-        return False
-    try:
-        return stat.S_ISSOCK(os.lstat(where).st_mode)
-    except OSError:
-        return False
 
 
 def read_to_gpu(path: str, file_size: int, targets: Sequence[tuple[int, int, int]], *,

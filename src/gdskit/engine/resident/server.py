@@ -25,15 +25,16 @@ from gdskit.engine.buffers import ScatterList, adapt, scattered_device_view, syn
 from gdskit.engine.file import open as open_file
 from gdskit.engine.framing import recv_with_fds, send_message
 from gdskit.engine.ledger import ledger
+from gdskit.engine.resident import SMALL_READ
 from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
-                                         MAX_SOCKET_PATH, PROGRESS_S, SMALL_READ, Request, make_private_dir, pack_json,
+                                         MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
                                          pack_progress, peer_uid, socket_dir, socket_path, unpack_request)
 from gdskit.threads import start_thread
 from gdskit.errors import CudaError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
 
 #: Requests waiting for the one under way, beyond which clients are refused at connect.
 BACKLOG = 64
-#: Small reads (wire.SMALL_READ) that touch are grouped up to this many bytes.
+#: Small reads (resident.SMALL_READ) that touch are grouped up to this many bytes.
 GROUP_BYTES = 16 << 20
 
 

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import stat
 import struct
-import tempfile
 from array import array
 from typing import Any
 
-from gdskit.errors import GdskitPermissionError, InvalidArgumentError
+from gdskit.engine.resident import GPU_UUID, HOST, socket_dir, socket_path
+from gdskit.errors import GdskitPermissionError
 
 VERSION = 1
 KIND_REQUEST, KIND_PROGRESS, KIND_DONE, KIND_ERROR = b"Q", b"P", b"D", b"E"
@@ -44,30 +43,9 @@ PROGRESS_S = 0.25
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _UCRED = struct.Struct("3i")
-_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-#: Reads below this that touch in the file are read by the loader as one, scattered on the GPU
-#: (as a load in the process groups small tensors). Under ``auto``, a load whose bytes are mostly
-#: in such reads stays in the process: only loads of large tensors were measured faster through
-#: the loader (docs/resident.md).
-SMALL_READ = 1 << 20
-#: Where no GPU is served (host memory only: tests, machines without one).
-HOST = "host"
 #: A Unix socket's path must fit ``sockaddr_un``.
 MAX_SOCKET_PATH = 107
-
-
-def socket_dir() -> str:
-    run = os.environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(run):
-        return os.path.join(run, "gdskit")
-    return os.path.join(tempfile.gettempdir(), f"gdskit-{os.getuid()}")
-
-
-def socket_path(gpu: str) -> str:
-    """The socket of the loader of GPU ``gpu`` (its UUID, or :data:`HOST`)."""
-    if gpu != HOST and not _UUID.match(gpu):
-        raise InvalidArgumentError(f"not a GPU UUID: {gpu!r}")
-    return os.path.join(socket_dir(), f"resident-{gpu}.sock")
+__all__ = ["HOST", "socket_dir", "socket_path"]
 
 
 def private_dir_problem(path: str) -> str | None:
@@ -146,7 +124,7 @@ def unpack_request(payload: bytes | bytearray) -> Request:
     path, size, device, segments = head.get("path"), head.get("file_size"), head.get("device"), head.get("segments")
     if not isinstance(path, str) or not _whole(size) or size < 0:
         raise ValueError("a request without a path and a file size")
-    if device is not None and not (isinstance(device, str) and _UUID.match(device)):
+    if device is not None and not (isinstance(device, str) and GPU_UUID.match(device)):
         raise ValueError(f"a request for a device that is not a GPU UUID: {device!r}")
     if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
         raise ValueError("a request whose segments are not strings")
