@@ -135,6 +135,7 @@ def test_a_second_loader_is_refused_and_a_dead_ones_socket_is_replaced(runtime_d
     third = ServerProcess(runtime_dir, "--host").wait_listening()
     assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]) is None
     assert view[:10] == data[:10]
+    assert stat.S_IMODE(os.stat(third.socket).st_mode) == 0o600
     assert third.stop() == 0
     assert not os.path.exists(third.socket)  # SIGTERM: stopped, socket removed
     assert third.kinds()[-1] == "stopped"

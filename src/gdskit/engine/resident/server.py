@@ -112,11 +112,8 @@ class ResidentLoader:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            old = os.umask(0o077)
-            try:
-                sock.bind(path)
-            finally:
-                os.umask(old)
+            sock.bind(path)  # in a directory only this user can enter; the socket's own mode too:
+            os.chmod(path, 0o600)
             sock.listen(BACKLOG)
             st = os.stat(path)
             self._inode = (st.st_dev, st.st_ino)
