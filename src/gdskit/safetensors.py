@@ -379,10 +379,18 @@ def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[f
         made[e.name] = torch.empty(shape, dtype=dt, device=dev)
     torch.cuda.synchronize(dev)  # blocks the allocator hands out may still be in use by queued work
     targets = [(made[e.name].data_ptr(), e.nbytes, header.data_start + e.start) for e in entries]
+    landed = [0]
+
+    def on_bytes(n: int) -> None:
+        landed[0] += n
+        prog.advance(n)
+
     try:
-        why_not = read_through_resident(path, header.file_size, targets, on_bytes=prog.advance)
+        why_not = read_through_resident(path, header.file_size, targets, on_bytes=on_bytes)
     except fmt.FormatError as exc:
         raise with_path(exc, path) from None
+    if why_not is not None and landed[0]:  # a loader that went away mid-load: the bytes come again
+        prog.advance(-landed[0])
     return made if why_not is None else None
 
 
