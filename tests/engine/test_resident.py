@@ -366,3 +366,72 @@ except EnvironmentVariableError as exc:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "GDSKIT_RESIDENT": "sometimes"})
     assert out.stdout.strip() == "refused GDSKIT_RESIDENT", out.stderr
+
+
+class _Peer:
+    """A misbehaving loader on the host socket: takes the request, then does ``behave(conn)``."""
+
+    def __init__(self, behave):
+        wire.make_private_dir(wire.socket_dir())
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(wire.socket_path(wire.HOST))
+        self.sock.listen(1)
+        self.behave = behave
+        import threading
+
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        conn, _ = self.sock.accept()
+        _kind, _payload, fds = framing.recv_with_fds(conn, max_fds=2)
+        for fd in fds:
+            os.close(fd)
+        self.behave(conn)
+        conn.close()
+
+    def close(self):
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("behave, outcome", [
+    (lambda c: framing.send_message(c, wire.KIND_PROGRESS, wire.pack_progress(5)), "went away mid-load"),
+    (lambda c: framing.send_message(c, b"Z", b""), ResidentLoaderError),
+    (lambda c: framing.send_message(c, wire.KIND_DONE, wire.pack_json({"bytes": 3, "rows": []})), ResidentLoaderError),
+    (lambda c: framing.send_message(c, wire.KIND_DONE, wire.pack_json({"bytes": 10, "rows": [["x"]]})), ResidentLoaderError),
+    (lambda c: framing.send_message(c, wire.KIND_ERROR, wire.pack_json(
+        {"type": "TruncatedFileError", "message": "shrank", "refused": False})), TruncatedFileError),
+    (lambda c: framing.send_message(c, wire.KIND_ERROR, wire.pack_json(
+        {"type": "OSError", "message": "Input/output error", "refused": False, "errno": 5})), OSError),
+])
+def test_a_loader_that_misbehaves_is_read_past_or_raised_by_name(runtime_dir, data_file, behave, outcome):
+    path, data = data_file
+    peer = _Peer(behave)
+    fd, _view = _mapping(1 << 20)
+    got = []
+    try:
+        if isinstance(outcome, str):
+            assert outcome in client.read_to_shared(path, len(data), fd, [(0, 10, 0)], on_bytes=got.append)
+            assert got == [5]  # the caller takes these back before it reads again
+        else:
+            with pytest.raises(outcome):
+                client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    finally:
+        peer.close()
+        os.close(fd)
+
+
+def test_a_loader_that_stops_answering_is_given_up_on(runtime_dir, data_file, monkeypatch):
+    import time as _time
+
+    path, data = data_file
+    monkeypatch.setattr(client, "STALL_S", 0.5)
+    peer = _Peer(lambda c: _time.sleep(2))
+    fd, _view = _mapping(1 << 20)
+    try:
+        with pytest.raises(ResidentLoaderError, match="stopped answering"):
+            client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    finally:
+        peer.close()
+        os.close(fd)
