@@ -38,28 +38,33 @@ def serve(
 ) -> None:
     from gdskit.engine.resident.server import ResidentLoader  # noqa: PLC0415 - import time
 
+    printing = threading.Lock()  # events come from each request's thread: one whole line at a time
+
+    def line(text: str) -> None:
+        with printing:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
     def say(kind: str, detail: dict[str, Any]) -> None:
         if as_json:
-            print(json.dumps({"event": kind, **detail}), flush=True)
+            line(json.dumps({"event": kind, **detail}))
         elif kind == "served":
-            print(f"served {detail['path']}: {detail['bytes'] / 1e9:.2f} GB in {detail['seconds'] * 1e3:.0f} ms "
-                  f"({detail['bytes'] / max(detail['seconds'], 1e-9) / 1e9:.1f} GB/s)", flush=True)
+            line(f"served {detail['path']}: {detail['bytes'] / 1e9:.2f} GB in {detail['seconds'] * 1e3:.0f} ms "
+                 f"({detail['bytes'] / max(detail['seconds'], 1e-9) / 1e9:.1f} GB/s)")
         elif kind == "listening":
-            print(f"gdskit serve: {detail['serves']} at {detail['socket']}; Ctrl-C to stop", flush=True)
+            line(f"gdskit serve: {detail['serves']} at {detail['socket']}; Ctrl-C to stop")
         elif kind == "stopped":
             t = detail["totals"]
-            print(f"gdskit serve: stopped after {t['requests']} loads ({t['bytes'] / 1e9:.2f} GB), "
-                  f"{t['refused']} refused, {t['failed']} failed", flush=True)
+            line(f"gdskit serve: stopped after {t['requests']} loads ({t['bytes'] / 1e9:.2f} GB), "
+                 f"{t['refused']} refused, {t['failed']} failed")
         else:
-            print(f"{kind}: {detail.get('why') or detail.get('error')}", flush=True)
+            line(f"{kind}: {detail.get('why') or detail.get('error')}")
 
     loader = ResidentLoader(None if host else device, on_event=say)
     with cli_errors("serve"):
         path = loader.start()
-    stop = threading.Event()
 
     def on_signal(_signum: int, _frame: Any) -> None:
-        stop.set()
         loader.close()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -73,4 +78,3 @@ def serve(
         for s, h in previous.items():
             signal.signal(s, h)
     say("stopped", {"totals": loader.totals.as_dict()})
-    sys.stdout.flush()
