@@ -435,3 +435,26 @@ def test_a_loader_that_stops_answering_is_given_up_on(runtime_dir, data_file, mo
     finally:
         peer.close()
         os.close(fd)
+
+
+def test_events_from_many_connections_are_whole_json_lines(server):
+    for _ in range(40):  # each closed at once: a "refused" event from its own thread
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.socket)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(1) == b""  # the loader has turned it down
+    assert server.stop() == 0  # every line it printed parsed as JSON
+    assert server.kinds().count("refused") == 40 and server.kinds()[-1] == "stopped"
+
+
+def test_stopping_ends_connections_still_waiting_for_their_request(server):
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    idle.connect(server.socket)  # and says nothing
+    import time as _time
+
+    t0 = _time.monotonic()
+    assert server.stop() == 0
+    assert _time.monotonic() - t0 < 10  # not the 30 s a request may take to come
+    assert idle.recv(1) == b""
+    idle.close()
+    assert server.kinds()[-1] == "stopped"

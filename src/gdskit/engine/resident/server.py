@@ -74,6 +74,9 @@ class ResidentLoader:
         self._inode: tuple[int, int] | None = None
         self._one_at_a_time = threading.Lock()
         self._closed = threading.Event()
+        self._live = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._idle: set[socket.socket] = set()  # connections whose request has not come yet
 
     # -- life -------------------------------------------------------------------------------------
     def start(self) -> str:
@@ -136,7 +139,12 @@ class ResidentLoader:
                 if self._closed.is_set():
                     return
                 raise
-            start_thread(functools.partial(self._connection, conn), "gdskit-resident")
+            with self._live:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                self._idle.add(conn)
+                self._threads.add(start_thread(functools.partial(self._connection, conn), "gdskit-resident"))
 
     def close(self) -> None:
         """Stop listening and remove the socket (if it is still the one this loader made); a request
@@ -153,8 +161,16 @@ class ResidentLoader:
             except OSError:
                 pass
             self._inode = None
-        with self._one_at_a_time:  # the request under way, if any, has ended
-            pass
+        with self._live:  # connections still waiting for their request get none now
+            for conn in self._idle:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            threads = list(self._threads)
+        for t in threads:  # and the request under way, if any, runs to its end
+            if t is not threading.current_thread():
+                t.join()
 
     def __enter__(self) -> ResidentLoader:
         return self
@@ -173,8 +189,12 @@ class ResidentLoader:
             try:
                 kind, payload, fds = recv_with_fds(conn, MAX_REQUEST, max_fds=2)
             except (EOFError, ValueError, OSError) as exc:
-                self._event("refused", {"why": f"no request ({exc})"})
+                if not self._closed.is_set():
+                    self._event("refused", {"why": f"no request ({exc})"})
                 return
+            finally:
+                with self._live:
+                    self._idle.discard(conn)
             conn.settimeout(None)
             with self._one_at_a_time:
                 self._request(conn, kind, payload, fds)
@@ -182,6 +202,9 @@ class ResidentLoader:
             for fd in fds:
                 os.close(fd)
             conn.close()
+            with self._live:
+                self._idle.discard(conn)
+                self._threads.discard(threading.current_thread())
 
     def _request(self, conn: socket.socket, kind: bytes, payload: bytearray, fds: list[int]) -> None:
         t0 = time.monotonic()
