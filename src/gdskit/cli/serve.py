@@ -65,7 +65,7 @@ def serve(
         path = loader.start()
 
     def on_signal(_signum: int, _frame: Any) -> None:
-        loader.close()
+        loader.request_stop()  # only a flag here: the main thread closes once serving returns
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -58,9 +58,10 @@ class ServedTotals:
 class ResidentLoader:
     """The resident loader of GPU ``device`` (None: host memory only, for a machine without one).
 
-    ``start()`` warms the engine and listens; ``serve_forever()`` answers until ``close()``
-    (from another thread or a signal handler). ``on_event(kind, detail)`` hears of each
-    request's end (``"served"``, ``"refused"``, ``"failed"``)."""
+    ``start()`` warms the engine and listens; ``serve_forever()`` answers until ``close()`` from
+    another thread, or until :meth:`request_stop` (a signal handler's) and then ``close()``.
+    ``on_event(kind, detail)`` hears of each request's end (``"served"``, ``"refused"``,
+    ``"failed"``)."""
 
     def __init__(self, device: int | None, *, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
@@ -145,6 +146,11 @@ class ResidentLoader:
                     return
                 self._idle.add(conn)
                 self._threads.add(start_thread(functools.partial(self._connection, conn), "gdskit-resident"))
+
+    def request_stop(self) -> None:
+        """Make :meth:`serve_forever` return within a fifth of a second (safe in a signal handler:
+        it only sets a flag); then :meth:`close`."""
+        self._closed.set()
 
     def close(self) -> None:
         """Stop listening and remove the socket (if it is still the one this loader made); a request
