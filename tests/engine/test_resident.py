@@ -455,6 +455,9 @@ def test_stopping_ends_connections_still_waiting_for_their_request(server):
     t0 = _time.monotonic()
     assert server.stop() == 0
     assert _time.monotonic() - t0 < 10  # not the 30 s a request may take to come
-    assert idle.recv(1) == b""
+    try:
+        assert idle.recv(1) == b""  # closed by the loader
+    except ConnectionResetError:
+        pass  # or, not yet accepted when it stopped, by the kernel
     idle.close()
     assert server.kinds()[-1] == "stopped"
