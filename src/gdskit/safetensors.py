@@ -299,9 +299,12 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
 
-    def alloc(e: read_plan.Extent) -> Any:  # each tensor made once, in its final dtype and shape
-        dt, shape = types[e.key]
+    def make(name: str) -> Any:  # each tensor made once, in its final dtype and shape
+        dt, shape = types[name]
         return torch.empty(shape, dtype=dt, device=dev)
+
+    def alloc(e: read_plan.Extent) -> Any:
+        return make(e.key)
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
@@ -312,7 +315,7 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             if not entries:
                 continue
             if resident is not None:
-                served = _through_resident(torch, p, h, entries, types, dev, prog)
+                served = _through_resident(torch, p, h, entries, make, dev, prog)
                 if served is not None:
                     raw.update(served)
                     continue
@@ -370,13 +373,10 @@ def _resident_device(torch: Any, dev: Any, sizes: list[int]) -> int | None:
 
 
 def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],
-                      types: dict[str, Any], dev: Any, prog: Progress) -> dict[str, Any] | None:
-    """``entries`` of ``path`` read by the resident loader into tensors made here; None where it
-    did not serve (nothing was written: the caller reads them itself)."""
-    made = {}
-    for e in entries:
-        dt, shape = types[e.name]
-        made[e.name] = torch.empty(shape, dtype=dt, device=dev)
+                      make: Any, dev: Any, prog: Progress) -> dict[str, Any] | None:
+    """``entries`` of ``path`` read by the resident loader into tensors made here (``make(name)``);
+    None where it did not serve (nothing was written: the caller reads them itself)."""
+    made = {e.name: make(e.name) for e in entries}
     torch.cuda.synchronize(dev)  # blocks the allocator hands out may still be in use by queued work
     targets = [(made[e.name].data_ptr(), e.nbytes, header.data_start + e.start) for e in entries]
     landed = [0]

@@ -144,7 +144,7 @@ def test_a_second_loader_is_refused_and_a_dead_ones_socket_is_replaced(runtime_d
 
 def test_a_file_in_the_way_of_the_socket_is_never_replaced(runtime_dir):
     os.makedirs(os.path.join(runtime_dir, "gdskit"), mode=0o700)
-    blocker = wire.socket_path(wire.HOST)
+    blocker = resident.socket_path(resident.HOST)
     with open(blocker, "w") as fh:
         fh.write("mine")
     s = ServerProcess(runtime_dir, "--host")
@@ -229,12 +229,12 @@ def test_extra_descriptors_are_closed_on_receipt():
 
 
 def test_a_gpu_uuid_names_the_socket_and_nothing_else_does(runtime_dir):
-    assert wire.socket_path("01234567-89ab-cdef-0123-456789abcdef").endswith(
+    assert resident.socket_path("01234567-89ab-cdef-0123-456789abcdef").endswith(
         "/gdskit/resident-01234567-89ab-cdef-0123-456789abcdef.sock")
     from gdskit.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError):
-        wire.socket_path("../../etc/passwd")
+        resident.socket_path("../../etc/passwd")
 
 
 def test_without_a_cuda_driver_a_gpu_load_is_not_worth_asking_unless_required(monkeypatch):
@@ -312,12 +312,12 @@ def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_stagin
     uuid = "01234567-89ab-cdef-0123-456789abcdef"
     monkeypatch.setattr(ipc, "ordinal_uuid", lambda _ordinal: uuid)
     assert resident.worth_asking(0) is False  # no socket
-    wire.make_private_dir(wire.socket_dir())
+    wire.make_private_dir(resident.socket_dir())
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(wire.socket_path(uuid))
+    listener.bind(resident.socket_path(uuid))
     try:
         assert resident.worth_asking(0) is True
-        assert resident.worth_asking(0, small_share=0.9) is False  # mostly small tensors: read here
+        assert resident.worth_asking(0, [4096] * 1000 + [1 << 20]) is False  # mostly small tensors: read here
         from gdskit.engine import resident_worth_asking
 
         assert resident_worth_asking(0, [64 << 20, 4096]) is True
@@ -327,7 +327,7 @@ def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_stagin
         assert resident.worth_asking(1) is True
         with settings.set(resident="require"):
             assert resident.worth_asking(0) is True
-            assert resident.worth_asking(0, small_share=1.0) is True
+            assert resident.worth_asking(0, [4096]) is True
     finally:
         listener.close()
 
@@ -401,9 +401,9 @@ class _Peer:
     """A misbehaving loader on the host socket: takes the request, then does ``behave(conn)``."""
 
     def __init__(self, behave):
-        wire.make_private_dir(wire.socket_dir())
+        wire.make_private_dir(resident.socket_dir())
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(wire.socket_path(wire.HOST))
+        self.sock.bind(resident.socket_path(resident.HOST))
         self.sock.listen(1)
         self.behave = behave
         import threading

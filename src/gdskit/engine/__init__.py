@@ -204,10 +204,8 @@ def resident_worth_asking(device: int, sizes: Any = ()) -> bool:
     """Whether a load onto GPU ``device`` of reads of ``sizes`` bytes should go to the resident
     loader (``gdskit serve``): ``settings.resident`` requires it, or one is listening for it and
     the load is of large tensors (docs/resident.md)."""
-    from gdskit.engine.resident import SMALL_READ, worth_asking  # noqa: PLC0415 - import time
-
-    total = sum(sizes)
-    return worth_asking(device, sum(n for n in sizes if n < SMALL_READ) / total if total else 0.0)
+    from gdskit.engine.resident import worth_asking  # noqa: PLC0415 - import time
+    return worth_asking(device, sizes)
 
 
 def read_through_resident(path: str, file_size: int, targets: Any,

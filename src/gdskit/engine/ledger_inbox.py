@@ -50,6 +50,12 @@ def is_row(row: Row) -> bool:
     return True
 
 
+def as_row(entry: Any) -> list[Any]:
+    """A ledger entry (``LedgerEntry``) as a row another process takes in: plain lists, for JSON."""
+    return [entry.path, entry.reason, entry.op, entry.bytes, entry.ops, entry.busy_s, entry.requests,
+            [list(pair) for pair in entry.size_hist]]
+
+
 def add(rows: list[Row]) -> None:
     """Add checked rows to the ledger, now if it is imported, else when it is."""
     with _lock:

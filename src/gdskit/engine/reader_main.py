@@ -23,6 +23,7 @@ from gdskit.engine.buffers import adapt
 import gdskit.engine.cuda as cuda
 from gdskit.engine.file import open as open_file
 from gdskit.engine.ledger import ledger
+from gdskit.engine.ledger_inbox import as_row
 from gdskit.engine.reader_processes import (KIND_DONE, KIND_ERROR, KIND_INIT, KIND_READ, pack_done, recv_message,
                                             send_message, unpack_read)
 from gdskit.settings import settings
@@ -76,8 +77,10 @@ def serve(sock: socket.socket, view: Any) -> None:
             for index, size, offsets, places in groups:
                 path = paths[index]
                 counts.append(file(index).read_batch(view, offsets, size, [base + p for p in places]))
-            rows = [[e.path, loader_reason if e.reason == no_gpu else e.reason, e.op, e.bytes, e.ops, e.busy_s,
-                     e.requests, list(e.size_hist)] for e in ledger.snapshot().entries]
+            rows = [as_row(e) for e in ledger.snapshot().entries]
+            for row in rows:
+                if row[1] == no_gpu:
+                    row[1] = loader_reason
             send_message(sock, KIND_DONE, pack_done(counts, rows))
         except Exception as exc:  # noqa: BLE001 - the loader raises it in its caller's place
             send_message(sock, KIND_ERROR, json.dumps(_error(exc, path)).encode())

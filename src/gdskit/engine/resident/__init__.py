@@ -18,6 +18,7 @@ import re
 import stat
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from gdskit.errors import InvalidArgumentError
 from gdskit.settings import settings
@@ -50,18 +51,19 @@ def socket_path(gpu: str) -> str:
     return os.path.join(socket_dir(), f"resident-{gpu}.sock")
 
 
-def worth_asking(device: int, small_share: float = 0.0) -> bool:
+def worth_asking(device: int, sizes: Sequence[int] = ()) -> bool:
     """Whether a load onto GPU ``device`` should make its destinations for the resident loader
     before reading: the setting requires it, or a socket is there for that GPU (one stat), this
-    process has no staging of its own for it yet, and at most half the load's bytes
-    (``small_share``) are in reads below :data:`SMALL_READ`. Costs one directory listing where
+    process has no staging of its own for it yet, and at most half the bytes of the load's
+    reads (``sizes``) are in reads below :data:`SMALL_READ`. Costs one directory listing where
     no loader's socket exists, a few driver calls where one does, never the bindings' import."""
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return False
     if mode is Resident.REQUIRE:
         return True
-    if small_share > 0.5:
+    total = sum(sizes)
+    if total and sum(n for n in sizes if n < SMALL_READ) > total / 2:
         return False
     # A process whose own engine has staging for this GPU already loads at the warm rate, and a
     # little faster than through the loader (no mapping of its allocations): it reads itself.

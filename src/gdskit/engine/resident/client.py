@@ -15,9 +15,9 @@ from typing import Any
 from gdskit.engine import ledger_inbox
 from gdskit.engine.framing import recv_message, send_with_fds
 from gdskit.engine.resident import ipc
-from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REPLY,
-                                         STALL_S, pack_request, peer_uid, private_dir_problem, socket_dir,
-                                         socket_path, unpack_json, unpack_progress)
+from gdskit.engine.resident import HOST, socket_dir, socket_path
+from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REPLY, STALL_S,
+                                         pack_request, peer_uid, private_dir_problem, unpack_json, unpack_progress)
 from gdskit.errors import GdskitError, ResidentLoaderError, TruncatedFileError, from_os_error
 from gdskit.settings import settings
 from gdskit.vocabulary import Resident

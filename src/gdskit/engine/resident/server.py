@@ -25,10 +25,11 @@ from gdskit.engine.buffers import ScatterList, adapt, scattered_device_view, syn
 from gdskit.engine.file import open as open_file
 from gdskit.engine.framing import recv_with_fds, send_message
 from gdskit.engine.ledger import ledger
-from gdskit.engine.resident import SMALL_READ
-from gdskit.engine.resident.wire import (HOST, KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
+from gdskit.engine.ledger_inbox import as_row
+from gdskit.engine.resident import HOST, SMALL_READ, socket_dir, socket_path
+from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
                                          MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
-                                         pack_progress, peer_uid, socket_dir, socket_path, unpack_request)
+                                         pack_progress, peer_uid, unpack_request)
 from gdskit.threads import start_thread
 from gdskit.errors import CudaError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
 
@@ -305,8 +306,7 @@ class ResidentLoader:
         for (_v, n, offset), got in zip(items, counts):
             if got != n:
                 raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)")
-        rows = [[e.path, e.reason, e.op, e.bytes, e.ops, e.busy_s, e.requests, list(e.size_hist)]
-                for e in ledger.snapshot().entries]
+        rows = [as_row(e) for e in ledger.snapshot().entries]
         return sum(n for _s, _a, _o, n in req.reads), rows
 
     def _event(self, kind: str, detail: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ import struct
 from array import array
 from typing import Any
 
-from gdskit.engine.resident import GPU_UUID, HOST, socket_dir, socket_path
+from gdskit.engine.resident import GPU_UUID
 from gdskit.errors import GdskitPermissionError
 
 VERSION = 1
@@ -45,7 +45,6 @@ _U64 = struct.Struct("<Q")
 _UCRED = struct.Struct("3i")
 #: A Unix socket's path must fit ``sockaddr_un``.
 MAX_SOCKET_PATH = 107
-__all__ = ["HOST", "socket_dir", "socket_path"]
 
 
 def private_dir_problem(path: str) -> str | None:
