@@ -297,8 +297,6 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             by_file.setdefault(where[n][0], []).append(where[n][2])
     total = sum(where[n][2].nbytes for n in names)
 
-    from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
-
     def make(name: str) -> Any:  # each tensor made once, in its final dtype and shape
         dt, shape = types[name]
         return torch.empty(shape, dtype=dt, device=dev)
@@ -320,6 +318,9 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                     raw.update(served)
                     continue
                 resident = None  # it did not serve this file: the rest are read here too
+            # Imported here, not above: a load the resident loader serves never needs the engine's
+            # reading modules (about 12 ms to import). Looked up at each file: a test seam.
+            from gdskit.formats.torch_io import execute  # noqa: PLC0415
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
             runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)

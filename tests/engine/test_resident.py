@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 
 import pytest
+import typer
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from gdskit.engine import framing
@@ -256,6 +258,30 @@ def test_serve_help_and_a_bad_device(runtime_dir):
     assert out.returncode == 0 and "GDSKIT_RESIDENT" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "gdskit", "serve", "--device", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2
+
+
+def test_serve_unit_prints_a_unit_for_this_python():
+    out = subprocess.run([sys.executable, "-m", "gdskit", "serve", "--unit"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f'ExecStart="{sys.executable}" -m gdskit serve --device %i --json' in out.stdout
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_unit_names_its_python_exactly_whatever_the_path_holds(tmp_path):
+    from gdskit.cli.serve import unit_text
+
+    odd = tmp_path / "py $HOME %i"  # spaces, a variable's sign and a specifier, all literal
+    odd.symlink_to(sys.executable)
+    unit = tmp_path / "gdskit-serve@0.service"
+    unit.write_text(unit_text(str(odd)))
+    ok = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr  # it checks that the program named can be run
+    unit.write_text(unit_text(str(tmp_path / "py $HOME")))  # one that is not there: the check can fail
+    missing = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True)
+    assert missing.returncode != 0 and "py $HOME" in missing.stderr
+    for refused in ("/usr/bin/py\nthon", '/opt/"py"/python3', "/opt/py\\/python3"):  # systemd refuses them
+        with pytest.raises(typer.BadParameter):
+            unit_text(refused)
 
 
 def _one_exchange(path: str) -> bytes:

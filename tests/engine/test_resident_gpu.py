@@ -113,3 +113,24 @@ def test_require_without_a_loader_says_why(runtime_dir, checkpoint):
 
     with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="no resident loader"):
         gst.load_file(checkpoint, device="cuda:0")
+
+
+_LIGHT = """
+import sys, torch
+torch.empty(1, device="cuda")
+import gdskit.safetensors as gst
+got = gst.load_file(sys.argv[1], device="cuda:0")
+heavy = sorted(m for m in ("gdskit.formats.torch_io", "gdskit.engine.pool", "gdskit.engine.ledger",
+                           "gdskit.engine.backends") if m in sys.modules)
+print("HEAVY", heavy, sum(t.nbytes for t in got.values()))
+"""
+
+
+def test_a_load_the_loader_serves_imports_none_of_the_engines_reading_modules(server, checkpoint):
+    env = {**os.environ, "GDSKIT_RESIDENT": "require"}
+    out = subprocess.run([sys.executable, "-c", _LIGHT, checkpoint], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(" ", 2)[:2] == ["HEAVY", "[]"], out.stdout
+    server.stop()
+    assert "served" in server.kinds()

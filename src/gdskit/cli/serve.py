@@ -7,6 +7,7 @@ already listening, a socket directory that is not this user's alone).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import threading
@@ -35,7 +36,12 @@ def serve(
     device: int = typer.Option(0, "--device", "-d", min=0, help="The GPU to serve (as CUDA numbers it here)."),
     host: bool = typer.Option(False, "--host", help="Serve host memory only (a machine without a GPU; tests)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line, for programs."),
+    unit: bool = typer.Option(False, "--unit", help="Print a systemd user unit that runs one loader per GPU "
+                              "(gdskit-serve@N.service) with this Python, and exit."),
 ) -> None:
+    if unit:
+        sys.stdout.write(unit_text(sys.executable))
+        return
     from gdskit.engine.resident.server import ResidentLoader  # noqa: PLC0415 - import time
 
     printing = threading.Lock()  # events come from each request's thread: one whole line at a time
@@ -78,3 +84,35 @@ def serve(
         for s, h in previous.items():
             signal.signal(s, h)
     say("stopped", {"totals": loader.totals.as_dict()})
+
+
+def unit_text(python: str) -> str:
+    """A systemd user unit template whose instance is the GPU number, running ``python -m gdskit
+    serve``. SIGTERM (``systemctl --user stop``) ends it once a load under way has ended."""
+    return f"""\
+# gdskit's resident loader, one instance per GPU (docs/resident.md). Save as
+#   ~/.config/systemd/user/gdskit-serve@.service
+# then: systemctl --user daemon-reload && systemctl --user enable --now gdskit-serve@0
+# Programs find it where their XDG_RUNTIME_DIR is this manager's (/run/user/<uid>).
+# Settings: add Environment=GDSKIT_...=... lines under [Service].
+[Unit]
+Description=gdskit resident loader for GPU %i
+
+[Service]
+Type=exec
+ExecStart={_unit_program(python)} -m gdskit serve --device %i --json
+Restart=on-failure
+RestartSec=5
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def _unit_program(path: str) -> str:
+    """``path`` as the program of a unit's ExecStart: quoted (spaces), its ``%`` doubled (systemd's
+    specifiers); systemd itself refuses quotes, backslashes and control characters there."""
+    if re.search(r"[\x00-\x1f\x7f\\\"']", path):
+        raise typer.BadParameter(f"systemd cannot run a program whose path holds quotes, backslashes or control "
+                                 f"characters: {path!r}")
+    return '"' + path.replace("%", "%%") + '"'
