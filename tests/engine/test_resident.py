@@ -379,6 +379,17 @@ print(sum(e.bytes for e in stats().entries))
             ledger_inbox.checked(bad)
 
 
+def _mapped(segments):
+    """A request's destinations as the loader holds them once the client's allocations (here the
+    stand-in driver's ``segments``) are mapped."""
+    from gdskit.engine.resident.server import _Destinations
+
+    dest = _Destinations.__new__(_Destinations)
+    dest.device, dest._opened, dest._map, dest._handles, dest.map_seconds = 0, [], None, [], 0.0
+    dest.bases, dest.sizes = [s.ptr for s in segments], [s.nbytes for s in segments]
+    return dest
+
+
 @pytest.mark.stand_in_gpu
 def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path_factory):
     """The loader's plan of a request's reads into GPU memory (small reads that touch in the file
@@ -386,16 +397,13 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
     from data_files import random_file
     from devbuf import DeviceBuffer
     from gdskit.engine.file import open as open_file
-    from gdskit.engine.resident.server import _Destinations
     from gdskit.engine.resident import SMALL_READ
 
     path, data = random_file(tmp_path_factory, "resident", 6 << 20, seed=5)
     segments = [DeviceBuffer(4 << 20), DeviceBuffer(4 << 20)]
     for s in segments:
         s.poison()
-    dest = _Destinations.__new__(_Destinations)  # the memory as if mapped from a client
-    dest.device, dest._opened, dest._map = 0, [], None
-    dest.bases, dest.sizes = [s.ptr for s in segments], [s.nbytes for s in segments]
+    dest = _mapped(segments)
     # (segment, offset in it, file offset, bytes): touching small reads across both segments,
     # a gap, one large read, out of file order.
     reads = [(1, 100, 5000, 3000), (0, 0, 0, 5000), (1, 8192, 8000, 4096), (0, 13_000, 20_001, 777),
@@ -407,6 +415,58 @@ def test_on_a_gpu_small_reads_that_touch_go_as_one_and_every_byte_lands(tmp_path
     assert counts == [n for _v, n, _o in items]
     for seg, at, offset, n in reads:
         assert segments[seg].to_bytes()[at:at + n] == data[offset:offset + n], (seg, at, offset)
+
+
+def test_the_first_eighth_of_a_request_is_read_while_the_rest_is_mapped():
+    from gdskit.engine.resident.server import HEAD_SHARE, _head_reads
+
+    assert HEAD_SHARE == 1 / 8
+    many = [(i, 0, i * 100, 100) for i in range(16)]  # 16 allocations of 100 bytes, in file order
+    assert _head_reads(many) == 2
+    assert _head_reads([(0, 0, 0, 10), (1, 0, 10, 1000)]) == 2  # the share is reached only with the second
+    one = [(0, i * 10, i * 10, 10) for i in range(5)]  # one allocation: nothing to map meanwhile
+    assert _head_reads(one) == 5
+
+
+@pytest.mark.stand_in_gpu
+@pytest.mark.parametrize("bad_tail", [False, True])
+def test_a_request_read_in_two_parts_lands_every_byte_or_is_refused_once_nothing_is_in_flight(
+        tmp_path_factory, bad_tail):
+    """The loader reads a request's first eighth while it maps the rest; a read the rest holds
+    that passes its allocation's end is refused then, with the first part's copies ended (the
+    client reads everything again itself)."""
+    from data_files import random_file
+    from devbuf import DeviceBuffer
+    from gdskit.engine.resident.server import Refused, ResidentLoader
+
+    path, data = random_file(tmp_path_factory, "resident-two", 8 << 20, seed=6)
+    segments = [DeviceBuffer(1 << 20) for _ in range(8)]
+    for seg in segments:
+        seg.poison()
+    reads = [(i, 0, i << 20, 1 << 20) for i in range(8)]
+    if bad_tail:
+        reads[7] = (7, 4096, 7 << 20, 1 << 20)  # past the end of the last allocation
+    req = wire.unpack_request(wire.pack_request(path, len(data), "00000000-0000-0000-0000-000000000000",
+                                                      ["00" * 64] * 8, reads))
+    loader = ResidentLoader(0)
+    dest = _mapped(segments)
+    mine, theirs = socket.socketpair()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if bad_tail:
+            with pytest.raises(Refused, match="past the end of segment 7"):
+                loader._read(mine, req, fd, dest)
+            assert segments[0].to_bytes() == data[:1 << 20]  # the first part ran to its end first
+            assert segments[7].to_bytes() != data[7 << 20:]
+        else:
+            nbytes, rows = loader._read(mine, req, fd, dest)
+            assert nbytes == len(data) and sum(r[3] for r in rows) == len(data)
+            for i, seg in enumerate(segments):
+                assert seg.to_bytes() == data[i << 20:(i + 1) << 20], i
+    finally:
+        os.close(fd)
+        mine.close()
+        theirs.close()
 
 
 def test_a_bad_gdskit_resident_is_an_environment_error():

@@ -31,8 +31,10 @@ def read_to_gpu(path: str, file_size: int, targets: Sequence[tuple[int, int, int
     said) into this process's GPU memory through the resident loader of that GPU.
 
     Returns None once every byte has landed (the loader's ledger rows are added to this
-    process's ledger), else why it was not served: nothing was written then, and the caller
-    reads itself. With ``settings.resident`` ``require`` that reason is raised instead, as
+    process's ledger), else why it was not served: the caller then reads every byte itself (a
+    loader that went away mid-load, or refused a read of the request's later part, may have
+    written some; progress reported by ``on_bytes`` is the caller's to take back). With
+    ``settings.resident`` ``require`` that reason is raised instead, as
     :class:`~gdskit.errors.ResidentLoaderError`. Raises the file's own errors
     (``TruncatedFileError``, ``GdskitFileNotFoundError``...) as a read in this process would,
     and ResidentLoaderError where the loader failed after writing began or stopped answering.
