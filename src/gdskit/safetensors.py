@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError, InvalidArgumentError,
                            UnsupportedBufferError, UnverifiableRangeError, with_path)
-from gdskit.formats import read_plan, require_torch, safetensors_format as fmt
+from gdskit.formats import read_plan, require_torch, safetensors_format as fmt, through_resident
 from gdskit.formats.device import torch_device
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.engine import open_file, read_through_resident, resident_worth_asking, stats, stats_delta
+from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.formats.verified import LoadChecks, Sha256Check, check_loaded, expectations, tensor_digests
 from gdskit.verify import HEADER_KEY, OFF, VerifyMode, verify_mode
@@ -306,18 +306,19 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    resident = None if mode.on else _resident_device(torch, dev, [where[n][2].nbytes for n in names])
+    resident = not mode.on and through_resident.worth_asking(torch, dev, [where[n][2].nbytes for n in names],
+                                                             shards.files)
     with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
         for p, h in headers:
             entries = by_file.get(p)
             if not entries:
                 continue
-            if resident is not None:
+            if resident:
                 served = _through_resident(torch, p, h, entries, make, dev, prog)
                 if served is not None:
                     raw.update(served)
                     continue
-                resident = None  # it did not serve this file: the rest are read here too
+                resident = False  # it did not serve this file: the rest are read here too
             # Imported here, not above: a load the resident loader serves never needs the engine's
             # reading modules (about 12 ms to import). Looked up at each file: a test seam.
             from gdskit.formats.torch_io import execute  # noqa: PLC0415
@@ -362,37 +363,17 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     return out
 
 
-def _resident_device(torch: Any, dev: Any, sizes: list[int]) -> int | None:
-    """The GPU number whose resident loader (``gdskit serve``) a load of tensors of ``sizes``
-    bytes onto ``dev`` asks first; None where there is none to ask (a host load, none
-    listening, ``GDSKIT_RESIDENT=off``). Verified loads are read here: their digests are
-    computed where the bytes land."""
-    if dev.type != "cuda":
-        return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return index if resident_worth_asking(index, [n for n in sizes if n]) else None
-
-
 def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],
                       make: Any, dev: Any, prog: Progress) -> dict[str, Any] | None:
     """``entries`` of ``path`` read by the resident loader into tensors made here (``make(name)``);
-    None where it did not serve (nothing was written: the caller reads them itself)."""
+    None where it did not serve (the caller reads them itself)."""
     made = {e.name: make(e.name) for e in entries}
-    torch.cuda.synchronize(dev)  # blocks the allocator hands out may still be in use by queued work
-    targets = [(made[e.name].data_ptr(), e.nbytes, header.data_start + e.start) for e in entries]
-    landed = [0]
-
-    def on_bytes(n: int) -> None:
-        landed[0] += n
-        prog.advance(n)
-
+    targets = [(made[e.name], e.nbytes, header.data_start + e.start) for e in entries]
     try:
-        why_not = read_through_resident(path, header.file_size, targets, on_bytes=on_bytes)
+        served = through_resident.fill(torch, dev, path, header.file_size, targets, prog)
     except fmt.FormatError as exc:
         raise with_path(exc, path) from None
-    if why_not is not None and landed[0]:  # a loader that went away mid-load: the bytes come again
-        prog.advance(-landed[0])
-    return made if why_not is None else None
+    return made if served else None
 
 
 def _hash_when_landed(checks: LoadChecks, expectation: Any, device: Any, spans: dict[str, tuple[int, int]],

@@ -23,7 +23,7 @@ from typing import Any
 
 from gdskit.engine import is_object_url, list_objects, open_file
 from gdskit.errors import FormatError, GdskitError, InvalidArgumentError, MissingDependencyError
-from gdskit.formats import require_torch
+from gdskit.formats import require_torch, through_resident
 from gdskit.formats.into_plan import key_mismatch
 
 __all__ = ["load_model", "UnsupportedModelError"]
@@ -319,7 +319,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
     chosen = _chosen_dtype(torch, dtype, torch_dtype)  # before anything is read
     from gdskit.verify import verify_mode  # noqa: PLC0415 - import time
 
-    verify_mode(verify)  # a bad value is refused before the model is built
+    verifying = verify_mode(verify).on  # a bad value is refused before the model is built
     path = os.fspath(path)
     weights = _checkpoint_files(path)
     index = index_checkpoint(weights)  # every header checked before the model is built
@@ -334,10 +334,14 @@ def load_model(path: str | os.PathLike[str], device: Any = "cuda:0", *, model_cl
         raise UnsupportedModelError(f"{path}: quantized checkpoints are not supported; use from_pretrained")
     dtype = _resolve_dtype(torch, config, chosen, index)
     dev = gs._device(torch, device)
-    if EARLY_WARM_UP and dev.type == "cuda":  # load_into's own reads wait for it, or find it done
+    sizes = [loc.entry.nbytes for loc in index.tensors.values()]
+    # load_into's own reads wait for the warm-up, or find it done; none where the resident loader
+    # (gdskit serve) will read them, whose staging is warm already.
+    if EARLY_WARM_UP and dev.type == "cuda" and (verifying or not through_resident.worth_asking(
+            torch, dev, sizes, [p for p, _h in index.headers])):
         from gdskit.engine import start_warm_up  # noqa: PLC0415 - import time
 
-        start_warm_up(dev.index, sum(loc.entry.nbytes for loc in index.tensors.values()))
+        start_warm_up(dev.index, sum(sizes))
     model = _build_on_meta(transformers, torch, _model_class(transformers, config, model_class), config, dtype)
     plan_fn = getattr(model, "_get_dtype_plan", None)
     if plan_fn is not None and plan_fn(dtype):

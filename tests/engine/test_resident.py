@@ -110,6 +110,20 @@ def test_no_loader_off_and_require(runtime_dir, data_file):
     os.close(fd)
 
 
+def test_an_object_in_a_store_is_never_sent_to_the_loader(server, data_file):
+    _path, data = data_file
+    fd, view = _mapping(1 << 20)
+    url = "s3://bucket/data.bin"
+    assert "object in a store" in client.read_to_shared(url, len(data), fd, [(0, 10, 0)])
+    with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="object in a store"):
+        client.read_to_shared(url, len(data), fd, [(0, 10, 0)])
+    assert view[:10] == bytes(10)
+    view.close()
+    os.close(fd)
+    server.stop()
+    assert server.kinds() == ["listening", "stopped"]  # it heard nothing
+
+
 def test_a_directory_others_can_enter_is_refused_on_both_sides(runtime_dir, data_file):
     path, data = data_file
     os.makedirs(os.path.join(runtime_dir, "gdskit"), mode=0o755)

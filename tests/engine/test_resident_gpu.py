@@ -134,3 +134,40 @@ def test_a_load_the_loader_serves_imports_none_of_the_engines_reading_modules(se
     assert out.stdout.split(" ", 2)[:2] == ["HEAVY", "[]"], out.stdout
     server.stop()
     assert "served" in server.kinds()
+
+
+def test_load_into_fills_its_gpu_targets_through_the_loader_and_stages_the_rest_here(server, checkpoint):
+    import torch
+    import gdskit.safetensors as gst
+    from safetensors.torch import load_file as reference
+
+    want = reference(checkpoint)
+    target = {n: torch.full_like(t, 7, device="cuda:0") for n, t in want.items()}
+    strided = torch.zeros(7, 5, 3, dtype=torch.float64, device="cuda:0").transpose(0, 2)  # not contiguous
+    target["odd"] = strided
+    ptrs = {n: t.data_ptr() for n, t in target.items()}
+    with settings.set(resident="require"):
+        result, stats = gst.load_into(target, checkpoint, return_stats=True)
+    assert result == ([], [])
+    for n, t in want.items():
+        assert target[n].data_ptr() == ptrs[n]
+        assert torch.equal(target[n].cpu(), t), n
+    served_bytes = sum(t.nbytes for n, t in want.items() if n != "odd")
+    assert sum(e.bytes for e in stats.entries) == served_bytes + want["odd"].nbytes
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    assert [e["bytes"] for e in served] == [served_bytes]  # the staged fill was read here
+
+
+def test_a_verified_load_into_reads_in_this_process(server, checkpoint):
+    import torch
+    import gdskit.safetensors as gst
+    from safetensors.torch import load_file as reference
+
+    subprocess.run([sys.executable, "-m", "gdskit", "digest", checkpoint], check=True, capture_output=True)
+    want = reference(checkpoint)
+    target = {n: torch.empty_like(t, device="cuda:0") for n, t in want.items()}
+    gst.load_into(target, checkpoint, verify=True)
+    assert all(torch.equal(target[n].cpu(), t) for n, t in want.items())
+    server.stop()
+    assert "served" not in server.kinds()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from gdskit.errors import FormatError, NothingToVerifyError, from_os_error
-from gdskit.formats import read_plan
+from gdskit.formats import read_plan, through_resident
 from gdskit.formats.read_plan import ReadShape
 from gdskit.engine import can_scatter, open_file, stats, stats_delta
 from gdskit.formats.gc_pause import collector_paused
@@ -289,6 +289,17 @@ def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
             tensors[fl.target].copy_(values)  # converts on the target's device where dtypes differ
 
 
+def _fill_through_resident(path: str, file_size: int, device: torch.device, fills: Sequence[Fill],
+                           tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source], prog: Progress) -> bool:
+    """Direct fills of GPU ``device`` from ``path`` through the resident loader (``gdskit serve``),
+    where it serves them: True once every byte has landed in its target."""
+    sizes = [sources[fl.source].nbytes for fl in fills]
+    if not through_resident.worth_asking(torch, device, sizes, [path]):
+        return False
+    targets = [(tensors[fl.target], sources[fl.source].nbytes, sources[fl.source].file_offset) for fl in fills]
+    return through_resident.fill(torch, device, path, file_size, targets, prog)
+
+
 def _direct_runs(direct: Sequence[Fill], sources: Mapping[str, Source], device: torch.device,
                  digesting: Digesting | None) -> list[Sequence[Fill]]:
     """The direct fills of one file and device, as the runs read one after another: in file order,
@@ -396,7 +407,13 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                 _fill_from_memory(from_memory, tensors, sources, prog)
                 done.extend(from_memory)
             for path, per_device in by_file.items():
-                if not per_device:
+                if digesting is None:  # a verified load computes its digests here, where the bytes land
+                    for dev, (direct, staged) in list(per_device.items()):
+                        if direct and _fill_through_resident(path, file_sizes[path], dev, direct, tensors,
+                                                             sources, prog):
+                            done.extend(direct)
+                            per_device[dev] = ([], staged)
+                if not any(direct or staged for direct, staged in per_device.values()):
                     continue
                 with open_file(path, "r") as f:
                     if f.size != file_sizes[path]:

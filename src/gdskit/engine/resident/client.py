@@ -15,6 +15,7 @@ from typing import Any
 from gdskit.engine import ledger_inbox
 from gdskit.engine.framing import recv_message, send_with_fds
 from gdskit.engine.resident import ipc
+from gdskit.engine.objects.url import is_object_url
 from gdskit.engine.resident import HOST, socket_dir, socket_path
 from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REPLY, STALL_S,
                                          pack_request, peer_uid, private_dir_problem, unpack_json, unpack_progress)
@@ -80,6 +81,8 @@ def _not_served(mode: Resident, reason: str) -> str:
 def _exchange(where: str, path: str, file_size: int, total: int, gpu: str | None, segments: list[str],
               reads: list[tuple[int, int, int, int]], fds: list[int], on_bytes: OnBytes | None,
               mode: Resident) -> str | None:
+    if is_object_url(path):
+        return _not_served(mode, "an object in a store is read in the process")
     problem = private_dir_problem(socket_dir())
     if problem is not None:
         return _not_served(mode, f"no resident loader ({problem})")
