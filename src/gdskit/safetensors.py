@@ -27,6 +27,7 @@ from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError,
                            UnsupportedBufferError, UnverifiableRangeError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt, through_resident
 from gdskit.formats.device import torch_device
+from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -367,6 +368,9 @@ def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[f
                       make: Any, dev: Any, prog: Progress) -> dict[str, Any] | None:
     """``entries`` of ``path`` read by the resident loader into tensors made here (``make(name)``);
     None where it did not serve (the caller reads them itself)."""
+    # One allocation for the large tensors: one cudaMalloc here, and one mapping for the loader
+    # to open instead of one per tensor.
+    reserve_device_memory(dev, [e.nbytes for e in entries])
     made = {e.name: make(e.name) for e in entries}
     targets = [(made[e.name], e.nbytes, header.data_start + e.start) for e in entries]
     try:

@@ -722,7 +722,8 @@ class _ReadAhead:
         dev = target.device("cpu")  # the saved location does not matter: map_location names the device
         if dev.type not in ("cpu", "cuda"):
             return None
-        from gdskit.formats.torch_io import execute, reserve_device_memory  # noqa: PLC0415 - test seam
+        from gdskit.formats.device_memory import reserve_device_memory  # noqa: PLC0415 - import time
+        from gdskit.formats.torch_io import execute  # noqa: PLC0415 - test seam
         reserve_device_memory(dev, [n for _k, _o, n in spans])
         storages = {f"data/{k}": new_storage(torch, n, dev) for k, _o, n in spans}
         dests = {k: _bytes_of(torch, storages[f"data/{k}"], n) for k, _o, n in spans}

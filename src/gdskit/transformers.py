@@ -220,7 +220,7 @@ def _materialise(torch: Any, model: Any, device: Any) -> None:
     replaces them between devices; a shared one by one new tensor. Where torch is told to swap or overwrite module parameters on conversion
     (``torch.__future__``), or a tensor is a subclass, ``to_empty`` itself runs.
     """
-    from gdskit.formats.torch_io import reserve_device_memory  # noqa: PLC0415 - import time
+    from gdskit.formats.device_memory import reserve_device_memory  # noqa: PLC0415 - import time
 
     fut = torch.__future__
     modules = list(model.modules())

@@ -171,3 +171,21 @@ def test_a_verified_load_into_reads_in_this_process(server, checkpoint):
     assert all(torch.equal(target[n].cpu(), t) for n, t in want.items())
     server.stop()
     assert "served" not in server.kinds()
+
+
+def test_large_tensors_made_for_the_loader_are_one_allocation_it_maps_once(server, runtime_dir):
+    import torch
+    import gdskit.safetensors as gst
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"w.{i}": torch.randn(6_000_000 + i, generator=g) for i in range(4)}  # 24 MB each
+    path = os.path.join(runtime_dir, "large.safetensors")
+    save_file(tensors, path)
+    with settings.set(resident="require"):
+        got = gst.load_file(path, device="cuda:0")
+    assert all(torch.equal(got[n].cpu(), t) for n, t in tensors.items())
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 4  # each its own memory
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    assert [e["segments"] for e in served] == [1]

@@ -423,10 +423,10 @@ def test_gpu_large_tensors_come_from_one_reserved_segment(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_reservation_stands_aside_when_allocator_is_configured(monkeypatch) -> None:
-    from gdskit.formats import torch_io
+    from gdskit.formats import device_memory
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    _, segments = new_large_pool_segments(lambda: torch_io.reserve_device_memory(torch.device("cuda:0"), [256 << 20]))
+    _, segments = new_large_pool_segments(lambda: device_memory.reserve_device_memory(torch.device("cuda:0"), [256 << 20]))
     assert segments == 0
 
 

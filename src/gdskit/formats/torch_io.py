@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -32,6 +31,7 @@ import torch
 from gdskit.engine import (ScatterList, can_scatter, no_wait, scattered_device_view, scattered_hot_workers,
                                     spread, start_warm_up, synchronized_device_view,
                                     synchronized_device_views)
+from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.progress import Progress
 from gdskit.formats.read_plan import Extent, Group, ReadPlan
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -53,44 +53,6 @@ def _engine_buffers(made: list[torch.Tensor], device: torch.device) -> list[Any]
     if device.type != "cuda":
         return [_flat_bytes_view(t) for t in made]
     return synchronized_device_views([(t.data_ptr(), t.numel() * t.element_size(), t) for t in made])
-
-
-# torch's caching allocator serves requests above 1 MiB from its large pool, rounded up to 512 bytes.
-_SMALL_POOL_MAX = 1 << 20
-_ROUND = 512
-
-
-def _allocator_splits_blocks() -> bool:
-    """Whether torch's allocator will carve later allocations out of one freed large block:
-    true for its native allocator unless a setting stops it (``max_split_size_mb`` keeps
-    big blocks whole; expandable segments and cudaMallocAsync manage memory otherwise)."""
-    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    if any(k in conf for k in ("max_split_size_mb", "expandable_segments", "cudaMallocAsync")):
-        return False
-    try:
-        return torch.cuda.memory.get_allocator_backend() == "native"
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def reserve_device_memory(device: torch.device, sizes: Iterable[int]) -> None:
-    """Let torch's allocator take, in one ``cudaMalloc``, the memory of the large tensors about to be made.
-
-    Separate allocations made while the engine's copies are in flight cost several times as
-    much (docs/engine.md, "Measurements behind the defaults"). One block of the total, freed
-    at once, stays in torch's cache and each later allocation is split from it; every tensor
-    still owns its memory. Nothing is reserved where that would not hold, or when the block does not fit.
-    """
-    if device.type != "cuda":
-        return
-    total = sum(-(-n // _ROUND) * _ROUND for n in sizes if n > _SMALL_POOL_MAX)
-    if total < 2 * (32 << 20) or not _allocator_splits_blocks():
-        return  # a few allocations cost less than the check
-    try:
-        block = torch.empty(total, dtype=torch.uint8, device=device)
-    except torch.cuda.OutOfMemoryError:
-        return
-    del block
 
 
 def has_plain_bytes(t: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from gdskit.errors import InvalidArgumentError, with_path
 from gdskit.formats import require_torch, safetensors_format as fmt
 from gdskit.engine import is_object_url, stats, stats_delta
 from gdskit.formats.progress import ProgressArg
-from gdskit.formats.torch_io import reserve_device_memory
+from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.verified import check_loaded, expectations
 from gdskit.group.load import LoadJob, run_load
 from gdskit.group.plan import Segment
