@@ -320,9 +320,9 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
                     raw.update(served)
                     continue
                 resident = False  # it did not serve this file: the rest are read here too
-            # Imported here, not above: a load the resident loader serves never needs the engine's
-            # reading modules (about 12 ms to import). Looked up at each file: a test seam.
-            from gdskit.formats.torch_io import execute  # noqa: PLC0415
+            # Here, not above: a load the resident loader serves never imports the engine's
+            # reading modules (about 12 ms).
+            from gdskit.formats.torch_io import execute  # noqa: PLC0415 - import time
             spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
             runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)

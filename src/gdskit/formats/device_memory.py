@@ -35,7 +35,7 @@ def reserve_device_memory(device: Any, sizes: Iterable[int]) -> None:
     """
     if device.type != "cuda":
         return
-    import torch  # noqa: PLC0415 - the callers have imported it
+    import torch  # noqa: PLC0415 - optional dependency (torch)
 
     total = sum(-(-n // _ROUND) * _ROUND for n in sizes if n > _SMALL_POOL_MAX)
     if total < 2 * (32 << 20) or not _allocator_splits_blocks(torch):
