@@ -173,19 +173,29 @@ def test_a_verified_load_into_reads_in_this_process(server, checkpoint):
     assert "served" not in server.kinds()
 
 
+_LARGE = """
+import sys, torch
+import gdskit.safetensors as gst
+from safetensors.torch import load_file
+got = gst.load_file(sys.argv[1], device="cuda:0")
+want = load_file(sys.argv[1])
+assert all(torch.equal(got[n].cpu(), t) for n, t in want.items())
+print("OWN", len({t.untyped_storage().data_ptr() for t in got.values()}))
+"""
+
+
 def test_large_tensors_made_for_the_loader_are_one_allocation_it_maps_once(server, runtime_dir):
     import torch
-    import gdskit.safetensors as gst
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(4)
     tensors = {f"w.{i}": torch.randn(6_000_000 + i, generator=g) for i in range(4)}  # 24 MB each
     path = os.path.join(runtime_dir, "large.safetensors")
     save_file(tensors, path)
-    with settings.set(resident="require"):
-        got = gst.load_file(path, device="cuda:0")
-    assert all(torch.equal(got[n].cpu(), t) for n, t in tensors.items())
-    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 4  # each its own memory
+    env = {**os.environ, "GDSKIT_RESIDENT": "require"}  # a fresh process: nothing cached by its allocator yet
+    out = subprocess.run([sys.executable, "-c", _LARGE, path], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["OWN", "4"]  # each tensor its own memory
     server.stop()
     served = [e for e in server.events if e["event"] == "served"]
     assert [e["segments"] for e in served] == [1]
