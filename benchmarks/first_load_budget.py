@@ -232,6 +232,7 @@ def main() -> None:
     if args.child:
         fresh_process.report((child_natural if args.child == "natural" else child_budget)(args))
         return
+    fresh_process.source_trees("")  # bytecode made first, as installing the package does
     data = sets(args)
     runs: dict[str, dict[str, list]] = {name: {"natural": [], "budget": []} for name in data}
     for rnd in range(args.rounds):

@@ -7,7 +7,9 @@ in alternating order, page cache warmed before each: ``here`` (``GDSKIT_RESIDENT
 made in the process) and ``resident`` (``GDSKIT_RESIDENT=require``). Each process imports torch
 and makes its CUDA context before the clock (as any program that loads a checkpoint), then times
 ``import gdskit.safetensors``, the first ``load_file`` and a second one
-(``first_load_budget.py``'s ``natural`` child).
+(``first_load_budget.py``'s ``natural`` child). The source tree is compiled first, as installing
+the package does (a machine with ``PYTHONDONTWRITEBYTECODE`` would otherwise compile every
+module at every import).
 
     python benchmarks/resident_load.py --dir /data/flb --rounds 4 --json out.json
 """
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
+    fresh_process.source_trees("")  # bytecode made first, as installing the package does
     data = _sets(args)
     index = args.device.partition(":")[2] or "0"
     server = subprocess.Popen([sys.executable, "-m", "gdskit", "serve", "--device", index, "--json"],
