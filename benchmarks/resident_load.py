@@ -11,7 +11,10 @@ and makes its CUDA context before the clock (as any program that loads a checkpo
 the package does (a machine with ``PYTHONDONTWRITEBYTECODE`` would otherwise compile every
 module at every import).
 
-    python benchmarks/resident_load.py --dir /data/flb --rounds 4 --json out.json
+``--peers instanttensor`` adds InstantTensor's buffered first call (first_load.py's child) to
+each round.
+
+    python benchmarks/resident_load.py --dir /data/flb --rounds 4 --peers instanttensor --json out.json
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from page_cache import warm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUDGET = os.path.join(HERE, "first_load_budget.py")
+FIRST_LOAD = os.path.join(HERE, "first_load.py")
+PEERS = ("instanttensor", "safetensors")
 
 
 def _sets(args: argparse.Namespace) -> dict[str, str]:
@@ -51,13 +56,21 @@ def _sets(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _child(path: str, kind: str, device: str, timeout: float) -> dict:
+    if kind in PEERS:  # first_load.py's child: the peer's import is inside its first call
+        r = fresh_process.run_child(FIRST_LOAD, ["--child-loader", kind, "--child-paths", path, "--device", device],
+                                    timeout)
+        if "error" in r:
+            return r
+        return {"import_ms": None, "first_ms": 1e3 * r["first_s"], "first_with_import_ms": 1e3 * r["first_s"],
+                "second_ms": 1e3 * r["second_s"]}
     os.environ["GDSKIT_RESIDENT"] = "off" if kind == "here" else "require"
     return fresh_process.run_child(BUDGET, ["--child", "natural", "--child-kind", "large", "--child-paths", path,
                                             "--device", device], timeout)
 
 
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
+def _span(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.1f} ({min(known):.1f}-{max(known):.1f})" if known else "-"
 
 
 def main() -> None:
@@ -67,10 +80,16 @@ def main() -> None:
     ap.add_argument("--size", type=float, default=8, help="GiB of the large set")
     ap.add_argument("--count", type=int, default=20_000, help="tensors of the many set")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--peers", default="", help=f"other loaders timed alike, interleaved: {','.join(PEERS)} "
+                    "(their import is inside their first load)")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
+    peers = [p for p in args.peers.split(",") if p]
+    if any(p not in PEERS for p in peers):
+        raise SystemExit(f"--peers takes {', '.join(PEERS)}")
+    kinds = ["here", "resident", *peers]
     fresh_process.source_trees("")  # bytecode made first, as installing the package does
     data = _sets(args)
     index = args.device.partition(":")[2] or "0"
@@ -83,9 +102,9 @@ def main() -> None:
         for path in data.values():  # a loader that has served before
             warm([path])
             _child(path, "resident", args.device, args.timeout)
-        runs: dict[str, dict[str, list[dict]]] = {n: {"here": [], "resident": []} for n in data}
+        runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in data}
         for rnd in range(args.rounds):
-            order = ("here", "resident") if rnd % 2 == 0 else ("resident", "here")
+            order = kinds if rnd % 2 == 0 else kinds[::-1]
             for name, path in data.items():
                 for kind in order:
                     warm([path])
@@ -102,7 +121,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, path in data.items():
         nbytes = os.path.getsize(path)
-        for kind in ("here", "resident"):
+        for kind in kinds:
             ok = [r for r in runs[name][kind] if "error" not in r]
             bad = len(runs[name][kind]) - len(ok)
             print(f"| {name} | {kind}{f' ({bad} failed)' if bad else ''} | {_span([r['import_ms'] for r in ok])} | "
