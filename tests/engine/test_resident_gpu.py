@@ -159,15 +159,22 @@ def test_load_into_fills_its_gpu_targets_through_the_loader_and_stages_the_rest_
     assert [e["bytes"] for e in served] == [served_bytes]  # the staged fill was read here
 
 
-def test_a_verified_load_into_reads_in_this_process(server, checkpoint):
+@pytest.mark.parametrize("how", ["digests", "sha256"])
+def test_a_verified_load_into_reads_in_this_process(server, checkpoint, how):
+    import hashlib
     import torch
     import gdskit.safetensors as gst
     from safetensors.torch import load_file as reference
 
-    subprocess.run([sys.executable, "-m", "gdskit", "digest", checkpoint], check=True, capture_output=True)
+    if how == "digests":
+        subprocess.run([sys.executable, "-m", "gdskit", "digest", checkpoint], check=True, capture_output=True)
+        verify = True
+    else:
+        with open(checkpoint, "rb") as fh:
+            verify = "sha256:" + hashlib.sha256(fh.read()).hexdigest()
     want = reference(checkpoint)
     target = {n: torch.empty_like(t, device="cuda:0") for n, t in want.items()}
-    gst.load_into(target, checkpoint, verify=True)
+    gst.load_into(target, checkpoint, verify=verify)
     assert all(torch.equal(target[n].cpu(), t) for n, t in want.items())
     server.stop()
     assert "served" not in server.kinds()

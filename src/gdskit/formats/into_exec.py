@@ -359,12 +359,13 @@ def _fill_from_memory(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor]
 def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
               file_sizes: Mapping[str, int], shape: ReadShape, progress: ProgressArg,
               device: torch.device | None = None, held: bool = False,
-              digesting: Digesting | None = None) -> None:
+              digesting: Digesting | None = None, resident: bool = True) -> None:
     """Read every fill of ``plan``, file by file (in ``file_sizes``' order) and device by device
     (``device``: the one device of every target, where the caller knows there is one).
     ``held``: whether some sources hold their bytes in memory (they are copied in first).
     ``digesting``: with ``verify=``, where the records read are hashed (the direct fills into host
-    memory run by run as they land; staged records before their copy).
+    memory run by run as they land; staged records before their copy). ``resident``: whether
+    direct fills onto a GPU may go through the resident loader (not for a verified load).
 
     Raises
     ------
@@ -407,7 +408,7 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
                 _fill_from_memory(from_memory, tensors, sources, prog)
                 done.extend(from_memory)
             for path, per_device in by_file.items():
-                if digesting is None:  # a verified load computes its digests here, where the bytes land
+                if resident and digesting is None:  # verified loads are checked here, where the bytes land
                     for dev, (direct, staged) in list(per_device.items()):
                         if direct and _fill_through_resident(path, file_sizes[path], dev, direct, tensors,
                                                              sources, prog):
@@ -453,7 +454,7 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
             records: Mapping[str, Any], sources: Mapping[str, Source], file_sizes: Mapping[str, int],
             shape: ReadShape, *, strict: bool, cast: bool, progress: ProgressArg, return_stats: bool,
             extra_unexpected: Sequence[str] = (), record_names: Iterable[str] | None = None,
-            held: bool = False, expect: Mapping[str, Expectation] | None = None) -> Any:
+            held: bool = False, expect: Mapping[str, Expectation] | None = None, resident: bool = True) -> Any:
     plan = plan_into(infos, records, cast=cast, record_names=record_names)
     unexpected = list(plan.unexpected_keys) + [n for n in extra_unexpected if n not in plan.unexpected_keys]
     if strict and (plan.missing_keys or unexpected):
@@ -465,7 +466,7 @@ def _finish(items: Sequence[tuple[str, torch.Tensor]], infos: Sequence[TargetInf
     one_device = tensors[infos[0].name].device if len(devices) == 1 else None
     with LoadChecks(bool(expect)) as checks:
         digesting = Digesting(checks) if expect else None
-        run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digesting)
+        run_fills(plan, tensors, sources, file_sizes, shape, progress, one_device, held, digesting, resident)
         digests = digesting.digests() if digesting is not None else {}
     if expect:
         _verify_fills(plan, tensors, sources, expect, digests)
@@ -562,7 +563,8 @@ def _load_safetensors_into(target: Any, path_or_paths: Any, torch_type: TorchTyp
         expect = expectations([p for p, _h in index.headers], mode, {p: h.metadata for p, h in index.headers},
                               next(iter(devices)) if len(devices) == 1 else None)
     result = _finish(items, infos, sources, sources, file_sizes, shape, strict=strict, cast=cast,
-                     progress=progress, return_stats=return_stats, record_names=located, expect=expect)
+                     progress=progress, return_stats=return_stats, record_names=located, expect=expect,
+                     resident=not mode.on)
     if sha256 is not None:
         sha256.wait()
     return result
