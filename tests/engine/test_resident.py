@@ -362,6 +362,9 @@ def test_auto_asks_where_a_socket_is_there_until_this_process_has_its_own_stagin
 
         assert resident_worth_asking(0, [64 << 20, 4096]) is True
         assert resident_worth_asking(0, [4096] * 1000 + [1 << 20]) is False
+        assert resident_worth_asking(0, [64 << 20], ["/data/a.safetensors", "s3://b/k"]) is False  # an object
+        with settings.set(resident="require"):  # asked, so that the client says why it cannot
+            assert resident_worth_asking(0, [64 << 20], ["s3://b/k"]) is True
         monkeypatch.setattr(pool.lanes, "holds", lambda device: device == 0)
         assert resident.worth_asking(0) is False  # warm here: read here
         assert resident.worth_asking(1) is True

@@ -200,18 +200,18 @@ def spread(n: int, k: int) -> list[int]:
     return engine_spread(n, k)
 
 
-def resident_worth_asking(device: int, sizes: Any = ()) -> bool:
-    """Whether a load onto GPU ``device`` of reads of ``sizes`` bytes should go to the resident
-    loader (``gdskit serve``): ``settings.resident`` requires it, or one is listening for it and
-    the load is of large tensors (docs/resident.md)."""
+def resident_worth_asking(device: int, sizes: Any = (), paths: Any = ()) -> bool:
+    """Whether a load onto GPU ``device`` of reads of ``sizes`` bytes from ``paths`` should go to
+    the resident loader (``gdskit serve``): ``settings.resident`` requires it, or one is listening
+    for it and the load is of large tensors from local files (docs/resident.md)."""
     from gdskit.engine.resident import worth_asking  # noqa: PLC0415 - import time
-    return worth_asking(device, sizes)
+    return worth_asking(device, sizes, paths)
 
 
 def read_through_resident(path: str, file_size: int, targets: Any,
                           on_bytes: Callable[[int], None] | None = None) -> str | None:
     """Read ``(pointer, bytes, file offset)`` of GPU memory each from ``path`` through the resident
-    loader; None once all landed, else why it did not serve (nothing written: read here).
+    loader; None once all landed, else why it did not serve (the caller reads every byte itself).
     :func:`gdskit.engine.resident.client.read_to_gpu` says what it raises."""
     from gdskit.engine.resident.client import read_to_gpu  # noqa: PLC0415 - import time
     return read_to_gpu(path, file_size, targets, on_bytes=on_bytes)
@@ -237,8 +237,8 @@ def settings_values() -> dict[str, Any]:
 def add_ledger_rows(rows: list[list[Any]]) -> None:
     """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
     bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each."""
-    from gdskit.engine.ledger import add_rows  # noqa: PLC0415 - import time
-    add_rows(rows)
+    from gdskit.engine.ledger_inbox import take  # noqa: PLC0415 - import time
+    take(rows)
 
 
 def record_peer(nbytes: int, source_rank: int, transport: str, busy_s: float = 0.0,

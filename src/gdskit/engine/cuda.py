@@ -479,17 +479,6 @@ def device_pci_bus_id(device: int) -> str:
         return text
 
 
-def device_uuid(device: int) -> str:
-    """The device's UUID as ``nvidia-smi -L`` writes it, without ``GPU-`` (the same whatever
-    ``CUDA_VISIBLE_DEVICES`` numbers it as)."""
-    drv = _driver()
-    dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
-    get = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
-    raw = check(get(dev), "cuDeviceGetUuid")
-    h = bytes(getattr(raw, "bytes", raw))[:16].hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
 def open_ipc_memory(device: int, handle: bytes) -> tuple[int, int]:
     """Map another process's allocation (its CUDA IPC handle, 64 bytes) into ``device``'s primary
     context: ``(pointer, bytes)``. Undo with :func:`close_ipc_memory`."""

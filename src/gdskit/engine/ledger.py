@@ -677,13 +677,6 @@ def stats_delta(before: Stats, after: Stats) -> Stats:
     return after - before
 
 
-def add_rows(rows: list[list[Any]]) -> None:
-    """Add ledger rows another process recorded for this one's reads: ``[path, reason, op,
-    bytes, ops, busy_s, requests, [[bucket, count], ...]]`` each; ValueError or TypeError for a
-    row that is not one."""
-    _add_checked(ledger_inbox.checked(rows))
-
-
 def _add_checked(rows: list[ledger_inbox.Row]) -> None:
     ledger.add_entries([LedgerEntry(*r) for r in rows])
 

@@ -56,6 +56,12 @@ def as_row(entry: Any) -> list[Any]:
             [list(pair) for pair in entry.size_hist]]
 
 
+def take(rows: Any) -> None:
+    """Add rows another process sent (:func:`checked` first: ValueError or TypeError for a row
+    that is not one) to the ledger, now if it is imported, else when it is."""
+    add(checked(rows))
+
+
 def add(rows: list[Row]) -> None:
     """Add checked rows to the ledger, now if it is imported, else when it is."""
     with _lock:

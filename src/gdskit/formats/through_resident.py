@@ -6,20 +6,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gdskit.engine import is_object_url, read_through_resident, resident_worth_asking
+from gdskit.engine import read_through_resident, resident_worth_asking
 from gdskit.formats.progress import Progress
 
 
 def worth_asking(torch: Any, device: Any, sizes: Sequence[int], paths: Sequence[str]) -> bool:
     """Whether a load of reads of ``sizes`` bytes from the files ``paths`` onto torch ``device``
-    asks the resident loader first: local files onto a GPU whose loader listens (or
-    ``GDSKIT_RESIDENT=require``), the rules of :func:`gdskit.engine.resident.worth_asking`.
-    Objects in a store are read in the process, and so are verified loads (their callers do not
-    ask): their digests are computed where the bytes land."""
-    if device.type != "cuda" or any(is_object_url(p) for p in paths):
+    asks the resident loader first: a GPU, and the rules of
+    :func:`gdskit.engine.resident.worth_asking`. Verified loads never ask (their callers do not):
+    their digests are computed where the bytes land."""
+    if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return resident_worth_asking(index, [n for n in sizes if n])
+    return resident_worth_asking(index, [n for n in sizes if n], paths)
 
 
 def fill(torch: Any, device: Any, path: str, file_size: int, targets: Sequence[tuple[Any, int, int]],

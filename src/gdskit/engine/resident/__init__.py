@@ -2,7 +2,7 @@
 registered, worker threads started) and reads checkpoints into other processes' GPU memory, so
 that a fresh program's first load runs at a warm one's rate (docs/resident.md).
 
-- :mod:`~gdskit.engine.resident.wire`: where the socket lives, who may talk to it, the messages;
+- :mod:`~gdskit.engine.resident.wire`: who may talk to the socket, the messages;
 - :mod:`~gdskit.engine.resident.ipc`: the few driver calls a client needs to share its memory;
 - :mod:`~gdskit.engine.resident.client`: a load's side (light: no engine, no bindings);
 - :mod:`~gdskit.engine.resident.server`: ``gdskit serve``'s side.
@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from gdskit.engine.objects.url import is_object_url
 from gdskit.errors import InvalidArgumentError
 from gdskit.settings import settings
 from gdskit.vocabulary import Resident
@@ -51,22 +52,25 @@ def socket_path(gpu: str) -> str:
     return os.path.join(socket_dir(), f"resident-{gpu}.sock")
 
 
-def worth_asking(device: int, sizes: Sequence[int] = ()) -> bool:
-    """Whether a load onto GPU ``device`` should make its destinations for the resident loader
-    before reading: the setting requires it, or a socket is there for that GPU (one stat), this
-    process has no staging of its own for it yet, and at most half the bytes of the load's
-    reads (``sizes``) are in reads below :data:`SMALL_READ`. Costs one directory listing where
+def worth_asking(device: int, sizes: Sequence[int] = (), paths: Sequence[str] = ()) -> bool:
+    """Whether a load onto GPU ``device`` of ``paths`` should make its destinations for the
+    resident loader before reading: the setting requires it (the client then says why it cannot,
+    an object in a store say), or the files are local, a socket is there for that GPU (one
+    stat), this process has no staging of its own for it yet, and at most half the bytes of the
+    load's reads (``sizes``) are in reads below :data:`SMALL_READ`. Costs one directory listing where
     no loader's socket exists, a few driver calls where one does, never the bindings' import."""
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return False
     if mode is Resident.REQUIRE:
         return True
+    if any(is_object_url(p) for p in paths):  # read by ranged GETs in the process
+        return False
     total = sum(sizes)
     if total and sum(n for n in sizes if n < SMALL_READ) > total / 2:
         return False
-    # A process whose own engine has staging for this GPU already loads at the warm rate, and a
-    # little faster than through the loader (no mapping of its allocations): it reads itself.
+    # A process whose own engine has staging for this GPU already loads at the warm rate, with
+    # no mapping of its memory into another process: it reads itself.
     # Looked up, never imported: importing the engine is what a first load avoids here.
     pool = sys.modules.get("gdskit.engine.pool")
     if pool is not None and pool.lanes.holds(device):

@@ -146,7 +146,7 @@ def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: On
                 if reply["bytes"] != total:
                     raise ResidentLoaderError(f"the resident loader landed {reply['bytes']} of {total} bytes "
                                               f"of {path}", "short")
-                _add_rows(reply["rows"])
+                ledger_inbox.take(reply["rows"])
                 if on_bytes is not None and landed < total:
                     on_bytes(total - landed)
                 return None
@@ -161,10 +161,6 @@ def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: On
             raise ResidentLoaderError(f"the resident loader at {where} answered something that is not an "
                                       f"answer ({exc})", "bad answer") from None
         raise ResidentLoaderError(f"the resident loader at {where} sent a message of kind {kind!r}", "bad answer")
-
-
-def _add_rows(rows: Any) -> None:
-    ledger_inbox.add(ledger_inbox.checked(rows))
 
 
 def _remote_error(err: dict[str, Any], path: str) -> Exception:

@@ -27,7 +27,7 @@ from gdskit.engine.file import open as open_file
 from gdskit.engine.framing import recv_with_fds, send_message
 from gdskit.engine.ledger import ledger
 from gdskit.engine.ledger_inbox import as_row
-from gdskit.engine.resident import HOST, SMALL_READ, socket_dir, socket_path
+from gdskit.engine.resident import HOST, SMALL_READ, ipc, socket_dir, socket_path
 from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
                                          MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
                                          pack_progress, peer_uid, unpack_request)
@@ -92,7 +92,10 @@ class ResidentLoader:
             if not cuda.available() or self.device >= cuda.device_count():
                 raise ResidentLoaderError(f"GPU {self.device} is not available here "
                                           f"({cuda.device_count()} GPU(s) seen)", "no such GPU")
-            self.gpu = cuda.device_uuid(self.device)
+            try:  # named as its clients name it
+                self.gpu = ipc.ordinal_uuid(self.device)
+            except ipc.IpcUnavailable as exc:
+                raise ResidentLoaderError(f"GPU {self.device}'s UUID: {exc}", "no such GPU") from None
         pool.set_up(self.device, None)
         make_private_dir(socket_dir())
         self.path = socket_path(self.gpu)

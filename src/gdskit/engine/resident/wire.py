@@ -1,4 +1,4 @@
-"""The resident loader's wire: where its socket lives, who may use it, and its messages.
+"""The resident loader's wire: who may use its socket, and its messages.
 
 One Unix stream socket per GPU, ``<dir>/resident-<GPU UUID>.sock``, in a directory only this
 user can enter: ``$XDG_RUNTIME_DIR/gdskit``, else ``<tmp>/gdskit-<uid>``. A directory that is not
@@ -13,8 +13,9 @@ user (``SO_PEERCRED``). Messages are framed by :mod:`gdskit.engine.framing`:
 * ``P`` (from it, while reading): ``<u64>`` bytes landed so far.
 * ``D`` (from it, the end): JSON ``{"bytes", "rows"}``: every byte landed, and the ledger rows
   of these reads.
-* ``E`` (from it, the end): JSON ``{"type", "message", "refused"}``; ``refused`` means nothing
-  was written (the client may read itself).
+* ``E`` (from it, the end): JSON ``{"type", "message", "refused"}``; ``refused`` means the
+  client reads every byte itself (nothing is in flight; the first part of the reads may have
+  landed).
 """
 
 from __future__ import annotations
