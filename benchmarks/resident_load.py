@@ -11,8 +11,10 @@ and makes its CUDA context before the clock (as any program that loads a checkpo
 the package does (a machine with ``PYTHONDONTWRITEBYTECODE`` would otherwise compile every
 module at every import).
 
-``--peers instanttensor`` adds InstantTensor's buffered first call (first_load.py's child) to
-each round.
+Sets: ``large`` (one file of 32 MiB bf16 tensors, ``--size`` GiB), ``many`` (``--count`` small
+tensors), ``preload`` (``--npy`` ``.npy`` files of ``--npy-mib`` MiB read by
+``gdskit.data.preload``). ``--peers instanttensor`` adds InstantTensor's buffered first call
+(first_load.py's child) to each round, for the safetensors sets.
 
     python benchmarks/resident_load.py --dir /data/flb --rounds 4 --peers instanttensor --json out.json
 """
@@ -27,7 +29,7 @@ import subprocess
 import sys
 
 import fresh_process  # benchmarks/ is on sys.path when run as a script
-from first_load_budget import make_many
+from first_load_budget import make_many, make_npy
 from first_load import make_large
 from page_cache import warm
 
@@ -37,7 +39,7 @@ FIRST_LOAD = os.path.join(HERE, "first_load.py")
 PEERS = ("instanttensor", "safetensors")
 
 
-def _sets(args: argparse.Namespace) -> dict[str, str]:
+def _sets(args: argparse.Namespace) -> dict[str, list[str]]:
     os.makedirs(args.dir, exist_ok=True)
     out = {}
     for name in args.sets.split(","):
@@ -45,27 +47,31 @@ def _sets(args: argparse.Namespace) -> dict[str, str]:
             path = os.path.join(args.dir, f"large-{args.size:g}.safetensors")
             if not os.path.exists(path):
                 make_large(path, args.size)
+            out[name] = [path]
         elif name == "many":
             path = os.path.join(args.dir, f"many-{args.count}.safetensors")
             if not os.path.exists(path):
                 make_many(path, args.count)
+            out[name] = [path]
+        elif name == "preload":
+            out[name] = make_npy(os.path.join(args.dir, f"npy-{args.npy}x{args.npy_mib}"), args.npy, args.npy_mib)
         else:
             raise SystemExit(f"unknown set {name!r}")
-        out[name] = path
     return out
 
 
-def _child(path: str, kind: str, device: str, timeout: float) -> dict:
+def _child(name: str, paths: list[str], kind: str, device: str, timeout: float) -> dict:
     if kind in PEERS:  # first_load.py's child: the peer's import is inside its first call
-        r = fresh_process.run_child(FIRST_LOAD, ["--child-loader", kind, "--child-paths", path, "--device", device],
-                                    timeout)
+        r = fresh_process.run_child(FIRST_LOAD, ["--child-loader", kind, "--child-paths", ",".join(paths),
+                                                 "--device", device], timeout)
         if "error" in r:
             return r
         return {"import_ms": None, "first_ms": 1e3 * r["first_s"], "first_with_import_ms": 1e3 * r["first_s"],
                 "second_ms": 1e3 * r["second_s"]}
     os.environ["GDSKIT_RESIDENT"] = "off" if kind == "here" else "require"
-    return fresh_process.run_child(BUDGET, ["--child", "natural", "--child-kind", "large", "--child-paths", path,
-                                            "--device", device], timeout)
+    return fresh_process.run_child(BUDGET, ["--child", "natural", "--child-kind", "preload" if name == "preload"
+                                            else "large", "--child-paths", ",".join(paths), "--device", device],
+                                   timeout)
 
 
 def _span(values: list[float | None]) -> str:
@@ -79,6 +85,8 @@ def main() -> None:
     ap.add_argument("--sets", default="large,many")
     ap.add_argument("--size", type=float, default=8, help="GiB of the large set")
     ap.add_argument("--count", type=int, default=20_000, help="tensors of the many set")
+    ap.add_argument("--npy", type=int, default=4, help=".npy files of the preload set")
+    ap.add_argument("--npy-mib", type=int, default=512, help="MiB of each .npy file")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--peers", default="", help=f"other loaders timed alike, interleaved: {','.join(PEERS)} "
                     "(their import is inside their first load)")
@@ -99,16 +107,18 @@ def main() -> None:
         line = server.stdout.readline()
         if not line or json.loads(line)["event"] != "listening":
             raise SystemExit(f"gdskit serve did not start: {line!r}")
-        for path in data.values():  # a loader that has served before
-            warm([path])
-            _child(path, "resident", args.device, args.timeout)
+        for name, paths in data.items():  # a loader that has served before
+            warm(paths)
+            _child(name, paths, "resident", args.device, args.timeout)
         runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in data}
         for rnd in range(args.rounds):
             order = kinds if rnd % 2 == 0 else kinds[::-1]
-            for name, path in data.items():
+            for name, paths in data.items():
                 for kind in order:
-                    warm([path])
-                    r = _child(path, kind, args.device, args.timeout)
+                    if kind in PEERS and name == "preload":
+                        continue  # the peers load safetensors
+                    warm(paths)
+                    r = _child(name, paths, kind, args.device, args.timeout)
                     runs[name][kind].append(r)
                     print(f"round {rnd} {name} {kind}: {json.dumps(r)}", file=sys.stderr, flush=True)
     finally:
@@ -119,9 +129,11 @@ def main() -> None:
           f"and the warm-up")
     print("| set | kind | import ms | first load ms | first call incl. import, GB/s | second load, GB/s | first/second |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for name, path in data.items():
-        nbytes = os.path.getsize(path)
+    for name, paths in data.items():
+        nbytes = sum(os.path.getsize(p) for p in paths)
         for kind in kinds:
+            if not runs[name][kind]:
+                continue
             ok = [r for r in runs[name][kind] if "error" not in r]
             bad = len(runs[name][kind]) - len(ok)
             print(f"| {name} | {kind}{f' ({bad} failed)' if bad else ''} | {_span([r['import_ms'] for r in ok])} | "

@@ -372,9 +372,9 @@ def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[f
     # to open instead of one per tensor.
     reserve_device_memory(dev, [e.nbytes for e in entries])
     made = {e.name: make(e.name) for e in entries}
-    targets = [(made[e.name], e.nbytes, header.data_start + e.start) for e in entries]
+    targets = [(made[e.name].data_ptr(), e.nbytes, 0, header.data_start + e.start) for e in entries]
     try:
-        served = through_resident.fill(torch, dev, path, header.file_size, targets, prog)
+        served = through_resident.fill(torch, dev, [(path, header.file_size)], targets, prog)
     except fmt.FormatError as exc:
         raise with_path(exc, path) from None
     return made if served else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pathlib
 import shutil
 import socket
 import stat
@@ -40,6 +41,11 @@ def data_file(runtime_dir):
     return path, data
 
 
+def _shared(path, file_size, memfd, reads, **kw):
+    """One file's reads ``(place, bytes, file offset)`` into the shared mapping, as one request."""
+    return client.read_to_shared([(path, file_size)], memfd, [(p, n, 0, o) for p, n, o in reads], **kw)
+
+
 def _mapping(nbytes):
     fd = os.memfd_create("dst", os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
@@ -54,7 +60,7 @@ def test_bytes_land_where_asked_as_a_plain_read_gives_them(server, data_file):
     from gdskit.engine import stats, stats_delta
 
     before = stats()
-    assert client.read_to_shared(path, len(data), fd, reads, on_bytes=got.append) is None
+    assert _shared(path, len(data), fd, reads, on_bytes=got.append) is None
     delta = stats_delta(before, stats())
     for place, n, offset in reads:
         assert view[place:place + n] == data[offset:offset + n]
@@ -66,6 +72,42 @@ def test_bytes_land_where_asked_as_a_plain_read_gives_them(server, data_file):
     assert [e for e in server.events if e["event"] == "served"][0]["bytes"] == sum(n for _p, n, _o in reads)
 
 
+def test_one_request_reads_many_files_each_into_its_places(server, runtime_dir):
+    from data_files import random_files
+
+    files = random_files(pathlib.Path(runtime_dir), [1_000_003, 5, 2_500_000, 77_777], seed=9, prefix="many")
+    fd, view = _mapping(8 << 20)
+    # (place, bytes, file, file offset): files out of order, two reads of one file, a whole file.
+    reads = [(5 << 20, 2_000_000, 2, 500_000), (0, 1_000_003, 0, 0), (2 << 20, 5, 1, 0),
+             (3 << 20, 77_000, 3, 777), (4 << 20, 400_000, 2, 0)]
+    got = []
+    assert client.read_to_shared([(p, len(d)) for p, d in files], fd, reads, on_bytes=got.append) is None
+    for place, n, k, offset in reads:
+        assert view[place:place + n] == files[k][1][offset:offset + n], (place, k)
+    assert sum(got) == sum(r[1] for r in reads)
+    with pytest.raises(TruncatedFileError, match="many0002"):  # the file whose size changed is named
+        client.read_to_shared([(p, len(d) + (k == 2)) for k, (p, d) in enumerate(files)], fd, reads)
+    os.close(fd)
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    assert [(e["files"], e["bytes"]) for e in served] == [(4, sum(r[1] for r in reads))]
+
+
+def test_the_loaders_error_names_the_file_it_said_is_at_fault():
+    from gdskit.errors import GdskitFileNotFoundError
+    from gdskit.engine.resident.server import _file_at_fault
+
+    req = wire.Request([("/a", 1), ("/b", 2)], None, ["memfd"], [])
+    assert _file_at_fault(req, [7, 9], "/proc/self/fd/9") == 1 and _file_at_fault(req, [7, 9], "/a") == 0
+    assert _file_at_fault(req, [7, 9], "/elsewhere") is None and _file_at_fault(None, [], "/a") is None
+    trunc = {"type": "TruncatedFileError", "message": "shrank", "errno": None}
+    assert str(client._remote_error({**trunc, "file": 1}, ["/a", "/b"])) == "/b: shrank"
+    assert str(client._remote_error({**trunc, "file": 5}, ["/a", "/b"])) == "/a, /b: shrank"
+    assert str(client._remote_error({**trunc, "file": True}, ["/a"])) == "/a: shrank"
+    gone = client._remote_error({"type": "OSError", "message": "gone", "errno": 2, "file": 1}, ["/a", "/b"])
+    assert isinstance(gone, GdskitFileNotFoundError) and gone.filename == "/b"
+
+
 @pytest.mark.parametrize("reads, why", [
     ([(0, 10, 3_000_010)], "outside the file"),
     ([(0, 0, 0)], "outside the file"),
@@ -74,11 +116,11 @@ def test_bytes_land_where_asked_as_a_plain_read_gives_them(server, data_file):
 def test_a_read_outside_the_file_or_the_memory_is_refused_and_nothing_is_written(server, data_file, reads, why):
     path, data = data_file
     fd, view = _mapping(4 << 20)
-    reason = client.read_to_shared(path, len(data), fd, reads)
+    reason = _shared(path, len(data), fd, reads)
     assert reason is not None and why in reason
     assert view[:] == bytes(4 << 20)
     with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match=why):
-        client.read_to_shared(path, len(data), fd, reads)
+        _shared(path, len(data), fd, reads)
     os.close(fd)
 
 
@@ -86,7 +128,7 @@ def test_a_file_not_the_size_its_header_said_is_truncated_here(server, data_file
     path, data = data_file
     fd, _view = _mapping(1 << 20)
     with pytest.raises(TruncatedFileError):
-        client.read_to_shared(path, len(data) + 1, fd, [(0, 10, 0)])
+        _shared(path, len(data) + 1, fd, [(0, 10, 0)])
     os.close(fd)
 
 
@@ -95,18 +137,18 @@ def test_a_missing_file_raises_as_a_read_here_would(server, runtime_dir):
 
     fd, _view = _mapping(1 << 20)
     with pytest.raises(GdskitFileNotFoundError):
-        client.read_to_shared(os.path.join(runtime_dir, "nope"), 10, fd, [(0, 10, 0)])
+        _shared(os.path.join(runtime_dir, "nope"), 10, fd, [(0, 10, 0)])
     os.close(fd)
 
 
 def test_no_loader_off_and_require(runtime_dir, data_file):
     path, data = data_file
     fd, _view = _mapping(1 << 20)
-    assert "no resident loader" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    assert "no resident loader" in _shared(path, len(data), fd, [(0, 10, 0)])
     with settings.set(resident="off"):
-        assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]).startswith("off")
+        assert _shared(path, len(data), fd, [(0, 10, 0)]).startswith("off")
     with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="no resident loader"):
-        client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+        _shared(path, len(data), fd, [(0, 10, 0)])
     os.close(fd)
 
 
@@ -114,9 +156,9 @@ def test_an_object_in_a_store_is_never_sent_to_the_loader(server, data_file):
     _path, data = data_file
     fd, view = _mapping(1 << 20)
     url = "s3://bucket/data.bin"
-    assert "object in a store" in client.read_to_shared(url, len(data), fd, [(0, 10, 0)])
+    assert "object in a store" in _shared(url, len(data), fd, [(0, 10, 0)])
     with settings.set(resident="require"), pytest.raises(ResidentLoaderError, match="object in a store"):
-        client.read_to_shared(url, len(data), fd, [(0, 10, 0)])
+        _shared(url, len(data), fd, [(0, 10, 0)])
     assert view[:10] == bytes(10)
     view.close()
     os.close(fd)
@@ -129,7 +171,7 @@ def test_a_directory_others_can_enter_is_refused_on_both_sides(runtime_dir, data
     os.makedirs(os.path.join(runtime_dir, "gdskit"), mode=0o755)
     os.chmod(os.path.join(runtime_dir, "gdskit"), 0o755)
     fd, _view = _mapping(1 << 20)
-    assert "other users" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    assert "other users" in _shared(path, len(data), fd, [(0, 10, 0)])
     s = ServerProcess(runtime_dir, "--host")
     assert s.proc.wait(timeout=60) == 2
     assert "other users" in s.proc.stderr.read()
@@ -147,9 +189,9 @@ def test_a_second_loader_is_refused_and_a_dead_ones_socket_is_replaced(runtime_d
     first.proc.wait()
     assert os.path.exists(first.socket)
     fd, view = _mapping(1 << 20)
-    assert "no resident loader is listening" in client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+    assert "no resident loader is listening" in _shared(path, len(data), fd, [(0, 10, 0)])
     third = ServerProcess(runtime_dir, "--host").wait_listening()
-    assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]) is None
+    assert _shared(path, len(data), fd, [(0, 10, 0)]) is None
     assert view[:10] == data[:10]
     assert stat.S_IMODE(os.stat(third.socket).st_mode) == 0o600
     assert third.stop() == 0
@@ -188,7 +230,7 @@ def test_hostile_requests_are_refused_and_the_loader_goes_on(server, data_file):
     path, data = data_file
     fd, view = _mapping(1 << 20)
     file_fd = os.open(path, os.O_RDONLY)
-    good = wire.pack_request(path, len(data), None, ["memfd"], [(0, 0, 0, 10)])
+    good = wire.pack_request([(path, len(data))], None, ["memfd"], [(0, 0, 0, 0, 10)])
     cases = [
         b"\xff\xff\xff\xff" + b"Q",                                      # a length past the limit
         b"\x05\x00\x00\x00Qabc",                                          # cut short
@@ -198,12 +240,19 @@ def test_hostile_requests_are_refused_and_the_loader_goes_on(server, data_file):
         kind, _ = _raw(server.socket, payload)
         assert kind in (b"", b"E")
     bad_requests = [
-        wire.pack_request(path, len(data), None, ["memfd"], [(0, 0, 0, 10)])[:-3],      # not whole reads
+        good[:-3],                                                                         # not whole reads
         b"\x10\x00\x00\x00" + b"{not json at all}",
-        wire.pack_request(path, len(data), None, ["memfd"], [(1, 0, 0, 10)]),             # no such segment
-        wire.pack_request(path, len(data), None, ["memfd"], [(0, -1, 0, 10)]),            # before the memory
-        wire.pack_request(path, len(data), "0" * 8 + "-0000-0000-0000-" + "0" * 12, ["memfd"], [(0, 0, 0, 10)]),
-        wire.pack_request(path, len(data) - 1, None, ["memfd"], [(0, 0, 0, 10)]),         # not the file's size
+        wire.pack_request([(path, len(data))], None, ["memfd"], [(0, 1, 0, 0, 10)]),        # no such segment
+        wire.pack_request([(path, len(data))], None, ["memfd"], [(1, 0, 0, 0, 10)]),        # no such file
+        wire.pack_request([(path, len(data))], None, ["memfd"], [(-1, 0, 0, 0, 10)]),       # nor this one
+        wire.pack_request([(path, len(data))], None, ["memfd"], [(0, 0, -1, 0, 10)]),       # before the memory
+        wire.pack_request([(path, len(data))], "0" * 8 + "-0000-0000-0000-" + "0" * 12, ["memfd"],
+                          [(0, 0, 0, 0, 10)]),
+        wire.pack_request([(path, len(data) - 1)], None, ["memfd"], [(0, 0, 0, 0, 10)]),    # not the file's size
+        wire.pack_request([(path, len(data))] * 2, None, ["memfd"], [(0, 0, 0, 0, 10)]),    # two files, one sent
+        wire.pack_request([], None, ["memfd"], [(0, 0, 0, 0, 10)]),                          # no file
+        wire.pack_request([(path, len(data))] * (wire.MAX_FILES + 1), None, ["memfd"], [(0, 0, 0, 0, 10)]),
+        good.replace(b'"version":2', b'"version":1'),                                      # the old wire
     ]
     for payload in bad_requests:
         kind, body = _raw(server.socket, payload, [file_fd, fd])
@@ -214,7 +263,7 @@ def test_hostile_requests_are_refused_and_the_loader_goes_on(server, data_file):
     kind, body = _raw(server.socket, good, [dev_null, fd])  # not a regular file
     assert kind == b"E" and b"not a regular file" in body
     assert view[:] == bytes(1 << 20)
-    assert client.read_to_shared(path, len(data), fd, [(0, 10, 0)]) is None  # still serving
+    assert _shared(path, len(data), fd, [(0, 10, 0)]) is None  # still serving
     assert view[:10] == data[:10]
     for f in (file_fd, fd, dev_null):
         os.close(f)
@@ -227,7 +276,7 @@ def test_any_bytes_unpack_to_a_request_or_a_value_error(payload):
         req = wire.unpack_request(payload)
     except ValueError:
         return
-    assert all(len(r) == 4 for r in req.reads)
+    assert all(len(r) == 5 for r in req.reads) and 0 < len(req.files) <= wire.MAX_FILES
 
 
 def test_extra_descriptors_are_closed_on_receipt():
@@ -438,50 +487,56 @@ def test_the_first_eighth_of_a_request_is_read_while_the_rest_is_mapped():
     from gdskit.engine.resident.server import HEAD_SHARE, _head_reads
 
     assert HEAD_SHARE == 1 / 8
-    many = [(i, 0, i * 100, 100) for i in range(16)]  # 16 allocations of 100 bytes, in file order
+    many = [(0, i, 0, i * 100, 100) for i in range(16)]  # 16 allocations of 100 bytes, in file order
     assert _head_reads(many) == 2
-    assert _head_reads([(0, 0, 0, 10), (1, 0, 10, 1000)]) == 2  # the share is reached only with the second
-    one = [(0, i * 10, i * 10, 10) for i in range(5)]  # one allocation: nothing to map meanwhile
+    assert _head_reads([(0, 0, 0, 0, 10), (0, 1, 0, 10, 1000)]) == 2  # the share is reached only with the second
+    one = [(k, 0, k * 10, 0, 10) for k in range(5)]  # one allocation over five files: nothing to map meanwhile
     assert _head_reads(one) == 5
 
 
 @pytest.mark.stand_in_gpu
+@pytest.mark.parametrize("nfiles", [1, 3])
 @pytest.mark.parametrize("bad_tail", [False, True])
 def test_a_request_read_in_two_parts_lands_every_byte_or_is_refused_once_nothing_is_in_flight(
-        tmp_path_factory, bad_tail):
+        tmp_path_factory, bad_tail, nfiles):
     """The loader reads a request's first eighth while it maps the rest; a read the rest holds
     that passes its allocation's end is refused then, with the first part's copies ended (the
-    client reads everything again itself)."""
+    client reads everything again itself). A request of several files reads each one's bytes
+    from that file."""
     from data_files import random_file
     from devbuf import DeviceBuffer
     from gdskit.engine.resident.server import Refused, ResidentLoader
 
-    path, data = random_file(tmp_path_factory, "resident-two", 8 << 20, seed=6)
+    per = 8 // nfiles + (8 % nfiles > 0)  # the 8 MiB's pieces a file holds (the last file fewer)
+    files = [random_file(tmp_path_factory, f"resident-two-{nfiles}-{k}", min(per, 8 - k * per) << 20, seed=6 + k)
+             for k in range(nfiles)]
     segments = [DeviceBuffer(1 << 20) for _ in range(8)]
     for seg in segments:
         seg.poison()
-    reads = [(i, 0, i << 20, 1 << 20) for i in range(8)]
+    reads = [(i // per, i, 0, (i % per) << 20, 1 << 20) for i in range(8)]
     if bad_tail:
-        reads[7] = (7, 4096, 7 << 20, 1 << 20)  # past the end of the last allocation
-    req = wire.unpack_request(wire.pack_request(path, len(data), "00000000-0000-0000-0000-000000000000",
-                                                      ["00" * 64] * 8, reads))
+        reads[7] = (*reads[7][:2], 4096, *reads[7][3:])  # past the end of the last allocation
+    req = wire.unpack_request(wire.pack_request([(p, len(d)) for p, d in files], "00000000-0000-0000-0000-000000000000",
+                                                ["00" * 64] * 8, reads[::-1]))
     loader = ResidentLoader(0)
     dest = _mapped(segments)
     mine, theirs = socket.socketpair()
-    fd = os.open(path, os.O_RDONLY)
+    fds = [os.open(p, os.O_RDONLY) for p, _d in files]
+    want = [files[k][1][off:off + n] for k, _s, _a, off, n in reads]
     try:
         if bad_tail:
             with pytest.raises(Refused, match="past the end of segment 7"):
-                loader._read(mine, req, fd, dest)
-            assert segments[0].to_bytes() == data[:1 << 20]  # the first part ran to its end first
-            assert segments[7].to_bytes() != data[7 << 20:]
+                loader._read(mine, req, fds, dest)
+            assert segments[0].to_bytes() == want[0]  # the first part ran to its end first
+            assert segments[7].to_bytes() != want[7]
         else:
-            nbytes, rows = loader._read(mine, req, fd, dest)
-            assert nbytes == len(data) and sum(r[3] for r in rows) == len(data)
+            nbytes, rows = loader._read(mine, req, fds, dest)
+            assert nbytes == 8 << 20 and sum(r[3] for r in rows) == 8 << 20
             for i, seg in enumerate(segments):
-                assert seg.to_bytes() == data[i << 20:(i + 1) << 20], i
+                assert seg.to_bytes() == want[i], i
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         mine.close()
         theirs.close()
 
@@ -544,11 +599,11 @@ def test_a_loader_that_misbehaves_is_read_past_or_raised_by_name(runtime_dir, da
     got = []
     try:
         if isinstance(outcome, str):
-            assert outcome in client.read_to_shared(path, len(data), fd, [(0, 10, 0)], on_bytes=got.append)
+            assert outcome in _shared(path, len(data), fd, [(0, 10, 0)], on_bytes=got.append)
             assert got == [5]  # the caller takes these back before it reads again
         else:
             with pytest.raises(outcome):
-                client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+                _shared(path, len(data), fd, [(0, 10, 0)])
     finally:
         peer.close()
         os.close(fd)
@@ -563,7 +618,7 @@ def test_a_loader_that_stops_answering_is_given_up_on(runtime_dir, data_file, mo
     fd, _view = _mapping(1 << 20)
     try:
         with pytest.raises(ResidentLoaderError, match="stopped answering"):
-            client.read_to_shared(path, len(data), fd, [(0, 10, 0)])
+            _shared(path, len(data), fd, [(0, 10, 0)])
     finally:
         peer.close()
         os.close(fd)

@@ -206,3 +206,131 @@ def test_large_tensors_made_for_the_loader_are_one_allocation_it_maps_once(serve
     server.stop()
     served = [e for e in server.events if e["event"] == "served"]
     assert [e["segments"] for e in served] == [1]
+
+
+@pytest.fixture
+def npy_files(runtime_dir):
+    """``.npy`` files of over 1 MiB (read by the loader: plain, Fortran order, big-endian), a raw
+    file, and a small ``.npy`` file (read whole in this process)."""
+    import numpy as np
+
+    rng = np.random.default_rng(8)
+    arrays = {"plain.npy": rng.standard_normal((1000, 300)).astype(np.float32),
+              "fortran.npy": np.asfortranarray(rng.integers(-999, 999, (700, 900)).astype(np.int16)),
+              "swapped.npy": rng.standard_normal((400, 1000)).astype(">f4"),
+              "small.npy": np.arange(25, dtype=np.int64)}
+    paths = []
+    for name, a in arrays.items():
+        paths.append(os.path.join(runtime_dir, name))
+        np.save(paths[-1], a)
+    raw = os.path.join(runtime_dir, "raw.bin")
+    with open(raw, "wb") as fh:
+        fh.write(rng.integers(0, 256, 3_000_001, dtype=np.uint8).tobytes())
+    return paths + [raw]
+
+
+def _same_as_numpy(got, paths):
+    import numpy as np
+    import torch
+
+    for p in paths:
+        t = got[p]
+        assert t.device.type == "cuda", p
+        if p.endswith(".npy"):
+            want = np.load(p)
+            assert tuple(t.shape) == want.shape and t.stride() == tuple(s // want.itemsize for s in want.strides), p
+            assert np.array_equal(t.cpu().numpy(), want.astype(want.dtype.newbyteorder("="))), p
+        else:
+            with open(p, "rb") as fh:
+                assert t.dtype == torch.uint8 and bytes(t.cpu().numpy()) == fh.read(), p
+
+
+def test_preload_reads_its_larger_files_through_the_loader_in_one_request(server, npy_files):
+    import gdskit.data
+
+    with settings.set(resident="require"):
+        got, stats = gdskit.data.preload(npy_files, "cuda:0", progress=False, return_stats=True)
+    _same_as_numpy(got, npy_files)
+    large = [p for p in npy_files if os.path.getsize(p) > 1 << 20]
+    assert len(large) == 4
+    assert sum(e.bytes for e in stats.entries) == sum(t.nbytes for t in got.values())
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    assert [(e["files"], e["bytes"]) for e in served] == [(4, sum(got[p].nbytes for p in large))]
+
+
+def test_a_verified_preload_reads_in_this_process(server, npy_files):
+    import gdskit.data
+
+    subprocess.run([sys.executable, "-m", "gdskit", "digest", *npy_files], check=True, capture_output=True)
+    _same_as_numpy(gdskit.data.preload(npy_files, "cuda:0", progress=False, verify=True), npy_files)
+    server.stop()
+    assert "served" not in server.kinds()
+
+
+_LIGHT_PRELOAD = """
+import sys, torch
+torch.empty(1, device="cuda")
+import gdskit.data
+got = gdskit.data.preload(sys.argv[1:], "cuda:0", progress=False)
+heavy = sorted(m for m in ("gdskit.formats.torch_io", "gdskit.engine.pool", "gdskit.engine.ledger",
+                           "gdskit.engine.backends", "gdskit.engine.whole_files") if m in sys.modules)
+print("HEAVY", heavy, sum(t.nbytes for t in got.values()))
+"""
+
+
+def test_a_preload_the_loader_serves_imports_none_of_the_engines_reading_modules(server, npy_files):
+    large = [p for p in npy_files if os.path.getsize(p) > 1 << 20]
+    env = {**os.environ, "GDSKIT_RESIDENT": "require"}
+    out = subprocess.run([sys.executable, "-c", _LIGHT_PRELOAD, *large], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(" ", 2)[:2] == ["HEAVY", "[]"], out.stdout
+    server.stop()
+    assert [e["files"] for e in server.events if e["event"] == "served"] == [4]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_placements_are_read_by_the_loader_into_their_parameters(server, runtime_dir, tp):
+    """Stand-in vLLM layers on the GPU (fused QKV and gate-up, row-parallel shards at tp=2): the
+    loader's reads into the parameters give the bytes an in-process read gives, every file in one
+    request."""
+    import json
+    import pathlib
+    import torch
+    import vllm_fake_layers as fake
+    from safetensors.torch import save_file
+    from vllm_llama_shapes import Cfg, checkpoint
+    from gdskit.formats.placement_exec import plan_model, read_placements
+    from gdskit.formats.shard_index import index_checkpoint
+
+    cfg = Cfg(hidden=64, heads=8, kv_heads=2, head_size=8, v_head_size=8, intermediate=96, vocab=100, tied=False,
+              dtype="BF16", layers=2)
+    root = pathlib.Path(runtime_dir) / f"ckpt-{tp}"
+    root.mkdir()
+    tensors = checkpoint(cfg)
+    names = list(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, root / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = index_checkpoint(str(root))
+    sizes = {p: h.file_size for p, h in index.headers}
+    got = {}
+    for mode in ("off", "require"):
+        model = fake.LlamaForCausalLM(cfg, 0, tp).to("cuda:0")
+        for p in model.parameters():
+            p.data.fill_(7)
+        plan, params = plan_model(model, index)
+        assert plan.placements
+        with settings.set(resident=mode):
+            read = read_placements(plan, params, sizes)
+        assert read == sum(pl.nbytes for pl in plan.placements)
+        got[mode] = {n: t.detach().cpu().view(-1).view(torch.uint8) for n, t in params.items()}
+    assert sorted(got["off"]) == sorted(got["require"])
+    for n, want in got["off"].items():
+        assert torch.equal(got["require"][n], want), n
+    server.stop()
+    assert [e["files"] for e in server.events if e["event"] == "served"] == [2]

@@ -19,6 +19,8 @@ from gdskit.engine import read_whole_files as engine_read_whole_files
 from gdskit.engine import (first_page_cached, is_object_url, no_wait, open_file, start_warm_up, stats,
                            stats_delta, whole_file_limit, worker_threads)
 from gdskit.errors import InvalidArgumentError
+from gdskit.formats import through_resident
+from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.formats.verified import expectations, tensor_digests
 from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX, OFF, Expectation, VerifyMode, mismatch, verify_mode
@@ -271,9 +273,11 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     sources = resolve(files)
     # Refused before any read; a manifest among the files is the reference, not checked itself.
     expect = expectations([s.path for s in sources if not _is_manifest(s)], mode) if mode.on else None
-    whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" else 0
     # Objects are read by ranged GETs (open_file), never through the whole-file reads of local files.
-    in_whole = [0 < whole_max and s.size <= whole_max and not is_object_url(s.path) for s in sources]
+    small = [s.size <= WHOLE_FILE_MAX and not is_object_url(s.path) for s in sources]
+    # The limit is asked only where a file may be read whole: it imports the engine's reading modules.
+    whole_max = min(WHOLE_FILE_MAX, whole_file_limit(dev.index)) if dev.type == "cuda" and any(small) else 0
+    in_whole = [0 < whole_max and s.size <= whole_max and w for s, w in zip(sources, small)]
     whole = [s for s, w in zip(sources, in_whole) if w]
     rest = [s for s, w in zip(sources, in_whole) if not w]
     layouts, bad = _layouts(rest)  # the larger files' headers, checked before anything is read
@@ -284,7 +288,7 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
         whole = [s for s, w in zip(sources[:bad_at], in_whole) if w]  # an earlier bad one among these?
     rest_bytes = sum(lay.nbytes for lay, _ in layouts)
     total = sum(s.size for s in whole) + rest_bytes
-    before = stats()
+    before = stats() if return_stats else None
     with Progress(total, progress, "preloading") as prog:
         if whole:
             # Blocks torch's allocator hands out may still be used by queued work; the engine
@@ -293,15 +297,17 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
             made = _read_whole(whole, dev, prog.advance)
             if bad is not None:
                 raise bad[1]
-        # The engine's pinned stages are made in the background while the tensors are allocated.
-        wait_for_warm_up = start_warm_up(dev.index, rest_bytes) if dev.type == "cuda" and rest else no_wait
-        try:
-            raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
-            if dev.type == "cuda" and raws:
-                torch.cuda.synchronize(dev)
-        finally:
-            wait_for_warm_up()
-        if raws:
+        raws, served = _through_resident(rest, layouts, dev, prog) if not mode.on else ([], False)
+        if not raws:
+            # The engine's pinned stages are made in the background while the tensors are allocated.
+            wait_for_warm_up = start_warm_up(dev.index, rest_bytes) if dev.type == "cuda" and rest else no_wait
+            try:
+                raws = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for lay, _ in layouts]
+                if dev.type == "cuda" and raws:
+                    torch.cuda.synchronize(dev)
+            finally:
+                wait_for_warm_up()
+        if raws and not served:
             reads = [(FileReads(s, ((lay.nbytes, off, 0),) if lay.nbytes else ()), view)
                      for s, (lay, off), view in zip(rest, layouts, engine_views(raws))]
             read_files(reads, prog.advance)
@@ -322,4 +328,19 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+
+
+def _through_resident(rest: list[Source], layouts: list[tuple[Layout, int]], dev: Any,
+                      prog: Progress) -> tuple[list[torch.Tensor], bool]:
+    """The larger files' arrays read by the resident loader (``gdskit serve``) where it is worth
+    asking: their tensors (made at the cost of one allocation) and whether every byte landed. No
+    tensors where it was not asked; made but not filled where it did not serve (the caller reads
+    them itself)."""
+    sizes = [lay.nbytes for lay, _off in layouts]
+    if not rest or not through_resident.worth_asking(torch, dev, sizes, [s.path for s in rest]):
+        return [], False
+    reserve_device_memory(dev, sizes)
+    raws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    targets = [(raw.data_ptr(), lay.nbytes, k, off) for k, (raw, (lay, off)) in enumerate(zip(raws, layouts))]
+    return raws, through_resident.fill(torch, dev, [(s.path, s.size) for s in rest], targets, prog)
 

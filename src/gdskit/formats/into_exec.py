@@ -296,8 +296,9 @@ def _fill_through_resident(path: str, file_size: int, device: torch.device, fill
     sizes = [sources[fl.source].nbytes for fl in fills]
     if not through_resident.worth_asking(torch, device, sizes, [path]):
         return False
-    targets = [(tensors[fl.target], sources[fl.source].nbytes, sources[fl.source].file_offset) for fl in fills]
-    return through_resident.fill(torch, device, path, file_size, targets, prog)
+    targets = [(tensors[fl.target].data_ptr(), sources[fl.source].nbytes, 0, sources[fl.source].file_offset)
+               for fl in fills]
+    return through_resident.fill(torch, device, [(path, file_size)], targets, prog)
 
 
 def _direct_runs(direct: Sequence[Fill], sources: Mapping[str, Source], device: torch.device,

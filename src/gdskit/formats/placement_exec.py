@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gdskit.engine import adapt, open_file
+from gdskit.formats import through_resident
 from gdskit.formats.placement import (LayerKind, ParamFacts, Placement, PlacementPlan, QKVHeads, Record,
                                       Uncovered, VocabSplit, plan_placements, qkv_split, vocab_rows)
 from gdskit.formats.safetensors_format import TruncatedFileError
@@ -259,11 +260,48 @@ def read_placements(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor],
     one job (``File.read_many``); a placement of many runs of one size (a row-parallel shard:
     one run per row) goes as one ``File.read_batch`` into its parameter.
 
+    Where the resident loader (``gdskit serve``) is worth asking (:mod:`gdskit.formats.through_resident`),
+    every run goes to it first, all files in one request.
+
     Raises
     ------
     TruncatedFileError
         A file's size is not its header's, or a read came back short.
     """
+    total = _read_through_resident(plan, tensors, file_sizes)
+    if total is None:
+        total = _read_here(plan, tensors, file_sizes)
+    with torch.no_grad():
+        for pl in plan.placements:
+            if pl.zero_fill:
+                flat = tensors[pl.param].view(-1).view(torch.uint8)
+                for start, nbytes in pl.zero_fill:
+                    flat[start:start + nbytes].zero_()
+    return total
+
+
+def _read_through_resident(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor],
+                           file_sizes: Mapping[str, int]) -> int | None:
+    """Every run read by the resident loader: the bytes read, or None where it was not asked or
+    did not serve (the caller reads them all itself)."""
+    params = {pl.param: tensors[pl.param] for pl in plan.placements}
+    devices = {t.device for t in params.values()}
+    if len(devices) != 1 or not all(t.is_contiguous() for t in params.values()):
+        return None
+    device = devices.pop()
+    sizes = [r.nbytes for pl in plan.placements for r in pl.runs]
+    paths = list(dict.fromkeys(pl.path for pl in plan.placements))
+    if not through_resident.worth_asking(torch, device, sizes, paths):
+        return None
+    index = {p: k for k, p in enumerate(paths)}
+    base = {name: t.data_ptr() for name, t in params.items()}
+    targets = [(base[pl.param] + r.dest_offset, r.nbytes, index[pl.path], r.file_offset)
+               for pl in plan.placements for r in pl.runs]
+    served = through_resident.fill(torch, device, [(p, file_sizes[p]) for p in paths], targets)
+    return sum(sizes) if served else None
+
+
+def _read_here(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor], file_sizes: Mapping[str, int]) -> int:
     by_file: dict[str, tuple[list[tuple[Any, int, int, int]], list[tuple[Any, Placement]]]] = {}
     views: dict[str, Any] = {}
     for pl in plan.placements:
@@ -290,12 +328,6 @@ def read_placements(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor],
         if got != want:
             raise TruncatedFileError(f"{path}: a read came back short (the file shrank while it was read)")
         total += sum(got)
-    with torch.no_grad():
-        for pl in plan.placements:
-            if pl.zero_fill:
-                flat = tensors[pl.param].view(-1).view(torch.uint8)
-                for start, nbytes in pl.zero_fill:
-                    flat[start:start + nbytes].zero_()
     return total
 
 

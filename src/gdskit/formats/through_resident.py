@@ -21,24 +21,26 @@ def worth_asking(torch: Any, device: Any, sizes: Sequence[int], paths: Sequence[
     return resident_worth_asking(index, [n for n in sizes if n], paths)
 
 
-def fill(torch: Any, device: Any, path: str, file_size: int, targets: Sequence[tuple[Any, int, int]],
-         prog: Progress) -> bool:
-    """Read each ``(tensor, bytes, file offset)`` of ``path`` (``file_size`` bytes, as its header
-    said) into its contiguous tensor on GPU ``device`` through the resident loader. True once
-    every byte has landed; False where it did not serve: the caller reads every byte itself
-    (what was counted on ``prog`` meanwhile is taken back). Raises as
+def fill(torch: Any, device: Any, files: Sequence[tuple[str, int]], targets: Sequence[tuple[int, int, int, int]],
+         prog: Progress | None = None) -> bool:
+    """Read each ``(address, bytes, file, file offset)`` into memory of GPU ``device`` (a
+    contiguous tensor's ``data_ptr()``, or a place in one) through the resident loader:
+    ``file`` indexes ``files``, each ``(path, bytes as its header said)``. True once every byte
+    has landed; False where it did not serve: the caller reads every byte itself (what was
+    counted on ``prog`` meanwhile is taken back). Raises as
     :func:`gdskit.engine.read_through_resident`."""
     torch.cuda.synchronize(device)  # work queued on the targets ends before another process writes them
-    raw = [(t.data_ptr(), n, offset) for t, n, offset in targets if n]
+    raw = [(ptr, n, k, offset) for ptr, n, k, offset in targets if n]
     if not raw:
         return True
     landed = [0]
 
     def on_bytes(n: int) -> None:
         landed[0] += n
-        prog.advance(n)
+        if prog is not None:
+            prog.advance(n)
 
-    why_not = read_through_resident(path, file_size, raw, on_bytes=on_bytes)
-    if why_not is not None and landed[0]:  # a loader that went away mid-load: the bytes come again
-        prog.advance(-landed[0])
+    why_not = read_through_resident(files, raw, on_bytes=on_bytes)
+    if why_not is not None and landed[0] and prog is not None:  # a loader that went away mid-load
+        prog.advance(-landed[0])  # the bytes come again
     return why_not is None

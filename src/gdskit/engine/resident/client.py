@@ -1,4 +1,4 @@
-"""A load's side of the resident loader: hand it the open file and the destinations, take back
+"""A load's side of the resident loader: hand it the open files and the destinations, take back
 progress, the ledger rows, or why it did not serve.
 
 Light on purpose (the standard library and ctypes): a fresh process that loads through the
@@ -17,58 +17,73 @@ from gdskit.engine.framing import recv_message, send_with_fds
 from gdskit.engine.resident import ipc
 from gdskit.engine.objects.url import is_object_url
 from gdskit.engine.resident import HOST, socket_dir, socket_path
-from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REPLY, STALL_S,
-                                         pack_request, peer_uid, private_dir_problem, unpack_json, unpack_progress)
-from gdskit.errors import GdskitError, ResidentLoaderError, TruncatedFileError, from_os_error
+from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_FILES, MAX_REPLY,
+                                         STALL_S, pack_request, peer_uid, private_dir_problem, unpack_json,
+                                         unpack_progress)
+from gdskit.errors import GdskitError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError, from_os_error
 from gdskit.settings import settings
 from gdskit.vocabulary import Resident
 
 OnBytes = Callable[[int], None]
 
 
-def read_to_gpu(path: str, file_size: int, targets: Sequence[tuple[int, int, int]], *,
+def read_to_gpu(files: Sequence[tuple[str, int]], targets: Sequence[tuple[int, int, int, int]], *,
                 on_bytes: OnBytes | None = None) -> str | None:
-    """Read each ``(pointer, bytes, file offset)`` of ``path`` (``file_size`` bytes, as its header
-    said) into this process's GPU memory through the resident loader of that GPU.
+    """Read each ``(pointer, bytes, file, file offset)`` into this process's GPU memory through
+    the resident loader of that GPU: ``file`` indexes ``files``, each ``(path, bytes as its header
+    said)``. One request, or one for each :data:`~gdskit.engine.resident.wire.MAX_FILES` files
+    (one after another).
 
     Returns None once every byte has landed (the loader's ledger rows are added to this
     process's ledger), else why it was not served: the caller then reads every byte itself (a
-    loader that went away mid-load, or refused a read of the request's later part, may have
-    written some; progress reported by ``on_bytes`` is the caller's to take back). With
-    ``settings.resident`` ``require`` that reason is raised instead, as
-    :class:`~gdskit.errors.ResidentLoaderError`. Raises the file's own errors
+    loader that went away mid-load, or refused a read of the request's later part or a later
+    request, may have written some; progress reported by ``on_bytes`` is the caller's to take
+    back). With ``settings.resident`` ``require`` that reason is raised instead, as
+    :class:`~gdskit.errors.ResidentLoaderError`. Raises the files' own errors
     (``TruncatedFileError``, ``GdskitFileNotFoundError``...) as a read in this process would,
     and ResidentLoaderError where the loader failed after writing began or stopped answering.
     The caller has waited for any work queued on the destinations.
     """
+    files = list(files)
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
     if not targets:
         return _not_served(mode, "nothing to read")
+    if any(not 0 <= k < len(files) for _p, _n, k, _o in targets):
+        raise InvalidArgumentError(f"a read names a file outside the {len(files)} given")
+    requests = []
     try:
         gpu = ipc.device_uuid(targets[0][0])
-        segments = ipc.Segments()
-        reads = []
-        for ptr, nbytes, offset in targets:
-            seg, at = segments.place(ptr, nbytes)
-            reads.append((seg, at, offset, nbytes))
+        for first in range(0, len(files), MAX_FILES):
+            segments = ipc.Segments()
+            reads = []
+            for ptr, nbytes, k, offset in targets:
+                if first <= k < first + MAX_FILES:
+                    seg, at = segments.place(ptr, nbytes)
+                    reads.append((k - first, seg, at, offset, nbytes))
+            if reads:
+                requests.append((files[first:first + MAX_FILES], segments.handles, reads))
     except ipc.IpcUnavailable as exc:
         return _not_served(mode, f"the destinations cannot be shared with another process: {exc}")
-    total = sum(n for _p, n, _o in targets)
-    return _exchange(socket_path(gpu), path, file_size, total, gpu, segments.handles, reads, [], on_bytes, mode)
+    for part, handles, reads in requests:
+        why_not = _exchange(socket_path(gpu), part, sum(r[4] for r in reads), gpu, handles, reads, [],
+                            on_bytes, mode)
+        if why_not is not None:
+            return why_not
+    return None
 
 
-def read_to_shared(path: str, file_size: int, memfd: int, reads: Sequence[tuple[int, int, int]], *,
+def read_to_shared(files: Sequence[tuple[str, int]], memfd: int, reads: Sequence[tuple[int, int, int, int]], *,
                    on_bytes: OnBytes | None = None) -> str | None:
     """As :func:`read_to_gpu`, into the shared mapping ``memfd`` (host memory, ``(place in it,
-    bytes, file offset)`` each), through the loader that serves no GPU (``gdskit serve --host``)."""
+    bytes, file, file offset)`` each), through the loader that serves no GPU (``gdskit serve --host``)."""
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
-    quads = [(0, place, offset, nbytes) for place, nbytes, offset in reads]
-    total = sum(n for _p, n, _o in reads)
-    return _exchange(socket_path(HOST), path, file_size, total, None, ["memfd"], quads, [memfd], on_bytes, mode)
+    quints = [(k, 0, place, offset, nbytes) for place, nbytes, k, offset in reads]
+    total = sum(n for _p, n, _k, _o in reads)
+    return _exchange(socket_path(HOST), list(files), total, None, ["memfd"], quints, [memfd], on_bytes, mode)
 
 
 def _not_served(mode: Resident, reason: str) -> str:
@@ -78,11 +93,13 @@ def _not_served(mode: Resident, reason: str) -> str:
     return reason
 
 
-def _exchange(where: str, path: str, file_size: int, total: int, gpu: str | None, segments: list[str],
-              reads: list[tuple[int, int, int, int]], fds: list[int], on_bytes: OnBytes | None,
+def _exchange(where: str, files: list[tuple[str, int]], total: int, gpu: str | None, segments: list[str],
+              reads: list[tuple[int, int, int, int, int]], fds: list[int], on_bytes: OnBytes | None,
               mode: Resident) -> str | None:
-    if is_object_url(path):
+    if any(is_object_url(path) for path, _n in files):
         return _not_served(mode, "an object in a store is read in the process")
+    if len(files) > MAX_FILES:
+        return _not_served(mode, f"{len(files)} files, more than the {MAX_FILES} one request carries")
     problem = private_dir_problem(socket_dir())
     if problem is not None:
         return _not_served(mode, f"no resident loader ({problem})")
@@ -97,29 +114,33 @@ def _exchange(where: str, path: str, file_size: int, total: int, gpu: str | None
             return _not_served(mode, f"cannot reach the resident loader at {where}: {exc.strerror or exc}")
         if peer_uid(sock) != os.getuid():
             return _not_served(mode, f"the resident loader at {where} runs as another user")
+        opened: list[int] = []
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise from_os_error(exc, path) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != file_size:
-                raise TruncatedFileError(f"changed size after its header was read ({file_size} -> {size} bytes)",
-                                         path=path)
-            payload = pack_request(os.path.abspath(path), file_size, gpu, segments, reads)
+            for path, file_size in files:
+                try:
+                    opened.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                except OSError as exc:
+                    raise from_os_error(exc, path) from None
+                size = os.fstat(opened[-1]).st_size
+                if size != file_size:
+                    raise TruncatedFileError(f"changed size after its header was read ({file_size} -> {size} bytes)",
+                                             path=path)
+            payload = pack_request([(os.path.abspath(p), n) for p, n in files], gpu, segments, reads)
             try:
-                send_with_fds(sock, KIND_REQUEST, payload, [fd, *fds])
+                send_with_fds(sock, KIND_REQUEST, payload, [*opened, *fds])
             except OSError as exc:  # it went away between connect and request: nothing was written
                 return _not_served(mode, f"the resident loader at {where} closed the connection ({exc})")
         finally:
-            os.close(fd)
-        return _answer(sock, where, path, total, on_bytes, mode)
+            for fd in opened:
+                os.close(fd)
+        return _answer(sock, where, [p for p, _n in files], total, on_bytes, mode)
     finally:
         sock.close()
 
 
-def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: OnBytes | None,
+def _answer(sock: socket.socket, where: str, paths: list[str], total: int, on_bytes: OnBytes | None,
             mode: Resident) -> str | None:
+    path = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more files"
     landed = 0
     while True:
         try:
@@ -154,7 +175,7 @@ def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: On
                 err = unpack_json(payload, ("type", "message", "refused"))
                 if err["refused"]:
                     return _not_served(mode, f"the resident loader refused: {err['message']}")
-                raise _remote_error(err, path)
+                raise _remote_error(err, paths)
         except (ValueError, TypeError) as exc:
             if isinstance(exc, GdskitError):
                 raise
@@ -163,9 +184,13 @@ def _answer(sock: socket.socket, where: str, path: str, total: int, on_bytes: On
         raise ResidentLoaderError(f"the resident loader at {where} sent a message of kind {kind!r}", "bad answer")
 
 
-def _remote_error(err: dict[str, Any], path: str) -> Exception:
-    """The loader's error as the read in this process would have raised it."""
+def _remote_error(err: dict[str, Any], paths: list[str]) -> Exception:
+    """The loader's error as the read in this process would have raised it, naming the file at
+    fault where the loader said which."""
     kind, message, code = str(err["type"]), str(err["message"]), err.get("errno")
+    k = err.get("file")
+    at_fault = isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(paths)
+    path = paths[k] if at_fault else paths[0] if len(paths) == 1 else ", ".join(paths)
     if kind == "TruncatedFileError":
         return TruncatedFileError(message, path=path)
     if isinstance(code, int) and not isinstance(code, bool) and code > 0:

@@ -10,6 +10,7 @@ to their end before the mappings are closed.
 from __future__ import annotations
 
 import functools
+import itertools
 import mmap
 import os
 import socket
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait as futures_wait
+from contextlib import ExitStack
 from typing import Any
 
 import gdskit.engine.cuda as cuda
@@ -28,11 +30,12 @@ from gdskit.engine.framing import recv_with_fds, send_message
 from gdskit.engine.ledger import ledger
 from gdskit.engine.ledger_inbox import as_row
 from gdskit.engine.resident import HOST, SMALL_READ, ipc, socket_dir, socket_path
-from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_REQUEST,
-                                         MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir, pack_json,
-                                         pack_progress, peer_uid, unpack_request)
+from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_FILES,
+                                         MAX_REQUEST, MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir,
+                                         pack_json, pack_progress, peer_uid, unpack_request)
 from gdskit.threads import start_thread
-from gdskit.errors import CudaError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError, TruncatedFileError
+from gdskit.errors import (CudaError, FormatError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError,
+                           TruncatedFileError)
 
 #: Requests waiting for the one under way, beyond which clients are refused at connect.
 BACKLOG = 64
@@ -201,7 +204,7 @@ class ResidentLoader:
                 return
             conn.settimeout(30)  # a request arrives at once after connect
             try:
-                kind, payload, fds = recv_with_fds(conn, MAX_REQUEST, max_fds=2)
+                kind, payload, fds = recv_with_fds(conn, MAX_REQUEST, max_fds=MAX_FILES + 1)
             except (EOFError, ValueError, OSError) as exc:
                 if not self._closed.is_set():
                     self._event("refused", {"why": f"no request ({exc})"})
@@ -234,6 +237,7 @@ class ResidentLoader:
     def _answer(self, conn: socket.socket, kind: bytes, payload: bytearray, fds: list[int],
                 t0: float) -> _Destinations | None:
         dest: _Destinations | None = None
+        req: Request | None = None
         try:
             if kind != KIND_REQUEST:
                 raise Refused(f"a message of kind {kind!r}, not a request")
@@ -242,7 +246,7 @@ class ResidentLoader:
             except ValueError as exc:
                 raise Refused(str(exc)) from None
             dest = self._destinations(req, fds)
-            nbytes, rows = self._read(conn, req, fds[0], dest)
+            nbytes, rows = self._read(conn, req, fds[:len(req.files)], dest)
         except Refused as exc:
             self.totals.refused += 1
             self._event("refused", {"why": str(exc)})
@@ -252,10 +256,13 @@ class ResidentLoader:
             self.totals.failed += 1
             code = getattr(exc, "errno", None)
             self._event("failed", {"error": f"{type(exc).__name__}: {exc}"})
+            at_fault = getattr(exc, "path", None) or getattr(exc, "filename", None)
+            message = exc.args[0] if isinstance(exc, FormatError) and exc.path and exc.args else str(exc)
             _reply(conn, KIND_ERROR, {"type": type(exc).__name__, "refused": False,
                                       "errno": code if isinstance(code, int) else None,
-                                      "message": (getattr(exc, "strerror", None) or str(exc))
-                                      if isinstance(code, int) else str(exc)})
+                                      "message": (getattr(exc, "strerror", None) or message)
+                                      if isinstance(code, int) else message,
+                                      "file": _file_at_fault(req, fds, at_fault)})
             return dest
         seconds = time.monotonic() - t0
         self.totals.requests += 1
@@ -263,62 +270,71 @@ class ResidentLoader:
         self.totals.seconds += seconds
         _reply(conn, KIND_DONE, {"bytes": nbytes, "rows": rows})
         # Said after the answer, so that printing it costs the client nothing.
-        self._event("served", {"path": req.path, "bytes": nbytes, "seconds": seconds,
+        self._event("served", {"path": req.files[0][0], "files": len(req.files), "bytes": nbytes, "seconds": seconds,
                                "map_seconds": dest.map_seconds, "segments": len(req.segments)})
         return dest
 
     def _destinations(self, req: Request, fds: list[int]) -> _Destinations:
-        """The request checked against the file and this loader; its memory, mapped as its reads
+        """The request checked against its files and this loader; its memory, mapped as its reads
         come to it (:meth:`_Destinations.items`)."""
         host = self.device is None
         if (req.device or HOST) != self.gpu:
             raise Refused(f"this loader serves {'host memory' if host else 'GPU ' + self.gpu}, "
                           f"not {req.device or 'host memory'}")
-        if len(fds) != (2 if host else 1) or not req.segments:
-            raise Refused("a request without its file (and, for host memory, its shared mapping)")
-        st = os.fstat(fds[0])
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused("the descriptor sent is not a regular file")
-        if st.st_size != req.file_size:
-            raise Refused(f"the file has {st.st_size} bytes, not the {req.file_size} its header said")
-        for seg, at, offset, n in req.reads:
-            if not (0 <= seg < len(req.segments) and at >= 0 and n > 0 and offset >= 0
-                    and offset + n <= req.file_size):
-                raise Refused(f"a read ({seg}, {at}, {offset}, {n}) outside the file or its segments")
+        if len(fds) != len(req.files) + host or not req.segments:
+            raise Refused("a request without its files (and, for host memory, its shared mapping)")
+        for fd, (_path, size) in zip(fds, req.files):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Refused("a descriptor sent is not a regular file")
+            if st.st_size != size:
+                raise Refused(f"a file has {st.st_size} bytes, not the {size} its header said")
+        for k, seg, at, offset, n in req.reads:
+            if not (0 <= k < len(req.files) and 0 <= seg < len(req.segments) and at >= 0 and n > 0 and offset >= 0
+                    and offset + n <= req.files[k][1]):
+                raise Refused(f"a read ({k}, {seg}, {at}, {offset}, {n}) outside the file or its segments")
         return _Destinations(self.device, req, fds)
 
-    def _read(self, conn: socket.socket, req: Request, fd: int, dest: _Destinations) -> tuple[int, list[list[Any]]]:
+    def _read(self, conn: socket.socket, req: Request, fds: list[int],
+              dest: _Destinations) -> tuple[int, list[list[Any]]]:
+        """Read every read of ``req`` from its file (``fds``, one a file, in order) into ``dest``;
+        the bytes and the ledger rows."""
         ledger.reset()
-        reads = sorted(req.reads, key=lambda r: r[2])
+        reads = sorted(req.reads, key=lambda r: (r[0], r[3]))
         cut = _head_reads(reads)
         landed = [0]
 
         def count(n: int) -> None:
             landed[0] += n
 
-        jobs: list[tuple[list[tuple[Any, int, int]], Future[list[int]]]] = []
-        with open_file(f"/proc/self/fd/{fd}", "r") as f:
-            if f.size != req.file_size:
-                raise Refused(f"the file has {f.size} bytes, not the {req.file_size} its header said")
+        jobs: list[tuple[str, list[tuple[Any, int, int]], Future[list[int]]]] = []
+        with ExitStack() as opened:
+            files = []
+            for fd, (path, size) in zip(fds, req.files):
+                f = opened.enter_context(open_file(f"/proc/self/fd/{fd}", "r"))
+                if f.size != size:
+                    raise Refused(f"{path} has {f.size} bytes, not the {size} its header said")
+                files.append(f)
             try:
                 # The first reads start as soon as their memory is mapped; the rest of the
                 # client's allocations are mapped while they run (a worker moves on to the
-                # second job as it runs out of the first's chunks).
+                # next job as it runs out of one's chunks: files and parts share the workers).
                 for part in (reads[:cut], reads[cut:]):
-                    if part:
-                        items = dest.items(part)
-                        jobs.append((items, f.pread_many(items, on_bytes=count)))
-                self._wait(conn, [job for _items, job in jobs], landed)
+                    for k, of_file in itertools.groupby(part, key=lambda r: r[0]):
+                        items = dest.items([r[1:] for r in of_file])
+                        jobs.append((req.files[k][0], items, files[k].pread_many(items, on_bytes=count)))
+                self._wait(conn, [job for _p, _items, job in jobs], landed)
             except BaseException:
                 # No mapping is closed under a copy in flight (a request's thread hears no signals).
-                futures_wait([job for _items, job in jobs])
+                futures_wait([job for _p, _items, job in jobs])
                 raise
-        for items, job in jobs:
+        for path, items, job in jobs:
             for (_v, n, offset), got in zip(items, job.result()):
                 if got != n:
-                    raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)")
+                    raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)",
+                                             path=path)
         rows = [as_row(e) for e in ledger.snapshot().entries]
-        return sum(n for _s, _a, _o, n in req.reads), rows
+        return sum(r[4] for r in req.reads), rows
 
     @staticmethod
     def _wait(conn: socket.socket, jobs: list[Future[list[int]]], landed: list[int]) -> None:
@@ -343,15 +359,27 @@ class ResidentLoader:
             pass
 
 
-def _head_reads(reads: list[tuple[int, int, int, int]]) -> int:
-    """How many of ``reads`` (in file order) are read while the memory of the rest is mapped: the
-    first to hold HEAD_SHARE of the bytes (all of them for a request of one allocation)."""
-    total = sum(r[3] for r in reads)
-    if len({r[0] for r in reads}) < 2:
+def _file_at_fault(req: Request | None, fds: list[int], named: Any) -> int | None:
+    """Which of the request's files an error names (by the client's path, or by the descriptor's
+    path as this process opened it); None where it names none."""
+    if req is None or not isinstance(named, str):
+        return None
+    for k, (path, _size) in enumerate(req.files):
+        if named in (path, f"/proc/self/fd/{fds[k] if k < len(fds) else -1}"):
+            return k
+    return None
+
+
+def _head_reads(reads: list[tuple[int, int, int, int, int]]) -> int:
+    """How many of ``reads`` (``(file, segment, at, file offset, bytes)``, in file order) are read
+    while the memory of the rest is mapped: the first to hold HEAD_SHARE of the bytes (all of
+    them for a request of one allocation)."""
+    total = sum(r[4] for r in reads)
+    if len({r[1] for r in reads}) < 2:
         return len(reads)
     head = 0
     for i, r in enumerate(reads):
-        head += r[3]
+        head += r[4]
         if head >= total * HEAD_SHARE:
             return i + 1
     return len(reads)
@@ -372,10 +400,10 @@ class _Destinations:
         if device is None:
             if req.segments != ["memfd"]:
                 raise Refused("host memory comes as one shared mapping")
-            size = os.fstat(fds[1]).st_size
+            size = os.fstat(fds[-1]).st_size
             if size <= 0:
                 raise Refused("an empty shared mapping")
-            self._map = mmap.mmap(fds[1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mmap.mmap(fds[-1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self.bases, self.sizes = [0], [size]
             return
         for hx in req.segments:

@@ -5,17 +5,18 @@ user can enter: ``$XDG_RUNTIME_DIR/gdskit``, else ``<tmp>/gdskit-<uid>``. A dire
 ours, or that others can enter, is refused on both sides; each side also checks the other's
 user (``SO_PEERCRED``). Messages are framed by :mod:`gdskit.engine.framing`:
 
-* ``Q`` (to the loader, carrying the file's descriptor, and a ``memfd`` for host memory):
-  ``<u32 n>`` then ``n`` bytes of JSON ``{"version", "path", "file_size", "device", "segments"}``,
-  then the reads as little-endian int64 quadruples ``(segment, offset in it, file offset, bytes)``.
-  ``device`` is the GPU's UUID (or ``null`` for host memory); a segment is a CUDA IPC handle in
-  hex (or ``"memfd"``: the shared mapping sent with the request).
+* ``Q`` (to the loader, carrying each file's descriptor in order, and a ``memfd`` for host
+  memory): ``<u32 n>`` then ``n`` bytes of JSON ``{"version", "files", "device", "segments"}``,
+  then the reads as little-endian int64 quintuples ``(file, segment, offset in it, file offset,
+  bytes)``. ``files`` is ``[[path, size], ...]`` (the size its header said; at most
+  :data:`MAX_FILES`), ``device`` the GPU's UUID (or ``null`` for host memory); a segment is a
+  CUDA IPC handle in hex (or ``"memfd"``: the shared mapping sent with the request).
 * ``P`` (from it, while reading): ``<u64>`` bytes landed so far.
 * ``D`` (from it, the end): JSON ``{"bytes", "rows"}``: every byte landed, and the ledger rows
   of these reads.
-* ``E`` (from it, the end): JSON ``{"type", "message", "refused"}``; ``refused`` means the
-  client reads every byte itself (nothing is in flight; the first part of the reads may have
-  landed).
+* ``E`` (from it, the end): JSON ``{"type", "message", "refused", "errno", "file"}``;
+  ``refused`` means the client reads every byte itself (nothing is in flight; the first part of
+  the reads may have landed); ``file``: the index of the file at fault, where known.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from typing import Any
 from gdskit.engine.resident import GPU_UUID
 from gdskit.errors import GdskitPermissionError
 
-VERSION = 1
+VERSION = 2
 KIND_REQUEST, KIND_PROGRESS, KIND_DONE, KIND_ERROR = b"Q", b"P", b"D", b"E"
-#: The largest request the loader takes: 32 bytes a read, about two million reads.
+#: The largest request the loader takes: 40 bytes a read, about 1.6 million reads.
 MAX_REQUEST = 64 << 20
+#: Files in one request: their descriptors travel in one message (the kernel's limit is 253).
+MAX_FILES = 128
+_FIELDS = 5
 #: A reply is a few ledger rows.
 MAX_REPLY = 16 << 20
 #: Seconds a client waits for any message (progress comes every PROGRESS_S while bytes land)
@@ -86,9 +90,9 @@ def peer_uid(sock: socket.socket) -> int:
 
 # -- messages -------------------------------------------------------------------------------------
 
-def pack_request(path: str, file_size: int, device: str | None, segments: list[str],
-                 reads: list[tuple[int, int, int, int]]) -> bytes:
-    head = json.dumps({"version": VERSION, "path": path, "file_size": file_size, "device": device,
+def pack_request(files: list[tuple[str, int]], device: str | None, segments: list[str],
+                 reads: list[tuple[int, int, int, int, int]]) -> bytes:
+    head = json.dumps({"version": VERSION, "files": [[p, n] for p, n in files], "device": device,
                        "segments": segments}, separators=(",", ":")).encode()
     flat = array("q", [v for r in reads for v in r])
     if flat.itemsize != 8:  # pragma: no cover - every Linux platform gdskit runs on
@@ -98,13 +102,14 @@ def pack_request(path: str, file_size: int, device: str | None, segments: list[s
 
 class Request:
     """A request as the loader received it, its fields checked for type and shape (the loader
-    then checks them against the file and the memory)."""
+    then checks them against the files and the memory). ``reads`` are ``(file, segment, offset
+    in it, file offset, bytes)``, ``file`` an index into ``files``."""
 
-    __slots__ = ("path", "file_size", "device", "segments", "reads")
+    __slots__ = ("files", "device", "segments", "reads")
 
-    def __init__(self, path: str, file_size: int, device: str | None, segments: list[str],
-                 reads: list[tuple[int, int, int, int]]) -> None:
-        self.path, self.file_size, self.device, self.segments, self.reads = path, file_size, device, segments, reads
+    def __init__(self, files: list[tuple[str, int]], device: str | None, segments: list[str],
+                 reads: list[tuple[int, int, int, int, int]]) -> None:
+        self.files, self.device, self.segments, self.reads = files, device, segments, reads
 
 
 def unpack_request(payload: bytes | bytearray) -> Request:
@@ -121,20 +126,22 @@ def unpack_request(payload: bytes | bytearray) -> Request:
     if not isinstance(head, dict) or head.get("version") != VERSION:
         raise ValueError(f"a request of another version ({head.get('version') if isinstance(head, dict) else None!r};"
                          f" this loader speaks {VERSION})")
-    path, size, device, segments = head.get("path"), head.get("file_size"), head.get("device"), head.get("segments")
-    if not isinstance(path, str) or not _whole(size) or size < 0:
-        raise ValueError("a request without a path and a file size")
+    files, device, segments = head.get("files"), head.get("device"), head.get("segments")
+    if not (isinstance(files, list) and 0 < len(files) <= MAX_FILES
+            and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and _whole(f[1]) and f[1] >= 0
+                    for f in files)):
+        raise ValueError(f"a request without 1 to {MAX_FILES} files, each a path and a size")
     if device is not None and not (isinstance(device, str) and GPU_UUID.match(device)):
         raise ValueError(f"a request for a device that is not a GPU UUID: {device!r}")
     if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
         raise ValueError("a request whose segments are not strings")
     body = bytes(payload[_U32.size + n:])
-    if len(body) % 32:
-        raise ValueError("a request whose reads are not whole quadruples")
+    if len(body) % (8 * _FIELDS):
+        raise ValueError("a request whose reads are not whole quintuples")
     flat = array("q")
     flat.frombytes(body)
-    reads = [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat), 4)]
-    return Request(path, size, device, segments, reads)
+    reads = [tuple(flat[i:i + _FIELDS]) for i in range(0, len(flat), _FIELDS)]
+    return Request([(p, size) for p, size in files], device, segments, reads)  # type: ignore[misc]
 
 
 def _whole(v: Any) -> bool:
