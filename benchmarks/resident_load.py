@@ -125,8 +125,12 @@ def main() -> None:
         server.terminate()
         tail, _ = server.communicate(timeout=60)
     served = [json.loads(x) for x in tail.splitlines() if x.startswith("{")]
-    print(f"the resident loader served {sum(1 for e in served if e['event'] == 'served')} loads in the rounds "
-          f"and the warm-up")
+    done = [e for e in served if e["event"] == "served"]
+    print(f"the resident loader served {len(done)} loads in the rounds and the warm-up")
+    for files in sorted({e.get("files", 1) for e in done}):
+        mine = [e for e in done if e.get("files", 1) == files]
+        print(f"  requests of {files} file(s): {len(mine)}, the loader's ms each "
+              f"{_span([1e3 * e['seconds'] for e in mine])}, mapping {_span([1e3 * e['map_seconds'] for e in mine])}")
     print("| set | kind | import ms | first load ms | first call incl. import, GB/s | second load, GB/s | first/second |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, paths in data.items():
@@ -143,7 +147,7 @@ def main() -> None:
                   f"{_span([r['second_ms'] / r['first_ms'] for r in ok])} |")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"command": sys.argv, "runs": runs}, fh, indent=1)
+            json.dump({"command": sys.argv, "runs": runs, "loader_events": served}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import gdskit.engine.cuda as cuda
 import gdskit.engine.pool as pool
 from gdskit.engine.buffers import ScatterList, adapt, scattered_device_view, synchronized_device_views
 from gdskit.engine.file import open as open_file
+from gdskit.engine.many_files import FileReads, read_files as many_files_read
 from gdskit.engine.framing import recv_with_fds, send_message
 from gdskit.engine.ledger import ledger
 from gdskit.engine.ledger_inbox import as_row
@@ -33,6 +34,7 @@ from gdskit.engine.resident import HOST, SMALL_READ, ipc, socket_dir, socket_pat
 from gdskit.engine.resident.wire import (KIND_DONE, KIND_ERROR, KIND_PROGRESS, KIND_REQUEST, MAX_FILES,
                                          MAX_REQUEST, MAX_SOCKET_PATH, PROGRESS_S, Request, make_private_dir,
                                          pack_json, pack_progress, peer_uid, unpack_request)
+from gdskit.settings import settings
 from gdskit.threads import start_thread
 from gdskit.errors import (CudaError, FormatError, GdskitPermissionError, InvalidArgumentError, ResidentLoaderError,
                            TruncatedFileError)
@@ -297,8 +299,10 @@ class ResidentLoader:
 
     def _read(self, conn: socket.socket, req: Request, fds: list[int],
               dest: _Destinations) -> tuple[int, list[list[Any]]]:
-        """Read every read of ``req`` from its file (``fds``, one a file, in order) into ``dest``;
-        the bytes and the ledger rows."""
+        """Read every read of ``req`` from its files (``fds``, one a file, in order) into ``dest``;
+        the bytes and the ledger rows. One file's reads go as that file's job
+        (``File.pread_many``); several files' as the many-file job (``gdskit.engine.many_files``,
+        as a preload in the process reads them: their chunks share the workers)."""
         ledger.reset()
         reads = sorted(req.reads, key=lambda r: (r[0], r[3]))
         cut = _head_reads(reads)
@@ -307,32 +311,41 @@ class ResidentLoader:
         def count(n: int) -> None:
             landed[0] += n
 
-        jobs: list[tuple[str, list[tuple[Any, int, int]], Future[list[int]]]] = []
+        # Per part: each file's (index, items), and the job's byte counts (per file, per item).
+        jobs: list[tuple[list[tuple[int, list[tuple[Any, int, int]]]], Future[Any]]] = []
         with ExitStack() as opened:
-            files = []
-            for fd, (path, size) in zip(fds, req.files):
-                f = opened.enter_context(open_file(f"/proc/self/fd/{fd}", "r"))
-                if f.size != size:
-                    raise Refused(f"{path} has {f.size} bytes, not the {size} its header said")
-                files.append(f)
+            one = None
+            if len(req.files) == 1:
+                one = opened.enter_context(open_file(f"/proc/self/fd/{fds[0]}", "r"))
+                if one.size != req.files[0][1]:
+                    raise Refused(f"the file has {one.size} bytes, not the {req.files[0][1]} its header said")
             try:
                 # The first reads start as soon as their memory is mapped; the rest of the
                 # client's allocations are mapped while they run (a worker moves on to the
-                # next job as it runs out of one's chunks: files and parts share the workers).
+                # second job as it runs out of the first's chunks).
                 for part in (reads[:cut], reads[cut:]):
-                    for k, of_file in itertools.groupby(part, key=lambda r: r[0]):
-                        items = dest.items([r[1:] for r in of_file])
-                        jobs.append((req.files[k][0], items, files[k].pread_many(items, on_bytes=count)))
-                self._wait(conn, [job for _p, _items, job in jobs], landed)
+                    by_file = [(k, dest.items([r[1:] for r in of_file]))
+                               for k, of_file in itertools.groupby(part, key=lambda r: r[0])]
+                    if not by_file:
+                        continue
+                    if one is not None:
+                        jobs.append((by_file, one.pread_many(by_file[0][1], on_bytes=count)))
+                    else:
+                        jobs.append((by_file, pool.request_executor(settings.threads).submit(
+                            many_files_read, [FileReads(f"/proc/self/fd/{fds[k]}", items) for k, items in by_file],
+                            on_bytes=count)))
+                self._wait(conn, [job for _by_file, job in jobs], landed)
             except BaseException:
                 # No mapping is closed under a copy in flight (a request's thread hears no signals).
-                futures_wait([job for _p, _items, job in jobs])
+                futures_wait([job for _by_file, job in jobs])
                 raise
-        for path, items, job in jobs:
-            for (_v, n, offset), got in zip(items, job.result()):
-                if got != n:
-                    raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)",
-                                             path=path)
+        for by_file, job in jobs:
+            counts = [job.result()] if one is not None else job.result()
+            for (k, items), got_each in zip(by_file, counts):
+                for (_v, n, offset), got in zip(items, got_each):
+                    if got != n:
+                        raise TruncatedFileError(f"{n} bytes at offset {offset} asked, {got} read (the file shrank)",
+                                                 path=req.files[k][0])
         rows = [as_row(e) for e in ledger.snapshot().entries]
         return sum(r[4] for r in req.reads), rows
 
