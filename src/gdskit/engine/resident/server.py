@@ -273,7 +273,8 @@ class ResidentLoader:
         _reply(conn, KIND_DONE, {"bytes": nbytes, "rows": rows})
         # Said after the answer, so that printing it costs the client nothing.
         self._event("served", {"path": req.files[0][0], "files": len(req.files), "bytes": nbytes, "seconds": seconds,
-                               "map_seconds": dest.map_seconds, "segments": len(req.segments)})
+                               "map_seconds": dest.map_seconds, "wait_seconds": dest.wait_seconds,
+                               "segments": len(req.segments)})
         return dest
 
     def _destinations(self, req: Request, fds: list[int]) -> _Destinations:
@@ -334,7 +335,9 @@ class ResidentLoader:
                         jobs.append((by_file, pool.request_executor(settings.threads).submit(
                             many_files_read, [FileReads(f"/proc/self/fd/{fds[k]}", items) for k, items in by_file],
                             on_bytes=count)))
+                t_read = time.monotonic()
                 self._wait(conn, [job for _by_file, job in jobs], landed)
+                dest.wait_seconds = time.monotonic() - t_read
             except BaseException:
                 # No mapping is closed under a copy in flight (a request's thread hears no signals).
                 futures_wait([job for _by_file, job in jobs])
@@ -410,6 +413,7 @@ class _Destinations:
         self.sizes: list[int] = []   # 0: not mapped yet
         self._handles: list[bytes] = []
         self.map_seconds = 0.0
+        self.wait_seconds = 0.0  # from the last job's start to every job's end
         if device is None:
             if req.segments != ["memfd"]:
                 raise Refused("host memory comes as one shared mapping")
