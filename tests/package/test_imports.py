@@ -132,6 +132,18 @@ def test_data_names_resolve_lazily_and_preload_stays_the_function():
     assert _run(code, _env_without_stats()).strip() == "[]"
 
 
+def test_preload_resolved_imports_no_driver_layer_parser_or_checks_before_its_first_call():
+    """What a first ``gdskit.data.preload`` served by the resident loader never uses stays
+    unimported until a read in the process (or a verified preload) needs it."""
+    pytest.importorskip("torch")
+    code = ("import sys, gdskit.data as gd\n"
+            "gd.preload\n"
+            "heavy = ('gdskit.engine.buffers', 'gdskit.engine.cuda', 'gdskit.formats.safetensors_format',\n"
+            "         'gdskit.formats.verified', 'gdskit.verify.manifest', 'gdskit.verify.expect')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    assert _run(code, _env_without_stats()).strip() == "[]"
+
+
 def test_first_host_read_load_and_batch_after_a_lazy_import(tmp_path):
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")

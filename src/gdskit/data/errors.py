@@ -3,9 +3,8 @@ subclasses the fitting built-in (``ValueError``, ``TypeError``...)."""
 
 from __future__ import annotations
 
-from gdskit.errors import FormatError, InvalidArgumentError, ReaderProcessError
+from gdskit.errors import FormatError, InvalidArgumentError, ReaderProcessError, TruncatedFileError
 from gdskit.formats.npy_format import NpyHeaderError, ObjectDtypeError, UnsupportedDtypeError
-from gdskit.formats.safetensors_format import TruncatedFileError
 
 __all__ = ["DatasetTooSmallError", "FileSizeError", "NpyHeaderError", "ObjectDtypeError", "ReaderProcessError",
            "SampleMismatchError", "StateDictMismatchError", "TruncatedFileError", "UnsupportedDtypeError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,11 +22,13 @@ from gdskit.errors import InvalidArgumentError
 from gdskit.formats import through_resident
 from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.gc_pause import collector_paused
-from gdskit.formats.verified import expectations, tensor_digests
-from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX, OFF, Expectation, VerifyMode, mismatch, verify_mode
+from gdskit.verify import OFF, VerifyMode, verify_mode
 from gdskit.formats.progress import Progress, ProgressArg
 from gdskit.engine.plan import spread
 from gdskit.threads import executor
+
+if TYPE_CHECKING:
+    from gdskit.verify import Expectation
 
 __all__ = ["preload"]
 
@@ -153,6 +155,8 @@ def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]
 def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: list[torch.Tensor],
             layouts: list[tuple[Layout, int]], expect: dict[str, Expectation]) -> None:
     """Check each file's landed bytes (its array, or all of it) against its manifest's digest."""
+    from gdskit.formats.verified import tensor_digests  # noqa: PLC0415 - import time (verified loads only)
+    from gdskit.verify import mismatch  # noqa: PLC0415 - import time
     landed = iter(made)
     read = iter(zip(raws, layouts))
     named, ranges, wants = [], {}, {}
@@ -184,6 +188,8 @@ def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: 
 
 def _is_manifest(src: Source) -> bool:
     name = os.path.basename(src.path)
+    from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX  # noqa: PLC0415 - import time (verified loads only)
+
     return name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX)
 
 
@@ -272,7 +278,11 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     dev = target_device(device)
     sources = resolve(files)
     # Refused before any read; a manifest among the files is the reference, not checked itself.
-    expect = expectations([s.path for s in sources if not _is_manifest(s)], mode) if mode.on else None
+    expect = None
+    if mode.on:
+        from gdskit.formats.verified import expectations  # noqa: PLC0415 - import time (verified loads only)
+
+        expect = expectations([s.path for s in sources if not _is_manifest(s)], mode)
     # Objects are read by ranged GETs (open_file), never through the whole-file reads of local files.
     small = [s.size <= WHOLE_FILE_MAX and not is_object_url(s.path) for s in sources]
     # The limit is asked only where a file may be read whole: it imports the engine's reading modules.

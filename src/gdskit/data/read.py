@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,7 +25,10 @@ from gdskit.data.layout import Layout, batch_view
 from gdskit.data.sources import Source
 from gdskit.errors import InvalidArgumentError, call_each
 from gdskit.formats.device import torch_device
-from gdskit.engine import BufferView, adapt, open_file, synchronized_device_views
+import gdskit.engine as engine  # its buffers and driver layer load with the first read, not with this module
+
+if TYPE_CHECKING:
+    from gdskit.engine import BufferView
 
 #: Files a loader keeps open at once (the least recently used is closed first).
 OPEN_FILES = 64
@@ -45,7 +48,7 @@ class FileCache:
             if f is not None:
                 self._files.move_to_end(path)
                 return f
-        f = open_file(path)
+        f = engine.open_file(path)
         evicted = []
         with self._lock:
             other = self._files.get(path)
@@ -251,8 +254,8 @@ def engine_views(raws: Sequence[torch.Tensor]) -> list[BufferView]:
     """:func:`engine_view` of each flat uint8 tensor, all made by ``torch.empty`` on one device:
     what the memory is is asked of the driver once for them all."""
     if raws and raws[0].is_cuda:
-        return synchronized_device_views([(r.data_ptr(), r.numel(), r) for r in raws])
-    return [adapt(r) for r in raws]
+        return engine.synchronized_device_views([(r.data_ptr(), r.numel(), r) for r in raws])
+    return [engine.adapt(r) for r in raws]
 
 
 def read_samples(dataset: Any, indices: np.ndarray, device: torch.device, files: FileCache) -> torch.Tensor:
