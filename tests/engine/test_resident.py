@@ -93,6 +93,24 @@ def test_one_request_reads_many_files_each_into_its_places(server, runtime_dir):
     assert [(e["files"], e["bytes"]) for e in served] == [(4, sum(r[1] for r in reads))]
 
 
+def test_the_loaders_plain_lines_name_a_request_of_many_files(runtime_dir, data_file):
+    import signal
+
+    path, data = data_file
+    proc = subprocess.Popen([sys.executable, "-m", "gdskit", "serve", "--host"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_RUNTIME_DIR": runtime_dir})
+    try:
+        assert proc.stdout.readline().startswith("gdskit serve: host memory")
+        fd, view = _mapping(1 << 20)
+        assert client.read_to_shared([(path, len(data))] * 3, fd, [(0, 10, 0, 0), (10, 10, 2, 5)]) is None
+        assert view[:20] == data[:10] + data[5:15]
+        os.close(fd)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert f"served {os.path.abspath(path)} and 2 more files: 0.00 GB in" in out
+
+
 def test_the_loaders_error_names_the_file_it_said_is_at_fault():
     from gdskit.errors import GdskitFileNotFoundError
     from gdskit.engine.resident.server import _file_at_fault

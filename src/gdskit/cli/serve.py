@@ -55,7 +55,9 @@ def serve(
         if as_json:
             line(json.dumps({"event": kind, **detail}))
         elif kind == "served":
-            line(f"served {detail['path']}: {detail['bytes'] / 1e9:.2f} GB in {detail['seconds'] * 1e3:.0f} ms "
+            more = detail.get("files", 1) - 1
+            what = f"{detail['path']} and {more} more file{'s' if more > 1 else ''}" if more else detail["path"]
+            line(f"served {what}: {detail['bytes'] / 1e9:.2f} GB in {detail['seconds'] * 1e3:.0f} ms "
                  f"({detail['bytes'] / max(detail['seconds'], 1e-9) / 1e9:.1f} GB/s)")
         elif kind == "listening":
             line(f"gdskit serve: {detail['serves']} at {detail['socket']}; Ctrl-C to stop")
