@@ -155,8 +155,9 @@ def _read_whole(sources: list[Source], dev: Any, on_bytes: Callable[[int], None]
 def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: list[torch.Tensor],
             layouts: list[tuple[Layout, int]], expect: dict[str, Expectation]) -> None:
     """Check each file's landed bytes (its array, or all of it) against its manifest's digest."""
-    from gdskit.formats.verified import tensor_digests  # noqa: PLC0415 - import time (verified loads only)
+    from gdskit.formats.verified import tensor_digests  # noqa: PLC0415 - import time
     from gdskit.verify import mismatch  # noqa: PLC0415 - import time
+
     landed = iter(made)
     read = iter(zip(raws, layouts))
     named, ranges, wants = [], {}, {}
@@ -188,7 +189,7 @@ def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: 
 
 def _is_manifest(src: Source) -> bool:
     name = os.path.basename(src.path)
-    from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX  # noqa: PLC0415 - import time (verified loads only)
+    from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX  # noqa: PLC0415 - import time
 
     return name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX)
 
@@ -280,7 +281,7 @@ def _preload(files: Files, device: Any, progress: ProgressArg, return_stats: boo
     # Refused before any read; a manifest among the files is the reference, not checked itself.
     expect = None
     if mode.on:
-        from gdskit.formats.verified import expectations  # noqa: PLC0415 - import time (verified loads only)
+        from gdskit.formats.verified import expectations  # noqa: PLC0415 - import time
 
         expect = expectations([s.path for s in sources if not _is_manifest(s)], mode)
     # Objects are read by ranged GETs (open_file), never through the whole-file reads of local files.
