@@ -20,7 +20,7 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 from gdskit.engine import framing
 from gdskit.engine import resident
 from gdskit.engine.resident import client, wire
-from gdskit.errors import ResidentLoaderError, TruncatedFileError
+from gdskit.errors import InvalidArgumentError, ResidentLoaderError, TruncatedFileError
 from gdskit.settings import settings
 from resident_server import ServerProcess, runtime_dir  # noqa: F401 - the fixture
 
@@ -91,6 +91,23 @@ def test_one_request_reads_many_files_each_into_its_places(server, runtime_dir):
     server.stop()
     served = [e for e in server.events if e["event"] == "served"]
     assert [(e["files"], e["bytes"]) for e in served] == [(4, sum(r[1] for r in reads))]
+
+
+def test_more_files_than_a_request_carries_go_as_several_requests(server, runtime_dir, monkeypatch):
+    from data_files import random_files
+
+    files = random_files(pathlib.Path(runtime_dir), [1000 + k for k in range(5)], seed=2, prefix="cut")
+    monkeypatch.setattr(client, "MAX_FILES", 2)
+    fd, view = _mapping(1 << 20)
+    reads = [(k * 4096, len(d), k, 0) for k, (_p, d) in enumerate(files) if k != 3]  # the second request: one file
+    assert client.read_to_shared([(p, len(d)) for p, d in files], fd, reads) is None
+    for place, n, k, _o in reads:
+        assert view[place:place + n] == files[k][1]
+    with pytest.raises(InvalidArgumentError, match="names a file outside"):
+        client.read_to_shared([(p, len(d)) for p, d in files], fd, [(0, 10, 5, 0)])
+    os.close(fd)
+    server.stop()
+    assert [e["files"] for e in server.events if e["event"] == "served"] == [2, 2, 1]
 
 
 def test_the_loaders_plain_lines_name_a_request_of_many_files(runtime_dir, data_file):

@@ -188,9 +188,9 @@ def _verify(sources: list[Source], in_whole: list[bool], made: list[Any], raws: 
 
 
 def _is_manifest(src: Source) -> bool:
-    name = os.path.basename(src.path)
     from gdskit.verify import DIRECTORY_MANIFEST, MANIFEST_SUFFIX  # noqa: PLC0415 - import time
 
+    name = os.path.basename(src.path)
     return name == DIRECTORY_MANIFEST or name.endswith(MANIFEST_SUFFIX)
 
 
@@ -354,4 +354,3 @@ def _through_resident(rest: list[Source], layouts: list[tuple[Layout, int]], dev
     raws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
     targets = [(raw.data_ptr(), lay.nbytes, k, off) for k, (raw, (lay, off)) in enumerate(zip(raws, layouts))]
     return raws, through_resident.fill(torch, dev, [(s.path, s.size) for s in rest], targets, prog)
-

@@ -44,31 +44,25 @@ def read_to_gpu(files: Sequence[tuple[str, int]], targets: Sequence[tuple[int, i
     and ResidentLoaderError where the loader failed after writing began or stopped answering.
     The caller has waited for any work queued on the destinations.
     """
-    files = list(files)
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
     if not targets:
         return _not_served(mode, "nothing to read")
-    if any(not 0 <= k < len(files) for _p, _n, k, _o in targets):
-        raise InvalidArgumentError(f"a read names a file outside the {len(files)} given")
     requests = []
     try:
         gpu = ipc.device_uuid(targets[0][0])
-        for first in range(0, len(files), MAX_FILES):
+        for part, mine in _requests(files, targets):
             segments = ipc.Segments()
             reads = []
-            for ptr, nbytes, k, offset in targets:
-                if first <= k < first + MAX_FILES:
-                    seg, at = segments.place(ptr, nbytes)
-                    reads.append((k - first, seg, at, offset, nbytes))
-            if reads:
-                requests.append((files[first:first + MAX_FILES], segments.handles, reads))
+            for ptr, nbytes, k, offset in mine:
+                seg, at = segments.place(ptr, nbytes)
+                reads.append((k, seg, at, offset, nbytes))
+            requests.append((part, segments.handles, reads))
     except ipc.IpcUnavailable as exc:
         return _not_served(mode, f"the destinations cannot be shared with another process: {exc}")
     for part, handles, reads in requests:
-        why_not = _exchange(socket_path(gpu), part, sum(r[4] for r in reads), gpu, handles, reads, [],
-                            on_bytes, mode)
+        why_not = _exchange(socket_path(gpu), part, gpu, handles, reads, [], on_bytes, mode)
         if why_not is not None:
             return why_not
     return None
@@ -81,9 +75,30 @@ def read_to_shared(files: Sequence[tuple[str, int]], memfd: int, reads: Sequence
     mode = settings.snapshot().resident  # a bad GDSKIT_RESIDENT raises here, as for every request
     if mode is Resident.OFF:
         return "off (GDSKIT_RESIDENT=off)"
-    quints = [(k, 0, place, offset, nbytes) for place, nbytes, k, offset in reads]
-    total = sum(n for _p, n, _k, _o in reads)
-    return _exchange(socket_path(HOST), list(files), total, None, ["memfd"], quints, [memfd], on_bytes, mode)
+    if not reads:
+        return _not_served(mode, "nothing to read")
+    for part, mine in _requests(files, reads):
+        quints = [(k, 0, place, offset, nbytes) for place, nbytes, k, offset in mine]
+        why_not = _exchange(socket_path(HOST), part, None, ["memfd"], quints, [memfd], on_bytes, mode)
+        if why_not is not None:
+            return why_not
+    return None
+
+
+def _requests(files: Sequence[tuple[str, int]], items: Sequence[tuple[int, int, int, int]]
+              ) -> list[tuple[list[tuple[str, int]], list[tuple[int, int, int, int]]]]:
+    """``files`` cut into requests of at most MAX_FILES, each with its ``(place, bytes, file,
+    file offset)`` items (``file`` counted within its request); requests with nothing to read
+    are left out."""
+    files = list(files)
+    if any(not 0 <= k < len(files) for _p, _n, k, _o in items):
+        raise InvalidArgumentError(f"a read names a file outside the {len(files)} given")
+    out = []
+    for first in range(0, len(files), MAX_FILES):
+        mine = [(p, n, k - first, o) for p, n, k, o in items if first <= k < first + MAX_FILES]
+        if mine:
+            out.append((files[first:first + MAX_FILES], mine))
+    return out
 
 
 def _not_served(mode: Resident, reason: str) -> str:
@@ -93,13 +108,13 @@ def _not_served(mode: Resident, reason: str) -> str:
     return reason
 
 
-def _exchange(where: str, files: list[tuple[str, int]], total: int, gpu: str | None, segments: list[str],
+def _exchange(where: str, files: list[tuple[str, int]], gpu: str | None, segments: list[str],
               reads: list[tuple[int, int, int, int, int]], fds: list[int], on_bytes: OnBytes | None,
               mode: Resident) -> str | None:
+    """One request: ``reads`` are ``(file, segment, offset in it, file offset, bytes)``."""
     if any(is_object_url(path) for path, _n in files):
         return _not_served(mode, "an object in a store is read in the process")
-    if len(files) > MAX_FILES:
-        return _not_served(mode, f"{len(files)} files, more than the {MAX_FILES} one request carries")
+    total = sum(r[4] for r in reads)
     problem = private_dir_problem(socket_dir())
     if problem is not None:
         return _not_served(mode, f"no resident loader ({problem})")
