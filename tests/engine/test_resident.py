@@ -314,6 +314,18 @@ def test_any_bytes_unpack_to_a_request_or_a_value_error(payload):
     assert all(len(r) == 5 for r in req.reads) and 0 < len(req.files) <= wire.MAX_FILES
 
 
+_files = st.lists(st.tuples(st.text(max_size=30), st.integers(0, 1 << 62)), min_size=1, max_size=wire.MAX_FILES)
+_reads = st.lists(st.tuples(*[st.integers(-(1 << 63), (1 << 63) - 1)] * 5), max_size=40)
+
+
+@hyp_settings(max_examples=200, deadline=None)
+@given(_files, st.one_of(st.none(), st.just("00000000-0000-0000-0000-00000000abcd")),
+       st.lists(st.text(max_size=10), max_size=5), _reads)
+def test_a_request_comes_back_as_it_was_packed(files, device, segments, reads):
+    req = wire.unpack_request(wire.pack_request(files, device, segments, reads))
+    assert (req.files, req.device, req.segments, req.reads) == (files, device, segments, reads)
+
+
 def test_extra_descriptors_are_closed_on_receipt():
     a, b = socket.socketpair()
     fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]

@@ -19,7 +19,7 @@ from gdskit.cli import cli_errors
 
 _HELP = (
     "Keep gdskit's engine warm for one GPU (modules imported, pinned lanes registered, worker "
-    "threads started) and read checkpoints into other processes' memory on this GPU: a fresh "
+    "threads started) and read checkpoints and preloaded files into other processes' memory on this GPU: a fresh "
     "program's first load then runs at a warm one's rate. Loads of this user use it where it "
     "listens (GDSKIT_RESIDENT=auto, the default; off: never; require: always or an error).\n\n"
     "The socket is $XDG_RUNTIME_DIR/gdskit/resident-<GPU UUID>.sock (else /tmp/gdskit-<uid>/), in a "
