@@ -355,6 +355,26 @@ def test_a_shard_that_shrank_after_its_header_was_read_is_refused(gdskit_vllm, t
         read_placements(plan, tensors, {p: h.file_size for p, h in index.headers})
 
 
+@pytest.mark.parametrize("tp, asked", [(1, True), (2, False)])
+def test_only_plans_without_row_parallel_shards_ask_the_resident_loader(tmp_path, monkeypatch, tp, asked) -> None:
+    """A row-parallel shard (a run per row) is read here in one batch, never sent as a read per
+    row; a loader that does not serve leaves every byte to the read here."""
+    import vllm_fake_layers as fake
+    from gdskit.formats import placement_exec, through_resident
+    from gdskit.formats.shard_index import index_checkpoint
+
+    cfg = _cfg()
+    path = _fake_checkpoint(tmp_path, cfg)
+    index = index_checkpoint(str(path))
+    plan, tensors = placement_exec.plan_model(fake.LlamaForCausalLM(cfg, 0, tp), index)
+    asks = []
+    monkeypatch.setattr(through_resident, "worth_asking", lambda *_a: True)
+    monkeypatch.setattr(through_resident, "fill", lambda _t, _d, files, _targets, _p=None: asks.append(files) or False)
+    assert placement_exec.read_placements(plan, tensors, {p: h.file_size for p, h in index.headers}) == \
+        sum(pl.nbytes for pl in plan.placements)
+    assert [len(files) for files in asks] == ([2] if asked else [])
+
+
 def _with_f32(src: Path, dst: Path, names: set[str]) -> Path:
     """A copy of checkpoint ``src`` whose tensors ``names`` are stored as float32."""
     torch = pytest.importorskip("torch")

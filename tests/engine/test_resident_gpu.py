@@ -294,9 +294,9 @@ def test_a_preload_the_loader_serves_imports_none_of_the_engines_reading_modules
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_placements_are_read_by_the_loader_into_their_parameters(server, runtime_dir, tp):
-    """Stand-in vLLM layers on the GPU (fused QKV and gate-up, row-parallel shards at tp=2): the
-    loader's reads into the parameters give the bytes an in-process read gives, every file in one
-    request."""
+    """Stand-in vLLM layers on the GPU (fused QKV and gate-up): at tp=1 the loader's reads into
+    the parameters give the bytes an in-process read gives, every file in one request; at tp=2,
+    whose row-parallel shards are a run per row, the plan is read in this process."""
     import json
     import pathlib
     import torch
@@ -335,4 +335,4 @@ def test_vllm_placements_are_read_by_the_loader_into_their_parameters(server, ru
     for n, want in got["off"].items():
         assert torch.equal(got["require"][n], want), n
     server.stop()
-    assert [e["files"] for e in server.events if e["event"] == "served"] == [2]
+    assert [e["files"] for e in server.events if e["event"] == "served"] == ([2] if tp == 1 else [])

@@ -260,8 +260,8 @@ def read_placements(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor],
     one job (``File.read_many``); a placement of many runs of one size (a row-parallel shard:
     one run per row) goes as one ``File.read_batch`` into its parameter.
 
-    Where the resident loader (``gdskit serve``) is worth asking (:mod:`gdskit.formats.through_resident`),
-    every run goes to it first, all files in one request.
+    Where the resident loader (``gdskit serve``) is worth asking (:mod:`gdskit.formats.through_resident`)
+    and no placement is a row-parallel shard, every run goes to it first, all files in one request.
 
     Raises
     ------
@@ -284,6 +284,10 @@ def _read_through_resident(plan: PlacementPlan, tensors: Mapping[str, torch.Tens
                            file_sizes: Mapping[str, int]) -> int | None:
     """Every run read by the resident loader: the bytes read, or None where it was not asked or
     did not serve (the caller reads them all itself)."""
+    if any(_batched(pl) for pl in plan.placements):
+        # A row-parallel shard is a run per row (262,144 for a Llama-8B shape at two ranks):
+        # one batched read each here, where the loader would take every row as a read.
+        return None
     params = {pl.param: tensors[pl.param] for pl in plan.placements}
     devices = {t.device for t in params.values()}
     if len(devices) != 1 or not all(t.is_contiguous() for t in params.values()):
@@ -309,7 +313,7 @@ def _read_here(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor], file_si
         if view is None:
             view = views[pl.param] = adapt(tensors[pl.param])
         single, batches = by_file.setdefault(pl.path, ([], []))
-        if len(pl.runs) > 1 and len({r.nbytes for r in pl.runs}) == 1:
+        if _batched(pl):
             batches.append((view, pl))
         else:
             single.extend((view, r.nbytes, r.file_offset, r.dest_offset) for r in pl.runs)
@@ -329,6 +333,11 @@ def _read_here(plan: PlacementPlan, tensors: Mapping[str, torch.Tensor], file_si
             raise TruncatedFileError(f"{path}: a read came back short (the file shrank while it was read)")
         total += sum(got)
     return total
+
+
+def _batched(pl: Placement) -> bool:
+    """Whether ``pl`` is read as one batch: many runs of one size (a row-parallel shard, a run per row)."""
+    return len(pl.runs) > 1 and len({r.nbytes for r in pl.runs}) == 1
 
 
 def report(plan: PlacementPlan | None, fallback: int, fallback_bytes: int) -> PlacementReport:
