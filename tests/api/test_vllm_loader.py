@@ -227,21 +227,9 @@ def test_verified_weights_reach_the_model_and_a_flipped_byte_is_refused(gdskit_v
 # -- the placement plan, on a vLLM-shaped model of stand-in layers (tests/vllm_fake_layers.py) ---
 
 def _fake_checkpoint(tmp_path, cfg, extra: dict | None = None, drop: str | None = None) -> Path:
-    from safetensors.torch import save_file
-    from vllm_llama_shapes import checkpoint
+    from vllm_llama_shapes import save_checkpoint
 
-    tensors = checkpoint(cfg)
-    tensors.update(extra or {})
-    tensors.pop(drop, None)
-    names = list(tensors)
-    half = len(names) // 2  # two shards and an index, as save_pretrained writes them
-    weight_map = {}
-    for i, part in enumerate((names[:half], names[half:])):
-        fname = f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({n: tensors[n] for n in part}, tmp_path / fname, metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return tmp_path
+    return save_checkpoint(tmp_path, cfg, extra, drop)
 
 
 def _load(gv, model, path: Path, extra=None):

@@ -297,12 +297,10 @@ def test_vllm_placements_are_read_by_the_loader_into_their_parameters(server, ru
     """Stand-in vLLM layers on the GPU (fused QKV and gate-up): at tp=1 the loader's reads into
     the parameters give the bytes an in-process read gives, every file in one request; at tp=2,
     whose row-parallel shards are a run per row, the plan is read in this process."""
-    import json
     import pathlib
     import torch
     import vllm_fake_layers as fake
-    from safetensors.torch import save_file
-    from vllm_llama_shapes import Cfg, checkpoint
+    from vllm_llama_shapes import Cfg, save_checkpoint
     from gdskit.formats.placement_exec import plan_model, read_placements
     from gdskit.formats.shard_index import index_checkpoint
 
@@ -310,15 +308,7 @@ def test_vllm_placements_are_read_by_the_loader_into_their_parameters(server, ru
               dtype="BF16", layers=2)
     root = pathlib.Path(runtime_dir) / f"ckpt-{tp}"
     root.mkdir()
-    tensors = checkpoint(cfg)
-    names = list(tensors)
-    weight_map = {}
-    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
-        fname = f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({n: tensors[n] for n in part}, root / fname, metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    index = index_checkpoint(str(root))
+    index = index_checkpoint(str(save_checkpoint(root, cfg)))
     sizes = {p: h.file_size for p, h in index.headers}
     got = {}
     for mode in ("off", "require"):

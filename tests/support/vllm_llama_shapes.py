@@ -5,6 +5,8 @@ bytes as the stand-in of vLLM's loaders (tests/vllm_shard_rules.py) makes them."
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -129,3 +131,22 @@ def expected(full: dict[str, torch.Tensor], cfg: Cfg, rank: int, tp: int) -> dic
 def raw(t: torch.Tensor) -> bytes:
     """A tensor's bytes."""
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def save_checkpoint(directory: Path, cfg: Cfg, extra: dict | None = None, drop: str | None = None) -> Path:
+    """``checkpoint(cfg)`` (with ``extra`` tensors added and ``drop`` left out) in ``directory``
+    as ``save_pretrained`` writes it: two shards and an index; the directory."""
+    from safetensors.torch import save_file
+
+    tensors = checkpoint(cfg)
+    tensors.update(extra or {})
+    tensors.pop(drop, None)
+    names = list(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, directory / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory

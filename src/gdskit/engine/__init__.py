@@ -210,8 +210,9 @@ def resident_worth_asking(device: int, sizes: Any = (), paths: Any = ()) -> bool
 
 def read_through_resident(files: Any, targets: Any, on_bytes: Callable[[int], None] | None = None) -> str | None:
     """Read ``(pointer, bytes, file, file offset)`` of GPU memory each from ``files`` (``(path,
-    bytes as its header said)`` each; ``file`` indexes them) through the resident loader, as one
-    request; None once all landed, else why it did not serve (the caller reads every byte itself).
+    bytes as its header said)`` each; ``file`` indexes them) through the resident loader, in one
+    request for each ``MAX_FILES`` files; None once all landed, else why it did not serve (the
+    caller reads every byte itself).
     :func:`gdskit.engine.resident.client.read_to_gpu` says what it raises."""
     from gdskit.engine.resident.client import read_to_gpu  # noqa: PLC0415 - import time
     return read_to_gpu(files, targets, on_bytes=on_bytes)
