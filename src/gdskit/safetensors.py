@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import math
+import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -139,7 +140,7 @@ def _torch_type(torch: Any, entry: fmt.TensorEntry) -> tuple[Any, tuple[int, ...
             raise UnsupportedDtypeError(f"tensor {entry.name!r}: F4 with shape {list(shape)} "
                                         "cannot be packed in pairs")
         shape = shape[:-1] + (shape[-1] // 2,)
-    if any(d > _TORCH_DIM_MAX for d in shape):
+    if shape and max(shape) > _TORCH_DIM_MAX:  # max, not a generator: loads ask per tensor
         raise UnsupportedShapeError(f"tensor {entry.name!r}: shape {list(shape)} has a dimension above "
                                     f"{_TORCH_DIM_MAX}, torch's largest")
     return dt, shape
@@ -283,32 +284,34 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
         expect = expectations([p for p, _h in headers], mode, {p: h.metadata for p, h in headers}, dev)
     types = {}
     empty = {}   # tensors of no bytes are made here, not read
+    by_file: dict[str, list[fmt.TensorEntry]] = {}
+    sizes = []
     for n in names:  # everything that can fail does so before anything is read
         p, _h, e = where[n]
+        nbytes = e.end - e.start
         try:
             types[n] = _torch_type(torch, e)
-            if e.nbytes == 0:
+            if nbytes == 0:
                 empty[n] = _empty_tensor(torch, e, *types[n], dev)
         except fmt.FormatError as exc:
             raise with_path(exc, p) from None
-
-    by_file: dict[str, list[fmt.TensorEntry]] = {}
-    for n in names:
-        if n not in empty:
-            by_file.setdefault(where[n][0], []).append(where[n][2])
-    total = sum(where[n][2].nbytes for n in names)
+        if nbytes:
+            by_file.setdefault(p, []).append(e)
+        sizes.append(nbytes)
+    total = sum(sizes)
+    new_tensor = torch.empty
 
     def make(name: str) -> Any:  # each tensor made once, in its final dtype and shape
         dt, shape = types[name]
-        return torch.empty(shape, dtype=dt, device=dev)
+        return new_tensor(shape, dtype=dt, device=dev)
 
-    def alloc(e: read_plan.Extent) -> Any:
-        return make(e.key)
+    def alloc(e: read_plan.Extent) -> Any:  # make(e.key), one call fewer per tensor
+        dt, shape = types[e.key]
+        return new_tensor(shape, dtype=dt, device=dev)
 
     before = stats() if return_stats else None
     raw: dict[str, Any] = {}
-    resident = not mode.on and through_resident.worth_asking(torch, dev, [where[n][2].nbytes for n in names],
-                                                             shards.files)
+    resident = not mode.on and through_resident.worth_asking(torch, dev, sizes, shards.files)
     with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
         for p, h in headers:
             entries = by_file.get(p)
@@ -323,9 +326,10 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
             # Here, not above: a load the resident loader serves never imports the engine's
             # reading modules (about 12 ms).
             from gdskit.formats.torch_io import execute  # noqa: PLC0415 - import time
-            spans = {e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
+            spans = ({e.name: (h.data_start + e.start, h.data_start + e.end) for e in entries}
+                     if p in expect else {})
             # Host tensors are hashed batch by batch as they land, while the next batch is read.
-            runs = checks.runs(sorted(entries, key=lambda e: e.start), lambda e: e.nbytes, dev)
+            runs = checks.runs(sorted(entries, key=_by_start), _nbytes, dev)
             with open_file(p, "r") as f:
                 if f.size != h.file_size:
                     raise TruncatedFileError(f"changed size after its header was read "
@@ -362,6 +366,10 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     if return_stats:
         return out, stats_delta(before, stats())
     return out
+
+
+_by_start = operator.attrgetter("start")
+_nbytes = operator.attrgetter("nbytes")
 
 
 def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],

@@ -182,21 +182,15 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
 
 # -- parsing --------------------------------------------------------------------
 
-class _Repeated(dict):  # type: ignore[type-arg]
-    """A JSON object in which a key appeared twice (the last value kept, as the reference
-    does); ``keys_repeated`` names them. Whether that is an error depends on where it is."""
+def _repeated_keys(pairs: tuple[tuple[str, object], ...]) -> set[str]:
+    """The keys that appear more than once among an object's ``(key, value)`` pairs."""
+    seen: set[str] = set()
+    return {k for k, _ in pairs if k in seen or seen.add(k)}  # type: ignore[func-returns-value]
 
-    __slots__ = ("keys_repeated",)
 
-
-def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)  # built in C; a shorter dict means a key came twice
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        repeated = _Repeated(pairs)
-        repeated.keys_repeated = {k for k, _ in pairs if k in seen or seen.add(k)}  # type: ignore[func-returns-value]
-        return repeated
-    return out
+def _as_dict(pairs: tuple[tuple[str, object], ...]) -> dict[str, object]:
+    """An object's pairs as a dict (the last value of a repeated key kept, as the reference does)."""
+    return dict(pairs)
 
 
 def _refuse_constant(name: str) -> object:
@@ -221,10 +215,13 @@ _HAS_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _loads(raw: bytes) -> object:
-    """The header's JSON, refused where serde_json refuses it (see the module docstring)."""
+    """The header's JSON, refused where serde_json refuses it (see the module docstring). Each
+    object comes back as the tuple of its ``(key, value)`` pairs, in order: built in C, with no
+    Python call per object (headers hold thousands), and a key given twice is still there to
+    be seen. An array is a list, so ``{}`` and ``[]`` stay apart."""
     try:
         text = raw.decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant,
+        obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_refuse_constant,
                          parse_float=_finite_float,
                          parse_int=_minus_zero_as_float if _MINUS_ZERO.search(text) else None)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -236,17 +233,15 @@ def _loads(raw: bytes) -> object:
 
 def _any_surrogate(obj: object) -> bool:
     """Whether any string (key or value, at any depth) holds a lone surrogate; a loop, not
-    recursion, for documents nested as deep as ``json`` reads."""
+    recursion, for documents nested as deep as ``json`` reads. Objects are tuples of pairs
+    (:func:`_loads`), so walking tuples and lists reaches every key and value."""
     todo = [obj]
     while todo:
         item = todo.pop()
         if isinstance(item, str):
             if _HAS_SURROGATE.search(item):
                 return True
-        elif isinstance(item, dict):
-            todo.extend(item.keys())
-            todo.extend(item.values())
-        elif isinstance(item, list):
+        elif isinstance(item, (tuple, list)):
             todo.extend(item)
     return False
 
@@ -254,10 +249,10 @@ def _any_surrogate(obj: object) -> bool:
 def _check_free_value(name: str, key: str, value: object, depth: int) -> None:
     """A value the format does not define (ignored, as the reference ignores it) must still be
     JSON serde_json reads: nested at most to ``MAX_JSON_DEPTH`` in all, numbers in float range."""
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (tuple, list)):  # an object (pairs) or an array
         if depth + 1 > MAX_JSON_DEPTH:
             raise HeaderError(f"entry {name!r}: field {key!r} is nested more than {MAX_JSON_DEPTH} deep")
-        for v in (value.values() if isinstance(value, dict) else value):
+        for v in (_as_dict(value).values() if isinstance(value, tuple) else value):
             _check_free_value(name, key, v, depth + 1)
     elif type(value) is int and value.bit_length() > 1000:  # serde_json reads it as a float
         try:
@@ -360,30 +355,33 @@ def forget_headers() -> None:
 
 
 def _parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Header:
-    obj = _loads(raw)
-    if not isinstance(obj, dict):
+    pairs = _loads(raw)
+    if type(pairs) is not tuple:
         raise HeaderError("safetensors header is not a JSON object")
-    if isinstance(obj, _Repeated):
-        if METADATA_KEY in obj.keys_repeated:
+    obj = _as_dict(pairs)
+    if len(obj) != len(pairs):
+        repeated = _repeated_keys(pairs)
+        if METADATA_KEY in repeated:
             raise HeaderError(f"{METADATA_KEY!r} appears twice in the safetensors header")
-        raise DuplicateNameError(f"tensor name {min(obj.keys_repeated)!r} appears twice in the safetensors header")
+        raise DuplicateNameError(f"tensor name {min(repeated)!r} appears twice in the safetensors header")
 
-    metadata = obj.pop(METADATA_KEY, None)
-    if metadata is not None:
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    given = obj.pop(METADATA_KEY, None)
+    metadata = None
+    if given is not None:
+        if type(given) is not tuple or not all(type(v) is str for _k, v in given):
             raise HeaderError("__metadata__ must map strings to strings")
-        if isinstance(metadata, _Repeated):
-            raise DuplicateNameError(f"metadata key {min(metadata.keys_repeated)!r} appears twice")
-        metadata = dict(metadata)
+        metadata = _as_dict(given)
+        if len(metadata) != len(given):
+            raise DuplicateNameError(f"metadata key {min(_repeated_keys(given))!r} appears twice")
 
     entries = _entries(obj)
     entries.sort(key=_by_position)
     expected = 0
-    for e in entries:
-        if e.start != expected:
-            what = "overlaps the previous tensor" if e.start < expected else "leaves a hole before it"
-            raise LayoutError(f"entry {e.name!r} starts at {e.start}: {what} (expected {expected})")
-        expected = e.end
+    for name, _dtype, _shape, start, end in entries:
+        if start != expected:
+            what = "overlaps the previous tensor" if start < expected else "leaves a hole before it"
+            raise LayoutError(f"entry {name!r} starts at {start}: {what} (expected {expected})")
+        expected = end
     if file_size is not None:
         end_of_data = data_start + expected
         if end_of_data > file_size:
@@ -395,8 +393,25 @@ def _parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> He
     return Header(tuple(entries), metadata, data_start)
 
 
-_by_position = operator.attrgetter("start", "end")
+_by_position = operator.itemgetter(3, 4)  # (start, end) of a TensorEntry
 _FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+def _fields(name: str, info: object) -> tuple[object, object, object]:
+    """An entry's dtype, shape and offsets (None where absent) out of its pairs, in any order:
+    a field the format defines given twice is refused; any other field is ignored, but must
+    be JSON serde_json reads."""
+    if type(info) is not tuple:
+        raise HeaderError(f"entry {name!r} is not a JSON object")
+    fields = _as_dict(info)
+    if len(fields) != len(info):
+        twice = _repeated_keys(info) & _FIELDS
+        if twice:
+            raise HeaderError(f"entry {name!r}: field {min(twice)!r} appears twice")
+    for key, value in fields.items():
+        if key not in _FIELDS:
+            _check_free_value(name, key, value, 2)
+    return fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
 
 
 def _entries(obj: dict[str, object]) -> list[TensorEntry]:
@@ -405,18 +420,14 @@ def _entries(obj: dict[str, object]) -> list[TensorEntry]:
     # Locals, and named tuples made without their Python-level __new__: headers hold thousands.
     append, make, bits_of, prod = entries.append, tuple.__new__, DTYPE_BITS.get, math.prod
     for name, info in obj.items():
-        if type(info) is not dict:  # one test per entry for the rare cases: not an object, a repeated key
-            if not isinstance(info, dict):
-                raise HeaderError(f"entry {name!r} is not a JSON object")
-            if isinstance(info, _Repeated) and info.keys_repeated & _FIELDS:
-                raise HeaderError(f"entry {name!r}: field {min(info.keys_repeated & _FIELDS)!r} appears twice")
-        if len(info) > 3:  # fields the format does not define: ignored, but must be JSON serde reads
-            for key, value in info.items():
-                if key not in _FIELDS:
-                    _check_free_value(name, key, value, 2)
-        dtype = info.get("dtype")
-        shape = info.get("shape")
-        offsets = info.get("data_offsets")
+        # The form every writer gives (the three fields, in the format's order) is taken apart
+        # here without a dict; any other goes through _fields.
+        if type(info) is tuple and len(info) == 3:
+            (k_dtype, dtype), (k_shape, shape), (k_offsets, offsets) = info
+            if k_dtype != "dtype" or k_shape != "shape" or k_offsets != "data_offsets":
+                dtype, shape, offsets = _fields(name, info)
+        else:
+            dtype, shape, offsets = _fields(name, info)
         if type(dtype) is not str:
             raise HeaderError(f"entry {name!r} has no dtype string")
         dtype_bits = bits_of(dtype)
@@ -607,7 +618,8 @@ def _utf8_only(what: str, texts: Iterable[str]) -> None:
 
 def extents(header: Header, entries: Iterable[TensorEntry]) -> list[Extent]:
     """The file byte ranges of ``entries`` (keyed by tensor name), for :func:`gdskit.formats.read_plan.plan`."""
-    return [Extent(e.name, header.data_start + e.start, e.nbytes) for e in entries]
+    base, make = header.data_start, tuple.__new__  # without Extent's Python-level __new__: thousands of them
+    return [make(Extent, (name, base + start, end - start)) for name, _dtype, _shape, start, end in entries]
 
 
 # -- sharded checkpoints --------------------------------------------------------
