@@ -313,16 +313,15 @@ def _load_file(path_or_paths: Any, device: Any, keys: Iterable[str] | None, prog
     raw: dict[str, Any] = {}
     resident = not mode.on and through_resident.worth_asking(torch, dev, sizes, shards.files)
     with Progress(total, progress, "loading") as prog, LoadChecks(bool(expect)) as checks:
-        for p, h in headers:
+        # Every shard in one request; where the loader does not serve, every byte is read here.
+        served = _through_resident(torch, [(p, h, by_file[p]) for p, h in headers if p in by_file], make, dev,
+                                   prog) if resident else None
+        if served is not None:
+            raw.update(served)
+        for p, h in (headers if served is None else ()):
             entries = by_file.get(p)
             if not entries:
                 continue
-            if resident:
-                served = _through_resident(torch, p, h, entries, make, dev, prog)
-                if served is not None:
-                    raw.update(served)
-                    continue
-                resident = False  # it did not serve this file: the rest are read here too
             # Here, not above: a load the resident loader serves never imports the engine's
             # reading modules (about 12 ms).
             from gdskit.formats.torch_io import execute  # noqa: PLC0415 - import time
@@ -372,19 +371,24 @@ _by_start = operator.attrgetter("start")
 _nbytes = operator.attrgetter("nbytes")
 
 
-def _through_resident(torch: Any, path: str, header: fmt.Header, entries: list[fmt.TensorEntry],
-                      make: Any, dev: Any, prog: Progress) -> dict[str, Any] | None:
-    """``entries`` of ``path`` read by the resident loader into tensors made here (``make(name)``);
-    None where it did not serve (the caller reads them itself)."""
+def _through_resident(torch: Any, files: list[tuple[str, fmt.Header, list[fmt.TensorEntry]]], make: Any,
+                      dev: Any, prog: Progress) -> dict[str, Any] | None:
+    """Each file's ``(path, header, entries)`` read by the resident loader into tensors made here
+    (``make(name)``), every file in one request (or one per ``MAX_FILES`` files); None where it
+    did not serve (the caller reads them itself)."""
     # One allocation for the large tensors: one cudaMalloc here, and one mapping for the loader
     # to open instead of one per tensor.
-    reserve_device_memory(dev, [e.nbytes for e in entries])
-    made = {e.name: make(e.name) for e in entries}
-    targets = [(made[e.name].data_ptr(), e.nbytes, 0, header.data_start + e.start) for e in entries]
+    reserve_device_memory(dev, [e.nbytes for _p, _h, entries in files for e in entries])
+    made = {}
+    targets = []
+    for k, (_path, header, entries) in enumerate(files):
+        for e in entries:
+            t = made[e.name] = make(e.name)
+            targets.append((t.data_ptr(), e.nbytes, k, header.data_start + e.start))
     try:
-        served = through_resident.fill(torch, dev, [(path, header.file_size)], targets, prog)
-    except fmt.FormatError as exc:
-        raise with_path(exc, path) from None
+        served = through_resident.fill(torch, dev, [(p, h.file_size) for p, h, _e in files], targets, prog)
+    except fmt.FormatError as exc:  # the client names the file at fault; one file is named here if not
+        raise (with_path(exc, files[0][0]) if len(files) == 1 else exc) from None
     return made if served else None
 
 

@@ -209,6 +209,51 @@ def test_large_tensors_made_for_the_loader_are_one_allocation_it_maps_once(serve
 
 
 @pytest.fixture
+def shards(runtime_dir):
+    """A checkpoint of three shards and its index (the second shard all small tensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(6)
+    parts = [{f"a.{i}": torch.randn(2_000_000 + i, generator=g).to(torch.bfloat16) for i in range(3)},
+             {f"b.{i}": torch.randint(-9, 9, (50 + i,), generator=g, dtype=torch.int16) for i in range(40)},
+             {"c.w": torch.randn(700, 900, generator=g), "c.empty": torch.empty(0, 3)}]
+    weight_map = {}
+    for k, part in enumerate(parts):
+        name = f"model-{k + 1:05d}-of-00003.safetensors"
+        save_file(part, os.path.join(runtime_dir, name))
+        weight_map.update(dict.fromkeys(part, name))
+    index = os.path.join(runtime_dir, "model.safetensors.index.json")
+    with open(index, "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh)
+    return index, [os.path.join(runtime_dir, f"model-{k + 1:05d}-of-00003.safetensors") for k in range(3)]
+
+
+def test_a_sharded_checkpoint_goes_to_the_loader_in_one_request(server, shards):
+    """load_file and load_into send every shard in one request: one loader job, one mapping."""
+    import torch
+    import gdskit.safetensors as gst
+    from safetensors.torch import load_file as reference
+
+    index, files = shards
+    want = {n: t for f in files for n, t in reference(f).items()}
+    with settings.set(resident="require"):
+        got = gst.load_file(index, device="cuda:0")
+        target = {n: torch.full_like(t, 3, device="cuda:0") for n, t in want.items()}
+        assert gst.load_into(target, index) == ([], [])
+    assert sorted(got) == sorted(want)
+    for n, t in want.items():
+        assert got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n].cpu(), t), n
+        assert torch.equal(target[n].cpu(), t), n
+    server.stop()
+    served = [e for e in server.events if e["event"] == "served"]
+    nbytes = sum(t.nbytes for t in want.values())
+    assert [(e["files"], e["bytes"]) for e in served] == [(3, nbytes), (3, nbytes)]
+
+
+@pytest.fixture
 def npy_files(runtime_dir):
     """``.npy`` files of over 1 MiB (read by the loader: plain, Fortran order, big-endian), a raw
     file, and a small ``.npy`` file (read whole in this process)."""

@@ -289,16 +289,27 @@ def _fill_staged(f: Any, device: torch.device, fills: Sequence[Fill], tensors: M
             tensors[fl.target].copy_(values)  # converts on the target's device where dtypes differ
 
 
-def _fill_through_resident(path: str, file_size: int, device: torch.device, fills: Sequence[Fill],
-                           tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source], prog: Progress) -> bool:
-    """Direct fills of GPU ``device`` from ``path`` through the resident loader (``gdskit serve``),
-    where it serves them: True once every byte has landed in its target."""
-    sizes = [sources[fl.source].nbytes for fl in fills]
-    if not through_resident.worth_asking(torch, device, sizes, [path]):
-        return False
-    targets = [(tensors[fl.target].data_ptr(), sources[fl.source].nbytes, 0, sources[fl.source].file_offset)
-               for fl in fills]
-    return through_resident.fill(torch, device, [(path, file_size)], targets, prog)
+def _fill_through_resident(by_file: dict[str, dict[torch.device, tuple[list[Fill], list[Fill]]]],
+                           file_sizes: Mapping[str, int], tensors: Mapping[str, torch.Tensor],
+                           sources: Mapping[str, Source], prog: Progress) -> list[Fill]:
+    """The direct fills of each GPU through the resident loader (``gdskit serve``), every file in
+    one request (or one per ``MAX_FILES`` files), where it serves them: the fills it served, each
+    taken out of ``by_file`` once every byte of its GPU's request has landed."""
+    served: list[Fill] = []
+    devices = dict.fromkeys(dev for per_device in by_file.values() for dev, (direct, _s) in per_device.items()
+                            if direct)
+    for dev in devices:
+        paths = [p for p, per_device in by_file.items() if dev in per_device and per_device[dev][0]]
+        fills = [(k, fl) for k, p in enumerate(paths) for fl in by_file[p][dev][0]]
+        if not through_resident.worth_asking(torch, dev, [sources[fl.source].nbytes for _k, fl in fills], paths):
+            continue
+        targets = [(tensors[fl.target].data_ptr(), sources[fl.source].nbytes, k, sources[fl.source].file_offset)
+                   for k, fl in fills]
+        if through_resident.fill(torch, dev, [(p, file_sizes[p]) for p in paths], targets, prog):
+            served.extend(fl for _k, fl in fills)
+            for p in paths:
+                by_file[p][dev] = ([], by_file[p][dev][1])
+    return served
 
 
 def _direct_runs(direct: Sequence[Fill], sources: Mapping[str, Source], device: torch.device,
@@ -408,13 +419,9 @@ def run_fills(plan: IntoPlan, tensors: Mapping[str, torch.Tensor], sources: Mapp
             if from_memory:
                 _fill_from_memory(from_memory, tensors, sources, prog)
                 done.extend(from_memory)
+            if resident and digesting is None:  # verified loads are checked here, where the bytes land
+                done.extend(_fill_through_resident(by_file, file_sizes, tensors, sources, prog))
             for path, per_device in by_file.items():
-                if resident and digesting is None:  # verified loads are checked here, where the bytes land
-                    for dev, (direct, staged) in list(per_device.items()):
-                        if direct and _fill_through_resident(path, file_sizes[path], dev, direct, tensors,
-                                                             sources, prog):
-                            done.extend(direct)
-                            per_device[dev] = ([], staged)
                 if not any(direct or staged for direct, staged in per_device.values()):
                     continue
                 with open_file(path, "r") as f:
