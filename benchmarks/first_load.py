@@ -39,15 +39,16 @@ MiB = 1 << 20
 LOADERS = ("gdskit", "safetensors", "instanttensor")
 
 
-def make_large(path: str, size_gib: float) -> None:
-    """A safetensors file of 32 MiB bf16 tensors; each tensor's bytes are one random block rotated,
-    so the file is made at disk speed (a hot read does not care what the bytes are)."""
+def make_large(path: str, size_gib: float, first: int = 0) -> None:
+    """A safetensors file of 32 MiB bf16 tensors (``layers.{first}.weight`` on); each tensor's bytes
+    are one random block rotated, so the file is made at disk speed (a hot read does not care
+    what the bytes are)."""
     import numpy as np
 
     n = max(1, int(size_gib * 1024 / 32))
     block = np.random.default_rng(0).integers(0, 256, 32 * MiB, dtype=np.uint8)
-    header = {f"layers.{i}.weight": {"dtype": "BF16", "shape": [4096, 4096],
-                                     "data_offsets": [i * 32 * MiB, (i + 1) * 32 * MiB]} for i in range(n)}
+    header = {f"layers.{first + i}.weight": {"dtype": "BF16", "shape": [4096, 4096],
+                                             "data_offsets": [i * 32 * MiB, (i + 1) * 32 * MiB]} for i in range(n)}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path + ".tmp"

@@ -112,7 +112,7 @@ def _load(kind: str, paths: list[str], dev: str):
         return gdskit.data.preload(paths, dev, progress=False)
     import gdskit.safetensors
 
-    return gdskit.safetensors.load_file(paths[0], device=dev)
+    return gdskit.safetensors.load_file(paths[0] if len(paths) == 1 else paths, device=dev)  # several: shards
 
 
 def child_natural(args: argparse.Namespace) -> dict:

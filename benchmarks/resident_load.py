@@ -11,8 +11,8 @@ and makes its CUDA context before the clock (as any program that loads a checkpo
 the package does (a machine with ``PYTHONDONTWRITEBYTECODE`` would otherwise compile every
 module at every import).
 
-Sets: ``large`` (one file of 32 MiB bf16 tensors, ``--size`` GiB), ``many`` (``--count`` small
-tensors), ``preload`` (``--npy`` ``.npy`` files of ``--npy-mib`` MiB read by
+Sets: ``large`` (one file of 32 MiB bf16 tensors, ``--size`` GiB), ``shards`` (the same size in
+``--shards`` files, loaded as one checkpoint), ``many`` (``--count`` small tensors), ``preload`` (``--npy`` ``.npy`` files of ``--npy-mib`` MiB read by
 ``gdskit.data.preload``). ``--peers instanttensor`` adds InstantTensor's buffered first call
 (first_load.py's child) to each round, for the safetensors sets.
 
@@ -48,6 +48,15 @@ def _sets(args: argparse.Namespace) -> dict[str, list[str]]:
             if not os.path.exists(path):
                 make_large(path, args.size)
             out[name] = [path]
+        elif name == "shards":  # the large set's size in --shards files, loaded as one checkpoint
+            paths = [os.path.join(args.dir, f"shards-{args.size:g}", f"model-{k + 1:05d}-of-{args.shards:05d}.safetensors")
+                     for k in range(args.shards)]
+            per = args.size / args.shards
+            for k, path in enumerate(paths):
+                if not os.path.exists(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    make_large(path, per, first=k * max(1, int(per * 1024 / 32)))
+            out[name] = paths
         elif name == "many":
             path = os.path.join(args.dir, f"many-{args.count}.safetensors")
             if not os.path.exists(path):
@@ -85,6 +94,7 @@ def main() -> None:
     ap.add_argument("--sets", default="large,many")
     ap.add_argument("--size", type=float, default=8, help="GiB of the large set")
     ap.add_argument("--count", type=int, default=20_000, help="tensors of the many set")
+    ap.add_argument("--shards", type=int, default=4, help="files of the shards set")
     ap.add_argument("--npy", type=int, default=4, help=".npy files of the preload set")
     ap.add_argument("--npy-mib", type=int, default=512, help="MiB of each .npy file")
     ap.add_argument("--rounds", type=int, default=4)
