@@ -1,6 +1,18 @@
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# What gdskit keeps between processes (compiled kernels, parsed headers) goes to a folder of
+# this test session's own, never into the caches of whoever runs the tests; child processes
+# the tests start inherit it.
+_CACHE_HOME = tempfile.mkdtemp(prefix="gdskit-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, True)
 
 
 def _gpu_present() -> bool:

@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -385,3 +386,143 @@ def remove_stale_temps(directory: str | os.PathLike[str], name: str) -> list[str
         finally:
             os.close(fd)
     return removed
+
+
+# -- caches kept between processes ------------------------------------------------
+#
+# What a process learns once and later processes may reuse (compiled kernels, parsed headers)
+# lives in ``$XDG_CACHE_HOME/gdskit/<kind>``. A cached file is used only where its folder and
+# itself are this user's alone: whoever else could write it could make this process run or
+# trust what they wrote. A cache that cannot be read or written is no error: the work is done
+# again.
+
+def cache_folder(kind: str) -> str:
+    """``$XDG_CACHE_HOME/gdskit/<kind>`` (``~/.cache`` without the variable)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gdskit", kind)
+
+
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no one else."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def open_private_folder(folder: str, *, make: bool) -> int | None:
+    """A descriptor of the cache ``folder``, or None where it is not this user's alone.
+
+    Everything after goes through the descriptor (``dir_fd``): whoever can change a folder above
+    it cannot redirect a read or a write once the folder itself was found private, and a link at
+    the folder's own name is refused (``O_NOFOLLOW``)."""
+    try:
+        if make:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if _private(os.fstat(fd)):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def read_private(path: str, max_bytes: int) -> bytes | None:
+    """The bytes of the regular file ``path`` where it and its folder are this user's alone and it
+    holds at most ``max_bytes``; None otherwise (or where it cannot be read)."""
+    folder = open_private_folder(os.path.dirname(path), make=False)
+    if folder is None:
+        return None
+    try:
+        fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=folder)
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _private(st) or st.st_size > max_bytes:
+            return None
+        data = os.pread(fd, st.st_size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == st.st_size else None
+
+
+def write_private(path: str, data: bytes, *, durable: bool = True) -> None:
+    """Keep ``data`` at ``path`` for later processes: a new file of random name in the private
+    folder (made where missing), written whole (and fsynced, unless ``durable`` is False: for
+    data that carries its own checksum, whose torn copy after a crash its reader refuses), then
+    renamed over ``path`` within that folder; nothing is written where the folder is not this
+    user's alone."""
+    folder = open_private_folder(os.path.dirname(path), make=True)
+    if folder is None:
+        return
+    tmp = temp_name(os.path.basename(path))
+    try:
+        fd = create_new_file(tmp, 0o600, dir_fd=folder)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.basename(path), src_dir_fd=folder, dst_dir_fd=folder)
+    except OSError:
+        try:
+            os.unlink(tmp, dir_fd=folder)
+        except OSError:
+            pass
+    finally:
+        os.close(folder)
+
+
+def remove_private(path: str) -> None:
+    """Remove the cached file ``path`` (only a file in the private folder, by its name there)."""
+    folder = open_private_folder(os.path.dirname(path), make=False)
+    if folder is None:
+        return
+    try:
+        os.unlink(os.path.basename(path), dir_fd=folder)
+    except OSError:
+        pass  # gone already, or never written
+    finally:
+        os.close(folder)
+
+
+def trim_private(folder: str, prefix: str, keep: int) -> None:
+    """Where the private ``folder`` holds more than ``keep`` files named ``prefix...``, remove the
+    oldest (by modification time) down to three quarters of ``keep``; and temporaries of such
+    files left by a writer that died, once an hour old."""
+    fd = open_private_folder(folder, make=False)
+    if fd is None:
+        return
+    try:
+        names = os.listdir(fd)
+        kept = [n for n in names if n.startswith(prefix)]
+        stale = [n for n in names if is_temp_name(n) and n[1:].startswith(prefix)]
+        if len(kept) <= keep and not stale:
+            return
+        ages = {}
+        for name in kept + stale:
+            try:
+                ages[name] = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+        now = time.time()
+        doomed = [n for n in stale if n in ages and now - ages[n] > 3600]
+        if len(kept) > keep:
+            doomed += sorted((n for n in kept if n in ages), key=ages.__getitem__)[:len(kept) - keep * 3 // 4]
+        for name in doomed:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)

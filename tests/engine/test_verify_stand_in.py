@@ -275,6 +275,7 @@ def test_the_kernel_cache_writes_only_into_the_folder_it_found_private(tmp_path,
     was checked, and the victim's file is untouched; a link at the folder's name is refused."""
     import os
 
+    from gdskit import durable
     from gdskit.engine import gpu_hash
 
     parent = tmp_path / "shared"
@@ -285,7 +286,7 @@ def test_the_kernel_cache_writes_only_into_the_folder_it_found_private(tmp_path,
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "blake3.cubin").write_bytes(b"the victim's own file")
-    real_private = gpu_hash._private
+    real_private = durable._private
     swapped = []
 
     def private_then_swap(st):
@@ -296,11 +297,11 @@ def test_the_kernel_cache_writes_only_into_the_folder_it_found_private(tmp_path,
             os.symlink(victim, kernels)
         return ok
 
-    monkeypatch.setattr(gpu_hash, "_private", private_then_swap)
+    monkeypatch.setattr(durable, "_private", private_then_swap)
     gpu_hash._cache_image(str(kernels / "blake3.cubin"), b"\x7fELF an image")
     assert (victim / "blake3.cubin").read_bytes() == b"the victim's own file"
     assert (parent / "checked" / "blake3.cubin").read_bytes() == b"\x7fELF an image"
-    monkeypatch.setattr(gpu_hash, "_private", real_private)
+    monkeypatch.setattr(durable, "_private", real_private)
     gpu_hash._cache_image(str(kernels / "blake3.cubin"), b"\x7fELF another")  # the link itself: refused
     assert (victim / "blake3.cubin").read_bytes() == b"the victim's own file"
     assert gpu_hash._cached_image(str(kernels / "blake3.cubin")) is None

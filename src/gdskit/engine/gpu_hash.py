@@ -12,12 +12,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import stat
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import gdskit.engine.cuda as cuda
+from gdskit.durable import cache_folder, read_private, remove_private, write_private
 from gdskit.engine.gpu_hash_kernel import BLOCK_CHUNKS, CHUNK_BYTES, SOURCE
 from gdskit.errors import CudaError, MissingDependencyError
 from gdskit.threads import start_thread
@@ -141,8 +141,7 @@ _MAX_IMAGE_BYTES = 16 << 20
 
 def cache_dir() -> str:
     """Where compiled images are kept between processes: ``$XDG_CACHE_HOME/gdskit/kernels``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gdskit", "kernels")
+    return cache_folder("kernels")
 
 
 def cache_path(major: int, minor: int) -> str:
@@ -155,80 +154,16 @@ def cache_path(major: int, minor: int) -> str:
     return os.path.join(cache_dir(), f"blake3-sm{major}{minor}-{key}.image")
 
 
-def _private(st: os.stat_result) -> bool:
-    """Owned by this user and writable by no one else (what a cached image must be to be run)."""
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _open_cache_folder(folder: str, *, make: bool) -> int | None:
-    """A descriptor of the cache ``folder``, or None where it is not this user's alone.
-
-    Everything after goes through the descriptor (``dir_fd``): whoever can change a folder above
-    it cannot redirect a read or a write once the folder itself was found private, and a link at
-    the folder's own name is refused (``O_NOFOLLOW``)."""
-    try:
-        if make:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if _private(os.fstat(fd)):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
 def _cached_image(path: str) -> bytes | None:
     """The image cached at ``path``, where the cache and the file are this user's alone."""
-    folder = _open_cache_folder(os.path.dirname(path), make=False)
-    if folder is None:
-        return None
-    try:
-        fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                     dir_fd=folder)
-    except OSError:
-        return None
-    finally:
-        os.close(folder)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not _private(st) or st.st_size > _MAX_IMAGE_BYTES:
-            return None
-        image = os.pread(fd, st.st_size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return image if image[:4] == b"\x7fELF" or is_ptx(image) else None
+    image = read_private(path, _MAX_IMAGE_BYTES)
+    return image if image is not None and (image[:4] == b"\x7fELF" or is_ptx(image)) else None
 
 
 def _cache_image(path: str, image: bytes) -> None:
-    """Keep ``image`` for later processes: a new file of random name in the private folder, made
-    whole, then renamed over ``path`` within that folder; a cache that cannot be written is no error."""
-    folder = _open_cache_folder(os.path.dirname(path), make=True)
-    if folder is None:
-        return
-    tmp = f".{os.path.basename(path)}.{os.urandom(8).hex()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
-        try:
-            view = memoryview(image)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.basename(path), src_dir_fd=folder, dst_dir_fd=folder)
-    except OSError:
-        try:
-            os.unlink(tmp, dir_fd=folder)
-        except OSError:
-            pass
-    finally:
-        os.close(folder)
+    """Keep ``image`` for later processes (:func:`gdskit.durable.write_private`); a cache that
+    cannot be written is no error."""
+    write_private(path, image)
 
 
 def image_for(major: int, minor: int) -> bytes:
@@ -257,16 +192,7 @@ def _evict(major: int, minor: int) -> None:
     """Forget the image of ``major.minor`` that the driver refused: in this process and in the
     cache (only a file in the private cache folder, by its name there)."""
     _images.pop((major, minor), None)
-    path = cache_path(major, minor)
-    folder = _open_cache_folder(os.path.dirname(path), make=False)
-    if folder is None:
-        return
-    try:
-        os.unlink(os.path.basename(path), dir_fd=folder)
-    except OSError:
-        pass  # gone already, or never written
-    finally:
-        os.close(folder)
+    remove_private(cache_path(major, minor))
 
 
 def _load_kernels(device: int) -> Any:

@@ -25,6 +25,7 @@ of such a file may disagree about what it holds.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import operator
@@ -37,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from gdskit.durable import open_file_fd, read_whole_file
+from gdskit.durable import cache_folder, open_file_fd, read_private, read_whole_file, trim_private, write_private
 from gdskit.engine import is_object_url, list_objects, open_file
 from gdskit.errors import FormatError, GdskitError, TruncatedFileError, from_os_error, with_path
 from gdskit.formats.read_plan import Extent
@@ -322,9 +323,71 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
         if found is not None and found[0] == raw:  # the same bytes: the same answer
             _memo.move_to_end(key)
             return _fresh(found[1])
-    header = _parse_header_json(raw, data_start, file_size)  # an invalid header raises, and is not remembered
+    disk_key = _disk_key(raw, data_start, file_size) if file_size is not None else None
+    header = _from_disk(disk_key, data_start, file_size) if disk_key is not None else None
+    if header is None:
+        header = _parse_header_json(raw, data_start, file_size)  # an invalid header raises, and is not kept
+        if disk_key is not None:
+            _to_disk(disk_key, header)
     _remember(key, raw, header)
     return _fresh(header)
+
+
+# -- parsed headers kept between processes ------------------------------------
+#
+# A fresh process's first load of a checkpoint of many tensors parses its header again (20,000
+# entries: about 50 ms on the development VM, twice that on slower cores). Headers of at least
+# MEMO_MIN_BYTES are therefore also kept, once parsed, in ``$XDG_CACHE_HOME/gdskit/headers``
+# (used only where the folder and the file are this user's alone: gdskit.durable). A file is
+# named by a SHA-256 of the header's exact bytes, its data start and the file's size, so it
+# answers only for the very header it was parsed from, whatever file holds it; it carries a
+# SHA-256 of its own content, so a torn or damaged file is a miss, parsed and written again.
+
+#: The first line of a kept header: a change of what is kept changes it, and older files miss.
+DISK_FORMAT = b"gdskit safetensors header 1\n"
+#: Kept headers of at most this many bytes each, and at most this many files (the oldest go).
+DISK_MAX_BYTES = 64 << 20
+DISK_FILES = 512
+
+
+def _disk_key(raw: bytes, data_start: int, file_size: int) -> str:
+    h = hashlib.sha256(raw)
+    h.update(f"|{data_start}|{file_size}".encode())
+    return h.hexdigest()
+
+
+def _disk_path(key: str) -> str:
+    return os.path.join(cache_folder("headers"), f"st-{key}")
+
+
+def _from_disk(key: str, data_start: int, file_size: int) -> Header | None:
+    """The header kept under ``key``; None where none is, or it is not whole, or it was kept for
+    another header (a file copied to another's name), or its entries do not end at ``file_size``."""
+    data = read_private(_disk_path(key), DISK_MAX_BYTES)
+    head = len(DISK_FORMAT) + 32
+    if data is None or not data.startswith(DISK_FORMAT) or hashlib.sha256(data[head:]).digest() != data[len(DISK_FORMAT):head]:
+        return None
+    try:
+        kept_for, metadata, rows = json.loads(data[head:])
+        if kept_for != key:
+            return None
+        make = tuple.__new__  # named tuples without their Python-level __new__: thousands of them
+        header = Header(tuple([make(TensorEntry, (name, dtype, tuple(shape), start, end))
+                               for name, dtype, shape, start, end in rows]), metadata, data_start)
+        if header.file_size != file_size:
+            return None
+    except (ValueError, TypeError):  # whole, but not what this version writes
+        return None
+    return header
+
+
+def _to_disk(key: str, header: Header) -> None:
+    """Keep ``header`` under ``key`` for later processes (no error where it cannot be)."""
+    body = json.dumps([key, header.metadata, header.entries], separators=(",", ":")).encode()
+    if len(body) + len(DISK_FORMAT) + 32 > DISK_MAX_BYTES:
+        return
+    write_private(_disk_path(key), DISK_FORMAT + hashlib.sha256(body).digest() + body, durable=False)
+    trim_private(os.path.dirname(_disk_path(key)), "st-", DISK_FILES)
 
 
 def _fresh(header: Header) -> Header:
