@@ -475,12 +475,16 @@ def write_private(path: str, data: bytes, *, durable: bool = True) -> None:
             os.close(fd)
         os.replace(tmp, os.path.basename(path), src_dir_fd=folder, dst_dir_fd=folder)
     except OSError:
-        try:
-            os.unlink(tmp, dir_fd=folder)
-        except OSError:
-            pass
+        _unlink_quietly(tmp, folder)
     finally:
         os.close(folder)
+
+
+def _unlink_quietly(name: str, folder: int) -> None:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except OSError:
+        pass  # gone already, or never written
 
 
 def remove_private(path: str) -> None:
@@ -489,9 +493,7 @@ def remove_private(path: str) -> None:
     if folder is None:
         return
     try:
-        os.unlink(os.path.basename(path), dir_fd=folder)
-    except OSError:
-        pass  # gone already, or never written
+        _unlink_quietly(os.path.basename(path), folder)
     finally:
         os.close(folder)
 
@@ -520,9 +522,6 @@ def trim_private(folder: str, prefix: str, keep: int) -> None:
         if len(kept) > keep:
             doomed += sorted((n for n in kept if n in ages), key=ages.__getitem__)[:len(kept) - keep * 3 // 4]
         for name in doomed:
-            try:
-                os.unlink(name, dir_fd=fd)
-            except OSError:
-                pass
+            _unlink_quietly(name, fd)
     finally:
         os.close(fd)

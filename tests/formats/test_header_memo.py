@@ -10,6 +10,7 @@ import pytest
 
 from gdskit.errors import FormatError
 from gdskit.formats import safetensors_format as fmt
+from header_parses import count_parses
 
 
 @pytest.fixture(autouse=True)
@@ -29,21 +30,9 @@ def _header(n: int, dtype: str = "U8", metadata: dict | None = None) -> tuple[by
     return raw, 8 + len(raw) + 4 * n
 
 
-def _counting(monkeypatch) -> list[int]:
-    calls = []
-    real = fmt._parse_header_json
-
-    def parse(raw, data_start, file_size):
-        calls.append(len(raw))
-        return real(raw, data_start, file_size)
-
-    monkeypatch.setattr(fmt, "_parse_header_json", parse)
-    return calls
-
-
 def test_the_same_bytes_are_parsed_once(monkeypatch, tmp_path):
     raw, size = _header(2000)
-    calls = _counting(monkeypatch)
+    calls = count_parses(monkeypatch)
     first = fmt.parse_header_json(raw, 8 + len(raw), size)
     again = fmt.parse_header_json(bytes(raw), 8 + len(raw), size)  # another object, the same bytes
     assert len(calls) == 1 and again == first and len(again.entries) == 2000
@@ -55,7 +44,7 @@ def test_the_same_bytes_are_parsed_once(monkeypatch, tmp_path):
 def test_a_changed_byte_is_parsed_again_and_refused(monkeypatch):
     raw, size = _header(2000)
     fmt.parse_header_json(raw, 8 + len(raw), size)
-    calls = _counting(monkeypatch)
+    calls = count_parses(monkeypatch)
     # Same length, one digit changed: the last tensor now overlaps the one before it.
     i = raw.rindex(b"[7996, 8000]")
     bad = raw[:i] + b"[7995, 8000]" + raw[i + 12:]

@@ -341,7 +341,8 @@ def parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> Hea
 # (used only where the folder and the file are this user's alone: gdskit.durable). A file is
 # named by a SHA-256 of the header's exact bytes, its data start and the file's size, so it
 # answers only for the very header it was parsed from, whatever file holds it; it carries a
-# SHA-256 of its own content, so a torn or damaged file is a miss, parsed and written again.
+# SHA-256 of its own content and its own name, so a torn, damaged or misplaced file is a miss,
+# parsed and written again.
 
 #: The first line of a kept header: a change of what is kept changes it, and older files miss.
 DISK_FORMAT = b"gdskit safetensors header 1\n"
@@ -369,14 +370,14 @@ def _from_disk(key: str, data_start: int, file_size: int) -> Header | None:
         return None
     try:
         kept_for, metadata, rows = json.loads(data[head:])
-        if kept_for != key:
+        if kept_for != key or not (metadata is None or type(metadata) is dict):
             return None
         make = tuple.__new__  # named tuples without their Python-level __new__: thousands of them
         header = Header(tuple([make(TensorEntry, (name, dtype, tuple(shape), start, end))
                                for name, dtype, shape, start, end in rows]), metadata, data_start)
         if header.file_size != file_size:
             return None
-    except (ValueError, TypeError):  # whole, but not what this version writes
+    except (ValueError, TypeError, RecursionError):  # whole, but not what this version writes
         return None
     return header
 
