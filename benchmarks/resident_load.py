@@ -12,8 +12,8 @@ the package does (a machine with ``PYTHONDONTWRITEBYTECODE`` would otherwise com
 module at every import).
 
 Sets: ``large`` (one file of 32 MiB bf16 tensors, ``--size`` GiB), ``shards`` (the same size in
-``--shards`` files, loaded as one checkpoint), ``many`` (``--count`` small tensors), ``preload`` (``--npy`` ``.npy`` files of ``--npy-mib`` MiB read by
-``gdskit.data.preload``). ``--peers instanttensor`` adds InstantTensor's buffered first call
+``--shards`` files, loaded as one checkpoint), ``many`` (``--count`` small tensors), ``preload``
+(``--npy`` ``.npy`` files of ``--npy-mib`` MiB read by ``gdskit.data.preload``). ``--peers instanttensor`` adds InstantTensor's buffered first call
 (first_load.py's child) to each round, for the safetensors sets.
 
     python benchmarks/resident_load.py --dir /data/flb --rounds 4 --peers instanttensor --json out.json

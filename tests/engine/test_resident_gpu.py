@@ -232,7 +232,7 @@ def shards(runtime_dir):
 
 
 def test_a_sharded_checkpoint_goes_to_the_loader_in_one_request(server, shards):
-    """load_file and load_into send every shard in one request: one loader job, one mapping."""
+    """load_file and load_into each send every shard in one request, and get the reference's bytes."""
     import torch
     import gdskit.safetensors as gst
     from safetensors.torch import load_file as reference
