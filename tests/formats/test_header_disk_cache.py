@@ -29,11 +29,12 @@ def cache_home(tmp_path, monkeypatch):
     fmt.forget_headers()
 
 
-def _header(n: int, *, metadata: dict | None = None, width: int = 4) -> tuple[bytes, int]:
-    """Header bytes of ``n`` tensors of ``width`` bytes (large enough to be kept), and the file size."""
+def _header(n: int, *, metadata: dict | None = None, width: int = 4, prefix: str = "block") -> tuple[bytes, int]:
+    """Header bytes of ``n`` tensors of ``width`` bytes named ``prefix.i.w`` (large enough to be
+    kept), and the file size."""
     doc: dict = {"__metadata__": metadata} if metadata else {}
     for i in range(n):
-        doc[f"block.{i}.w"] = {"dtype": "U8", "shape": [width], "data_offsets": [width * i, width * (i + 1)]}
+        doc[f"{prefix}.{i}.w"] = {"dtype": "U8", "shape": [width], "data_offsets": [width * i, width * (i + 1)]}
     raw = json.dumps(doc).encode()
     assert len(raw) >= fmt.MEMO_MIN_BYTES
     return raw, 8 + len(raw) + width * n
@@ -111,8 +112,9 @@ def test_a_damaged_or_misplaced_kept_file_is_parsed_again_and_rewritten(cache_ho
         data = b""
     elif damage == "old format":
         data = b"gdskit safetensors header 0\n" + data[len(fmt.DISK_FORMAT):]
-    else:  # a whole file kept for another header, put at this one's name
-        other_raw, other_size = _header(2001)
+    else:  # a whole file kept for another header of the same size and layout, put at this one's name
+        other_raw, other_size = _header(2000, prefix="brick")
+        assert (len(other_raw), other_size) == (len(raw), size)
         fmt.parse_header_json(other_raw, 8 + len(other_raw), other_size)
         (other,) = [p for p in _kept(cache_home) if p != kept]
         data = other.read_bytes()
