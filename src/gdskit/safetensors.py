@@ -28,7 +28,6 @@ from gdskit.errors import (ClosedFileError, DeviceUnavailableError, GdskitError,
                            UnsupportedBufferError, UnverifiableRangeError, with_path)
 from gdskit.formats import read_plan, require_torch, safetensors_format as fmt, through_resident
 from gdskit.formats.device import torch_device
-from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.engine import open_file, stats, stats_delta
 from gdskit.formats.progress import Progress, ProgressArg
@@ -376,17 +375,11 @@ def _through_resident(torch: Any, files: list[tuple[str, fmt.Header, list[fmt.Te
     """Each file's ``(path, header, entries)`` read by the resident loader into tensors made here
     (``make(name)``), every file in one request (or one per ``MAX_FILES`` files); None where it
     did not serve (the caller reads them itself)."""
-    # One allocation for the large tensors: one cudaMalloc here, and one mapping for the loader
-    # to open instead of one per tensor.
-    reserve_device_memory(dev, [e.nbytes for _p, _h, entries in files for e in entries])
-    made = {}
-    targets = []
-    for k, (_path, header, entries) in enumerate(files):
-        for e in entries:
-            t = made[e.name] = make(e.name)
-            targets.append((t.data_ptr(), e.nbytes, k, header.data_start + e.start))
+    wants = [(e.name, e.nbytes, k, header.data_start + e.start)
+             for k, (_path, header, entries) in enumerate(files) for e in entries]
     try:
-        served = through_resident.fill(torch, dev, [(p, h.file_size) for p, h, _e in files], targets, prog)
+        made, served = through_resident.fill_new(torch, dev, [(p, h.file_size) for p, h, _e in files], wants,
+                                                 make, prog)
     except fmt.FormatError as exc:  # the client names the file at fault; one file is named here if not
         raise (with_path(exc, files[0][0]) if len(files) == 1 else exc) from None
     return made if served else None

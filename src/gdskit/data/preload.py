@@ -20,7 +20,6 @@ from gdskit.engine import (first_page_cached, is_object_url, no_wait, open_file,
                            stats_delta, whole_file_limit, worker_threads)
 from gdskit.errors import InvalidArgumentError
 from gdskit.formats import through_resident
-from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.gc_pause import collector_paused
 from gdskit.verify import OFF, VerifyMode, verify_mode
 from gdskit.formats.progress import Progress, ProgressArg
@@ -350,7 +349,7 @@ def _through_resident(rest: list[Source], layouts: list[tuple[Layout, int]], dev
     sizes = [lay.nbytes for lay, _off in layouts]
     if not rest or not through_resident.worth_asking(torch, dev, sizes, [s.path for s in rest]):
         return [], False
-    reserve_device_memory(dev, sizes)
-    raws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
-    targets = [(raw.data_ptr(), lay.nbytes, k, off) for k, (raw, (lay, off)) in enumerate(zip(raws, layouts))]
-    return raws, through_resident.fill(torch, dev, [(s.path, s.size) for s in rest], targets, prog)
+    wants = [(k, n, k, off) for k, (n, (_lay, off)) in enumerate(zip(sizes, layouts))]  # keyed by file
+    made, served = through_resident.fill_new(torch, dev, [(s.path, s.size) for s in rest], wants,
+                                             lambda k: torch.empty(sizes[k], dtype=torch.uint8, device=dev), prog)
+    return list(made.values()), served

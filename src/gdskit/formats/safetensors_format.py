@@ -189,11 +189,6 @@ def _repeated_keys(pairs: tuple[tuple[str, object], ...]) -> set[str]:
     return {k for k, _ in pairs if k in seen or seen.add(k)}  # type: ignore[func-returns-value]
 
 
-def _as_dict(pairs: tuple[tuple[str, object], ...]) -> dict[str, object]:
-    """An object's pairs as a dict (the last value of a repeated key kept, as the reference does)."""
-    return dict(pairs)
-
-
 def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
@@ -219,7 +214,8 @@ def _loads(raw: bytes) -> object:
     """The header's JSON, refused where serde_json refuses it (see the module docstring). Each
     object comes back as the tuple of its ``(key, value)`` pairs, in order: built in C, with no
     Python call per object (headers hold thousands), and a key given twice is still there to
-    be seen. An array is a list, so ``{}`` and ``[]`` stay apart."""
+    be seen (``dict(pairs)`` keeps its last value, as the reference does). An array is a list,
+    so ``{}`` and ``[]`` stay apart."""
     try:
         text = raw.decode("utf-8")
         obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_refuse_constant,
@@ -253,7 +249,7 @@ def _check_free_value(name: str, key: str, value: object, depth: int) -> None:
     if isinstance(value, (tuple, list)):  # an object (pairs) or an array
         if depth + 1 > MAX_JSON_DEPTH:
             raise HeaderError(f"entry {name!r}: field {key!r} is nested more than {MAX_JSON_DEPTH} deep")
-        for v in (_as_dict(value).values() if isinstance(value, tuple) else value):
+        for v in (dict(value).values() if isinstance(value, tuple) else value):
             _check_free_value(name, key, v, depth + 1)
     elif type(value) is int and value.bit_length() > 1000:  # serde_json reads it as a float
         try:
@@ -387,8 +383,9 @@ def _to_disk(key: str, header: Header) -> None:
     body = json.dumps([key, header.metadata, header.entries], separators=(",", ":")).encode()
     if len(body) + len(DISK_FORMAT) + 32 > DISK_MAX_BYTES:
         return
-    write_private(_disk_path(key), DISK_FORMAT + hashlib.sha256(body).digest() + body, durable=False)
-    trim_private(os.path.dirname(_disk_path(key)), "st-", DISK_FILES)
+    path = _disk_path(key)
+    write_private(path, DISK_FORMAT + hashlib.sha256(body).digest() + body, durable=False)
+    trim_private(os.path.dirname(path), "st-", DISK_FILES)
 
 
 def _fresh(header: Header) -> Header:
@@ -422,7 +419,7 @@ def _parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> He
     pairs = _loads(raw)
     if type(pairs) is not tuple:
         raise HeaderError("safetensors header is not a JSON object")
-    obj = _as_dict(pairs)
+    obj = dict(pairs)
     if len(obj) != len(pairs):
         repeated = _repeated_keys(pairs)
         if METADATA_KEY in repeated:
@@ -434,7 +431,7 @@ def _parse_header_json(raw: bytes, data_start: int, file_size: int | None) -> He
     if given is not None:
         if type(given) is not tuple or not all(type(v) is str for _k, v in given):
             raise HeaderError("__metadata__ must map strings to strings")
-        metadata = _as_dict(given)
+        metadata = dict(given)
         if len(metadata) != len(given):
             raise DuplicateNameError(f"metadata key {min(_repeated_keys(given))!r} appears twice")
 
@@ -467,7 +464,7 @@ def _fields(name: str, info: object) -> tuple[object, object, object]:
     be JSON serde_json reads."""
     if type(info) is not tuple:
         raise HeaderError(f"entry {name!r} is not a JSON object")
-    fields = _as_dict(info)
+    fields = dict(info)
     if len(fields) != len(info):
         twice = _repeated_keys(info) & _FIELDS
         if twice:

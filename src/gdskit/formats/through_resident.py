@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gdskit.engine import read_through_resident, resident_worth_asking
+from gdskit.formats.device_memory import reserve_device_memory
 from gdskit.formats.progress import Progress
 
 
@@ -44,3 +45,21 @@ def fill(torch: Any, device: Any, files: Sequence[tuple[str, int]], targets: Seq
     if why_not is not None and landed[0] and prog is not None:  # a loader that went away mid-load
         prog.advance(-landed[0])  # the bytes come again
     return why_not is None
+
+
+def fill_new(torch: Any, device: Any, files: Sequence[tuple[str, int]],
+             wants: Sequence[tuple[Any, int, int, int]], make: Any,
+             prog: Progress | None = None) -> tuple[dict[Any, Any], bool]:
+    """Tensors made here and filled through the resident loader (:func:`fill`): one for each
+    ``(key, bytes, file, file offset)`` of ``wants``, made by ``make(key)`` (a contiguous tensor
+    of exactly those bytes on GPU ``device``). The tensors by key, and whether every byte landed
+    (False: the caller reads them itself). The large ones are made at the cost of one
+    allocation: one cudaMalloc here, and one mapping for the loader to open instead of one per
+    tensor."""
+    reserve_device_memory(device, [n for _key, n, _k, _offset in wants])
+    made = {}
+    targets = []
+    for key, n, k, offset in wants:
+        t = made[key] = make(key)
+        targets.append((t.data_ptr(), n, k, offset))
+    return made, fill(torch, device, files, targets, prog)
